@@ -1,0 +1,24 @@
+# `make test` and `make demo` do all set-up on a fresh machine: they create .venv and install into it.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+WORKDIR ?= runs/scan_simple
+
+.PHONY: install test demo clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: setup.cfg pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $@
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q -n 2 tests
+
+demo: $(VENV)/.installed
+	$(PY) launch.py --config=experiments/scan_simple.py --workdir=$(WORKDIR) --mode=train
+
+clean:
+	rm -rf $(VENV) runs build *.egg-info

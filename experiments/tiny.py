@@ -1,0 +1,16 @@
+"""A tiny model on SCAN for tests and smoke runs: seconds per run on a CPU."""
+
+from transformer_jax.config import default_config
+
+
+def get_config():
+  c = default_config()
+  c.model.update(d_model=32, num_heads=2, d_ff=64, num_encoder_layers=1, num_decoder_layers=1,
+                 dropout_rate=0.0, vocab_size=32, max_len=64)
+  c.data.update(source="scan", scan_split="simple", max_source_len=12, max_target_len=50,
+                batch_size=16)
+  c.data.tokenizer.model_type = "word"
+  c.train.update(steps=20, schedule="constant", learning_rate=1e-3, warmup_steps=0,
+                 log_every=10, checkpoint_every=10)
+  c.eval.update(batch_size=64, max_examples=64)
+  return c

@@ -1,0 +1,219 @@
+"""Scaled dot-product attention as pure functions, mask builders, and the multi-head module.
+
+Shapes follow the paper's symbols: `batch`, query length `q_len`, key/value length `kv_len`,
+`heads`, and `head_dim` (= d_k = d_v = d_model / heads). Masks are boolean and broadcast to
+`[batch, heads, q_len, kv_len]`; True means "may attend".
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+IMPLEMENTATIONS = ("plain", "jax")
+
+
+# ----------------------------------------------------------------------------- masks
+
+
+def padding_mask(query_valid: Array, key_valid: Array) -> Array:
+  """Mask that lets valid queries attend to valid (non-padding) keys.
+
+  Args:
+    query_valid: bool `[batch, q_len]`, True at real tokens.
+    key_valid: bool `[batch, kv_len]`, True at real tokens.
+
+  Returns:
+    bool `[batch, 1, q_len, kv_len]`.
+  """
+  return query_valid[:, None, :, None] & key_valid[:, None, None, :]
+
+
+def causal_mask(length: int) -> Array:
+  """Mask that lets position i attend only to positions j <= i. bool `[1, 1, length, length]`."""
+  return jnp.tril(jnp.ones((length, length), dtype=bool))[None, None]
+
+
+def segment_mask(query_segments: Array, key_segments: Array) -> Array:
+  """Mask for packed rows: attend only within the same example (segment id).
+
+  Args:
+    query_segments: int `[batch, q_len]`, example id of each position (0 = padding).
+    key_segments: int `[batch, kv_len]`.
+
+  Returns:
+    bool `[batch, 1, q_len, kv_len]`.
+  """
+  return query_segments[:, None, :, None] == key_segments[:, None, None, :]
+
+
+def combine_masks(*masks: Optional[Array]) -> Optional[Array]:
+  """Logical AND of the given masks (None entries are ignored); None if all are None."""
+  masks = [m for m in masks if m is not None]
+  if not masks:
+    return None
+  return functools.reduce(jnp.logical_and, masks)
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+def dot_product_attention_weights(query: Array, key: Array, mask: Optional[Array] = None) -> Array:
+  """softmax(Q K^T / sqrt(d_k) + mask), computed in float32.
+
+  Args:
+    query: `[batch, q_len, heads, head_dim]`.
+    key: `[batch, kv_len, heads, head_dim]`.
+    mask: bool, broadcastable to `[batch, heads, q_len, kv_len]`.
+
+  Returns:
+    float32 `[batch, heads, q_len, kv_len]`; masked positions get exactly zero weight.
+  """
+  depth = query.shape[-1]
+  logits = jnp.einsum("bqhd,bkhd->bhqk", query, key, preferred_element_type=jnp.float32)
+  logits = logits / jnp.sqrt(jnp.float32(depth))
+  if mask is not None:
+    # The most negative finite value: exp() underflows to exactly 0 after the max is subtracted,
+    # and a row with every key masked (a padding query) stays finite instead of becoming NaN.
+    logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
+  return jax.nn.softmax(logits, axis=-1)
+
+
+def dot_product_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    mask: Optional[Array] = None,
+    *,
+    dropout_rate: float = 0.0,
+    dropout_rng: Optional[Array] = None,
+    deterministic: bool = True,
+    implementation: str = "plain",
+) -> Array:
+  """softmax(Q K^T / sqrt(d_k) + mask) V.
+
+  Args:
+    query: `[batch, q_len, heads, head_dim]`.
+    key: `[batch, kv_len, heads, head_dim]`.
+    value: `[batch, kv_len, heads, head_dim]`.
+    mask: bool, broadcastable to `[batch, heads, q_len, kv_len]`, True = attend.
+    dropout_rate: dropout on the attention weights ("plain" only).
+    dropout_rng: PRNG key for that dropout.
+    deterministic: disables dropout.
+    implementation: "plain" (einsum + softmax, any backend) or "jax"
+      (`jax.nn.dot_product_attention`, which uses cuDNN flash attention on GPUs when it can).
+
+  Returns:
+    `[batch, q_len, heads, head_dim]` in the dtype of `query`.
+  """
+  if implementation == "jax":
+    if dropout_rate > 0.0 and not deterministic:
+      raise ValueError("the 'jax' attention implementation has no attention-weight dropout")
+    return jax.nn.dot_product_attention(query, key, value, mask=mask)
+  if implementation != "plain":
+    raise ValueError(f"unknown attention implementation {implementation!r}")
+  weights = dot_product_attention_weights(query, key, mask)
+  if dropout_rate > 0.0 and not deterministic:
+    keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights.shape)
+    weights = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
+  return jnp.einsum("bhqk,bkhd->bqhd", weights.astype(value.dtype), value)
+
+
+# ----------------------------------------------------------------------------- module
+
+
+class MultiHeadAttention(nn.Module):
+  """Multi-head attention: self-attention (`inputs_kv=None`) or cross-attention.
+
+  With `decode=True` it keeps a `cache` collection for incremental decoding: self-attention
+  appends one step's key/value per call; cross-attention projects the encoder output once and
+  reuses it. The first call with `decode=True` (full-length inputs) only creates the cache.
+  """
+
+  num_heads: int
+  d_model: int
+  dropout_rate: float = 0.0  # on attention weights
+  output_dropout_rate: float = 0.0  # on the output projection
+  fused_qkv: bool = False
+  use_bias: bool = True
+  implementation: str = "plain"
+  decode: bool = False
+  dtype: jnp.dtype = jnp.float32
+  kernel_init: Callable = nn.initializers.xavier_uniform()
+
+  @nn.compact
+  def __call__(self, inputs_q: Array, inputs_kv: Optional[Array] = None,
+               mask: Optional[Array] = None, deterministic: bool = True) -> Array:
+    """inputs_q `[batch, q_len, d_model]`, inputs_kv `[batch, kv_len, d_model]` -> `[batch, q_len, d_model]`."""
+    head_dim = self.d_model // self.num_heads
+    dense = functools.partial(nn.DenseGeneral, axis=-1, use_bias=self.use_bias, dtype=self.dtype,
+                              kernel_init=self.kernel_init)
+    self_attention = inputs_kv is None
+
+    def project_kv(x):
+      if self.fused_qkv:
+        kv = dense(features=(2, self.num_heads, head_dim), name="kv")(x)
+        return kv[:, :, 0], kv[:, :, 1]
+      return (dense(features=(self.num_heads, head_dim), name="key")(x),
+              dense(features=(self.num_heads, head_dim), name="value")(x))
+
+    if self_attention and self.fused_qkv:
+      qkv = dense(features=(3, self.num_heads, head_dim), name="qkv")(inputs_q)
+      query, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    else:
+      query = dense(features=(self.num_heads, head_dim), name="query")(inputs_q)
+      if self_attention:
+        key, value = project_kv(inputs_q)
+      elif self.decode:
+        # Encoder keys/values are computed on the cache-creating call and reused at every step.
+        if self.has_variable("cache", "cross_key"):
+          key = self.get_variable("cache", "cross_key")
+          value = self.get_variable("cache", "cross_value")
+        else:
+          key, value = project_kv(inputs_kv)
+          self.put_variable("cache", "cross_key", key)
+          self.put_variable("cache", "cross_value", value)
+      else:
+        key, value = project_kv(inputs_kv)
+
+    if self.decode and self_attention:
+      key, value, mask = self._extend_cache(key, value, mask)
+
+    dropout_rng = None
+    if self.dropout_rate > 0.0 and not deterministic:
+      dropout_rng = self.make_rng("dropout")
+    if self.is_mutable_collection("intermediates"):
+      # Only when a caller asks for attention maps; the training path never computes them twice.
+      self.sow("intermediates", "attention_weights", dot_product_attention_weights(query, key, mask))
+    out = dot_product_attention(query, key, value, mask, dropout_rate=self.dropout_rate,
+                                dropout_rng=dropout_rng, deterministic=deterministic,
+                                implementation=self.implementation)
+    out = nn.DenseGeneral(features=self.d_model, axis=(-2, -1), dtype=self.dtype,
+                          kernel_init=self.kernel_init, name="out")(out)
+    return nn.Dropout(rate=self.output_dropout_rate)(out, deterministic=deterministic)
+
+  def _extend_cache(self, key, value, mask):
+    """Writes this step's key/value at the cache index; masks out positions not yet written."""
+    initialized = self.has_variable("cache", "cached_key")
+    cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
+    cached_value = self.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
+    cache_index = self.variable("cache", "cache_index", lambda: jnp.array(0, dtype=jnp.int32))
+    if not initialized:
+      return key, value, mask  # cache-creating call: a plain full-length pass
+    batch, steps, _, _ = key.shape
+    if steps != 1:
+      raise ValueError(f"incremental decoding takes one position per call, got {steps}")
+    max_length = cached_key.value.shape[1]
+    index = cache_index.value
+    key = jax.lax.dynamic_update_slice(cached_key.value, key, (0, index, 0, 0))
+    value = jax.lax.dynamic_update_slice(cached_value.value, value, (0, index, 0, 0))
+    cached_key.value, cached_value.value = key, value
+    cache_index.value = index + 1
+    written = (jnp.arange(max_length) <= index)[None, None, None, :]
+    return key, value, combine_masks(mask, jnp.broadcast_to(written, (batch, 1, 1, max_length)))

@@ -1,0 +1,137 @@
+"""Embeddings, positional encodings, the feed-forward network, and encoder/decoder blocks."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from transformer_jax.attention import MultiHeadAttention
+
+if TYPE_CHECKING:
+  from transformer_jax.model import ModelConfig
+
+Array = jax.Array
+
+
+def sinusoidal_positions(length: int, d_model: int, base: float = 10000.0) -> np.ndarray:
+  """The paper's table: PE[pos, 2i] = sin(pos / base^(2i/d)), PE[pos, 2i+1] = cos(same).
+
+  Returns float32 `[length, d_model]` (a NumPy constant, folded into the compiled program).
+  """
+  positions = np.arange(length, dtype=np.float64)[:, None]
+  even = np.arange(0, d_model, 2, dtype=np.float64)
+  angles = positions / np.power(base, even / d_model)
+  table = np.zeros((length, d_model), dtype=np.float64)
+  table[:, 0::2] = np.sin(angles)
+  table[:, 1::2] = np.cos(angles[:, : d_model // 2])
+  return table.astype(np.float32)
+
+
+def kernel_init(config: "ModelConfig"):
+  """Weight initialiser: the paper's Xavier-uniform, or BERT/GPT-style normal(0.02)."""
+  if config.init == "xavier":
+    return nn.initializers.xavier_uniform()
+  return nn.initializers.normal(stddev=0.02)
+
+
+def embedding_init(config: "ModelConfig"):
+  # normal(d_model^-0.5) times the sqrt(d_model) input scale gives unit-variance embeddings.
+  if config.init == "xavier":
+    return nn.initializers.normal(stddev=config.d_model**-0.5)
+  return nn.initializers.normal(stddev=0.02)
+
+
+class AddPositions(nn.Module):
+  """Adds sinusoidal or learned position encodings at the given integer positions."""
+
+  config: "ModelConfig"
+
+  @nn.compact
+  def __call__(self, x: Array, positions: Array) -> Array:
+    """x `[batch, length, d_model]`, positions int `[batch, length]`."""
+    cfg = self.config
+    if cfg.positional == "learned":
+      table = self.param("table", nn.initializers.normal(stddev=0.02), (cfg.max_len, cfg.d_model))
+    else:
+      table = jnp.asarray(sinusoidal_positions(cfg.max_len, cfg.d_model, cfg.position_base))
+    return x + jnp.take(table, positions, axis=0).astype(x.dtype)
+
+
+class FeedForward(nn.Module):
+  """FFN(x) = act(x W1 + b1) W2 + b2, applied at every position; dropout on the output."""
+
+  config: "ModelConfig"
+
+  @nn.compact
+  def __call__(self, x: Array, deterministic: bool) -> Array:
+    cfg = self.config
+    activation = {"relu": nn.relu, "gelu": nn.gelu}[cfg.activation]
+    h = nn.Dense(cfg.d_ff, dtype=cfg.compute_dtype, kernel_init=kernel_init(cfg), name="wi")(x)
+    h = activation(h)
+    h = nn.Dense(cfg.d_model, dtype=cfg.compute_dtype, kernel_init=kernel_init(cfg), name="wo")(h)
+    return nn.Dropout(rate=cfg.dropout_rate)(h, deterministic=deterministic)
+
+
+def _attention(cfg: "ModelConfig", name: str, decode: bool = False) -> MultiHeadAttention:
+  return MultiHeadAttention(
+      num_heads=cfg.num_heads, d_model=cfg.d_model, dropout_rate=cfg.attention_dropout_rate,
+      output_dropout_rate=cfg.dropout_rate, fused_qkv=cfg.fused_qkv, use_bias=cfg.qkv_bias,
+      implementation=cfg.attention_impl, decode=decode, dtype=cfg.compute_dtype,
+      kernel_init=kernel_init(cfg), name=name)
+
+
+class Residual(nn.Module):
+  """Wraps a sublayer with the residual connection and LayerNorm, post-LN or pre-LN.
+
+  post (the paper): LayerNorm(x + Sublayer(x)); pre: x + Sublayer(LayerNorm(x)).
+  """
+
+  config: "ModelConfig"
+
+  @nn.compact
+  def __call__(self, x: Array, sublayer) -> Array:
+    norm = nn.LayerNorm(epsilon=self.config.layer_norm_eps, dtype=self.config.compute_dtype,
+                        name="norm")
+    if self.config.norm == "pre":
+      return x + sublayer(norm(x))
+    return norm(x + sublayer(x))
+
+
+class EncoderLayer(nn.Module):
+  config: "ModelConfig"
+
+  @nn.compact
+  def __call__(self, x: Array, mask: Optional[Array], deterministic: bool) -> Array:
+    """x `[batch, src_len, d_model]`, mask bool `[batch, 1, src_len, src_len]`."""
+    cfg = self.config
+    attention = _attention(cfg, "self_attention")
+    x = Residual(cfg, name="attention_block")(x, lambda h: attention(h, None, mask, deterministic))
+    ffn = FeedForward(cfg, name="ffn")
+    return Residual(cfg, name="ffn_block")(x, lambda h: ffn(h, deterministic))
+
+
+class DecoderLayer(nn.Module):
+  config: "ModelConfig"
+  decode: bool = False
+
+  @nn.compact
+  def __call__(self, y: Array, encoded: Array, self_mask: Optional[Array],
+               cross_mask: Optional[Array], deterministic: bool) -> Array:
+    """y `[batch, tgt_len, d_model]`, encoded `[batch, src_len, d_model]`.
+
+    self_mask `[batch, 1, tgt_len, tgt_len]` (causal and padding), cross_mask
+    `[batch, 1, tgt_len, src_len]`.
+    """
+    cfg = self.config
+    self_attention = _attention(cfg, "self_attention", self.decode)
+    cross_attention = _attention(cfg, "cross_attention", self.decode)
+    y = Residual(cfg, name="self_attention_block")(
+        y, lambda h: self_attention(h, None, self_mask, deterministic))
+    y = Residual(cfg, name="cross_attention_block")(
+        y, lambda h: cross_attention(h, encoded, cross_mask, deterministic))
+    ffn = FeedForward(cfg, name="ffn")
+    return Residual(cfg, name="ffn_block")(y, lambda h: ffn(h, deterministic))

@@ -1,0 +1,273 @@
+"""ModelConfig, Encoder, Decoder and the Transformer with `encode` / `decode` methods."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from transformer_jax import attention
+from transformer_jax.errors import UserError
+from transformer_jax.layers import AddPositions, DecoderLayer, EncoderLayer, embedding_init
+
+Array = jax.Array
+
+_CHOICES = {
+    "activation": ("relu", "gelu"),
+    "norm": ("post", "pre"),
+    "positional": ("sinusoidal", "learned"),
+    "init": ("xavier", "normal"),
+    "attention_impl": attention.IMPLEMENTATIONS,
+    "dtype": ("float32", "bfloat16"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Everything that fixes the model's shape and arithmetic. Immutable; vary with `.replace()`."""
+
+  vocab_size: int
+  d_model: int = 512
+  num_heads: int = 8
+  num_encoder_layers: int = 6
+  num_decoder_layers: int = 6
+  d_ff: int = 2048
+  dropout_rate: float = 0.1  # residual dropout: embeddings and every sublayer output
+  attention_dropout_rate: float = 0.0  # on attention weights
+  activation: str = "relu"
+  norm: str = "post"  # "post" = the paper's LayerNorm(x + Sublayer(x)); "pre" = x + Sublayer(LN(x))
+  positional: str = "sinusoidal"
+  position_base: float = 10000.0
+  max_len: int = 256
+  share_embeddings: bool = True  # one table for source and target tokens
+  tie_output: bool = True  # the output projection is the (target) embedding table transposed
+  fused_qkv: bool = False
+  qkv_bias: bool = True
+  init: str = "xavier"
+  attention_impl: str = "plain"
+  layer_norm_eps: float = 1e-6
+  dtype: str = "float32"  # compute dtype; parameters stay float32
+  deterministic: bool = False  # True disables dropout (evaluation, decoding)
+  decode: bool = False  # True: incremental decoding with a KV cache
+
+  @property
+  def compute_dtype(self):
+    return jnp.dtype(self.dtype)
+
+  @property
+  def head_dim(self) -> int:
+    return self.d_model // self.num_heads
+
+  def replace(self, **changes) -> "ModelConfig":
+    return dataclasses.replace(self, **changes)
+
+  def validate(self) -> "ModelConfig":
+    """Raises UserError naming the first impossible value."""
+    positive = ("vocab_size", "d_model", "num_heads", "d_ff", "max_len")
+    for name in positive:
+      if getattr(self, name) <= 0:
+        raise UserError(f"model.{name} must be positive, got {getattr(self, name)}")
+    for name in ("num_encoder_layers", "num_decoder_layers"):
+      if getattr(self, name) < 0:
+        raise UserError(f"model.{name} must be >= 0, got {getattr(self, name)}")
+    if self.d_model % self.num_heads:
+      raise UserError(f"model.d_model ({self.d_model}) must be divisible by model.num_heads "
+                      f"({self.num_heads}); change one of them")
+    if self.positional == "sinusoidal" and self.d_model % 2:
+      raise UserError(f"model.d_model ({self.d_model}) must be even for sinusoidal positions")
+    for name in ("dropout_rate", "attention_dropout_rate"):
+      value = getattr(self, name)
+      if not 0.0 <= value < 1.0:
+        raise UserError(f"model.{name} must be in [0, 1), got {value}")
+    for name, choices in _CHOICES.items():
+      if getattr(self, name) not in choices:
+        raise UserError(f"model.{name} must be one of {', '.join(choices)}; "
+                        f"got {getattr(self, name)!r}")
+    if self.attention_impl == "jax" and self.attention_dropout_rate > 0:
+      raise UserError("model.attention_impl='jax' has no attention-weight dropout; "
+                      "set model.attention_dropout_rate=0 or model.attention_impl='plain'")
+    if self.position_base <= 1.0:
+      raise UserError(f"model.position_base must be > 1, got {self.position_base}")
+    return self
+
+  @classmethod
+  def from_dict(cls, values: Mapping[str, Any]) -> "ModelConfig":
+    """Builds and validates a ModelConfig from a mapping (e.g. `config.model`)."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - fields)
+    if unknown:
+      raise UserError(f"unknown model config key(s): {', '.join('model.' + k for k in unknown)}")
+    return cls(**dict(values)).validate()
+
+
+def _embed(cfg: ModelConfig, name: str) -> nn.Embed:
+  return nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=embedding_init(cfg),
+                  dtype=cfg.compute_dtype, name=name)
+
+
+def _embed_tokens(cfg: ModelConfig, embed: nn.Embed, positions_module: AddPositions,
+                  tokens: Array, positions: Array, deterministic: bool) -> Array:
+  """Token embedding scaled by sqrt(d_model), plus positions, then dropout."""
+  x = embed(tokens) * jnp.sqrt(jnp.asarray(cfg.d_model, cfg.compute_dtype))
+  x = positions_module(x, positions)
+  return nn.Dropout(rate=cfg.dropout_rate)(x, deterministic=deterministic)
+
+
+def _default_positions(tokens: Array) -> Array:
+  return jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+
+
+class Encoder(nn.Module):
+  config: ModelConfig
+  embed: nn.Module
+
+  @nn.compact
+  def __call__(self, tokens: Array, positions: Optional[Array] = None,
+               segments: Optional[Array] = None) -> Array:
+    """tokens int `[batch, src_len]` (0 = padding) -> `[batch, src_len, d_model]`.
+
+    positions / segments are given for packed rows (several examples per row).
+    """
+    cfg = self.config
+    deterministic = cfg.deterministic
+    positions = _default_positions(tokens) if positions is None else positions
+    valid = tokens > 0
+    mask = attention.padding_mask(valid, valid)
+    if segments is not None:
+      mask = attention.combine_masks(mask, attention.segment_mask(segments, segments))
+    x = _embed_tokens(cfg, self.embed, AddPositions(cfg, name="positions"), tokens, positions,
+                      deterministic)
+    for i in range(cfg.num_encoder_layers):
+      x = EncoderLayer(cfg, name=f"layer_{i}")(x, mask, deterministic)
+    if cfg.norm == "pre":
+      x = nn.LayerNorm(epsilon=cfg.layer_norm_eps, dtype=cfg.compute_dtype, name="final_norm")(x)
+    return x
+
+
+class Decoder(nn.Module):
+  config: ModelConfig
+  embed: nn.Module
+
+  @nn.compact
+  def __call__(self, encoded: Array, source_tokens: Array, decoder_inputs: Array,
+               positions: Optional[Array] = None, source_segments: Optional[Array] = None,
+               target_segments: Optional[Array] = None) -> Array:
+    """Returns logits `[batch, tgt_len, vocab]` in float32.
+
+    Args:
+      encoded: `[batch, src_len, d_model]` from the encoder.
+      source_tokens: int `[batch, src_len]`, for the cross-attention padding mask.
+      decoder_inputs: int `[batch, tgt_len]`, the targets shifted right (BOS first).
+      positions: int `[batch, tgt_len]`; in decode mode, the position of the single step.
+      source_segments, target_segments: example ids for packed rows.
+    """
+    cfg = self.config
+    deterministic = cfg.deterministic
+    positions = _default_positions(decoder_inputs) if positions is None else positions
+    source_valid = source_tokens > 0
+    if cfg.decode:
+      # One step at a time: the cache masks positions not yet written; queries are never padding.
+      query_valid = jnp.ones(decoder_inputs.shape, dtype=bool)
+      self_mask = None
+    else:
+      query_valid = decoder_inputs > 0
+      self_mask = attention.combine_masks(
+          attention.padding_mask(query_valid, query_valid),
+          attention.causal_mask(decoder_inputs.shape[1]))
+    cross_mask = attention.padding_mask(query_valid, source_valid)
+    if target_segments is not None:
+      self_mask = attention.combine_masks(
+          self_mask, attention.segment_mask(target_segments, target_segments))
+      cross_mask = attention.combine_masks(
+          cross_mask, attention.segment_mask(target_segments, source_segments))
+
+    y = _embed_tokens(cfg, self.embed, AddPositions(cfg, name="positions"), decoder_inputs,
+                      positions, deterministic)
+    for i in range(cfg.num_decoder_layers):
+      y = DecoderLayer(cfg, decode=cfg.decode, name=f"layer_{i}")(
+          y, encoded, self_mask, cross_mask, deterministic)
+    if cfg.norm == "pre":
+      y = nn.LayerNorm(epsilon=cfg.layer_norm_eps, dtype=cfg.compute_dtype, name="final_norm")(y)
+    if cfg.tie_output:
+      logits = self.embed.attend(y)
+    else:
+      logits = nn.Dense(cfg.vocab_size, dtype=cfg.compute_dtype, name="logits")(y)
+    return logits.astype(jnp.float32)
+
+
+class Transformer(nn.Module):
+  """The encoder-decoder Transformer. `__call__` = decode(encode(source), source, targets)."""
+
+  config: ModelConfig
+
+  def setup(self):
+    cfg = self.config
+    source_embed = _embed(cfg, "shared_embedding" if cfg.share_embeddings else "source_embedding")
+    target_embed = source_embed if cfg.share_embeddings else _embed(cfg, "target_embedding")
+    self.encoder = Encoder(cfg, source_embed, name="encoder")
+    self.decoder = Decoder(cfg, target_embed, name="decoder")
+
+  def encode(self, source_tokens: Array, source_positions: Optional[Array] = None,
+             source_segments: Optional[Array] = None) -> Array:
+    return self.encoder(source_tokens, source_positions, source_segments)
+
+  def decode(self, encoded: Array, source_tokens: Array, decoder_inputs: Array,
+             target_positions: Optional[Array] = None, source_segments: Optional[Array] = None,
+             target_segments: Optional[Array] = None) -> Array:
+    return self.decoder(encoded, source_tokens, decoder_inputs, target_positions,
+                        source_segments, target_segments)
+
+  def __call__(self, source_tokens: Array, decoder_inputs: Array,
+               source_positions: Optional[Array] = None, target_positions: Optional[Array] = None,
+               source_segments: Optional[Array] = None,
+               target_segments: Optional[Array] = None) -> Array:
+    """source_tokens `[batch, src_len]`, decoder_inputs `[batch, tgt_len]` -> logits `[batch, tgt_len, vocab]`."""
+    encoded = self.encode(source_tokens, source_positions, source_segments)
+    return self.decode(encoded, source_tokens, decoder_inputs, target_positions,
+                       source_segments, target_segments)
+
+
+# ----------------------------------------------------------------------------- sizes
+
+
+def init_params(config: ModelConfig, rng: Array, source_len: int = 8, target_len: int = 8):
+  """Initial float32 parameters (shapes only depend on the config, not on the lengths)."""
+  model = Transformer(config.replace(deterministic=True, decode=False))
+  source = jnp.ones((1, source_len), jnp.int32)
+  target = jnp.ones((1, target_len), jnp.int32)
+  return model.init(rng, source, target)["params"]
+
+
+def param_shapes(config: ModelConfig):
+  """Parameter shapes without allocating them (jax.eval_shape)."""
+  return jax.eval_shape(lambda r: init_params(config, r), jax.random.PRNGKey(0))
+
+
+def count_params(params) -> dict:
+  """Total parameters and those outside embedding tables (token and learned-position tables)."""
+  total, embedding = 0, 0
+  for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+    size = int(np.prod(leaf.shape))
+    total += size
+    names = [getattr(p, "key", "") for p in path]
+    if any(n.endswith("embedding") for n in names) or names[-1] == "table":
+      embedding += size
+  return {"total": total, "embedding": embedding, "non_embedding": total - embedding}
+
+
+def describe(config: ModelConfig) -> str:
+  """A short human-readable summary: the config and parameter counts."""
+  counts = count_params(param_shapes(config))
+  lines = [
+      f"Transformer: {config.num_encoder_layers}+{config.num_decoder_layers} layers, "
+      f"d_model {config.d_model}, d_ff {config.d_ff}, {config.num_heads} heads "
+      f"(head_dim {config.head_dim}), vocab {config.vocab_size}, {config.norm}-LN, "
+      f"{config.positional} positions, dtype {config.dtype}",
+      f"parameters: {counts['total']:,} total, {counts['non_embedding']:,} without embeddings "
+      f"({counts['embedding']:,} in embedding tables)",
+  ]
+  return "\n".join(lines)
