@@ -11,6 +11,7 @@ import logging
 import sys
 
 from absl import app, flags
+from absl import logging as absl_logging
 from ml_collections import config_flags
 
 from transformer_jax.errors import UserError
@@ -84,7 +85,9 @@ def run(argv) -> None:
 
 
 def main(argv) -> None:
-  logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # no "no TPU found" noise
+  # INFO from JAX and orbax ("no TPU found", every checkpoint file) buries the training log.
+  absl_logging.set_verbosity(absl_logging.WARNING)
+  logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
   try:
     run(argv)
   except UserError as e:

@@ -32,7 +32,10 @@ def default_config() -> ml_collections.ConfigDict:
   c.data.eval_split = "test"
   c.data.max_source_len = 64
   c.data.max_target_len = 64
-  c.data.batch_size = 64  # global, in examples
+  c.data.batching = "tokens"  # tokens: length-bucketed batches under a token budget | fixed
+  c.data.tokens_per_batch = 4096  # global budget per side, padding included (batching=tokens)
+  c.data.bucket_width = 8  # length buckets of this width (batching=tokens)
+  c.data.batch_size = 64  # global, in examples (batching=fixed)
   c.data.shuffle_buffer = 0  # 0 = full random permutation each epoch
   c.data.tokenizer = ml_collections.ConfigDict()
   c.data.tokenizer.model_type = "bpe"  # bpe | unigram | word (SentencePiece)
@@ -82,6 +85,7 @@ def model_config(config: ml_collections.ConfigDict, platform: str = "cpu") -> Mo
 _CHOICES = {
     "data.source": ("scan", "tfds", "files"),
     "data.scan_split": ("simple", "length"),
+    "data.batching": ("tokens", "fixed"),
     "train.schedule": ("rsqrt", "constant", "cosine"),
     "eval.decode": ("greedy", "beam"),
 }
@@ -96,7 +100,7 @@ def _get(config, dotted):
 def validate(config: ml_collections.ConfigDict, platform: str = "cpu") -> ModelConfig:
   """Checks every value a user can set; returns the ModelConfig. Raises UserError."""
   model = model_config(config, platform)
-  for key in ("train.steps", "data.batch_size", "data.max_source_len", "data.max_target_len",
+  for key in ("train.steps", "data.batch_size", "data.tokens_per_batch", "data.bucket_width", "data.max_source_len", "data.max_target_len",
               "train.grad_accum_steps", "train.log_every", "train.checkpoint_every",
               "train.keep_checkpoints", "eval.batch_size", "eval.beam_size"):
     if _get(config, key) <= 0:

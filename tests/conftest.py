@@ -1,0 +1,39 @@
+"""Shared fixtures: a tiny model config, and parameters that cost no compiled initialiser."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from transformer_jax.model import ModelConfig
+
+
+@pytest.fixture
+def tiny_config() -> ModelConfig:
+  """2+2 layers, d_model 32, 4 heads (head_dim 8), vocab 50; dropout off."""
+  return ModelConfig(vocab_size=50, d_model=32, num_heads=4, num_encoder_layers=2,
+                     num_decoder_layers=2, d_ff=64, max_len=32, deterministic=True).validate()
+
+
+@pytest.fixture
+def random_params():
+  """Returns `make(init_fn, seed=0)`: NumPy-drawn parameters shaped like `init_fn(rng)["params"]`.
+
+  The shapes come from `jax.eval_shape`, so no initialiser is compiled (that dominates the run time
+  of tiny-module tests); the values, normal(0, 0.3) and LayerNorm scales near 1, are good enough for
+  tests of properties that hold for any parameters.
+  """
+
+  def make(init_fn, seed=0):
+    shapes = jax.eval_shape(init_fn, jax.random.PRNGKey(0))["params"]
+    rng = np.random.default_rng(seed)
+
+    def draw(path, shape):
+      values = rng.normal(0.0, 0.3, shape.shape)
+      if getattr(path[-1], "key", "") == "scale":
+        values = 1.0 + values
+      return jnp.asarray(values, jnp.float32)
+
+    return jax.tree_util.tree_map_with_path(draw, shapes)
+
+  return make

@@ -1,0 +1,288 @@
+"""Decoding: the KV cache against the full decoder, greedy against a NumPy loop over the full
+model, beam search and sampling against greedy, and every score against `sequence_log_prob`."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from transformer_jax import decode
+from transformer_jax.errors import UserError
+from transformer_jax.model import ModelConfig, Transformer, param_shapes
+
+VOCAB, PAD, BOS, EOS = 20, 0, 1, 2
+ALPHA = 0.6
+
+
+def make_config(**changes) -> ModelConfig:
+  """2+2 layers, d_model 32, 2 heads, vocab 20; untied output layer (so it has an EOS bias)."""
+  values = dict(vocab_size=VOCAB, d_model=32, num_heads=2, num_encoder_layers=2,
+                num_decoder_layers=2, d_ff=64, max_len=16, tie_output=False, norm="pre",
+                deterministic=True)
+  values.update(changes)
+  return ModelConfig(**values).validate()
+
+
+def random_params(config: ModelConfig, seed: int, eos_bias: float = 0.0):
+  """Random parameters: entries N(0, 0.35^2), LayerNorm scales 1 + N(0, 0.3^2), EOS bias + eos_bias.
+
+  Unlike a fresh initialisation, which is nearly a constant function (one token everywhere), the
+  output depends on source and prefix, so greedy, beam and sampling can disagree. The EOS bias
+  sets how soon hypotheses end. NumPy draws: jitting JAX's initialisers costs seconds of compile.
+  """
+  rng = np.random.default_rng(seed)
+
+  def draw(path, leaf):
+    noise = rng.normal(size=leaf.shape).astype(np.float32)
+    if path[-1].key == "scale":
+      return jnp.asarray(1.0 + 0.3 * noise)
+    if config.tie_output or path[-1].key != "bias" or path[-2].key != "logits":
+      return jnp.asarray(0.35 * noise)
+    return jnp.asarray(0.35 * noise).at[EOS].add(eos_bias)
+
+  return jax.tree_util.tree_map_with_path(draw, param_shapes(config))
+
+
+def random_sources(seed: int, batch: int, length: int) -> jnp.ndarray:
+  """int32 `[batch, length]`: tokens in [3, VOCAB) then padding (0); every row has >= 2 tokens."""
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(3, VOCAB, size=(batch, length))
+  lengths = rng.integers(2, length + 1, size=(batch, 1))
+  return jnp.asarray(np.where(np.arange(length) < lengths, tokens, PAD), jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def full_logits(params, config, source, decoder_inputs):
+  """The uncached model: logits `[batch, tgt_len, vocab]`."""
+  model = Transformer(config.replace(decode=False, deterministic=True))
+  return model.apply({"params": params}, source, decoder_inputs)
+
+
+def penalised_scores(params, config, source, tokens, alpha=ALPHA):
+  """log p(tokens | source) / GNMT length penalty, scored by the full model. float `[batch]`."""
+  lengths = np.sum(np.asarray(tokens) != 0, axis=-1)
+  log_probs = np.asarray(decode.sequence_log_prob(params, config, source, tokens), np.float64)
+  return log_probs / ((5.0 + lengths) / 6.0) ** alpha
+
+
+def assert_well_formed(tokens):
+  """No BOS or PAD before the first EOS; only zeros after it."""
+  for row in np.asarray(tokens):
+    eos = np.flatnonzero(row == EOS)
+    end = eos[0] + 1 if eos.size else len(row)
+    assert np.all(row[end:] == PAD), row
+    assert np.all((row[:end] != PAD) & (row[:end] != BOS)), row
+
+
+def reference_greedy(params, config, source, max_length):
+  """Greedy decoding by re-running the full, uncached model on the whole prefix at every step.
+
+  PAD and BOS are never chosen. Positions after the prefix are padding, which the causal mask
+  keeps from affecting the prefix, so one compiled shape serves every step.
+  """
+  batch = source.shape[0]
+  out = np.zeros((batch, max_length), np.int64)
+  done = np.zeros(batch, bool)
+  for t in range(max_length):
+    inputs = np.zeros((batch, max_length), np.int32)
+    inputs[:, 0] = BOS
+    inputs[:, 1:t + 1] = out[:, :t]
+    logits = np.array(full_logits(params, config, source, jnp.asarray(inputs)))[:, t]
+    logits[:, [PAD, BOS]] = -np.inf
+    chosen = np.argmax(logits, axis=-1)
+    out[~done, t] = chosen[~done]
+    done |= chosen == EOS
+    if done.all():
+      break
+  return out
+
+
+# ----------------------------------------------------------------------------- the cache
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def cached_and_full(config, params, source, decoder_inputs):
+  """Logits of the full decoder and of one cached step per position, both `[batch, len, vocab]`.
+
+  Also returns the encoder output and the cache as `init_cache` creates it. The cache holds
+  config.max_len positions, more than the prefix: positions not yet written must be masked.
+  """
+  full = full_logits(params, config, source, decoder_inputs)
+  encoded = decode.encode(params, config, source)
+  cache = decode.init_cache(params, config, encoded, source, config.max_len)
+
+  def step(cache, t):
+    logits, cache = decode.decode_step(params, config, cache, encoded, source,
+                                       decoder_inputs[:, t], t)
+    return cache, logits
+
+  _, cached = jax.lax.scan(step, cache, jnp.arange(decoder_inputs.shape[1]))
+  return full, cached.transpose(1, 0, 2), encoded, cache
+
+
+# Every pair of (norm, qkv projection, positions) values appears once; tied and untied outputs too.
+@pytest.mark.parametrize("norm, fused_qkv, positional, tie_output", [
+    ("pre", False, "sinusoidal", False), ("pre", True, "learned", True),
+    ("post", False, "learned", True), ("post", True, "sinusoidal", False)])
+def test_cached_steps_match_full_decoder(norm, fused_qkv, positional, tie_output):
+  config = make_config(norm=norm, fused_qkv=fused_qkv, positional=positional,
+                       tie_output=tie_output)
+  params = random_params(config, 0)
+  batch, steps = 3, 6
+  source = random_sources(seed=1, batch=batch, length=7)
+  targets = np.random.default_rng(2).integers(3, VOCAB, size=(batch, steps))
+  decoder_inputs = jnp.asarray(np.concatenate([np.full((batch, 1), BOS), targets[:, :-1]], 1),
+                               jnp.int32)
+  full, cached, encoded, cache = cached_and_full(config, params, source, decoder_inputs)
+  np.testing.assert_allclose(cached, full, atol=1e-5, rtol=1e-5)
+
+  # The cache as created: empty self-attention keys/values at index 0, and cross-attention keys
+  # that are the encoder output projected once.
+  layer = cache["decoder"]["layer_1"]
+  assert layer["self_attention"]["cached_key"].shape == (
+      batch, config.max_len, config.num_heads, config.head_dim)
+  assert int(layer["self_attention"]["cache_index"]) == 0
+  if not fused_qkv:
+    key = params["decoder"]["layer_1"]["cross_attention"]["key"]
+    expected = jnp.einsum("bsd,dhk->bshk", encoded, key["kernel"]) + key["bias"]
+    np.testing.assert_allclose(layer["cross_attention"]["cross_key"], expected, atol=1e-5)
+
+
+def test_decode_length_beyond_max_len_is_a_user_error():
+  config = make_config()
+  params = random_params(config, 0)
+  with pytest.raises(UserError, match="max_len"):
+    decode.greedy_decode(params, config, random_sources(0, 1, 4), config.max_len + 1)
+
+
+# ----------------------------------------------------------------------------- greedy
+
+
+@pytest.fixture(scope="module")
+def searched():
+  """One model, 8 sources, greedy and beam-4 outputs, shared by the search tests.
+
+  The seeds and EOS bias give rows that end early and rows that run to max_length, and beam
+  outputs that differ from greedy's in some rows.
+  """
+  config = make_config()
+  params = random_params(config, 13, 1.0)
+  source = random_sources(seed=8, batch=8, length=6)
+  max_length = 10
+  greedy = decode.greedy_decode(params, config, source, max_length)
+  beam_tokens, beam_scores = decode.beam_search(params, config, source, max_length, beam_size=4,
+                                                alpha=ALPHA)
+  return config, params, source, max_length, greedy, beam_tokens, beam_scores
+
+
+def test_greedy_matches_naive_loop_over_full_model(searched):
+  config, params, source, max_length, greedy, _, _ = searched
+  greedy = np.asarray(greedy)
+  np.testing.assert_array_equal(greedy, reference_greedy(params, config, source, max_length))
+  finished = (greedy == EOS).any(axis=1)
+  assert 0 < finished.sum() < len(finished), "want rows that end early and rows that do not"
+  assert_well_formed(greedy)
+
+
+# ----------------------------------------------------------------------------- beam search
+
+
+def test_beam_scores_are_the_full_models_penalised_log_probs(searched):
+  config, params, source, _, _, tokens, scores = searched
+  np.testing.assert_allclose(scores, penalised_scores(params, config, source, tokens), atol=1e-4)
+  assert_well_formed(tokens)
+  assert (np.asarray(tokens) == EOS).any(), "want finished hypotheses"
+
+
+def test_beam_search_scores_at_least_greedy(searched):
+  # Not a theorem (a beam can prune greedy's path), but on these models beam 4 should never lose.
+  config, params, source, _, greedy, tokens, _ = searched
+  beam = penalised_scores(params, config, source, tokens)
+  assert np.all(beam >= penalised_scores(params, config, source, greedy) - 1e-5)
+  assert np.any(np.asarray(tokens) != np.asarray(greedy)), "want beam search to find other outputs"
+
+
+def test_beam_of_one_is_greedy(searched):
+  config, params, source, max_length, greedy, _, _ = searched
+  # With alpha = 0 greedy's EOS ends the search: nothing alive can then beat it.
+  tokens, _ = decode.beam_search(params, config, source, max_length, beam_size=1, alpha=0.0)
+  np.testing.assert_array_equal(tokens, greedy)
+  # With alpha > 0 a longer hypothesis may still win, but never a worse one: greedy's output is
+  # among the finished ones.
+  tokens, scores = decode.beam_search(params, config, source, max_length, beam_size=1,
+                                      alpha=ALPHA)
+  assert np.all(scores >= penalised_scores(params, config, source, greedy) - 1e-5)
+
+
+# ----------------------------------------------------------------------------- early stop
+
+
+def count_steps(monkeypatch):
+  """Counts `decode_step` executions inside compiled loops (via a host callback)."""
+  calls = []
+  step = decode.decode_step
+
+  def counted(*args):
+    jax.debug.callback(lambda: calls.append(1))
+    return step(*args)
+
+  monkeypatch.setattr(decode, "decode_step", counted)
+  return calls
+
+
+def test_loops_stop_when_every_row_has_ended(monkeypatch):
+  config = make_config()
+  params = random_params(config, 13, 4.0)
+  source = random_sources(seed=8, batch=8, length=6)
+  max_length = 13  # a length no other test compiles, so the patched step is traced
+  calls = count_steps(monkeypatch)
+  tokens = np.asarray(decode.greedy_decode(params, config, source, max_length))
+  jax.effects_barrier()
+  ends = [np.flatnonzero(row == EOS) for row in tokens]
+  assert all(e.size for e in ends), "want every row to end"
+  assert len(calls) == max(e[0] for e in ends) + 1 < max_length
+  assert_well_formed(tokens)
+
+  # A model that always says EOS: one step each, and the beam is done at once, because no
+  # alive hypothesis can beat a finished one with log-probability ~0.
+  params = random_params(config, 13, 100.0)
+  for search in (decode.greedy_decode, lambda *a: decode.beam_search(*a, beam_size=3)[0]):
+    calls.clear()
+    tokens = np.asarray(search(params, config, source, max_length))
+    jax.effects_barrier()
+    assert len(calls) == 1
+    np.testing.assert_array_equal(tokens, np.eye(1, max_length, dtype=int).repeat(8, 0) * EOS)
+
+
+# ----------------------------------------------------------------------------- sampling
+
+
+def test_sampling_with_top_k_1_is_greedy(searched):
+  config, params, source, max_length, greedy, _, _ = searched
+  tokens = decode.sample(params, config, source, max_length, jax.random.key(0), top_k=1)
+  np.testing.assert_array_equal(tokens, greedy)
+
+
+def test_sampling_follows_the_model_distribution(searched):
+  config, params, source, _, _, _, _ = searched
+  n = 4000
+  sources = jnp.tile(source[:1], (n, 1))
+  first = jnp.zeros((8, 10), jnp.int32).at[:, 0].set(BOS)  # the shape reference_greedy compiles
+  expected = np.array(jax.nn.softmax(full_logits(params, config, source[:8], first)[0, 0]))
+  expected[[PAD, BOS]] = 0.0
+  expected /= expected.sum()
+
+  def first_token_frequencies(**kwargs):
+    tokens = decode.sample(params, config, sources, 1, jax.random.key(1), **kwargs)
+    return np.bincount(np.asarray(tokens[:, 0]), minlength=VOCAB) / n
+
+  # Binomial standard error is <= 0.008 at n = 4000: 0.035 is over 4 sigma.
+  np.testing.assert_allclose(first_token_frequencies(), expected, atol=0.035)
+  top3 = np.argsort(expected)[-3:]
+  frequencies = first_token_frequencies(top_k=3)
+  assert set(np.flatnonzero(frequencies)) <= set(top3)
+  np.testing.assert_allclose(frequencies[top3], expected[top3] / expected[top3].sum(), atol=0.035)
+  # A low temperature concentrates the samples on the most probable token.
+  assert first_token_frequencies(temperature=0.05)[np.argmax(expected)] > 0.99

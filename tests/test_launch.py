@@ -1,0 +1,41 @@
+"""launch.py as a user runs it: describe prints the size; user errors are one line, exit code 2."""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def launch(*flags):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  return subprocess.run([sys.executable, "launch.py", *flags], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=120)
+
+
+def test_describe_prints_the_base_parameter_count():
+  result = launch("--config=experiments/base.py", "--mode=describe")
+  assert result.returncode == 0, result.stderr
+  assert "63,082,496" in result.stdout
+  assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("flags,names", [
+    (["--config=experiments/base.py", "--config.model.num_heads=7", "--mode=describe"],
+     ["num_heads", "7"]),
+    (["--config=experiments/base.py", "--config.model.nope=1", "--mode=describe"], ["nope"]),
+    (["--config=experiments/no_such_experiment.py", "--mode=describe"], ["no_such_experiment.py"]),
+    (["--config=experiments/base.py", "--mode=fly"], ["--mode", "fly"]),
+])
+def test_user_errors_are_one_line_with_exit_code_2(flags, names):
+  result = launch(*flags)
+  assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1, result.stderr
+  assert lines[0].startswith("error:"), result.stderr
+  assert "Traceback" not in result.stderr + result.stdout
+  for name in names:
+    assert name in lines[0]  # the message names what to fix

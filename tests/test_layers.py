@@ -1,0 +1,137 @@
+"""Positional encodings, the feed-forward network and the residual/LayerNorm wiring."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from transformer_jax import attention, layers
+from transformer_jax.model import ModelConfig, param_shapes
+
+
+def small_config(**changes) -> ModelConfig:
+  values = dict(vocab_size=20, d_model=4, num_heads=1, num_encoder_layers=1, num_decoder_layers=1,
+                d_ff=8, max_len=6, position_base=100.0, deterministic=True)
+  values.update(changes)
+  return ModelConfig(**values).validate()
+
+
+def random_inputs(seed, shape):
+  return jnp.asarray(np.random.default_rng(seed).normal(size=shape), jnp.float32)
+
+
+# PE[pos, 2i] = sin(pos / 100^(2i/4)), PE[pos, 2i+1] = cos(pos / 100^(2i/4));
+# the two frequencies are 100^0 = 1 and 100^(2/4) = 10.
+PE_4x4_BASE_100 = [
+    [math.sin(0), math.cos(0), math.sin(0 / 10), math.cos(0 / 10)],
+    [math.sin(1), math.cos(1), math.sin(1 / 10), math.cos(1 / 10)],
+    [math.sin(2), math.cos(2), math.sin(2 / 10), math.cos(2 / 10)],
+    [math.sin(3), math.cos(3), math.sin(3 / 10), math.cos(3 / 10)],
+]
+
+
+def test_sinusoidal_positions_closed_form():
+  table = layers.sinusoidal_positions(4, 4, base=100)
+  assert table.shape == (4, 4) and table.dtype == np.float32
+  np.testing.assert_allclose(table, np.array(PE_4x4_BASE_100), rtol=1e-6, atol=1e-7)
+
+
+def test_sinusoidal_positions_default_base_is_the_papers():
+  # d_model 6: frequencies 1, 10000^(-2/6), 10000^(-4/6); PE[5, 4] = sin(5 / 10000^(4/6)).
+  table = layers.sinusoidal_positions(8, 6)
+  np.testing.assert_allclose(table[5, 4], math.sin(5 / 10000 ** (4 / 6)), rtol=1e-6)
+  np.testing.assert_allclose(table[7, 3], math.cos(7 / 10000 ** (2 / 6)), rtol=1e-6)
+
+
+def test_sinusoidal_add_positions_takes_rows_at_the_given_positions():
+  cfg = small_config()
+  module = layers.AddPositions(cfg)
+  x = jnp.ones((2, 3, 4))
+  positions = jnp.array([[3, 0, 2], [1, 1, 0]])
+  variables = module.init(jax.random.PRNGKey(0), x, positions)
+  assert not variables.get("params")  # sinusoidal positions are a constant, not a parameter
+  out = module.apply(variables, x, positions)
+  expected = 1.0 + np.array(PE_4x4_BASE_100)[np.asarray(positions)]
+  np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_learned_positions_are_a_table_param(random_params):
+  cfg = small_config(positional="learned", d_model=8, max_len=5)
+  module = layers.AddPositions(cfg)
+  x = jnp.zeros((2, 3, 8))
+  positions = jnp.array([[4, 0, 2], [1, 1, 3]])
+  params = random_params(lambda rng: module.init(rng, x, positions))
+  assert jax.tree_util.tree_map(lambda p: p.shape, params) == {"table": (5, 8)}
+  out = module.apply({"params": params}, x, positions)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(params["table"])[np.asarray(positions)])
+
+
+def test_feed_forward_matches_numpy_reference(random_params):
+  cfg = small_config(d_model=8, num_heads=2, d_ff=16)
+  x = random_inputs(1, (2, 3, 8))
+  module = layers.FeedForward(cfg)
+  params = random_params(lambda rng: module.init(rng, x, True))
+  assert jax.tree_util.tree_map(lambda p: p.shape, params) == {
+      "wi": {"kernel": (8, 16), "bias": (16,)}, "wo": {"kernel": (16, 8), "bias": (8,)}}
+  p = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float64), params)
+  hidden = np.maximum(np.asarray(x, np.float64) @ p["wi"]["kernel"] + p["wi"]["bias"], 0.0)
+  expected = hidden @ p["wo"]["kernel"] + p["wo"]["bias"]
+  np.testing.assert_allclose(np.asarray(module.apply({"params": params}, x, True)), expected,
+                             rtol=1e-5, atol=1e-5)
+
+
+def layer_norm(x, eps=1e-6):
+  """LayerNorm with the initial scale 1 and bias 0, in float64."""
+  x = np.asarray(x, np.float64)
+  mean = x.mean(-1, keepdims=True)
+  return (x - mean) / np.sqrt(((x - mean) ** 2).mean(-1, keepdims=True) + eps)
+
+
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_residual_wiring(norm):
+  cfg = small_config(d_model=8, num_heads=2, norm=norm)
+  x = random_inputs(0, (2, 3, 8)) * 3.0 + 1.0
+  sublayer = lambda h: 2.0 * h + 0.5
+  module = layers.Residual(cfg)
+  params = module.init(jax.random.PRNGKey(0), x, sublayer)["params"]
+  out = np.asarray(module.apply({"params": params}, x, sublayer))
+  x64 = np.asarray(x, np.float64)
+  if norm == "post":  # LayerNorm(x + Sublayer(x))
+    expected = layer_norm(x64 + (2.0 * x64 + 0.5))
+  else:  # x + Sublayer(LayerNorm(x))
+    expected = x64 + (2.0 * layer_norm(x64) + 0.5)
+  np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_post_and_pre_layer_norm_differ_with_the_same_params(random_params):
+  post, pre = small_config(d_model=16, num_heads=2, d_ff=32), small_config(
+      d_model=16, num_heads=2, d_ff=32, norm="pre")
+  x = random_inputs(1, (2, 5, 16))
+  valid = jnp.array([[True] * 5, [True] * 3 + [False] * 2])
+  mask = attention.padding_mask(valid, valid)
+  params = random_params(lambda rng: layers.EncoderLayer(post).init(rng, x, mask, True))
+  # Same parameter tree either way: only the order of LayerNorm and the residual add changes.
+  assert jax.tree_util.tree_structure(params) == jax.tree_util.tree_structure(
+      random_params(lambda rng: layers.EncoderLayer(pre).init(rng, x, mask, True)))
+  out_post = layers.EncoderLayer(post).apply({"params": params}, x, mask, True)
+  out_pre = layers.EncoderLayer(pre).apply({"params": params}, x, mask, True)
+  assert out_post.shape == out_pre.shape == x.shape
+  assert not np.allclose(np.asarray(out_post), np.asarray(out_pre), atol=1e-3)
+  # Post-LN ends in a LayerNorm, so every position has the norm's bias as its mean (LayerNorm's
+  # scale and bias act per feature); pre-LN ends in a residual add and keeps the input's scale.
+  ffn_norm = params["ffn_block"]["norm"]
+  normalised = (np.asarray(out_post) - np.asarray(ffn_norm["bias"])) / np.asarray(ffn_norm["scale"])
+  np.testing.assert_allclose(normalised.mean(-1), 0.0, atol=1e-4)
+  np.testing.assert_allclose(normalised.std(-1), 1.0, atol=1e-3)
+  assert not np.allclose(np.asarray(out_pre).std(-1), 1.0, atol=1e-1)
+
+
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_only_pre_layer_norm_has_final_norms(tiny_config, norm):
+  params = param_shapes(tiny_config.replace(norm=norm))
+  for stack in ("encoder", "decoder"):
+    assert ("final_norm" in params[stack]) == (norm == "pre")
+    if norm == "pre":
+      assert params[stack]["final_norm"]["scale"].shape == (tiny_config.d_model,)

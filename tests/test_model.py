@@ -1,0 +1,261 @@
+"""The Transformer: shapes, no future leakage, padding invariance, packing, sizes, config checks."""
+
+import functools
+import importlib.util
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from transformer_jax import config as config_lib
+from transformer_jax.errors import UserError
+from transformer_jax.model import (ModelConfig, Transformer, count_params, init_params,
+                                   param_shapes)
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def load_experiment(name):
+  """experiments/<name>.py's get_config(), loaded by path (experiments/ is not a package)."""
+  path = REPO / "experiments" / f"{name}.py"
+  spec = importlib.util.spec_from_file_location(f"experiment_{name}", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
+def random_tokens(seed, shape, vocab_size, low=1):
+  """Token ids in [low, vocab_size); low=1 keeps padding (id 0) out."""
+  return jnp.asarray(np.random.default_rng(seed).integers(low, vocab_size, size=shape), jnp.int32)
+
+
+def model_params(cfg, random_params, seed=0):
+  return random_params(lambda rng: {"params": init_params(cfg, rng)}, seed=seed)
+
+
+@functools.lru_cache(maxsize=None)
+def logits_fn(cfg: ModelConfig):
+  """A jitted (params, source, decoder_inputs, **packing) -> logits, one per config.
+
+  Compiled at XLA's lowest optimisation level: compiling is most of these tests' run time, -O0
+  halves it, and none of the properties tested depends on it.
+  """
+  return jax.jit(
+      lambda params, *args, **kwargs: Transformer(cfg).apply({"params": params}, *args, **kwargs),
+      compiler_options={"xla_backend_optimization_level": 0})
+
+
+# ----------------------------------------------------------------------------- shapes
+
+
+def test_encode_decode_call_shapes(tiny_config, random_params):
+  cfg = tiny_config
+  params = model_params(cfg, random_params)
+  model = Transformer(cfg)
+  source = random_tokens(0, (2, 7), cfg.vocab_size)
+  targets = random_tokens(1, (2, 6), cfg.vocab_size)
+
+  encoded = jax.eval_shape(lambda p, s: model.apply({"params": p}, s, method=Transformer.encode),
+                           params, source)
+  decoded = jax.eval_shape(
+      lambda p, e, s, t: model.apply({"params": p}, e, s, t, method=Transformer.decode),
+      params, encoded, source, targets)
+  logits = logits_fn(cfg)(params, source, targets)
+
+  assert encoded.shape == (2, 7, cfg.d_model)
+  assert decoded.shape == logits.shape == (2, 6, cfg.vocab_size)
+  assert decoded.dtype == logits.dtype == jnp.float32
+  assert np.all(np.isfinite(np.asarray(logits)))
+
+
+# ----------------------------------------------------------------------------- causality
+
+
+@pytest.mark.parametrize("norm,attention_impl", [("post", "plain"), ("pre", "plain"),
+                                                 ("post", "jax")])
+def test_future_targets_never_change_past_logits(tiny_config, random_params, norm, attention_impl):
+  cfg = tiny_config.replace(norm=norm, attention_impl=attention_impl)
+  params = model_params(cfg, random_params)
+  apply = logits_fn(cfg)
+  batch, src_len, tgt_len = 2, 7, 6
+  source = random_tokens(0, (batch, src_len), cfg.vocab_size)
+  targets = random_tokens(1, (batch, tgt_len), cfg.vocab_size)
+  base = np.asarray(apply(params, source, targets))
+
+  for t in (0, 2, 4):
+    # Every position after t gets a different token (shifted by 1..vocab-2, never 0).
+    shift = random_tokens(10 + t, (batch, tgt_len - t - 1), cfg.vocab_size - 1)
+    changed = targets.at[:, t + 1:].set((targets[:, t + 1:] - 1 + shift) % (cfg.vocab_size - 1) + 1)
+    assert np.all(np.asarray(changed[:, t + 1:] != targets[:, t + 1:]))
+    logits = np.asarray(apply(params, source, changed))
+    np.testing.assert_allclose(logits[:, :t + 1], base[:, :t + 1], rtol=0, atol=1e-6,
+                               err_msg=f"logits at positions <= {t} saw a later target")
+    assert not np.allclose(logits[:, t + 1:], base[:, t + 1:], atol=1e-3)  # the change is visible
+
+
+# ----------------------------------------------------------------------------- padding, packing
+
+
+def test_extra_source_padding_does_not_change_logits(tiny_config, random_params):
+  cfg = tiny_config
+  params = model_params(cfg, random_params)
+  apply = logits_fn(cfg)
+  source = np.array(random_tokens(0, (2, 7), cfg.vocab_size))
+  source[1, 4:] = 0  # the second example is already padded
+  targets = random_tokens(1, (2, 6), cfg.vocab_size)
+
+  logits = np.asarray(apply(params, jnp.asarray(source), targets))
+  padded = np.pad(source, ((0, 0), (0, 5)))
+  logits_padded = np.asarray(apply(params, jnp.asarray(padded), targets))
+  np.testing.assert_allclose(logits_padded, logits, rtol=1e-5, atol=1e-5)
+
+  # ...whereas a real source token does reach the logits.
+  source[1, 3] = source[1, 3] % (cfg.vocab_size - 1) + 1
+  assert not np.allclose(np.asarray(apply(params, jnp.asarray(source), targets))[1], logits[1],
+                         atol=1e-3)
+
+
+def test_packed_row_equals_its_examples_run_separately(tiny_config, random_params):
+  cfg = tiny_config
+  params = model_params(cfg, random_params)
+  apply = logits_fn(cfg)
+  vocab = cfg.vocab_size
+  src_a, tgt_a = random_tokens(0, (3,), vocab), random_tokens(1, (2,), vocab)
+  src_b, tgt_b = random_tokens(2, (2,), vocab), random_tokens(3, (3,), vocab)
+
+  def row(*parts, length=6):
+    return jnp.pad(jnp.concatenate(parts), (0, length - sum(len(p) for p in parts)))[None]
+
+  separate = np.asarray(apply(params, jnp.concatenate([row(src_a), row(src_b)]),
+                              jnp.concatenate([row(tgt_a), row(tgt_b)])))
+  packed = np.asarray(apply(
+      params, row(src_a, src_b), row(tgt_a, tgt_b),
+      source_positions=jnp.array([[0, 1, 2, 0, 1, 0]]),
+      target_positions=jnp.array([[0, 1, 0, 1, 2, 0]]),
+      source_segments=jnp.array([[1, 1, 1, 2, 2, 0]]),
+      target_segments=jnp.array([[1, 1, 2, 2, 2, 0]])))
+
+  np.testing.assert_allclose(packed[0, :2], separate[0, :2], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(packed[0, 2:5], separate[1, :3], rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- sizes
+
+
+def paper_param_count(vocab, d_model, d_ff, layers):
+  """Hand count: shared embedding (tied output) + encoder and decoder layers, with all biases."""
+  attention = 4 * (d_model * d_model + d_model)
+  ffn = d_model * d_ff + d_ff + d_ff * d_model + d_model
+  layer_norm = 2 * d_model
+  encoder_layer = attention + ffn + 2 * layer_norm
+  decoder_layer = 2 * attention + ffn + 3 * layer_norm
+  return vocab * d_model + layers * (encoder_layer + decoder_layer)
+
+
+@pytest.mark.parametrize("name,d_model,d_ff,expected_millions", [("base", 512, 2048, 63.1),
+                                                                 ("big", 1024, 4096, 214.0)])
+def test_experiment_param_counts(name, d_model, d_ff, expected_millions):
+  cfg = config_lib.model_config(load_experiment(name))
+  assert (cfg.d_model, cfg.d_ff, cfg.vocab_size) == (d_model, d_ff, 37000)
+  counts = count_params(param_shapes(cfg))
+  assert abs(counts["total"] - expected_millions * 1e6) <= 0.01 * expected_millions * 1e6
+  assert counts["total"] == paper_param_count(37000, d_model, d_ff, layers=6)
+  assert counts["embedding"] == 37000 * d_model
+  assert counts["non_embedding"] == counts["total"] - 37000 * d_model
+
+
+def test_base_non_embedding_count():
+  counts = count_params(param_shapes(config_lib.model_config(load_experiment("base"))))
+  assert counts["non_embedding"] == counts["total"] - 37000 * 512
+  assert abs(counts["non_embedding"] - 44.1e6) <= 0.01 * 44.1e6
+
+
+def test_separate_embeddings_add_one_table(tiny_config):
+  shared = param_shapes(tiny_config)
+  separate = param_shapes(tiny_config.replace(share_embeddings=False))
+  table = tiny_config.vocab_size * tiny_config.d_model
+  assert count_params(separate)["total"] - count_params(shared)["total"] == table
+  assert count_params(separate)["embedding"] - count_params(shared)["embedding"] == table
+  assert "shared_embedding" in shared and "shared_embedding" not in separate
+  for name in ("source_embedding", "target_embedding"):
+    assert separate[name]["embedding"].shape == (tiny_config.vocab_size, tiny_config.d_model)
+
+
+def test_untied_output_adds_a_dense_layer(tiny_config):
+  tied = param_shapes(tiny_config)
+  untied = param_shapes(tiny_config.replace(tie_output=False))
+  vocab, d_model = tiny_config.vocab_size, tiny_config.d_model
+  assert count_params(untied)["total"] - count_params(tied)["total"] == vocab * d_model + vocab
+  assert "logits" not in tied["decoder"]
+  assert untied["decoder"]["logits"]["kernel"].shape == (d_model, vocab)
+  assert untied["decoder"]["logits"]["bias"].shape == (vocab,)
+
+
+def test_learned_positions_add_two_tables_counted_as_embeddings(tiny_config):
+  sinusoidal = count_params(param_shapes(tiny_config))
+  learned_shapes = param_shapes(tiny_config.replace(positional="learned"))
+  learned = count_params(learned_shapes)
+  tables = 2 * tiny_config.max_len * tiny_config.d_model
+  assert learned["total"] - sinusoidal["total"] == tables
+  assert learned["embedding"] - sinusoidal["embedding"] == tables
+  assert learned["non_embedding"] == sinusoidal["non_embedding"]
+  for stack in ("encoder", "decoder"):
+    assert learned_shapes[stack]["positions"]["table"].shape == (tiny_config.max_len,
+                                                                tiny_config.d_model)
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize("changes,message", [
+    (dict(d_model=30, num_heads=4), "divisible"),
+    (dict(dropout_rate=1.0), "dropout_rate"),
+    (dict(dropout_rate=-0.1), "dropout_rate"),
+    (dict(attention_dropout_rate=1.5), "attention_dropout_rate"),
+    (dict(norm="middle"), "model.norm"),
+    (dict(activation="swish"), "model.activation"),
+    (dict(positional="rotary"), "model.positional"),
+    (dict(init="he"), "model.init"),
+    (dict(attention_impl="flash"), "model.attention_impl"),
+    (dict(dtype="float16"), "model.dtype"),
+    (dict(num_heads=0), "num_heads"),
+    (dict(d_model=9, num_heads=3, positional="sinusoidal"), "even"),
+    (dict(attention_impl="jax", attention_dropout_rate=0.1), "attention_dropout_rate"),
+])
+def test_validate_rejects_impossible_configs(tiny_config, changes, message):
+  with pytest.raises(UserError, match=message):
+    tiny_config.replace(**changes).validate()
+
+
+def test_validate_accepts_every_choice(tiny_config):
+  for changes in (dict(norm="pre"), dict(activation="gelu"), dict(positional="learned"),
+                  dict(init="normal"), dict(attention_impl="jax"), dict(dtype="bfloat16"),
+                  dict(dropout_rate=0.0), dict(attention_dropout_rate=0.99)):
+    cfg = tiny_config.replace(**changes)
+    assert cfg.validate() is cfg
+
+
+def test_from_dict_rejects_unknown_keys():
+  with pytest.raises(UserError, match="model.nope"):
+    ModelConfig.from_dict({"vocab_size": 10, "nope": 1})
+
+
+# ----------------------------------------------------------------------------- dtype
+
+
+def test_bfloat16_compute_gives_float32_logits_close_to_float32(tiny_config, random_params):
+  params = model_params(tiny_config, random_params)
+  source = random_tokens(0, (2, 7), tiny_config.vocab_size)
+  targets = random_tokens(1, (2, 6), tiny_config.vocab_size)
+  logits32 = np.asarray(logits_fn(tiny_config)(params, source, targets))
+  logits16 = logits_fn(tiny_config.replace(dtype="bfloat16"))(params, source, targets)
+
+  assert logits16.dtype == jnp.float32
+  assert all(p.dtype == jnp.float32 for p in jax.tree_util.tree_leaves(params))
+  error = np.abs(np.asarray(logits16) - logits32)
+  scale = np.abs(logits32).max()
+  assert error.max() <= 0.1 * scale, (error.max(), scale)
+  assert error.mean() <= 0.02 * scale, (error.mean(), scale)
+  assert error.max() > 0.0  # the bfloat16 path really computed in lower precision

@@ -1,0 +1,54 @@
+"""The SCAN generator against the grammar's published counts and semantics."""
+
+import subprocess
+import sys
+
+import pytest
+
+from transformer_jax.data import scan
+
+
+def test_grammar_yields_exactly_20910_distinct_commands():
+  pairs = scan.all_pairs()
+  assert len(pairs) == 20910
+  assert len({command for command, _ in pairs}) == 20910
+
+
+@pytest.mark.parametrize("command, actions", [
+    ("jump", "I_JUMP"),
+    ("turn left", "I_TURN_LEFT"),
+    ("jump twice after walk left", "I_TURN_LEFT I_WALK I_JUMP I_JUMP"),  # the paper's example
+    ("run opposite right", "I_TURN_RIGHT I_TURN_RIGHT I_RUN"),
+    ("turn around left", " ".join(["I_TURN_LEFT"] * 4)),
+    ("look around right thrice", " ".join(["I_TURN_RIGHT I_LOOK"] * 12)),
+    ("walk and turn opposite left", "I_WALK I_TURN_LEFT I_TURN_LEFT"),
+])
+def test_interpretation(command, actions):
+  assert dict(scan.all_pairs())[command] == actions
+
+
+def test_length_split_follows_the_22_action_rule():
+  pairs = scan.all_pairs()
+  expected_train = sum(len(a.split()) <= 22 for _, a in pairs)
+  train, test = scan.load("length", "train"), scan.load("length", "test")
+  assert len(train) == expected_train and len(test) == len(pairs) - expected_train
+  assert (len(train), len(test)) == (16990, 3920)  # the sizes Lake & Baroni report
+  assert max(len(a.split()) for _, a in train) == 22
+  assert min(len(a.split()) for _, a in test) == 24
+
+
+def test_simple_split_is_a_fixed_80_20_partition():
+  train, test = scan.load("simple", "train"), scan.load("simple", "test")
+  assert (len(train), len(test)) == (16728, 4182)
+  assert not set(train) & set(test)
+  assert set(train) | set(test) == set(scan.all_pairs())
+  assert scan.load("simple", "train") == train  # deterministic
+
+
+def test_export_mode_writes_tab_separated_pairs():
+  out = subprocess.run([sys.executable, "launch.py", "--config=experiments/scan_length.py",
+                        "--mode=export", "--split=test"], capture_output=True, text=True,
+                       check=True).stdout.splitlines()
+  assert len(out) == 3920
+  assert all(len(line.split("\t")) == 2 for line in out)
+  assert [tuple(line.split("\t")) for line in out] == scan.load("length", "test")

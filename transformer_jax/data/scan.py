@@ -1,0 +1,79 @@
+"""SCAN (Lake & Baroni, 2018), generated from its published grammar: no download.
+
+Grammar (commands) and interpretation (action sequences):
+
+  C -> S and S | S after S | S           [[x1 and x2]] = [[x1]] [[x2]];  [[x1 after x2]] = [[x2]] [[x1]]
+  S -> V twice | V thrice | V            [[x twice]] = [[x]] x2;  [[x thrice]] = [[x]] x3
+  V -> D[1] opposite D[2] | D[1] around D[2] | D | U
+  D -> U left | U right | turn left | turn right
+  U -> walk | look | run | jump
+
+  [[u dir]] = TURN_dir [[u]];  [[u opposite dir]] = TURN_dir TURN_dir [[u]];
+  [[u around dir]] = (TURN_dir [[u]]) x4;  with [[turn]] = nothing, so [[turn left]] = TURN_LEFT.
+
+The grammar admits exactly 20,910 commands. Splits:
+  simple: a random 80/20 split with a fixed seed;
+  length: train = commands whose action sequence has at most 22 actions, test = the rest.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import numpy as np
+
+PRIMITIVES = {"walk": "I_WALK", "look": "I_LOOK", "run": "I_RUN", "jump": "I_JUMP", "turn": None}
+DIRECTIONS = {"left": "I_TURN_LEFT", "right": "I_TURN_RIGHT"}
+SPLITS = ("simple", "length")
+LENGTH_SPLIT_MAX_ACTIONS = 22
+SIMPLE_SPLIT_SEED = 0
+SIMPLE_SPLIT_TRAIN_FRACTION = 0.8
+
+
+def _verb_phrases():
+  """Every V with its actions, as (words, actions) tuples."""
+  units = [u for u in PRIMITIVES if u != "turn"]
+  for u in units:  # V -> U
+    yield (u,), (PRIMITIVES[u],)
+  for u in PRIMITIVES:  # V -> D, D[1] opposite D[2], D[1] around D[2]
+    act = () if PRIMITIVES[u] is None else (PRIMITIVES[u],)
+    for d, turn in DIRECTIONS.items():
+      yield (u, d), (turn,) + act
+      yield (u, "opposite", d), (turn, turn) + act
+      yield (u, "around", d), ((turn,) + act) * 4
+
+
+def _sentences():
+  """Every S: V, V twice, V thrice."""
+  for words, actions in _verb_phrases():
+    yield words, actions
+    yield words + ("twice",), actions * 2
+    yield words + ("thrice",), actions * 3
+
+
+@functools.lru_cache(maxsize=1)
+def all_pairs() -> tuple[tuple[str, str], ...]:
+  """All (command, actions) pairs the grammar admits, sorted by command."""
+  sentences = list(_sentences())
+  pairs = [(w, a) for w, a in sentences]
+  for (w1, a1), (w2, a2) in itertools.product(sentences, repeat=2):
+    pairs.append((w1 + ("and",) + w2, a1 + a2))
+    pairs.append((w1 + ("after",) + w2, a2 + a1))
+  return tuple(sorted((" ".join(w), " ".join(a)) for w, a in pairs))
+
+
+def load(split: str, part: str) -> list[tuple[str, str]]:
+  """The `part` ("train" or "test") of a SCAN `split` ("simple" or "length")."""
+  if split not in SPLITS:
+    raise ValueError(f"unknown SCAN split {split!r}")
+  if part not in ("train", "test"):
+    raise ValueError(f"unknown SCAN part {part!r}")
+  pairs = all_pairs()
+  if split == "simple":
+    order = np.random.default_rng(SIMPLE_SPLIT_SEED).permutation(len(pairs))
+    n_train = int(round(SIMPLE_SPLIT_TRAIN_FRACTION * len(pairs)))
+    chosen = order[:n_train] if part == "train" else order[n_train:]
+    return [pairs[i] for i in sorted(chosen)]
+  short = [len(a.split()) <= LENGTH_SPLIT_MAX_ACTIONS for _, a in pairs]
+  return [p for p, s in zip(pairs, short) if s == (part == "train")]

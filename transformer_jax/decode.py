@@ -1,0 +1,331 @@
+"""Autoregressive decoding with the KV cache: greedy, beam search, and sampling.
+
+Data flow: `encode` the source once -> `init_cache` (the decoder's first `decode=True` call, which
+projects the encoder output into cross-attention keys/values and allocates the self-attention
+cache) -> one `decode_step` per output position inside a `lax.while_loop` that stops as soon as
+no row can change any more.
+
+Conventions: pad = 0, BOS = `bos_id`, EOS = `eos_id`. Outputs are int32 `[batch, max_length]`
+without BOS, with EOS, and zeros after EOS (a row that reaches `max_length` first has no EOS). PAD and BOS are never emitted: their log-probabilities
+are set to -inf *without renormalising*, so every score below is the model's own log-probability
+of the tokens chosen and agrees with `sequence_log_prob`, which runs the full (uncached) model.
+
+The searches and `sequence_log_prob` are jitted pure functions: `config`, `max_length`, the beam
+size, top-k and the special ids are static (they fix shapes or control flow), everything else
+(parameters, sources, alpha, temperature, rng) is traced. `encode`, `init_cache` and
+`decode_step` are pure and jittable building blocks.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from transformer_jax.errors import UserError
+from transformer_jax.model import ModelConfig, Transformer
+
+Array = jax.Array
+Cache = Any  # the flax 'cache' collection: a nested dict of arrays
+
+# A finite stand-in for log(0): sums and divisions of it stay finite (no inf - inf = NaN), and
+# it is far below any real log-probability of a sequence.
+NEG_INF = -1.0e9
+
+# Step-invariant cache entries (cross-attention keys/values of the encoder output): identical
+# for every beam of a source, so reordering beams leaves them as they are.
+_STEP_INVARIANT = ("cross_key", "cross_value")
+
+
+# ----------------------------------------------------------------------------- model calls
+
+
+def _model(config: ModelConfig, decode: bool) -> Transformer:
+  return Transformer(config.replace(decode=decode, deterministic=True))
+
+
+def _check_length(config: ModelConfig, max_length: int) -> None:
+  if not 1 <= max_length <= config.max_len:
+    raise UserError(f"decode length {max_length} must be in [1, model.max_len={config.max_len}]; "
+                    f"lower the decode length or raise model.max_len")
+
+
+def encode(params, config: ModelConfig, source_tokens: Array) -> Array:
+  """source_tokens int `[batch, src_len]` (0 = padding) -> encoded `[batch, src_len, d_model]`."""
+  return _model(config, decode=False).apply({"params": params}, source_tokens,
+                                            method=Transformer.encode)
+
+
+def init_cache(params, config: ModelConfig, encoded: Array, source_tokens: Array,
+               max_length: int) -> Cache:
+  """The decoder cache for `max_length` steps, with cross-attention keys/values of `encoded`.
+
+  Args:
+    encoded: `[batch, src_len, d_model]` from `encode`.
+    source_tokens: int `[batch, src_len]`.
+    max_length: number of output positions the cache holds (static).
+
+  Returns:
+    the 'cache' collection: per decoder layer, self-attention `cached_key`/`cached_value`
+    `[batch, max_length, heads, head_dim]` (zeros) and `cache_index` 0, and cross-attention
+    `cross_key`/`cross_value` `[batch, src_len, heads, head_dim]`.
+  """
+  _check_length(config, max_length)
+  dummy = jnp.zeros((source_tokens.shape[0], max_length), jnp.int32)
+  # This call only creates the cache; under jit its logits are dead code and get removed.
+  _, variables = _model(config, decode=True).apply(
+      {"params": params}, encoded, source_tokens, dummy, method=Transformer.decode,
+      mutable=["cache"])
+  return variables["cache"]
+
+
+def decode_step(params, config: ModelConfig, cache: Cache, encoded: Array, source_tokens: Array,
+                tokens: Array, step: Array) -> tuple[Array, Cache]:
+  """One position of incremental decoding.
+
+  Args:
+    cache: from `init_cache` or the previous step; it has seen positions `0 .. step-1`.
+    encoded: `[batch, src_len, d_model]`; source_tokens: int `[batch, src_len]`.
+    tokens: int `[batch]`, the decoder input at position `step` (BOS at step 0).
+    step: int scalar, the position.
+
+  Returns:
+    (logits float32 `[batch, vocab]` for the token at output position `step`, updated cache).
+  """
+  positions = jnp.full((tokens.shape[0], 1), step, jnp.int32)
+  logits, variables = _model(config, decode=True).apply(
+      {"params": params, "cache": cache}, encoded, source_tokens, tokens[:, None], positions,
+      method=Transformer.decode, mutable=["cache"])
+  return logits[:, 0], variables["cache"]
+
+
+def _mask_special(log_probs: Array, bos_id: int) -> Array:
+  """Forbids PAD (0) and BOS: log_probs `[..., vocab]` with those entries set to NEG_INF."""
+  forbidden = (jnp.arange(log_probs.shape[-1]) == 0) | (jnp.arange(log_probs.shape[-1]) == bos_id)
+  return jnp.where(forbidden, NEG_INF, log_probs)
+
+
+def _step_log_probs(params, config, cache, encoded, source_tokens, tokens, step, bos_id):
+  """decode_step followed by log_softmax and the PAD/BOS mask: `[batch, vocab]`, cache."""
+  logits, cache = decode_step(params, config, cache, encoded, source_tokens, tokens, step)
+  return _mask_special(jax.nn.log_softmax(logits, axis=-1), bos_id), cache
+
+
+@functools.partial(jax.jit, static_argnames=("config", "bos_id"))
+def sequence_log_prob(params, config: ModelConfig, source_tokens: Array, output_tokens: Array,
+                      bos_id: int = 1) -> Array:
+  """log p(output | source) under the full, uncached model (teacher forcing).
+
+  Args:
+    source_tokens: int `[batch, src_len]`.
+    output_tokens: int `[batch, length]` as the decoders return them (no BOS; zeros after EOS).
+
+  Returns:
+    float32 `[batch]`: the sum of log-probabilities of the non-zero output tokens.
+  """
+  bos = jnp.full((output_tokens.shape[0], 1), bos_id, output_tokens.dtype)
+  decoder_inputs = jnp.concatenate([bos, output_tokens[:, :-1]], axis=1)
+  logits = _model(config, decode=False).apply({"params": params}, source_tokens, decoder_inputs)
+  log_probs = jax.nn.log_softmax(logits, axis=-1)
+  token_log_probs = jnp.take_along_axis(log_probs, output_tokens[..., None], axis=-1)[..., 0]
+  return jnp.sum(jnp.where(output_tokens != 0, token_log_probs, 0.0), axis=-1)
+
+
+def length_penalty(length: Array, alpha: float) -> Array:
+  """GNMT length penalty lp(Y) = ((5 + |Y|) / 6)^alpha; a hypothesis scores log p(Y) / lp(Y)."""
+  return ((5.0 + jnp.asarray(length, jnp.float32)) / 6.0) ** alpha
+
+
+# ----------------------------------------------------------------------------- greedy, sampling
+
+
+def _left_to_right(params, config: ModelConfig, source_tokens: Array, max_length: int,
+                   choose: Callable[[Array, Array], Array], bos_id: int, eos_id: int) -> Array:
+  """One token per row per step, chosen by `choose(log_probs [batch, vocab], step) -> [batch]`.
+
+  Stops once every row has emitted EOS (or after `max_length` steps); returns `[batch, max_length]`.
+  """
+  batch = source_tokens.shape[0]
+  encoded = encode(params, config, source_tokens)
+  cache = init_cache(params, config, encoded, source_tokens, max_length)
+
+  def not_done(state):
+    step, _, _, _, finished = state
+    return (step < max_length) & ~jnp.all(finished)
+
+  def advance(state):
+    step, last, tokens, cache, finished = state
+    log_probs, cache = _step_log_probs(params, config, cache, encoded, source_tokens, last, step,
+                                       bos_id)
+    chosen = jnp.where(finished, 0, choose(log_probs, step)).astype(jnp.int32)
+    tokens = tokens.at[:, step].set(chosen)
+    return step + 1, chosen, tokens, cache, finished | (chosen == eos_id)
+
+  state = (jnp.array(0, jnp.int32), jnp.full((batch,), bos_id, jnp.int32),
+           jnp.zeros((batch, max_length), jnp.int32), cache, jnp.zeros((batch,), bool))
+  return jax.lax.while_loop(not_done, advance, state)[2]
+
+
+@functools.partial(jax.jit, static_argnames=("config", "max_length", "bos_id", "eos_id"))
+def greedy_decode(params, config: ModelConfig, source_tokens: Array, max_length: int,
+                  bos_id: int = 1, eos_id: int = 2) -> Array:
+  """Picks the most probable token at every step.
+
+  Args:
+    source_tokens: int `[batch, src_len]` (0 = padding).
+    max_length: output positions, EOS included (static; at most `config.max_len`).
+
+  Returns:
+    int32 `[batch, max_length]`: no BOS, EOS included, zeros after EOS.
+  """
+  return _left_to_right(params, config, source_tokens, max_length,
+                        lambda log_probs, step: jnp.argmax(log_probs, axis=-1), bos_id, eos_id)
+
+
+@functools.partial(jax.jit,
+                   static_argnames=("config", "max_length", "top_k", "bos_id", "eos_id"))
+def sample(params, config: ModelConfig, source_tokens: Array, max_length: int, rng: Array,
+           temperature: float = 1.0, top_k: int = 0, bos_id: int = 1, eos_id: int = 2) -> Array:
+  """Ancestral sampling from softmax(logits / temperature), optionally among the top-k tokens.
+
+  Args:
+    source_tokens: int `[batch, src_len]`.
+    max_length: output positions (static).
+    rng: PRNG key; step t uses `fold_in(rng, t)`.
+    temperature: > 0; below 1 sharpens, above 1 flattens the distribution.
+    top_k: sample only among the k most probable tokens (static; 0 = the whole vocabulary).
+      top_k=1 is greedy decoding.
+
+  Returns:
+    int32 `[batch, max_length]`: no BOS, EOS included, zeros after EOS.
+  """
+
+  def choose(log_probs, step):
+    logits = log_probs / temperature
+    if 0 < top_k < logits.shape[-1]:
+      kth_best = jax.lax.top_k(logits, top_k)[0][:, -1:]
+      logits = jnp.where(logits < kth_best, -jnp.inf, logits)
+    return jax.random.categorical(jax.random.fold_in(rng, step), logits, axis=-1)
+
+  return _left_to_right(params, config, source_tokens, max_length, choose, bos_id, eos_id)
+
+
+# ----------------------------------------------------------------------------- beam search
+
+
+class _Beams(NamedTuple):
+  """Beam-search state; `batch` rows, `beam` = beam_size, `length` = max_length."""
+
+  step: Array  # int32 scalar: the output position filled next
+  alive_tokens: Array  # int32 [batch, beam, length], best first
+  alive_log_probs: Array  # float32 [batch, beam]: log p of each alive prefix
+  finished_tokens: Array  # int32 [batch, beam, length], best first
+  finished_scores: Array  # float32 [batch, beam]: log p / length_penalty; NEG_INF = empty slot
+  cache: Cache  # batch * beam rows, row b * beam + k is beam k of source b
+
+
+def _gather(x: Array, indices: Array) -> Array:
+  """x `[batch, n, ...]`, indices int `[batch, m]` -> `[batch, m, ...]` (per-row take)."""
+  return jax.vmap(lambda row, index: row[index])(x, indices)
+
+
+def _reorder_cache(cache: Cache, parents: Array) -> Cache:
+  """Cache rows follow their beams: parents int `[batch, beam]` indexes the previous beams."""
+  batch, beam = parents.shape
+
+  def reorder(path, x):
+    if x.ndim == 0 or getattr(path[-1], "key", None) in _STEP_INVARIANT:
+      return x  # cache_index is shared by all rows
+    x = x.reshape((batch, beam) + x.shape[1:])
+    return _gather(x, parents).reshape((batch * beam,) + x.shape[2:])
+
+  return jax.tree_util.tree_map_with_path(reorder, cache)
+
+
+def _tile_beams(x: Array, beam_size: int) -> Array:
+  """`[batch, ...]` -> `[batch * beam_size, ...]`, each row repeated beam_size times in place."""
+  return jnp.repeat(x, beam_size, axis=0)
+
+
+@functools.partial(jax.jit,
+                   static_argnames=("config", "max_length", "beam_size", "bos_id", "eos_id"))
+def beam_search(params, config: ModelConfig, source_tokens: Array, max_length: int,
+                beam_size: int = 4, alpha: float = 0.6, bos_id: int = 1,
+                eos_id: int = 2) -> tuple[Array, Array]:
+  """Beam search with the GNMT length penalty; returns the best hypothesis of each row.
+
+  Each step extends every alive beam by every token and ranks the `2 * beam_size` best
+  extensions by log-probability. Extensions that end the hypothesis (EOS, or reaching
+  `max_length`) and rank within the first `beam_size` join the finished set, scored
+  log p / ((5 + length) / 6)^alpha; the `beam_size` best of the others stay alive (at most
+  `beam_size` of the candidates can end in EOS, one per beam, so there are always enough).
+  With beam_size=1 and alpha=0 this is exactly greedy decoding; with alpha > 0 one beam may go
+  on past greedy's EOS to a longer hypothesis that scores higher.
+
+  A row is done once its best finished score is at least `best alive log p / lp(max_length)`:
+  log p only falls as a hypothesis grows and alpha >= 0 caps lp at lp(max_length), so no alive
+  beam can then overtake it. The loop stops when every row is done.
+
+  Args:
+    source_tokens: int `[batch, src_len]` (0 = padding); encoded once, then tiled over beams.
+    max_length: output positions, EOS included (static).
+    beam_size: beams per row (static).
+    alpha: length-penalty exponent, >= 0 (0 = rank by raw log-probability).
+
+  Returns:
+    (tokens int32 `[batch, max_length]`: no BOS, EOS included, zeros after EOS;
+     scores float32 `[batch]`: log p(tokens | source) / length_penalty(len(tokens), alpha)).
+  """
+  batch = source_tokens.shape[0]
+  encoded = _tile_beams(encode(params, config, source_tokens), beam_size)
+  source_tokens = _tile_beams(source_tokens, beam_size)
+  cache = init_cache(params, config, encoded, source_tokens, max_length)
+  vocab = config.vocab_size
+  best_possible_penalty = length_penalty(max_length, alpha)
+
+  def not_done(beams: _Beams):
+    bound = beams.alive_log_probs[:, 0] / best_possible_penalty
+    rows_done = beams.finished_scores[:, 0] >= bound
+    return (beams.step < max_length) & ~jnp.all(rows_done)
+
+  def advance(beams: _Beams) -> _Beams:
+    step = beams.step
+    last = jnp.where(step == 0, bos_id, beams.alive_tokens[:, :, jnp.maximum(step - 1, 0)])
+    log_probs, cache = _step_log_probs(params, config, beams.cache, encoded, source_tokens,
+                                       last.reshape(-1), step, bos_id)
+    scores = beams.alive_log_probs[:, :, None] + log_probs.reshape(batch, beam_size, vocab)
+    top_log_probs, top_index = jax.lax.top_k(scores.reshape(batch, -1), 2 * beam_size)
+    parents, tokens = top_index // vocab, top_index % vocab
+    candidates = _gather(beams.alive_tokens, parents).at[:, :, step].set(tokens)
+    ended = (tokens == eos_id) | (step == max_length - 1)
+
+    # Finished: ended candidates that made the top beam_size, merged with the earlier ones.
+    in_beam = jnp.arange(2 * beam_size) < beam_size
+    new_scores = jnp.where(ended & in_beam, top_log_probs / length_penalty(step + 1, alpha),
+                           NEG_INF)
+    finished_scores, keep = jax.lax.top_k(
+        jnp.concatenate([beams.finished_scores, new_scores], axis=1), beam_size)
+    finished_tokens = _gather(
+        jnp.concatenate([beams.finished_tokens, candidates], axis=1), keep)
+
+    # Alive: the best candidates that did not end; the cache rows follow their parents.
+    alive_log_probs, keep = jax.lax.top_k(jnp.where(ended, NEG_INF, top_log_probs), beam_size)
+    return _Beams(step=step + 1, alive_tokens=_gather(candidates, keep),
+                  alive_log_probs=alive_log_probs, finished_tokens=finished_tokens,
+                  finished_scores=finished_scores,
+                  cache=_reorder_cache(cache, _gather(parents, keep)))
+
+  # All beams start as the empty prefix; only the first may expand, or the first step would
+  # fill the beam with beam_size copies of each extension.
+  first_only = jnp.where(jnp.arange(beam_size) == 0, 0.0, NEG_INF).astype(jnp.float32)
+  beams = _Beams(
+      step=jnp.array(0, jnp.int32),
+      alive_tokens=jnp.zeros((batch, beam_size, max_length), jnp.int32),
+      alive_log_probs=jnp.broadcast_to(first_only, (batch, beam_size)),
+      finished_tokens=jnp.zeros((batch, beam_size, max_length), jnp.int32),
+      finished_scores=jnp.full((batch, beam_size), NEG_INF, jnp.float32),
+      cache=cache)
+  beams = jax.lax.while_loop(not_done, advance, beams)
+  return beams.finished_tokens[:, 0], beams.finished_scores[:, 0]

@@ -1,0 +1,68 @@
+"""Training logs: one readable line per log step, WORKDIR/metrics.jsonl, and TensorBoard events."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from tensorboardX import SummaryWriter
+
+
+def _duration(seconds: float) -> str:
+  seconds = int(max(seconds, 0))
+  h, rem = divmod(seconds, 3600)
+  m, s = divmod(rem, 60)
+  return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
+
+
+class MetricLogger:
+  """Writes metrics to stdout, metrics.jsonl (one JSON object per line) and TensorBoard."""
+
+  def __init__(self, workdir: str, total_steps: int, start_step: int = 0):
+    self.total_steps = total_steps
+    self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a", encoding="utf-8")
+    self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+    self._last_time = time.time()
+    self._last_step = start_step
+    self._start_time = self._last_time
+
+  def _write(self, record: dict) -> None:
+    self._jsonl.write(json.dumps(record) + "\n")
+    self._jsonl.flush()
+    for key, value in record.items():
+      if key not in ("step", "split") and isinstance(value, (int, float)):
+        self._tb.add_scalar(f"{record['split']}/{key}", value, record["step"])
+    self._tb.flush()
+
+  def train(self, step: int, metrics: dict, learning_rate: float) -> None:
+    now = time.time()
+    elapsed = max(now - self._last_time, 1e-9)
+    steps_per_s = (step - self._last_step) / elapsed
+    tokens_per_s = float(metrics["tokens"]) * steps_per_s
+    eta = (self.total_steps - step) / max(steps_per_s, 1e-9)
+    self._last_time, self._last_step = now, step
+    record = {"split": "train", "step": step, "time": now,
+              **{k: float(v) for k, v in metrics.items()},
+              "learning_rate": learning_rate, "tokens_per_s": tokens_per_s,
+              "steps_per_s": steps_per_s}
+    self._write(record)
+    print(f"step {step}/{self.total_steps} | loss {record['loss']:.4f} | acc "
+          f"{record['accuracy']:.4f} | lr {learning_rate:.3g} | gnorm {record['grad_norm']:.3f} | "
+          f"{tokens_per_s:,.0f} tok/s | {steps_per_s:.2f} steps/s | ETA {_duration(eta)}",
+          flush=True)
+
+  def eval(self, step: int, metrics: dict) -> None:
+    record = {"split": "eval", "step": step, "time": time.time(),
+              **{k: v for k, v in metrics.items() if isinstance(v, (int, float))}}
+    self._write(record)
+    shown = " | ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
+                       for k, v in record.items() if k not in ("split", "step", "time"))
+    print(f"eval at step {step} | {shown}", flush=True)
+
+  def text(self, tag: str, text: str) -> None:
+    self._tb.add_text(tag, f"```\n{text}\n```", 0)
+
+  def close(self) -> None:
+    self._jsonl.close()
+    self._tb.close()
