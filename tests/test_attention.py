@@ -320,9 +320,6 @@ def test_fused_and_separate_projections_compute_the_same_function(init_mha, cros
       np.asarray(separate.apply({"params": params}, x, memory, mask)), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.xfail(strict=True, reason="library bug: fused qkv kernels are Xavier-initialised "
-                   "with fan_out = 3*d_model (2*d_model for kv), so their scale differs from the "
-                   "separate projections'; see the report")
 def test_fused_projections_are_initialised_like_separate_ones():
   x = random_inputs(0, 2, 5, d_model=64)
   separate = attention.MultiHeadAttention(num_heads=4, d_model=64)

@@ -128,6 +128,21 @@ def dot_product_attention(
 # ----------------------------------------------------------------------------- module
 
 
+def _stacked_init(init: Callable, n: int) -> Callable:
+  """Initialises a fused kernel like `n` separate projections.
+
+  DenseGeneral hands its initialiser the flat shape (d_model, n * heads * head_dim); Xavier on
+  that shape would use fan_out = n * d_model and start fused q/k/v smaller than separate ones.
+  """
+
+  def init_fn(rng, shape, dtype=jnp.float32):
+    fan_in, fan_out = shape
+    return jnp.concatenate([init(k, (fan_in, fan_out // n), dtype)
+                            for k in jax.random.split(rng, n)], axis=1)
+
+  return init_fn
+
+
 class MultiHeadAttention(nn.Module):
   """Multi-head attention: self-attention (`inputs_kv=None`) or cross-attention.
 
@@ -158,13 +173,15 @@ class MultiHeadAttention(nn.Module):
 
     def project_kv(x):
       if self.fused_qkv:
-        kv = dense(features=(2, self.num_heads, head_dim), name="kv")(x)
+        kv = dense(features=(2, self.num_heads, head_dim), name="kv",
+                   kernel_init=_stacked_init(self.kernel_init, 2))(x)
         return kv[:, :, 0], kv[:, :, 1]
       return (dense(features=(self.num_heads, head_dim), name="key")(x),
               dense(features=(self.num_heads, head_dim), name="value")(x))
 
     if self_attention and self.fused_qkv:
-      qkv = dense(features=(3, self.num_heads, head_dim), name="qkv")(inputs_q)
+      qkv = dense(features=(3, self.num_heads, head_dim), name="qkv",
+                  kernel_init=_stacked_init(self.kernel_init, 3))(inputs_q)
       query, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     else:
       query = dense(features=(self.num_heads, head_dim), name="query")(inputs_q)

@@ -12,7 +12,8 @@ import numpy as np
 
 from transformer_jax import attention
 from transformer_jax.errors import UserError
-from transformer_jax.layers import AddPositions, DecoderLayer, EncoderLayer, embedding_init
+from transformer_jax.layers import (AddPositions, DecoderLayer, EncoderLayer, embedding_init,
+                                    kernel_init)
 
 Array = jax.Array
 
@@ -195,7 +196,8 @@ class Decoder(nn.Module):
     if cfg.tie_output:
       logits = self.embed.attend(y)
     else:
-      logits = nn.Dense(cfg.vocab_size, dtype=cfg.compute_dtype, name="logits")(y)
+      logits = nn.Dense(cfg.vocab_size, dtype=cfg.compute_dtype, kernel_init=kernel_init(cfg),
+                        name="logits")(y)
     return logits.astype(jnp.float32)
 
 
