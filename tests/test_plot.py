@@ -1,0 +1,110 @@
+"""Every plot kind renders a real picture; attention maps obey their masks; the run summary."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from transformer_jax import plot, summary
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TEXT = "jump twice after walk left"
+
+
+@pytest.fixture(scope="module")
+def trained_workdir(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("plot") / "run"
+  subprocess.run([sys.executable, "launch.py", "--config=experiments/tiny.py",
+                  f"--workdir={workdir}", "--mode=train", "--config.train.eval_every=10"],
+                 check=True, cwd=ROOT, capture_output=True)
+  return workdir
+
+
+def tiny_config():
+  sys.path.insert(0, ROOT)
+  from experiments import tiny  # pylint: disable=import-outside-toplevel
+  return tiny.get_config()
+
+
+def assert_real_picture(path):
+  with open(path, "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n", path
+  image = np.asarray(Image.open(path).convert("RGB"), dtype=np.float64)
+  assert image.shape[0] > 100 and image.shape[1] > 100
+  assert image.std() > 10.0, f"{path} is (nearly) blank"
+  assert len(np.unique(image.reshape(-1, 3), axis=0)) > 50, f"{path} has too few colours"
+
+
+def test_plot_mode_renders_every_kind(trained_workdir):
+  out = subprocess.run([sys.executable, "launch.py", "--config=experiments/tiny.py",
+                        f"--workdir={trained_workdir}", "--mode=plot", f"--text={TEXT}"],
+                       check=True, cwd=ROOT, capture_output=True, text=True).stdout
+  paths = out.strip().splitlines()
+  names = sorted(os.path.basename(p) for p in paths)
+  assert names == sorted(["curves.png", "positional_encoding.png", "encoder_self_attention.png",
+                          "decoder_self_attention.png", "cross_attention.png"])
+  for path in paths:
+    assert os.path.dirname(path) == str(trained_workdir / "plots")
+    assert_real_picture(path)
+
+
+def test_attention_maps_respect_the_masks(trained_workdir):
+  from transformer_jax import evaluate  # pylint: disable=import-outside-toplevel
+  config = tiny_config()
+  model_config, params, tokenizer, _ = evaluate.load_trained(config, str(trained_workdir))
+  maps, source_pieces, target_pieces, _ = plot.attention_maps(params, model_config, tokenizer,
+                                                               TEXT, 20)
+  layers, heads = model_config.num_decoder_layers, model_config.num_heads
+  decoder = maps["decoder_self_attention"]
+  assert decoder.shape == (layers, heads, len(target_pieces), len(target_pieces))
+  upper = np.triu(np.ones(decoder.shape[-2:], bool), k=1)
+  assert (decoder[..., upper] == 0.0).all()  # exactly zero above the diagonal
+  assert decoder[..., ~upper].min() > 0.0
+  for kind in plot.ATTENTION_KINDS:
+    np.testing.assert_allclose(maps[kind].sum(-1), 1.0, rtol=1e-5)
+  assert maps["cross_attention"].shape[-1] == len(source_pieces) == len(TEXT.split()) + 1
+  assert source_pieces[-1] == "</s>"
+
+
+def test_positional_encoding_picture(tmp_path):
+  from transformer_jax.layers import sinusoidal_positions  # pylint: disable=import-outside-toplevel
+  path = plot.plot_positional_encoding(sinusoidal_positions(50, 64), str(tmp_path / "pe.png"),
+                                       "pe")
+  assert_real_picture(path)
+
+
+def test_curves_from_metrics(tmp_path):
+  records = [{"split": "train", "step": s, "loss": 3.0 / s, "accuracy": 1 - 1 / s,
+              "learning_rate": 1e-3} for s in range(1, 40)]
+  records += [{"split": "eval", "step": s, "loss": 2.0 / s, "token_accuracy": 0.5,
+               "exact_match": 0.1 * s, "bleu": 5.0 * s} for s in (10, 20, 30)]
+  assert_real_picture(plot.plot_curves(records, str(tmp_path / "curves.png")))
+
+
+def test_plot_without_a_run_is_a_user_error(tmp_path):
+  result = subprocess.run([sys.executable, "launch.py", "--config=experiments/tiny.py",
+                           f"--workdir={tmp_path}", "--mode=plot"], cwd=ROOT,
+                          capture_output=True, text=True)
+  assert result.returncode == 2
+  assert result.stderr.strip().startswith("error:") and "metrics.jsonl" in result.stderr
+  assert "Traceback" not in result.stderr
+
+
+def test_summary_lists_config_differences_and_metrics():
+  config = tiny_config()
+  config.train.steps = 77
+  diff = dict((k, (d, v)) for k, d, v in summary.config_diff(config))
+  assert diff["train.steps"] == (1000, 77)
+  assert diff["model.d_model"] == (512, 32)
+  assert "train.adam_b1" not in diff  # unchanged keys are not listed
+  records = [{"split": "eval", "step": 10, "exact_match": 0.5, "loss": 1.0},
+             {"split": "eval", "step": 20, "exact_match": 0.25, "loss": 0.8}]
+  text = summary.render(config, {"exact_match": 0.25, "loss": 0.8}, records, wall_time_s=120.0,
+                        tokens_seen=24000, steps_run=77, final_step=77)
+  assert "| `train.steps` | 1000 | 77 |" in text
+  assert "best exact_match: 0.5 at step 10" in text
+  assert "best loss: 0.8 at step 20" in text
+  assert "200 tokens/s" in text

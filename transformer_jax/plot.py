@@ -1,0 +1,185 @@
+"""Pictures of a run: training curves, the positional-encoding matrix, and attention maps.
+
+Everything renders headless (matplotlib's Agg backend) into PNG files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # pylint: disable=wrong-import-position
+import numpy as np  # pylint: disable=wrong-import-position
+
+from transformer_jax.errors import UserError  # pylint: disable=wrong-import-position
+
+ATTENTION_KINDS = ("encoder_self_attention", "decoder_self_attention", "cross_attention")
+
+
+def read_metrics(workdir: str) -> list[dict]:
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.isfile(path):
+    raise UserError(f"{workdir} has no metrics.jsonl; train first with --mode=train")
+  with open(path, encoding="utf-8") as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def _series(records, split, key):
+  points = [(r["step"], r[key]) for r in records if r.get("split") == split and key in r]
+  return tuple(zip(*sorted(points))) if points else ((), ())
+
+
+def plot_curves(records: list[dict], path: str) -> str:
+  """Loss, accuracy, exact match / BLEU and learning rate against the step."""
+  panels = [
+      ("loss", [("train", "loss"), ("eval", "loss")]),
+      ("token accuracy", [("train", "accuracy"), ("eval", "token_accuracy")]),
+      ("exact match / BLEU", [("eval", "exact_match"), ("eval", "bleu")]),
+      ("learning rate", [("train", "learning_rate")]),
+  ]
+  fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4))
+  for ax, (title, lines) in zip(axes, panels):
+    for split, key in lines:
+      steps, values = _series(records, split, key)
+      if not steps:
+        continue
+      values = np.asarray(values, dtype=float)
+      if key == "exact_match":
+        values = values * 100.0  # on BLEU's 0-100 scale
+      ax.plot(steps, values, marker="o" if split == "eval" else None, markersize=3,
+              label=f"{split} {key}")
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+    if ax.lines:
+      ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path
+
+
+def plot_positional_encoding(table: np.ndarray, path: str, title: str) -> str:
+  """A heat map of a `[length, d_model]` positional-encoding table."""
+  fig, ax = plt.subplots(figsize=(8, 4))
+  image = ax.imshow(table, aspect="auto", cmap="RdBu", vmin=-1, vmax=1, interpolation="nearest")
+  ax.set_xlabel("dimension")
+  ax.set_ylabel("position")
+  ax.set_title(title)
+  fig.colorbar(image, ax=ax)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path
+
+
+def plot_attention(weights: np.ndarray, query_tokens: list[str], key_tokens: list[str],
+                   path: str, title: str) -> str:
+  """One grid of heat maps: rows = layers, columns = heads.
+
+  Args:
+    weights: `[layers, heads, q_len, kv_len]` attention weights of one example.
+  """
+  layers, heads = weights.shape[:2]
+  cell = max(2.2, 0.28 * max(len(query_tokens), len(key_tokens)))
+  fig, axes = plt.subplots(layers, heads, figsize=(cell * heads + 1, cell * layers + 0.6),
+                           squeeze=False)
+  for layer in range(layers):
+    for head in range(heads):
+      ax = axes[layer, head]
+      ax.imshow(weights[layer, head], cmap="viridis", vmin=0.0, vmax=1.0,
+                interpolation="nearest")
+      ax.set_xticks(range(len(key_tokens)))
+      ax.set_xticklabels(key_tokens, rotation=90, fontsize=7)
+      ax.set_yticks(range(len(query_tokens)))
+      ax.set_yticklabels(query_tokens, fontsize=7)
+      ax.set_title(f"layer {layer} head {head}", fontsize=8)
+  fig.suptitle(title)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+  return path
+
+
+def attention_maps(params, model_config, tokenizer, text: str, max_length: int):
+  """Attention weights of every layer and head for one input sentence and its greedy translation.
+
+  Returns (maps, source_pieces, target_pieces, translation): maps[kind] is
+  `[layers, heads, q_len, kv_len]`; the decoder attends over BOS + the translation.
+  """
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
+  from transformer_jax import decode  # pylint: disable=import-outside-toplevel
+  from transformer_jax.data.tokenizer import BOS_ID, EOS_ID  # pylint: disable=import-outside-toplevel
+  from transformer_jax.model import Transformer  # pylint: disable=import-outside-toplevel
+
+  source = tokenizer.encode([text])[0][: model_config.max_len - 1] + [EOS_ID]
+  source = jnp.asarray([source], jnp.int32)
+  cfg = model_config.replace(deterministic=True, decode=False)
+  output = np.asarray(decode.greedy_decode(params, cfg, source, max_length))[0]
+  length = int(np.argmax(output == EOS_ID)) + 1 if (output == EOS_ID).any() else len(output)
+  output = output[:length]
+  decoder_inputs = jnp.asarray([[BOS_ID] + output[:-1].tolist()], jnp.int32)
+  _, state = Transformer(cfg).apply({"params": params}, source, decoder_inputs,
+                                    mutable=["intermediates"])
+  inter = jax.device_get(state["intermediates"])
+
+  def stack(stack_name, count, module):
+    return np.stack([inter[stack_name][f"layer_{i}"][module]["attention_weights"][0][0]
+                     for i in range(count)])
+
+  maps = {
+      "encoder_self_attention": stack("encoder", cfg.num_encoder_layers, "self_attention"),
+      "decoder_self_attention": stack("decoder", cfg.num_decoder_layers, "self_attention"),
+      "cross_attention": stack("decoder", cfg.num_decoder_layers, "cross_attention"),
+  }
+  source_pieces = tokenizer.pieces(np.asarray(source[0]))
+  target_pieces = tokenizer.pieces(np.asarray(decoder_inputs[0]))
+  return maps, source_pieces, target_pieces, tokenizer.decode(output)
+
+
+def plot_workdir(config, workdir: str, text: Optional[str] = None,
+                 step: Optional[int] = None) -> list[str]:
+  """Writes every plot for a run into WORKDIR/plots; returns the paths."""
+  from transformer_jax import config as config_lib  # pylint: disable=import-outside-toplevel
+  from transformer_jax.layers import sinusoidal_positions  # pylint: disable=import-outside-toplevel
+
+  workdir = os.path.abspath(workdir)
+  out = os.path.join(workdir, "plots")
+  records = read_metrics(workdir)
+  model_config = config_lib.validate(config)
+  os.makedirs(out, exist_ok=True)
+  paths = [plot_curves(records, os.path.join(out, "curves.png"))]
+
+  params = tokenizer = None
+  if text is not None or model_config.positional == "learned":
+    from transformer_jax import evaluate  # pylint: disable=import-outside-toplevel
+    model_config, params, tokenizer, _ = evaluate.load_trained(config, workdir, step)
+  length = min(model_config.max_len, 100)
+  if model_config.positional == "learned":
+    table = np.asarray(params["encoder"]["positions"]["table"])[:length]
+    title = f"learned positions (encoder), {length} x {model_config.d_model}"
+  else:
+    table = sinusoidal_positions(length, model_config.d_model, model_config.position_base)
+    title = (f"sinusoidal positional encoding, {length} positions x d_model "
+             f"{model_config.d_model}, base {model_config.position_base:g}")
+  paths.append(plot_positional_encoding(table, os.path.join(out, "positional_encoding.png"),
+                                        title))
+
+  if text is not None:
+    max_length = config.eval.max_decode_len or config.data.max_target_len
+    maps, source_pieces, target_pieces, translation = attention_maps(
+        params, model_config, tokenizer, text, max_length)
+    axes = {"encoder_self_attention": (source_pieces, source_pieces),
+            "decoder_self_attention": (target_pieces, target_pieces),
+            "cross_attention": (target_pieces, source_pieces)}
+    for kind in ATTENTION_KINDS:
+      queries, keys = axes[kind]
+      paths.append(plot_attention(maps[kind], queries, keys, os.path.join(out, f"{kind}.png"),
+                                  f"{kind.replace('_', ' ')}: {text!r} -> {translation!r}"))
+  return paths
