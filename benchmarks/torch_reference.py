@@ -1,0 +1,83 @@
+"""The same model, batch and optimizer in PyTorch (eager `torch.nn.Transformer`), for a side-by-side
+step time. Needs the optional extra: `.venv/bin/pip install -e '.[torch]'` (torch 2.13.0, CPU).
+
+Matched to transformer_jax: post-LN layers with ReLU FFN, dropout, a shared embedding scaled by
+sqrt(d_model) plus sinusoidal positions, an output projection tied to the embedding,
+label-smoothed cross-entropy, Adam(0.9, 0.98, 1e-9). torch.nn.Transformer adds a final LayerNorm
+to each stack (2 * 2 * d_model parameters more); the parameter counts are printed side by side.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+
+import numpy as np
+
+
+def benchmark(model_config, config) -> dict:
+  import torch  # pylint: disable=import-outside-toplevel
+  from torch import nn  # pylint: disable=import-outside-toplevel
+
+  from transformer_jax.benchmark import synthetic_batch  # pylint: disable=import-outside-toplevel
+  from transformer_jax.layers import sinusoidal_positions  # pylint: disable=import-outside-toplevel
+
+  torch.manual_seed(0)
+  torch.set_num_threads(os.cpu_count() or 1)
+  cfg, b = model_config, config.benchmark
+
+  class Model(nn.Module):
+    def __init__(self):
+      super().__init__()
+      self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model, padding_idx=0)
+      nn.init.normal_(self.embed.weight, std=cfg.d_model**-0.5)
+      self.register_buffer("positions", torch.from_numpy(
+          sinusoidal_positions(cfg.max_len, cfg.d_model, cfg.position_base)))
+      self.transformer = nn.Transformer(
+          d_model=cfg.d_model, nhead=cfg.num_heads, num_encoder_layers=cfg.num_encoder_layers,
+          num_decoder_layers=cfg.num_decoder_layers, dim_feedforward=cfg.d_ff,
+          dropout=cfg.dropout_rate, activation=cfg.activation, batch_first=True,
+          norm_first=cfg.norm == "pre", layer_norm_eps=cfg.layer_norm_eps)
+      self.drop = nn.Dropout(cfg.dropout_rate)
+
+    def embed_tokens(self, tokens):
+      x = self.embed(tokens) * math.sqrt(cfg.d_model) + self.positions[: tokens.shape[1]]
+      return self.drop(x)
+
+    def forward(self, source, decoder_inputs):
+      length = decoder_inputs.shape[1]
+      causal = torch.triu(torch.ones(length, length, dtype=torch.bool), diagonal=1)  # True = masked
+      y = self.transformer(self.embed_tokens(source), self.embed_tokens(decoder_inputs),
+                           tgt_mask=causal, tgt_is_causal=True,
+                           src_key_padding_mask=source == 0, memory_key_padding_mask=source == 0,
+                           tgt_key_padding_mask=decoder_inputs == 0)
+      return y @ self.embed.weight.T
+
+  model = Model()
+  model.train()
+  optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
+  batch = synthetic_batch(cfg, b.batch_size, b.source_len, b.target_len)
+  source = torch.from_numpy(batch["inputs"]).long()
+  targets = torch.from_numpy(batch["targets"]).long()
+  decoder_inputs = torch.cat([torch.ones_like(targets[:, :1]), targets[:, :-1]], dim=1)
+  loss_fn = nn.CrossEntropyLoss(ignore_index=0, label_smoothing=config.train.label_smoothing)
+
+  def step():
+    optimizer.zero_grad(set_to_none=True)
+    logits = model(source, decoder_inputs)
+    loss = loss_fn(logits.reshape(-1, cfg.vocab_size), targets.reshape(-1))
+    loss.backward()
+    optimizer.step()
+    return loss
+
+  for _ in range(b.warmup):
+    step()
+  times = []
+  for _ in range(b.steps):
+    start = time.perf_counter()
+    step()
+    times.append(time.perf_counter() - start)
+  params = sum(int(np.prod(p.shape)) for p in model.parameters())
+  return {"step_ms": statistics.median(times) * 1e3, "params": params}
