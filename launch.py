@@ -1,6 +1,7 @@
 """Entry point: flags -> one library call per mode.
 
   python launch.py --config=experiments/scan_simple.py --workdir=runs/scan --mode=train
+  python launch.py --config=experiments/scan_simple.py --workdir=runs/scan --mode=translate < in.txt
   python launch.py --config=experiments/base.py --mode=describe
   python launch.py --config=experiments/base.py --config.model.d_model=256 --mode=describe
 
@@ -8,6 +9,8 @@ Errors the user can fix are printed as one line `error: ...` with exit code 2.
 """
 
 import logging
+import os
+import re
 import sys
 
 from absl import app, flags
@@ -16,15 +19,29 @@ from ml_collections import config_flags
 
 from transformer_jax.errors import UserError
 
-MODES = ("describe", "train", "evaluate", "export")
+MODES = ("describe", "train", "evaluate", "translate", "export", "plot", "benchmark")
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (experiments/*.py).",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs and the tokenizer.")
 _MODE = flags.DEFINE_string("mode", "train", f"One of: {', '.join(MODES)}.")
 _SPLIT = flags.DEFINE_string("split", "train", "Data split for --mode=export.")
-_CHECKPOINT_STEP = flags.DEFINE_integer("checkpoint_step", None,
-                                        "Checkpoint to evaluate (default: the latest).")
+_TEXT = flags.DEFINE_string("text", None, "--mode=plot: an input sentence whose attention maps "
+                            "(encoder, decoder, cross) are drawn.")
+_SWEEP = flags.DEFINE_bool("sweep", False, "Run every trial of the experiment's get_sweep(), each in "
+                           "WORKDIR/trial_NNN; finished trials are skipped on a rerun.")
+_SWEEP_PARALLEL = flags.DEFINE_integer("sweep_parallel", 1, "Trials run at the same time.")
+_SWEEP_DRY_RUN = flags.DEFINE_bool("sweep_dry_run", False, "Print the trial commands (one per "
+                                   "line, e.g. for a SLURM job array) instead of running them.")
+_SWEEP_METRIC = flags.DEFINE_string("sweep_metric", "loss", "Final eval metric that orders the "
+                                    "results table (loss and perplexity: lower is better).")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "Multi-process runs: host:port of "
+                                   "process 0 (auto-detected on Cloud TPU and SLURM).")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Multi-process runs: process count.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "Multi-process runs: this process's index.")
+_CHECKPOINT_STEP = flags.DEFINE_integer(
+    "checkpoint_step", None,
+    "Checkpoint to evaluate or translate with (default: the latest).")
 
 
 def _fail(message: str) -> None:
@@ -32,12 +49,27 @@ def _fail(message: str) -> None:
   sys.exit(2)
 
 
+_TYPE_ERRORS = (("invalid literal for int()", "an integer"),
+                ("could not convert string to float", "a number"),
+                ("Non-boolean argument", "true or false"))
+
+
+def _flag_error(message: str) -> str:
+  """absl's message for a bad flag; for a --config override of the wrong type, a plainer one."""
+  match = re.match(r"flag --config\.([\w.]+)=(.*?): (.*)", message)
+  if match:
+    for marker, kind in _TYPE_ERRORS:
+      if marker in match.group(3):
+        return f"--config.{match.group(1)} takes {kind}; got {match.group(2)!r}"
+  return message + " (see --helpfull)"
+
+
 def _parse_flags(argv):
   """absl parsing, with every flag error turned into one line and exit code 2."""
   try:
     remaining = flags.FLAGS(argv)
   except flags.Error as e:
-    _fail(str(e).splitlines()[0] + " (see --helpfull)")
+    _fail(_flag_error(str(e).splitlines()[0]))
   except (AttributeError, KeyError) as e:  # ml_collections: an override names no config key
     bad = [a for a in argv if a.startswith("--config.")]
     _fail(f"unknown config key {str(e).strip(chr(34) + chr(39))!r} in {' '.join(bad)}; "
@@ -69,6 +101,10 @@ def run(argv) -> None:
   if mode == "describe":
     print(model_lib.describe(config_lib.validate(config)))
     return
+  if mode == "benchmark":
+    from transformer_jax import benchmark
+    benchmark.run_benchmark(config)
+    return
   if mode == "export":
     from transformer_jax import data
     config_lib.validate(config)
@@ -76,12 +112,30 @@ def run(argv) -> None:
     return
   if _WORKDIR.value is None:
     raise UserError(f"--workdir is required for --mode={mode}")
+  if _SWEEP.value or _SWEEP_DRY_RUN.value:
+    from transformer_jax import sweep
+    sweep.run_sweep(config_flags.get_config_filename(flags.FLAGS["config"]), _WORKDIR.value,
+                    config_flags.get_override_values(flags.FLAGS["config"]),
+                    parallel=_SWEEP_PARALLEL.value, dry_run=_SWEEP_DRY_RUN.value,
+                    metric=_SWEEP_METRIC.value)
+    return
+  from transformer_jax import parallel
+  parallel.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   if mode == "train":
     from transformer_jax import train
     train.train_and_evaluate(config, _WORKDIR.value)
+  elif mode == "plot":
+    from transformer_jax import plot
+    for path in plot.plot_workdir(config, _WORKDIR.value, text=_TEXT.value,
+                                  step=_CHECKPOINT_STEP.value):
+      print(path)
   elif mode == "evaluate":
     from transformer_jax import evaluate
     evaluate.evaluate_from_workdir(config, _WORKDIR.value, step=_CHECKPOINT_STEP.value)
+  elif mode == "translate":  # stdin lines -> stdout translations, in order
+    from transformer_jax import evaluate
+    evaluate.translate_from_workdir(config, _WORKDIR.value, sys.stdin, sys.stdout,
+                                    step=_CHECKPOINT_STEP.value)
 
 
 def main(argv) -> None:
@@ -90,8 +144,17 @@ def main(argv) -> None:
   logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
   try:
     run(argv)
+    sys.stdout.flush()  # inside the try: a closed pipe fails here, not at interpreter exit
   except UserError as e:
-    _fail(str(e))
+    _fail(" ".join(str(e).splitlines()))
+  except KeyboardInterrupt:
+    print("interrupted", file=sys.stderr)
+    sys.exit(130)
+  except BrokenPipeError:
+    # The reader of stdout went away (`--mode=export | head`): stop quietly. Point stdout at
+    # /dev/null so that Python's own flush at exit does not report the broken pipe again.
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    sys.exit(0)
 
 
 if __name__ == "__main__":

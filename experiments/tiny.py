@@ -14,3 +14,9 @@ def get_config():
                  log_every=10, checkpoint_every=10)
   c.eval.update(batch_size=64, max_examples=64)
   return c
+
+
+def get_sweep():
+  """Four trials, for tests of `--sweep`."""
+  from transformer_jax import sweep  # pylint: disable=import-outside-toplevel
+  return sweep.grid(**{"train.learning_rate": [1e-3, 3e-3], "model.d_ff": [32, 64]})

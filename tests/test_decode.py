@@ -286,3 +286,23 @@ def test_sampling_follows_the_model_distribution(searched):
   np.testing.assert_allclose(frequencies[top3], expected[top3] / expected[top3].sum(), atol=0.035)
   # A low temperature concentrates the samples on the most probable token.
   assert first_token_frequencies(temperature=0.05)[np.argmax(expected)] > 0.99
+
+
+def test_padding_only_rows_are_not_decoded(monkeypatch):
+  config = make_config()
+  params = random_params(config, 13, 4.0)
+  source = random_sources(seed=8, batch=4, length=6)
+  padded = jnp.concatenate([source, jnp.zeros_like(source)])  # as callers fill a last batch
+  max_length = 11  # a length no other test compiles, so the patched step is traced
+  calls = count_steps(monkeypatch)
+  for search in (decode.greedy_decode, lambda *a: decode.beam_search(*a, beam_size=3)[0]):
+    calls.clear()
+    alone = np.asarray(search(params, config, source, max_length))
+    jax.effects_barrier()
+    steps = len(calls)
+    calls.clear()
+    tokens = np.asarray(search(params, config, padded, max_length))
+    jax.effects_barrier()
+    assert len(calls) == steps < max_length  # the empty rows add no steps
+    np.testing.assert_array_equal(tokens[:4], alone)
+    assert not tokens[4:].any()

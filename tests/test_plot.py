@@ -54,7 +54,7 @@ def test_plot_mode_renders_every_kind(trained_workdir):
 def test_attention_maps_respect_the_masks(trained_workdir):
   from transformer_jax import evaluate  # pylint: disable=import-outside-toplevel
   config = tiny_config()
-  model_config, params, tokenizer, _ = evaluate.load_trained(config, str(trained_workdir))
+  model_config, params, tokenizer = evaluate.load_trained(config, str(trained_workdir))[:3]
   maps, source_pieces, target_pieces, _ = plot.attention_maps(params, model_config, tokenizer,
                                                                TEXT, 20)
   layers, heads = model_config.num_decoder_layers, model_config.num_heads

@@ -1,62 +1,386 @@
-"""Orbax checkpoints in WORKDIR/checkpoints: periodic async saves, keep-last-N, automatic resume."""
+"""Orbax checkpoints in WORKDIR/checkpoints: async saves, keep-last-N and keep-best-by-metric,
+a verified resume that falls back past unreadable checkpoints, and preemption (SIGTERM/SIGINT).
+
+Each checkpoint STEP holds two items, committed together (orbax writes STEP.orbax-checkpoint-tmp
+and renames it when both are complete):
+  state  the TrainState (parameters, optimizer state, step)
+  meta   JSON: the step, the data-iterator position and RNG, the full config, the tokenizer's
+         sha256, and a checksum of every state array, which catches truncated or altered files.
+
+The train stream is random access by step and dropout draws fold the step into PRNGKey(seed), so
+(step, seed) is the whole data-iterator and RNG state; `meta` records it explicitly and a resume
+checks it.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import glob
+import hashlib
+import json
+import logging
 import os
+import signal
+import sys
+import threading
+from typing import Any, NamedTuple, Optional
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec as P
 
+from transformer_jax import parallel
 from transformer_jax.errors import UserError
 
+FORMAT = 1
+UNREADABLE = "checkpoints_unreadable"  # where train moves checkpoints that do not read back
+# Model keys that may change on resume: they change neither the parameter shapes nor what the
+# parameters compute. Every other model key, and switching gradient clipping on or off (it adds
+# optimizer state), makes a checkpoint incompatible.
+RESUMABLE_MODEL_KEYS = ("dropout_rate", "attention_dropout_rate", "attention_impl", "dtype", "init")
+LOWER_IS_BETTER = ("loss", "perplexity")
 
-def prepare_workdir(workdir: str) -> str:
-  """The absolute workdir, created if needed; a UserError if it cannot be used."""
+# ----------------------------------------------------------------------------- the workdir
+
+
+def check_workdir(workdir: str) -> str:
+  """The absolute workdir if training can write there; creates nothing. Raises UserError."""
   workdir = os.path.abspath(os.path.expanduser(workdir))
-  if os.path.exists(workdir) and not os.path.isdir(workdir):
-    raise UserError(f"--workdir {workdir} is a file; give a directory")
+  if os.path.exists(workdir):
+    if not os.path.isdir(workdir):
+      raise UserError(f"--workdir {workdir} is a file; give a directory")
+    if not os.access(workdir, os.W_OK | os.X_OK):
+      raise UserError(f"--workdir {workdir} is not writable; choose another or fix its "
+                      "permissions")
+    return workdir
+  parent = os.path.dirname(workdir)
+  while not os.path.exists(parent):
+    parent = os.path.dirname(parent)
+  if not os.path.isdir(parent):
+    raise UserError(f"cannot create --workdir {workdir}: {parent} is a file; choose another")
+  if not os.access(parent, os.W_OK | os.X_OK):
+    raise UserError(f"cannot create --workdir {workdir}: {parent} is not writable; choose "
+                    "another or fix its permissions")
+  return workdir
+
+
+def create_workdir(workdir: str) -> None:
   try:
     os.makedirs(workdir, exist_ok=True)
   except OSError as e:
     raise UserError(f"cannot create --workdir {workdir}: {e.strerror}; choose another") from None
-  if not os.access(workdir, os.W_OK | os.X_OK):
-    raise UserError(f"--workdir {workdir} is not writable; choose another or fix its permissions")
-  return workdir
+
+
+def sha256(data: bytes) -> str:
+  return hashlib.sha256(data).hexdigest()
+
+
+# ----------------------------------------------------------------------------- what is checked
+
+
+@jax.jit
+def checksums(tree) -> list:
+  """One uint32 per array: the wrapping sum of its bits, so any changed bit changes it."""
+  def bits(x):
+    if x.dtype == jnp.bool_:
+      return x.astype(jnp.uint32)
+    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
+    return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+  return [jnp.sum(bits(x), dtype=jnp.uint32) for x in jax.tree.leaves(tree)]
+
+
+def _flat(tree, prefix="") -> dict:
+  out = {}
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      out.update(_flat(value, f"{prefix}{key}."))
+    else:
+      out[f"{prefix}{key}"] = value
+  return out
+
+
+def config_json(config) -> dict:
+  return json.loads(config.to_json_best_effort())
+
+
+def compare_configs(saved: dict, config) -> tuple[list, list]:
+  """(incompatible, changed): `key old -> new` for keys of both configs whose values differ."""
+  old, new = _flat(saved), _flat(config_json(config))
+  incompatible, changed = [], []
+  for key in sorted(old.keys() & new.keys()):
+    a, b = old[key], new[key]
+    if key == "train.grad_clip_norm" and (a > 0) != (b > 0):
+      incompatible.append(f"{key} {a} -> {b} (clipping on/off changes the optimizer state)")
+    elif a != b:
+      fixed = key.startswith("model.") and key.split(".", 1)[1] not in RESUMABLE_MODEL_KEYS
+      (incompatible if fixed else changed).append(f"{key} {a} -> {b}")
+  return incompatible, changed
+
+
+# ----------------------------------------------------------------------------- the manager
+
+
+class Restored(NamedTuple):
+  step: int
+  state: Any
+  meta: dict
+  changed: list  # "key old -> new" for config values that differ from the checkpoint's
+
+
+class _Unreadable(Exception):
+  pass
+
+
+@contextlib.contextmanager
+def _quiet():
+  """Silences what orbax, tensorstore and asyncio print while a damaged checkpoint fails to read
+  (tracebacks of abandoned coroutines, error logs): the failure is reported once, by us."""
+  loggers = [logging.getLogger(name) for name in ("absl", "asyncio")]
+  levels = [lg.level for lg in loggers]
+  hook = sys.unraisablehook
+  for lg in loggers:
+    lg.setLevel(logging.CRITICAL)
+  sys.unraisablehook = lambda _: None
+  try:
+    yield
+  finally:
+    for lg, level in zip(loggers, levels):
+      lg.setLevel(level)
+    sys.unraisablehook = hook
+
+
+def _reason(e: Exception) -> str:
+  text = " ".join(str(e).split())
+  return f"{type(e).__name__}: {text[:160]}{'...' if len(text) > 160 else ''}"
+
+
+def _restore_target(target):
+  """ShapeDtypeStructs to restore into: the target's sharding, or replicated over all devices."""
+  replicated = NamedSharding(parallel.make_mesh(), P())
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=getattr(x, "sharding", None) or replicated), target)
 
 
 class Manager:
-  """Saves and restores the train state; wraps ocp.CheckpointManager."""
+  """Saves and restores the train state in WORKDIR/checkpoints; wraps ocp.CheckpointManager.
 
-  def __init__(self, workdir: str, config):
-    self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
-    options = ocp.CheckpointManagerOptions(max_to_keep=config.train.keep_checkpoints, create=True,
-                                           enable_async_checkpointing=True)
-    self._manager = ocp.CheckpointManager(self.directory, options=options)
+  Read-only unless `writable` (evaluation reads while a training run may be writing).
+  `tokenizer_sha`: the sha256 of the tokenizer this run uses; a checkpoint written with another
+  vocabulary is refused.
+  """
+
+  def __init__(self, workdir: str, config, tokenizer_sha: Optional[str] = None,
+               writable: bool = False):
+    self.workdir = os.path.abspath(workdir)
+    self.directory = os.path.join(self.workdir, "checkpoints")
+    self.config = config
+    self.tokenizer_sha = tokenizer_sha
+    self.unreadable = []  # steps found unreadable by latest_good()
+    if writable:
+      t = config.train
+      policies = [ocp.checkpoint_managers.LatestN(n=t.keep_checkpoints)]
+      if t.keep_best:
+        lower_is_better = t.best_metric in LOWER_IS_BETTER
+        worst = float("inf") if lower_is_better else float("-inf")
+        policies.append(ocp.checkpoint_managers.BestN(
+            get_metric_fn=lambda metrics: metrics.get(t.best_metric, worst),
+            reverse=lower_is_better, n=t.keep_best, keep_checkpoints_without_metrics=False))
+      options = ocp.CheckpointManagerOptions(
+          create=True, cleanup_tmp_directories=True, enable_async_checkpointing=True,
+          preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies))
+    else:
+      options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0)
+    with _quiet():  # orbax warns that a read-only directory is read-only
+      self._manager = ocp.CheckpointManager(self.directory, options=options)
 
   def latest_step(self):
     return self._manager.latest_step()
 
   def all_steps(self):
-    return list(self._manager.all_steps())
+    return sorted(self._manager.all_steps())
 
-  def restore(self, state, step=None):
-    """The checkpointed state at `step` (default: latest), shaped like `state`."""
-    step = self.latest_step() if step is None else step
-    if step is None or step not in self.all_steps():
-      raise UserError(f"no checkpoint at step {step} in {self.directory}; "
-                      f"available: {self.all_steps() or 'none'}")
-    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
-    return self._manager.restore(step, args=ocp.args.StandardRestore(abstract))
+  def unfinished_steps(self) -> list:
+    """Steps whose write never completed (the process died while saving); orbax ignores them."""
+    names = glob.glob(os.path.join(self.directory, "*.orbax-checkpoint-tmp*"))
+    return sorted({int(os.path.basename(n).split(".")[0]) for n in names
+                   if os.path.basename(n).split(".")[0].isdigit()})
 
-  def restore_or(self, state):
-    """The latest checkpoint if there is one, else `state` unchanged."""
-    return state if self.latest_step() is None else self.restore(state)
+  # --- saving
 
-  def save(self, step: int, state) -> None:
-    self._manager.save(step, args=ocp.args.StandardSave(state))
+  def save(self, step: int, state, metrics: Optional[dict] = None) -> None:
+    """Starts an async save of `state` as checkpoint `step`; eval `metrics` rank keep-best."""
+    seed = self.config.seed
+    meta = {
+        "format": FORMAT,
+        "step": step,
+        "data": {"position": step, "seed": seed},  # the next batch is TrainStream[position]
+        "rng": {"seed": seed, "key": jax.random.key_data(jax.random.key(seed)).tolist()},
+        "tokenizer": {"file": "tokenizer.model", "sha256": self.tokenizer_sha},
+        "checksums": [int(c) for c in jax.device_get(checksums(state))],
+        "config": config_json(self.config),
+    }
+    if metrics is not None:
+      metrics = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
+    self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                     meta=ocp.args.JsonSave(meta)),
+                       metrics=metrics, force=True)
 
   def wait(self) -> None:
     self._manager.wait_until_finished()
 
   def close(self) -> None:
     self._manager.close()
+
+  # --- restoring
+
+  def restore(self, target, step: Optional[int] = None):
+    """The state at `step` (default: the newest readable checkpoint), shaped like `target`."""
+    if step is None:
+      restored = self.latest_good(target)
+      if restored is None:
+        raise UserError(f"no checkpoint in {self.directory}; train first with --mode=train")
+      return restored.state
+    if step not in self.all_steps():
+      raise UserError(f"no checkpoint at step {step} in {self.directory}; "
+                      f"available: {self.all_steps() or 'none'}")
+    try:
+      return self._read(step, target).state
+    except _Unreadable as e:
+      raise UserError(f"checkpoint step {step} in {self.directory} is unreadable ({e}); choose "
+                      f"another step of {self.all_steps()}") from None
+
+  def latest_good(self, target) -> Optional[Restored]:
+    """The newest checkpoint that reads back intact, or None if there is no checkpoint.
+
+    Each unreadable newer checkpoint is reported in one line on stderr and recorded in
+    `self.unreadable`. A checkpoint of an incompatible config raises UserError.
+    """
+    for step in self.unfinished_steps():
+      print(f"warning: ignoring the unfinished checkpoint of step {step} in {self.directory} "
+            "(the run stopped while writing it)", file=sys.stderr, flush=True)
+    steps = self.all_steps()
+    reasons = []
+    for step in reversed(steps):
+      try:
+        return self._read(step, target)
+      except _Unreadable as e:
+        self.unreadable.append(step)
+        reasons.append(f"step {step}: {e}")
+        print(f"warning: checkpoint step {step} in {self.directory} is unreadable ({e}); "
+              "using the previous one", file=sys.stderr, flush=True)
+    if steps:
+      raise UserError(f"no readable checkpoint in {self.directory} ({'; '.join(reasons)}); move "
+                      "the directory away to start over")
+    return None
+
+  def set_aside_unreadable(self) -> list:
+    """Moves the checkpoints latest_good() could not read to WORKDIR/checkpoints_unreadable, so
+    that training can save those steps again (kept, not deleted, for a post-mortem). Returns
+    their steps."""
+    moved, self.unreadable = self.unreadable, []
+    if jax.process_index() == 0:  # one process moves them; the others wait for it below
+      for step in moved:
+        destination = os.path.join(self.workdir, UNREADABLE, str(step))
+        n = 1
+        while os.path.exists(destination):
+          destination = os.path.join(self.workdir, UNREADABLE, f"{step}-{n}")
+          n += 1
+        os.makedirs(os.path.dirname(destination), exist_ok=True)
+        os.replace(os.path.join(self.directory, str(step)), destination)
+    if moved and jax.process_count() > 1:
+      multihost_utils.sync_global_devices("checkpoints set aside")
+    return moved
+
+  def _read(self, step: int, target) -> Restored:
+    if not os.path.isdir(os.path.join(self.directory, str(step), "meta")):
+      raise _Unreadable("it has no meta item: written by an older version or incomplete")
+    with _quiet():
+      try:
+        meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        meta = meta["meta"]
+      except Exception as e:  # pylint: disable=broad-except  # any damage to the files
+        raise _Unreadable(f"its metadata does not read: {_reason(e)}") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+      raise _Unreadable("it has no metadata of this version")
+    try:
+      expected_key = jax.random.key_data(jax.random.key(meta["rng"]["seed"])).tolist()
+      consistent = (meta["step"] == step and meta["data"]["position"] == step
+                    and meta["rng"]["key"] == expected_key)
+      saved_config, saved_sha = meta["config"], meta["tokenizer"]["sha256"]
+    except (KeyError, TypeError) as e:
+      raise _Unreadable(f"its metadata lacks {e}") from None
+    if not consistent:
+      raise _Unreadable("its metadata does not match its step")
+
+    incompatible, changed = compare_configs(saved_config, self.config)
+    if incompatible:
+      raise UserError(f"checkpoint step {step} in {self.directory} does not fit this config: "
+                      f"{', '.join(incompatible)}; keep the checkpoint's values (its "
+                      "config.json) or start a new --workdir")
+    if self.tokenizer_sha and saved_sha and self.tokenizer_sha != saved_sha:
+      raise UserError(f"checkpoint step {step} in {self.directory} was trained with another "
+                      f"vocabulary (tokenizer sha256 {saved_sha[:12]}, now "
+                      f"{self.tokenizer_sha[:12]}); restore WORKDIR/tokenizer.model or start a "
+                      "new --workdir")
+
+    with _quiet():
+      try:
+        state = self._manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(_restore_target(target))))["state"]
+      except Exception as e:  # pylint: disable=broad-except  # any damage to the files
+        raise _Unreadable(f"its arrays do not read: {_reason(e)}") from None
+    if [int(c) for c in jax.device_get(checksums(state))] != meta["checksums"]:
+      raise _Unreadable("its arrays do not match the checksums written with them")
+    return Restored(step, state, meta, changed)
+
+
+# ----------------------------------------------------------------------------- preemption
+
+
+class Preemption:
+  """`with Preemption() as p:` ... `if p.reached(step):` save and stop.
+
+  One process: SIGTERM or SIGINT (Ctrl-C) sets a flag that the loop reads after each step, so the
+  step in flight finishes and is checkpointed; a second Ctrl-C interrupts at once. Several
+  processes: JAX's preemption sync point, which tells every host to stop at the same step (the
+  coordination service handles SIGTERM there, so no handler is installed).
+  """
+
+  def __init__(self):
+    self.signal = None  # the name of the signal received
+    self._previous = {}
+    self._sync = True
+
+  def __enter__(self):
+    if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
+      for sig in (signal.SIGTERM, signal.SIGINT):
+        self._previous[sig] = signal.signal(sig, self._handle)
+    return self
+
+  def __exit__(self, *exc):
+    for sig, handler in self._previous.items():
+      signal.signal(sig, handler)
+    self._previous = {}
+
+  def _handle(self, signum, frame):  # pylint: disable=unused-argument
+    if self.signal is not None and signum == signal.SIGINT:
+      raise KeyboardInterrupt
+    self.signal = signal.Signals(signum).name
+
+  def reached(self, step: int) -> bool:
+    """Whether to checkpoint `step` and stop; called after every step."""
+    if jax.process_count() == 1:
+      return self.signal is not None
+    if not self._sync:
+      return False
+    try:
+      if multihost_utils.reached_preemption_sync_point(step):
+        self.signal = "preemption notice"
+        return True
+    except RuntimeError as e:  # jax.distributed started without its preemption service
+      self._sync = False
+      print(f"warning: no preemption checkpoints in this multi-process run ({e})",
+            file=sys.stderr, flush=True)
+    return False

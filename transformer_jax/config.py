@@ -28,12 +28,20 @@ def default_config() -> ml_collections.ConfigDict:
   c.data = ml_collections.ConfigDict()
   c.data.source = "scan"  # scan | tfds | files
   c.data.scan_split = "simple"  # simple | length
+  c.data.tfds_name = ""  # source=tfds: a TFDS translation dataset, e.g. wmt14_translate/de-en
+  c.data.tfds_data_dir = ""  # source=tfds: "" = $TFDS_DATA_DIR or ~/tensorflow_datasets
+  c.data.tfds_download = True  # source=tfds: download and prepare the dataset if it is not there
+  c.data.path = ""  # source=files: the directory holding the split files
+  c.data.format = "parallel"  # source=files: parallel (SPLIT.SRC + SPLIT.TGT) | tsv (SPLIT.tsv)
+  c.data.source_lang = "en"  # the direction, for tfds and parallel files
+  c.data.target_lang = "de"
   c.data.train_split = "train"
-  c.data.eval_split = "test"
-  c.data.max_source_len = 64
+  c.data.eval_split = "test"  # evaluated during and after training
+  c.data.test_split = "test"  # the held-out test set (e.g. newstest2014)
+  c.data.max_source_len = 64  # longer examples are dropped (EOS included)
   c.data.max_target_len = 64
-  c.data.batching = "tokens"  # tokens: length-bucketed batches under a token budget | fixed
-  c.data.tokens_per_batch = 4096  # global budget per side, padding included (batching=tokens)
+  c.data.batching = "tokens"  # tokens (length buckets under a token budget) | packed | fixed
+  c.data.tokens_per_batch = 4096  # global budget per side, padding included (tokens, packed)
   c.data.bucket_width = 8  # length buckets of this width (batching=tokens)
   c.data.batch_size = 64  # global, in examples (batching=fixed)
   c.data.shuffle_buffer = 0  # 0 = full random permutation each epoch
@@ -58,15 +66,31 @@ def default_config() -> ml_collections.ConfigDict:
   c.train.log_every = 100
   c.train.eval_every = 0  # 0 = evaluate only at the end
   c.train.checkpoint_every = 1000
-  c.train.keep_checkpoints = 3
+  c.train.keep_checkpoints = 3  # the latest N checkpoints are kept
+  c.train.keep_best = 1  # also keep the N best by train.best_metric (at eval_every steps); 0 = off
+  c.train.best_metric = "loss"  # loss | perplexity (lower is better) | token_accuracy | bleu | ...
+  c.train.on_nonfinite = "stop"  # NaN/inf loss or gradients: stop, keeping good checkpoints | skip
 
   c.eval = ml_collections.ConfigDict()
   c.eval.batch_size = 256
   c.eval.max_decode_len = 0  # 0 = data.max_target_len
-  c.eval.decode = "greedy"  # greedy | beam
-  c.eval.beam_size = 4
-  c.eval.length_penalty = 0.6
+  c.eval.decode = "greedy"  # greedy | beam | sample
+  c.eval.beam_size = 4  # decode=beam
+  c.eval.length_penalty = 0.6  # decode=beam: GNMT alpha; 0 = rank by log-probability
+  c.eval.temperature = 1.0  # decode=sample
+  c.eval.top_k = 0  # decode=sample: sample among the k most probable tokens; 0 = all
   c.eval.max_examples = 0  # 0 = the whole split
+  c.eval.average_last = 0  # evaluate/translate with the mean of the last N checkpoints; 0 = off
+
+  c.benchmark = ml_collections.ConfigDict()  # --mode=benchmark
+  c.benchmark.batch_size = 64  # global rows of the synthetic batch
+  c.benchmark.source_len = 32
+  c.benchmark.target_len = 32
+  c.benchmark.warmup = 3
+  c.benchmark.steps = 20  # timed train steps; the median is reported
+  c.benchmark.decode_batch = 32
+  c.benchmark.decode_steps = 3  # timed decode batches (greedy and beam 4); 0 skips decoding
+  c.benchmark.torch = False  # also time torch.nn.Transformer (needs the [torch] extra)
   return c
 
 
@@ -85,9 +109,12 @@ def model_config(config: ml_collections.ConfigDict, platform: str = "cpu") -> Mo
 _CHOICES = {
     "data.source": ("scan", "tfds", "files"),
     "data.scan_split": ("simple", "length"),
-    "data.batching": ("tokens", "fixed"),
+    "data.batching": ("tokens", "packed", "fixed"),
+    "data.format": ("parallel", "tsv"),
     "train.schedule": ("rsqrt", "constant", "cosine"),
-    "eval.decode": ("greedy", "beam"),
+    "train.best_metric": ("loss", "perplexity", "token_accuracy", "exact_match", "bleu", "chrf"),
+    "train.on_nonfinite": ("stop", "skip"),
+    "eval.decode": ("greedy", "beam", "sample"),
 }
 
 
@@ -106,16 +133,49 @@ def validate(config: ml_collections.ConfigDict, platform: str = "cpu") -> ModelC
     if _get(config, key) <= 0:
       raise UserError(f"{key} must be positive, got {_get(config, key)}")
   for key in ("train.warmup_steps", "train.eval_every", "eval.max_decode_len",
-              "eval.max_examples", "train.grad_clip_norm", "train.weight_decay"):
+              "eval.max_examples", "train.grad_clip_norm", "train.weight_decay",
+              "eval.length_penalty", "eval.top_k", "eval.average_last", "train.keep_best"):
     if _get(config, key) < 0:
       raise UserError(f"{key} must be >= 0, got {_get(config, key)}")
   if config.train.learning_rate <= 0:
     raise UserError(f"train.learning_rate must be positive, got {config.train.learning_rate}")
   if not 0.0 <= config.train.label_smoothing < 1.0:
     raise UserError(f"train.label_smoothing must be in [0, 1), got {config.train.label_smoothing}")
+  if config.eval.temperature <= 0:
+    raise UserError(f"eval.temperature must be positive, got {config.eval.temperature}")
+  if config.eval.average_last > config.train.keep_checkpoints:
+    raise UserError(f"eval.average_last ({config.eval.average_last}) exceeds "
+                    f"train.keep_checkpoints ({config.train.keep_checkpoints}), the checkpoints a "
+                    "run keeps; lower it or raise train.keep_checkpoints")
+  if config.eval.max_decode_len > model.max_len:
+    raise UserError(f"eval.max_decode_len ({config.eval.max_decode_len}) must be at most "
+                    f"model.max_len ({model.max_len}); lower it or raise model.max_len")
   if config.train.schedule == "rsqrt" and config.train.warmup_steps == 0:
     raise UserError("train.warmup_steps must be positive for the rsqrt schedule")
   for key, choices in _CHOICES.items():
     if _get(config, key) not in choices:
       raise UserError(f"{key} must be one of {', '.join(choices)}; got {_get(config, key)!r}")
+  _validate_data(config.data)
   return model
+
+
+def _validate_data(d) -> None:
+  """The data values that can be checked without reading data."""
+  if d.source == "tfds" and not d.tfds_name:
+    raise UserError("data.source=tfds needs data.tfds_name, e.g. "
+                    "--config.data.tfds_name=wmt14_translate/de-en")
+  if d.source == "files" and not d.path:
+    raise UserError("data.source=files needs data.path, the directory holding the split files, "
+                    "e.g. --config.data.path=../shared/data/multi30k")
+  if d.source == "tfds" or (d.source == "files" and d.format == "parallel"):
+    if not d.source_lang or not d.target_lang or d.source_lang == d.target_lang:
+      raise UserError(f"data.source_lang ({d.source_lang!r}) and data.target_lang "
+                      f"({d.target_lang!r}) must be two different languages, e.g. en and de")
+  for key in ("train_split", "eval_split"):
+    if not d[key]:
+      raise UserError(f"data.{key} is empty; name a split of the data source")
+  if not 0.0 < d.tokenizer.character_coverage <= 1.0:
+    raise UserError("data.tokenizer.character_coverage must be in (0, 1], got "
+                    f"{d.tokenizer.character_coverage}")
+  if d.tokenizer.sample_size <= 0:
+    raise UserError(f"data.tokenizer.sample_size must be positive, got {d.tokenizer.sample_size}")

@@ -6,9 +6,12 @@ cache) -> one `decode_step` per output position inside a `lax.while_loop` that s
 no row can change any more.
 
 Conventions: pad = 0, BOS = `bos_id`, EOS = `eos_id`. Outputs are int32 `[batch, max_length]`
-without BOS, with EOS, and zeros after EOS (a row that reaches `max_length` first has no EOS). PAD and BOS are never emitted: their log-probabilities
-are set to -inf *without renormalising*, so every score below is the model's own log-probability
-of the tokens chosen and agrees with `sequence_log_prob`, which runs the full (uncached) model.
+without BOS, with EOS, and zeros after EOS (a row that reaches `max_length` first has no EOS).
+PAD and BOS are never emitted: their log-probabilities are set to -inf *without renormalising*,
+so every score below is the model's own log-probability of the tokens chosen and agrees with
+`sequence_log_prob`, which runs the full (uncached) model. A source row of padding only (how
+callers fill a batch to its fixed size) is not decoded: its output is all zeros at once, so it
+never keeps the loop running.
 
 The searches and `sequence_log_prob` are jitted pure functions: `config`, `max_length`, the beam
 size, top-k and the special ids are static (they fix shapes or control flow), everything else
@@ -107,6 +110,11 @@ def _mask_special(log_probs: Array, bos_id: int) -> Array:
   return jnp.where(forbidden, NEG_INF, log_probs)
 
 
+def _empty_rows(source_tokens: Array) -> Array:
+  """bool `[batch]`: rows of padding only, which the searches treat as finished from the start."""
+  return ~jnp.any(source_tokens != 0, axis=-1)
+
+
 def _step_log_probs(params, config, cache, encoded, source_tokens, tokens, step, bos_id):
   """decode_step followed by log_softmax and the PAD/BOS mask: `[batch, vocab]`, cache."""
   logits, cache = decode_step(params, config, cache, encoded, source_tokens, tokens, step)
@@ -164,7 +172,7 @@ def _left_to_right(params, config: ModelConfig, source_tokens: Array, max_length
     return step + 1, chosen, tokens, cache, finished | (chosen == eos_id)
 
   state = (jnp.array(0, jnp.int32), jnp.full((batch,), bos_id, jnp.int32),
-           jnp.zeros((batch, max_length), jnp.int32), cache, jnp.zeros((batch,), bool))
+           jnp.zeros((batch, max_length), jnp.int32), cache, _empty_rows(source_tokens))
   return jax.lax.while_loop(not_done, advance, state)[2]
 
 
@@ -276,9 +284,11 @@ def beam_search(params, config: ModelConfig, source_tokens: Array, max_length: i
 
   Returns:
     (tokens int32 `[batch, max_length]`: no BOS, EOS included, zeros after EOS;
-     scores float32 `[batch]`: log p(tokens | source) / length_penalty(len(tokens), alpha)).
+     scores float32 `[batch]`: log p(tokens | source) / length_penalty(len(tokens), alpha);
+     a padding-only source row gets zeros and score 0).
   """
   batch = source_tokens.shape[0]
+  empty = _empty_rows(source_tokens)
   encoded = _tile_beams(encode(params, config, source_tokens), beam_size)
   source_tokens = _tile_beams(source_tokens, beam_size)
   cache = init_cache(params, config, encoded, source_tokens, max_length)
@@ -318,14 +328,15 @@ def beam_search(params, config: ModelConfig, source_tokens: Array, max_length: i
                   cache=_reorder_cache(cache, _gather(parents, keep)))
 
   # All beams start as the empty prefix; only the first may expand, or the first step would
-  # fill the beam with beam_size copies of each extension.
-  first_only = jnp.where(jnp.arange(beam_size) == 0, 0.0, NEG_INF).astype(jnp.float32)
+  # fill the beam with beam_size copies of each extension. A padding-only row starts finished
+  # with the empty output scored 0, which nothing can beat, so it is done at once.
+  first = jnp.arange(beam_size) == 0
   beams = _Beams(
       step=jnp.array(0, jnp.int32),
       alive_tokens=jnp.zeros((batch, beam_size, max_length), jnp.int32),
-      alive_log_probs=jnp.broadcast_to(first_only, (batch, beam_size)),
+      alive_log_probs=jnp.where(first & ~empty[:, None], 0.0, NEG_INF).astype(jnp.float32),
       finished_tokens=jnp.zeros((batch, beam_size, max_length), jnp.int32),
-      finished_scores=jnp.full((batch, beam_size), NEG_INF, jnp.float32),
+      finished_scores=jnp.where(first & empty[:, None], 0.0, NEG_INF).astype(jnp.float32),
       cache=cache)
   beams = jax.lax.while_loop(not_done, advance, beams)
   return beams.finished_tokens[:, 0], beams.finished_scores[:, 0]

@@ -6,7 +6,6 @@ import json
 import os
 import time
 
-from tensorboardX import SummaryWriter
 
 
 def _duration(seconds: float) -> str:
@@ -22,6 +21,9 @@ class MetricLogger:
   def __init__(self, workdir: str, total_steps: int, start_step: int = 0):
     self.total_steps = total_steps
     self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a", encoding="utf-8")
+    # Imported here: tensorboardX imports torch when it is installed (seconds), and only
+    # training writes events.
+    from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
     self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
     self._last_time = time.time()
     self._last_step = start_step
@@ -49,7 +51,8 @@ class MetricLogger:
     self._write(record)
     print(f"step {step}/{self.total_steps} | loss {record['loss']:.4f} | acc "
           f"{record['accuracy']:.4f} | lr {learning_rate:.3g} | gnorm {record['grad_norm']:.3f} | "
-          f"{tokens_per_s:,.0f} tok/s | {steps_per_s:.2f} steps/s | ETA {_duration(eta)}",
+          + (f"pad {record['padding']:.1%} | " if "padding" in record else "")
+          + f"{tokens_per_s:,.0f} tok/s | {steps_per_s:.2f} steps/s | ETA {_duration(eta)}",
           flush=True)
 
   def eval(self, step: int, metrics: dict) -> None:

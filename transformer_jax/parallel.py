@@ -7,11 +7,32 @@ devices. The step never needs to know how many devices there are.
 
 from __future__ import annotations
 
+import os
+
 import jax
 import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 DATA_AXIS = "data"
+
+
+def initialize_distributed(coordinator_address=None, num_processes=None, process_id=None) -> None:
+  """Starts JAX's multi-process runtime when this is one process of several.
+
+  Explicit flags win; otherwise JAX detects Cloud TPU pods and SLURM jobs (several tasks) itself.
+  A single process on one machine needs none of this and skips it.
+  """
+  explicit = coordinator_address is not None or num_processes is not None
+  slurm = int(os.environ.get("SLURM_NTASKS", "1")) > 1
+  tpu_pod = "TPU_WORKER_HOSTNAMES" in os.environ and "," in os.environ["TPU_WORKER_HOSTNAMES"]
+  if not (explicit or slurm or tpu_pod):
+    return
+  if explicit and (coordinator_address is None or num_processes is None or process_id is None):
+    from transformer_jax.errors import UserError  # pylint: disable=import-outside-toplevel
+    raise UserError("multi-process runs need all of --coordinator_address, --num_processes and "
+                    "--process_id (or none of them on Cloud TPU / SLURM)")
+  jax.distributed.initialize(coordinator_address=coordinator_address,
+                             num_processes=num_processes, process_id=process_id)
 
 
 def make_mesh(devices=None) -> jax.sharding.Mesh:
@@ -31,11 +52,45 @@ def data_parallel(step_fn, mesh, donate_state: bool = True):
   return jax.jit(sharded, donate_argnums=(0,) if donate_state else ())
 
 
+def process_rows(global_rows: int) -> slice:
+  """The rows of a global batch that this process puts on its devices (all of them with one
+  process). Every process derives the same global batch plan; each materialises only its part."""
+  count, index = jax.process_count(), jax.process_index()
+  if global_rows % count:
+    from transformer_jax.errors import UserError  # pylint: disable=import-outside-toplevel
+    raise UserError(f"a global batch of {global_rows} rows does not split over {count} processes")
+  per_process = global_rows // count
+  return slice(index * per_process, (index + 1) * per_process)
+
+
 def shard_batch(batch, mesh):
-  """Places a host batch on the mesh, split along the leading (batch) axis."""
+  """Places a global host batch on the mesh, split along the leading (batch) axis.
+
+  With several processes each one contributes only its own rows (`process_rows`); the devices
+  of the mesh are ordered by process, so process i's rows land on process i's devices.
+  """
   sharding = NamedSharding(mesh, P(DATA_AXIS))
-  return jax.tree.map(lambda x: jax.device_put(x, sharding), batch)
+  if jax.process_count() == 1:
+    return jax.tree.map(lambda x: jax.device_put(x, sharding), batch)
+  rows = process_rows(len(jax.tree.leaves(batch)[0]))
+  return jax.tree.map(
+      lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x[rows]),
+                                                       x.shape), batch)
 
 
 def replicate(tree, mesh):
-  return jax.device_put(tree, NamedSharding(mesh, P()))
+  """Copies a host (or single-device) pytree onto every device of the mesh, across processes."""
+  sharding = NamedSharding(mesh, P())
+  if jax.process_count() == 1:
+    return jax.device_put(tree, sharding)
+  return jax.tree.map(
+      lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x), np.shape(x)),
+      tree)
+
+
+def to_local(tree):
+  """A replicated global pytree as arrays on this process's first device (for host-side work
+  such as evaluation, which every process can then run on its own)."""
+  if jax.process_count() == 1:
+    return tree
+  return jax.tree.map(lambda x: x.addressable_data(0) if isinstance(x, jax.Array) else x, tree)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import textwrap
 from typing import Optional
 
 import matplotlib
@@ -85,8 +86,10 @@ def plot_attention(weights: np.ndarray, query_tokens: list[str], key_tokens: lis
     weights: `[layers, heads, q_len, kv_len]` attention weights of one example.
   """
   layers, heads = weights.shape[:2]
-  cell = max(2.2, 0.28 * max(len(query_tokens), len(key_tokens)))
-  fig, axes = plt.subplots(layers, heads, figsize=(cell * heads + 1, cell * layers + 0.6),
+  # One square per token pair; room for the token labels on the left and below.
+  width = 0.22 * len(key_tokens) + 1.4
+  height = 0.22 * len(query_tokens) + 1.4
+  fig, axes = plt.subplots(layers, heads, figsize=(width * heads, height * layers + 0.5),
                            squeeze=False)
   for layer in range(layers):
     for head in range(heads):
@@ -98,7 +101,8 @@ def plot_attention(weights: np.ndarray, query_tokens: list[str], key_tokens: lis
       ax.set_yticks(range(len(query_tokens)))
       ax.set_yticklabels(query_tokens, fontsize=7)
       ax.set_title(f"layer {layer} head {head}", fontsize=8)
-  fig.suptitle(title)
+  title = title if len(title) <= 160 else title[:157] + "..."
+  fig.suptitle(textwrap.fill(title, max(30, int(width * heads * 9))), fontsize=9)
   fig.tight_layout()
   fig.savefig(path, dpi=100)
   plt.close(fig)
@@ -159,7 +163,7 @@ def plot_workdir(config, workdir: str, text: Optional[str] = None,
   params = tokenizer = None
   if text is not None or model_config.positional == "learned":
     from transformer_jax import evaluate  # pylint: disable=import-outside-toplevel
-    model_config, params, tokenizer, _ = evaluate.load_trained(config, workdir, step)
+    model_config, params, tokenizer = evaluate.load_trained(config, workdir, step)[:3]
   length = min(model_config.max_len, 100)
   if model_config.positional == "learned":
     table = np.asarray(params["encoder"]["positions"]["table"])[:length]

@@ -60,10 +60,16 @@ def label_smoothed_cross_entropy(logits, targets, smoothing: float):
   return (1.0 - smoothing) * nll + smoothing * uniform, nll
 
 
-def shift_right(targets, bos_id: int = tokenizer_lib.BOS_ID):
-  """Decoder inputs: BOS followed by the targets without their last position. `[batch, length]`."""
+def shift_right(targets, bos_id: int = tokenizer_lib.BOS_ID, segments=None):
+  """Decoder inputs: BOS followed by the targets without their last position. `[batch, length]`.
+
+  With `segments` (int `[batch, length]`, packed rows), every example starts with its own BOS.
+  """
   bos = jnp.full((targets.shape[0], 1), bos_id, targets.dtype)
   shifted = jnp.concatenate([bos, targets[:, :-1]], axis=1)
+  if segments is not None:
+    previous = jnp.concatenate([jnp.zeros_like(segments[:, :1]), segments[:, :-1]], axis=1)
+    shifted = jnp.where(segments != previous, bos_id, shifted)
   return jnp.where(targets > 0, shifted, 0)
 
 
@@ -95,8 +101,13 @@ def create_state(model_config: ModelConfig, optimizer, seed: int) -> TrainState:
 def _loss_and_metrics(params, model, batch, rng, smoothing, normalizer):
   """Sum of the smoothed loss over this shard's tokens, divided by the global token count."""
   targets = batch["targets"]
-  logits = model.apply({"params": params}, batch["inputs"], shift_right(targets),
-                       rngs={"dropout": rng})
+  segments = batch.get("targets_segmentation")  # packed rows (data.batching=packed) only
+  logits = model.apply({"params": params}, batch["inputs"],
+                       shift_right(targets, segments=segments),
+                       source_positions=batch.get("inputs_position"),
+                       target_positions=batch.get("targets_position"),
+                       source_segments=batch.get("inputs_segmentation"),
+                       target_segments=segments, rngs={"dropout": rng})
   loss, nll = label_smoothed_cross_entropy(logits, targets, smoothing)
   weights = (targets > 0).astype(jnp.float32)
   correct = (jnp.argmax(logits, -1) == targets) * weights
@@ -132,9 +143,19 @@ def train_step(state: TrainState, batch, rng, *, model: Transformer, optimizer, 
 
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
+  # A NaN/inf loss or gradient leaves parameters and optimizer state as they were (the step still
+  # advances to the next batch); `finite` tells the loop, which stops or skips on the host.
+  grad_norm = optax.tree.norm(grads)
+  finite = jnp.isfinite(sums["loss"]) & jnp.isfinite(grad_norm)
+  params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+                                   (params, opt_state), (state.params, state.opt_state))
+  # Share of padding in the batch, both sides: what bucketing and packing try to keep low.
+  real, slots = jax.lax.psum(
+      (sum((batch[k] > 0).sum() for k in ("inputs", "targets")).astype(jnp.float32),
+       jnp.float32(batch["inputs"].size + batch["targets"].size)), axis_name)
   metrics = {"loss": sums["loss"] / tokens, "nll": sums["nll"] / tokens,
-             "accuracy": sums["correct"] / tokens, "grad_norm": optax.global_norm(grads),
-             "tokens": tokens}
+             "accuracy": sums["correct"] / tokens, "grad_norm": grad_norm,
+             "tokens": tokens, "padding": 1.0 - real / slots, "finite": finite}
   return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
@@ -154,51 +175,113 @@ def make_train_step(model_config: ModelConfig, config, mesh, optimizer):
 # ----------------------------------------------------------------------------- the loop
 
 
+def prepare_tokenizer(config, workdir: str, train_pairs, vocab_size: int):
+  """(tokenizer, new): the run's tokenizer, and whether WORKDIR/tokenizer.model is still to write.
+
+  The workdir's tokenizer wins (a resumed run keeps its ids); else data.tokenizer.model_path;
+  else one trained on a sample of the train split. Nothing is written here.
+  """
+  t = config.data.tokenizer
+  path = os.path.join(workdir, tokenizer_lib.FILENAME)
+  new = not os.path.exists(path)
+  if not new:
+    tokenizer = tokenizer_lib.load(path)
+    if t.model_path and tokenizer_lib.load(t.model_path).model_proto != tokenizer.model_proto:
+      raise UserError(f"data.tokenizer.model_path {t.model_path} is not {path}, the vocabulary "
+                      "this workdir was trained with; drop the override or start a new --workdir")
+  elif t.model_path:
+    tokenizer = tokenizer_lib.load(t.model_path)
+  else:
+    texts = tokenizer_lib.training_texts(train_pairs, t.sample_size, config.seed)
+    tokenizer = tokenizer_lib.train(texts, vocab_size, t.model_type, t.character_coverage,
+                                    t.sample_size)
+  if tokenizer.vocab_size > vocab_size:
+    raise UserError(f"the tokenizer has {tokenizer.vocab_size} pieces but model.vocab_size is "
+                    f"{vocab_size}; raise model.vocab_size")
+  return tokenizer, new
+
+
 def prepare_data(config, workdir: str, model_config: ModelConfig):
-  """Loads the splits, the tokenizer (trained once into the workdir) and encodes both splits."""
+  """Loads the splits and the tokenizer, and encodes the train split. Writes nothing.
+
+  Returns (tokenizer, new_tokenizer, train_set, eval_pairs).
+  """
   train_pairs = data.load_split(config.data, config.data.train_split)
   if not len(train_pairs):
     raise UserError(f"the {config.data.train_split!r} split is empty; check the data config")
-  texts = (text for pair in train_pairs for text in pair)
-  tokenizer = tokenizer_lib.load_or_train(config.data.tokenizer, workdir, texts,
-                                          model_config.vocab_size)
+  tokenizer, new = prepare_tokenizer(config, workdir, train_pairs, model_config.vocab_size)
   d = config.data
   train_set = pipeline.encode(train_pairs, tokenizer, d.max_source_len, d.max_target_len)
   if not len(train_set):
     raise UserError("every training example is longer than data.max_source_len / "
                     "data.max_target_len; raise them")
   eval_pairs = data.load_split(config.data, config.data.eval_split)
-  return tokenizer, train_set, eval_pairs
+  return tokenizer, new, train_set, eval_pairs
 
 
-def _save_config(config, workdir):
-  path = os.path.join(workdir, "config.json")
-  with open(path + ".tmp", "w") as f:
-    f.write(config.to_json_best_effort(indent=2))
+def _write(path: str, content: bytes) -> None:
+  with open(path + ".tmp", "wb") as f:
+    f.write(content)
   os.replace(path + ".tmp", path)
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
-  """Trains `config` in `workdir` (resuming from its latest checkpoint), then evaluates.
+def _check_finite(unchecked, policy: str, manager: checkpoint.Manager) -> None:
+  """Reports the steps of `unchecked` [(step, metrics)] whose loss or gradients were NaN/inf.
 
-  Returns the final evaluation metrics.
+  The step itself did not apply those updates. policy "skip": one line per skipped step.
+  "stop": a UserError naming the first such step, raised once the saves in flight are written,
+  so the checkpoints on disk are the good ones from before it.
+  """
+  flags = jax.device_get([(m["finite"], m["loss"], m["grad_norm"]) for _, m in unchecked])
+  for (step, _), (finite, loss, grad_norm) in zip(unchecked, flags):
+    if finite:
+      continue
+    values = f"loss {float(loss)}, gradient norm {float(grad_norm)}"
+    if policy == "skip":
+      print(f"step {step}: skipped the update ({values}); train.on_nonfinite=skip", flush=True)
+      continue
+    manager.wait()
+    raise UserError(f"non-finite loss or gradients at step {step} ({values}); stopped without "
+                    f"saving it (checkpoints: {manager.all_steps() or 'none'}); lower "
+                    "train.learning_rate, set train.grad_clip_norm, or set "
+                    "train.on_nonfinite=skip")
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
+  """Trains `config` in `workdir` (resuming from its newest readable checkpoint), then evaluates.
+
+  Everything the user's input can fail (config, data, tokenizer, batching, a checkpoint's
+  compatibility) is checked before the workdir is touched. SIGTERM/SIGINT end the run after the
+  current step with a checkpoint. Returns the final evaluation metrics ({} if stopped early).
   """
   model_config = config_lib.validate(config, jax.default_backend())
   t = config.train
-  workdir = checkpoint.prepare_workdir(workdir)
-  tokenizer, train_set, eval_pairs = prepare_data(config, workdir, model_config)
-  _save_config(config, workdir)
-
+  workdir = checkpoint.check_workdir(workdir)
+  tokenizer, new_tokenizer, train_set, eval_pairs = prepare_data(config, workdir, model_config)
   mesh = parallel.make_mesh()
   optimizer = make_optimizer(config.train, model_config.d_model)
   p_train_step = make_train_step(model_config, config, mesh, optimizer)
-  manager = checkpoint.Manager(workdir, config)
-  state = create_state(model_config, optimizer, config.seed)
-  state = manager.restore_or(state)
-  start = int(state.step)
-  state = parallel.replicate(state, mesh)
   stream = pipeline.TrainStream(train_set, config.data, config.seed,
                                 row_multiple=mesh.devices.size * t.grad_accum_steps)
+  new_state = lambda: create_state(model_config, optimizer, config.seed)
+  tokenizer_sha = checkpoint.sha256(tokenizer.model_proto)
+  reader = checkpoint.Manager(workdir, config, tokenizer_sha)
+  restored = reader.latest_good(jax.eval_shape(new_state))
+  reader.close()
+
+  # Every check passed: from here on the workdir changes.
+  checkpoint.create_workdir(workdir)
+  if new_tokenizer:
+    _write(os.path.join(workdir, tokenizer_lib.FILENAME), tokenizer.model_proto)
+  _write(os.path.join(workdir, "config.json"), config.to_json_best_effort(indent=2).encode())
+  set_aside = reader.set_aside_unreadable()
+  manager = checkpoint.Manager(workdir, config, tokenizer_sha, writable=True)
+  if restored:
+    state, start = restored.state, restored.step
+  else:
+    # One compiled initialiser, not hundreds of op-by-op dispatches; made replicated on the mesh.
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    state, start = jax.jit(new_state, out_shardings=replicated)(), 0
   rng = jax.random.PRNGKey(config.seed)
 
   counts = count_params(state.params)
@@ -206,29 +289,46 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   print(f"data: {len(train_set):,} train examples ({train_set.dropped} too long, dropped), "
         f"{len(eval_pairs):,} eval examples, vocabulary {tokenizer.vocab_size}, "
         f"{mesh.devices.size} device(s) ({jax.default_backend()})", flush=True)
-  if start:
-    print(f"resuming from step {start}", flush=True)
+  if restored:
+    changed = f" with changed config: {', '.join(restored.changed)}" if restored.changed else ""
+    moved = (f" (unreadable steps {set_aside} moved to {checkpoint.UNREADABLE}/)" if set_aside
+             else "")
+    print(f"resuming from step {start}{changed}{moved}", flush=True)
   logger = MetricLogger(workdir, total_steps=config.train.steps, start_step=start)
   logger.text("config", config.to_json_best_effort(indent=2))
   logger.text("model", f"{describe(model_config)}\n{counts}")
+  schedule = make_schedule(t, model_config.d_model)
 
-  eval_metrics = {}
-  for step in range(start, t.steps):
-    batch = parallel.shard_batch(stream[step], mesh)
-    state, metrics = p_train_step(state, batch, rng)
-    done = step + 1
-    if done % t.log_every == 0 or done == t.steps:
-      metrics = jax.device_get(metrics)
-      if not np.isfinite(metrics["loss"]):
-        raise UserError(f"the loss became {metrics['loss']} at step {done}; lower "
-                        "train.learning_rate or enable train.grad_clip_norm")
-      lr = float(make_schedule(t, model_config.d_model)(done - 1))
-      logger.train(done, metrics, lr)
-    if t.eval_every and done % t.eval_every == 0 and done != t.steps:
-      eval_metrics = evaluate.evaluate(state.params, model_config, config, tokenizer, eval_pairs)
-      logger.eval(done, eval_metrics)
-    if done % t.checkpoint_every == 0 or done == t.steps:
-      manager.save(done, state)
+  unchecked = []  # (step, metrics) on the device, read together at the next log/eval/save step
+  with checkpoint.Preemption() as preemption:
+    for step in range(start, t.steps):
+      batch = parallel.shard_batch(stream[step], mesh)
+      state, metrics = p_train_step(state, batch, rng)
+      done = step + 1
+      unchecked.append((done, metrics))
+      stop = preemption.reached(done)
+      last = done == t.steps
+      log = done % t.log_every == 0 or last
+      run_eval = bool(t.eval_every and done % t.eval_every == 0) and not (stop or last)
+      save = stop or last or done % t.checkpoint_every == 0 or (run_eval and t.keep_best > 0)
+      if log or run_eval or save:
+        _check_finite(unchecked, t.on_nonfinite, manager)
+        unchecked = []
+      if log:
+        metrics = {k: v for k, v in jax.device_get(metrics).items() if k != "finite"}
+        logger.train(done, metrics, float(schedule(done - 1)))
+      if run_eval:
+        eval_metrics = evaluate.evaluate(state.params, model_config, config, tokenizer, eval_pairs)
+        logger.eval(done, eval_metrics)
+      if save:
+        manager.save(done, state, eval_metrics if run_eval else None)  # metrics rank keep_best
+      if stop:
+        manager.wait()
+        manager.close()
+        logger.close()
+        print(f"{preemption.signal}: stopped after step {done} and saved its checkpoint; run the "
+              "same command to resume", flush=True)
+        return {}
   manager.wait()
 
   eval_metrics = evaluate.evaluate(state.params, model_config, config, tokenizer, eval_pairs)
@@ -242,4 +342,5 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         f"  metrics.jsonl      training and evaluation metrics, one JSON object per line\n"
         f"  tensorboard/       event files: tensorboard --logdir {os.path.join(workdir, 'tensorboard')}\n"
         f"  eval/              final metrics: {os.path.relpath(results_path, workdir)}", flush=True)
+  manager.close()
   return eval_metrics

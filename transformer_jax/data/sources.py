@@ -1,14 +1,32 @@
 """Dataset sources behind one interface: a split name -> a random-access sequence of
-(source_text, target_text) pairs (any object with __len__ and __getitem__, as grain expects)."""
+(source_text, target_text) pairs (any object with __len__ and __getitem__, as grain expects).
+
+  data.source=scan   SCAN, generated from its grammar (splits train, test).
+  data.source=files  local text in data.path: aligned `SPLIT.SRC` / `SPLIT.TGT` files
+                     (data.format=parallel, e.g. train.en + train.de) or `SPLIT.tsv` files of
+                     `source<TAB>target` lines (data.format=tsv).
+  data.source=tfds   a TFDS translation dataset by name (data.tfds_name, e.g.
+                     wmt14_translate/de-en), read TF-free through tfds.data_source (array_record).
+
+The direction is data.source_lang -> data.target_lang for parallel files and TFDS.
+"""
 
 from __future__ import annotations
 
+import collections.abc
+import os
 from typing import Sequence
+
+import numpy as np
 
 from transformer_jax.data import scan
 from transformer_jax.errors import UserError
 
 Pairs = Sequence[tuple[str, str]]
+
+# Relative data paths are looked up from the current directory, then from the project root, so a
+# config can say `../shared/data/multi30k` and work from either place.
+PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def load_split(data_config, split: str) -> Pairs:
@@ -17,4 +35,290 @@ def load_split(data_config, split: str) -> Pairs:
     if split not in ("train", "test"):
       raise UserError(f"SCAN has the splits train and test, not {split!r}")
     return scan.load(data_config.scan_split, split)
-  raise UserError(f"data.source={data_config.source!r} is not available yet; use data.source=scan")
+  if data_config.source == "files":
+    return load_files(data_config, split)
+  if data_config.source == "tfds":
+    return load_tfds(data_config, split)
+  raise UserError(f"data.source must be one of scan, files, tfds; got {data_config.source!r}")
+
+
+def gather(pairs: Pairs, indices) -> list[tuple[str, str]]:
+  """pairs[i] for each i, in one batched read where the source supports it."""
+  if hasattr(pairs, "gather"):
+    return pairs.gather(indices)
+  return [pairs[int(i)] for i in indices]
+
+
+class _PairSequence(collections.abc.Sequence):
+  """Random access by int, slice (-> list) or `gather(indices)` (-> list)."""
+
+  def __getitem__(self, index):
+    if isinstance(index, slice):
+      return self.gather(range(len(self))[index])
+    index = int(index)
+    if index < 0:
+      index += len(self)
+    if not 0 <= index < len(self):
+      raise IndexError(index)
+    return self.gather([index])[0]
+
+  def gather(self, indices) -> list[tuple[str, str]]:
+    raise NotImplementedError
+
+
+# ----------------------------------------------------------------------------- local files
+
+
+def resolve_path(path: str) -> str:
+  """A data path as given, relative to the current directory, or else to the project root."""
+  if not path:
+    raise UserError("data.path is empty; set it to the directory holding the split files, "
+                    "e.g. --config.data.path=../shared/data/multi30k")
+  path = os.path.expanduser(path)
+  candidates = [path] if os.path.isabs(path) else [path, os.path.join(PROJECT_ROOT, path)]
+  for candidate in candidates:
+    if os.path.isdir(candidate):
+      return os.path.abspath(candidate)
+  raise UserError(f"data.path {path!r} is not a directory (looked in {' and '.join(candidates)}); "
+                  "fix data.path")
+
+
+class _Lines:
+  """The lines of a UTF-8 text file, held as bytes plus line offsets, decoded on access.
+
+  Holding bytes keeps a multi-GB corpus at its file size instead of one Python string per line.
+  """
+
+  def __init__(self, path: str):
+    self.path = path
+    with open(path, "rb") as f:
+      self.data = f.read()
+    if not self.data.strip():
+      raise UserError(f"{path} is empty; put one sentence per line in it or fix data.path")
+    _check_utf8(self.data, path)
+    ends = np.flatnonzero(np.frombuffer(self.data, np.uint8) == ord("\n"))
+    if not self.data.endswith(b"\n"):
+      ends = np.append(ends, len(self.data))
+    starts = np.concatenate([[0], ends[:-1] + 1])
+    if self.data.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte order mark is not text
+      starts[0] = min(3, ends[0])
+    crlf = np.zeros(len(ends), bool)
+    nonempty = ends > starts
+    crlf[nonempty] = np.frombuffer(self.data, np.uint8)[ends[nonempty] - 1] == ord("\r")
+    self.starts, self.ends = starts, ends - crlf
+
+  def __len__(self):
+    return len(self.starts)
+
+  def line(self, i: int) -> str:
+    return str(memoryview(self.data)[self.starts[i]:self.ends[i]], "utf-8")
+
+
+def _check_utf8(data: bytes, path: str, chunk: int = 1 << 24) -> None:
+  """Raises UserError naming the first line that is not UTF-8."""
+  view = memoryview(data)
+  start = 0
+  while start < len(data):
+    # "\n" never occurs inside a multi-byte UTF-8 sequence, so chunks can end after one.
+    end = len(data) if start + chunk >= len(data) else data.rfind(b"\n", start, start + chunk) + 1
+    end = end if end > start else min(start + chunk, len(data))
+    try:
+      str(view[start:end], "utf-8")
+    except UnicodeDecodeError as e:
+      line = data.count(b"\n", 0, start + e.start) + 1
+      raise UserError(f"{path} line {line} is not UTF-8 text ({e.reason} at byte "
+                      f"{start + e.start}); convert the file to UTF-8, e.g. with iconv") from None
+    start = end
+
+
+class ParallelFiles(_PairSequence):
+  """Line i of the source file with line i of the target file."""
+
+  def __init__(self, source_path: str, target_path: str):
+    self.source, self.target = _Lines(source_path), _Lines(target_path)
+    if len(self.source) != len(self.target):
+      raise UserError(f"{source_path} has {len(self.source)} lines but {target_path} has "
+                      f"{len(self.target)}; the two files of a split must be aligned line by line")
+
+  def __len__(self):
+    return len(self.source)
+
+  def gather(self, indices):
+    return [(self.source.line(i), self.target.line(i)) for i in indices]
+
+
+class TsvFile(_PairSequence):
+  """`source<TAB>target` lines."""
+
+  def __init__(self, path: str):
+    self.lines = _Lines(path)
+    data = np.frombuffer(self.lines.data, np.uint8)
+    tabs = np.flatnonzero(data == ord("\t"))
+    line_of_tab = np.searchsorted(self.lines.starts, tabs, side="right") - 1
+    counts = np.bincount(line_of_tab, minlength=len(self.lines))
+    bad = np.flatnonzero(counts != 1)
+    if len(bad):
+      i = int(bad[0])
+      problem = "has no tab" if counts[i] == 0 else f"has {counts[i]} tabs"
+      raise UserError(f"{path} line {i + 1} {problem}; each line of a data.format=tsv file must "
+                      "be source<TAB>target (or use data.format=parallel for aligned files)")
+
+  def __len__(self):
+    return len(self.lines)
+
+  def gather(self, indices):
+    return [tuple(self.lines.line(i).split("\t")) for i in indices]
+
+
+def _split_files(directory: str, suffixes: list[str]) -> list[str]:
+  """The split names for which `directory` has a file with every suffix (`train.en` -> `train`)."""
+  names = set(os.listdir(directory))
+  return sorted({n[:-len(suffixes[0])] for n in names if n.endswith(suffixes[0])
+                 and all(n[:-len(suffixes[0])] + x in names for x in suffixes)})
+
+
+def load_files(data_config, split: str) -> Pairs:
+  d = data_config
+  directory = resolve_path(d.path)
+  if d.format == "tsv":
+    suffixes = [".tsv"]
+  elif d.format == "parallel":
+    suffixes = [f".{d.source_lang}", f".{d.target_lang}"]
+  else:
+    raise UserError(f"data.format must be one of parallel, tsv; got {d.format!r}")
+  names = [split + x for x in suffixes]
+  paths = [os.path.join(directory, n) for n in names]
+  for path in paths:
+    if not os.path.isfile(path):
+      found = ", ".join(_split_files(directory, suffixes)) or "none"
+      raise UserError(f"{path} does not exist; data.format={d.format} reads "
+                      f"{' and '.join(names)} for split {split!r} (splits found in {directory}: "
+                      f"{found}); fix data.path or the split name (data.train_split / "
+                      "data.eval_split / data.test_split)")
+  return TsvFile(paths[0]) if d.format == "tsv" else ParallelFiles(*paths)
+
+
+# ----------------------------------------------------------------------------- TFDS
+
+TF_EXTRA = "pip install -e '.[tf]'"
+
+
+class TfdsPairs(_PairSequence):
+  """(source, target) strings from a TFDS random-access source of {lang: text} records."""
+
+  def __init__(self, records, source_lang: str, target_lang: str):
+    self.records, self.source_lang, self.target_lang = records, source_lang, target_lang
+
+  def __len__(self):
+    return len(self.records)
+
+  def gather(self, indices):
+    indices = [int(i) for i in indices]
+    try:  # one batched read (parallel in array_record)
+      records = self.records.__getitems__(indices)
+    except (AttributeError, TypeError):  # no batched read (tfds.testing.mock_data's is broken)
+      records = [self.records[i] for i in indices]
+    return [(_text(r[self.source_lang]), _text(r[self.target_lang])) for r in records]
+
+
+def _text(value) -> str:
+  return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+def _import_tfds():
+  try:
+    import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
+  except ImportError as e:
+    raise UserError(f"data.source=tfds needs tensorflow-datasets ({e}); install it with "
+                    "pip install -e .") from None
+  # TFDS imports its dataset modules lazily; this registers the translation builders (wmt*,
+  # ted_*, opus, ...), which `tfds.builder` does not find by name without TensorFlow otherwise.
+  import tensorflow_datasets.translate  # pylint: disable=import-outside-toplevel,unused-import
+  return tfds
+
+
+def _needs(e: ImportError) -> str:
+  name = (getattr(e, "name", "") or "").split(".")[0]
+  if name in ("tensorflow", "tf"):
+    return f"TensorFlow, which this project does not install by default: {TF_EXTRA}"
+  if name == "apache_beam":
+    return "Apache Beam: pip install apache-beam"
+  return f"the module {name or e}: pip install {name or '<it>'}"
+
+
+def tfds_builder(data_config):
+  """The TFDS builder of data.tfds_name, checked against data.source_lang / data.target_lang."""
+  d = data_config
+  tfds = _import_tfds()
+  if not d.tfds_name:
+    raise UserError("data.tfds_name is empty; name a TFDS translation dataset, e.g. "
+                    "--config.data.tfds_name=wmt14_translate/de-en")
+  kwargs = {"file_format": "array_record"}  # the random-access, TF-free format
+  if d.tfds_data_dir:
+    kwargs["data_dir"] = os.path.expanduser(d.tfds_data_dir)
+  try:
+    builder = tfds.builder(d.tfds_name, **kwargs)
+  except tfds.core.DatasetNotFoundError:
+    raise UserError(f"unknown TFDS dataset {d.tfds_name!r} (data.tfds_name); use a name from "
+                    "https://www.tensorflow.org/datasets/catalog/overview#translate, e.g. "
+                    "wmt14_translate/de-en") from None
+  except ImportError as e:
+    raise UserError(f"the TFDS dataset {d.tfds_name!r} needs {_needs(e)}") from None
+  except ValueError as e:  # an unknown config (language pair) or version
+    configs = [c.name for c in getattr(_safe_builder_cls(tfds, d.tfds_name), "BUILDER_CONFIGS",
+                                       None) or []]
+    known = f" (its configs: {', '.join(configs[:20])})" if configs else ""
+    raise UserError(f"cannot build TFDS dataset {d.tfds_name!r}{known}: "
+                    f"{str(e).splitlines()[0]}; fix data.tfds_name") from None
+  languages = _languages(builder)
+  for key, lang in (("data.source_lang", d.source_lang), ("data.target_lang", d.target_lang)):
+    if languages is not None and lang not in languages:
+      raise UserError(f"the TFDS dataset {d.tfds_name!r} has the languages "
+                      f"{', '.join(languages)}, not {key}={lang!r}; fix {key}")
+  return builder
+
+
+def _safe_builder_cls(tfds, name):
+  try:
+    return tfds.builder_cls(name.split("/")[0].split(":")[0])
+  except Exception:  # pylint: disable=broad-except  # only used to improve a message
+    return None
+
+
+def _languages(builder):
+  features = builder.info.features
+  if hasattr(features, "languages"):  # tfds.features.Translation
+    return list(features.languages)
+  if hasattr(features, "keys"):
+    return list(features.keys())
+  return None
+
+
+def load_tfds(data_config, split: str) -> Pairs:
+  d = data_config
+  builder = tfds_builder(d)
+  if not builder.is_prepared():
+    if not d.tfds_download:
+      raise UserError(f"the TFDS dataset {d.tfds_name!r} is not prepared in {builder.data_dir}; "
+                      "set data.tfds_download=True or point data.tfds_data_dir at a prepared copy")
+    try:
+      builder.download_and_prepare()
+    except ImportError as e:
+      raise UserError(f"preparing the TFDS dataset {d.tfds_name!r} needs {_needs(e)} "
+                      "(or prepare it elsewhere and point data.tfds_data_dir at it)") from None
+    except OSError as e:
+      raise UserError(f"downloading the TFDS dataset {d.tfds_name!r} failed "
+                      f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); check "
+                      "the network, or point data.tfds_data_dir at a prepared copy") from None
+  try:
+    records = builder.as_data_source(split=split)
+  except NotImplementedError:
+    raise UserError(f"the TFDS dataset {d.tfds_name!r} in {builder.data_dir} is not stored as "
+                    "array_record, so it has no TF-free random access; prepare it again into an "
+                    "empty data.tfds_data_dir") from None
+  except (ValueError, KeyError) as e:
+    splits = ", ".join(builder.info.splits.keys())
+    raise UserError(f"the TFDS dataset {d.tfds_name!r} has no split {split!r} "
+                    f"({str(e).splitlines()[0]}); its splits: {splits or 'unknown'}; fix "
+                    "data.train_split / data.eval_split / data.test_split") from None
+  return TfdsPairs(records, d.source_lang, d.target_lang)

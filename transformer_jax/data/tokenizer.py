@@ -1,13 +1,14 @@
 """SentencePiece tokenizer: trained on the fly from the training text, or loaded from a .model file.
 
-Ids: 0 = padding, 1 = BOS, 2 = EOS, 3 = unknown. Source and target share one vocabulary.
+Ids: 0 = padding, 1 = BOS, 2 = EOS, 3 = unknown. Source and target share one vocabulary (joint
+BPE by default, trained on a random sample of both sides of the training split).
 """
 
 from __future__ import annotations
 
 import io
 import os
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 import sentencepiece as spm
@@ -50,16 +51,39 @@ class Tokenizer:
     return [self._sp.id_to_piece(int(i)) for i in ids]
 
 
+def training_texts(pairs, sample_size: int, seed: int = 0) -> Iterator[str]:
+  """Source and target sentences of a random sample of at most `sample_size` / 2 pairs.
+
+  Lazy: nothing is read until the tokenizer is actually trained (not on resume). Sampling by
+  index reads only the sample from a large corpus instead of the whole split.
+  """
+  from transformer_jax.data import sources  # pylint: disable=import-outside-toplevel
+  n = len(pairs)
+  count = min(n, max(1, sample_size // 2))
+  indices = np.arange(n) if count == n else np.sort(
+      np.random.default_rng(seed).choice(n, count, replace=False))
+  for start in range(0, len(indices), 10_000):
+    for source, target in sources.gather(pairs, indices[start:start + 10_000]):
+      yield source
+      yield target
+
+
 def train(texts: Iterable[str], vocab_size: int, model_type: str = "bpe",
           character_coverage: float = 1.0, sample_size: int = 1_000_000) -> Tokenizer:
   """Trains a SentencePiece model in memory."""
   proto = io.BytesIO()
-  spm.SentencePieceTrainer.train(
-      sentence_iterator=iter(texts), model_writer=proto, vocab_size=vocab_size,
-      model_type=model_type, character_coverage=character_coverage,
-      input_sentence_size=sample_size, shuffle_input_sentence=True,
-      pad_id=PAD_ID, bos_id=BOS_ID, eos_id=EOS_ID, unk_id=UNK_ID,
-      hard_vocab_limit=model_type != "word", minloglevel=2)
+  try:
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(texts), model_writer=proto, vocab_size=vocab_size,
+        model_type=model_type, character_coverage=character_coverage,
+        input_sentence_size=sample_size, shuffle_input_sentence=True,
+        pad_id=PAD_ID, bos_id=BOS_ID, eos_id=EOS_ID, unk_id=UNK_ID,
+        hard_vocab_limit=model_type != "word", minloglevel=2)
+  except RuntimeError as e:  # e.g. "Vocabulary size is too high (10000). Please set it to <= 4046."
+    message = (str(e).strip().splitlines() or [type(e).__name__])[-1].rsplit("] ", 1)[-1]
+    raise UserError(f"SentencePiece cannot train a {model_type} vocabulary of {vocab_size} pieces "
+                    f"on this text ({message}); lower model.vocab_size or raise "
+                    "data.tokenizer.sample_size") from None
   return Tokenizer(proto.getvalue())
 
 
@@ -68,26 +92,3 @@ def load(path: str) -> Tokenizer:
     raise UserError(f"tokenizer model {path} does not exist; fix data.tokenizer.model_path")
   with open(path, "rb") as f:
     return Tokenizer(f.read())
-
-
-def load_or_train(tokenizer_config, workdir: str, texts: Iterable[str], vocab_size: int) -> Tokenizer:
-  """The workdir's tokenizer if it has one (resume), else a given .model, else a newly trained one.
-
-  A new tokenizer is written into the workdir once, so a resumed run reuses the same ids.
-  """
-  path = os.path.join(workdir, FILENAME)
-  if os.path.exists(path):
-    return load(path)
-  if tokenizer_config.model_path:
-    tokenizer = load(tokenizer_config.model_path)
-  else:
-    tokenizer = train(texts, vocab_size, tokenizer_config.model_type,
-                      tokenizer_config.character_coverage, tokenizer_config.sample_size)
-  if tokenizer.vocab_size > vocab_size:
-    raise UserError(f"the tokenizer has {tokenizer.vocab_size} pieces but model.vocab_size is "
-                    f"{vocab_size}; raise model.vocab_size")
-  tmp = path + ".tmp"
-  with open(tmp, "wb") as f:
-    f.write(tokenizer.model_proto)
-  os.replace(tmp, path)
-  return tokenizer

@@ -1,0 +1,17 @@
+"""WMT14 English->German, Transformer big (Vaswani et al., 2017): 28.4 BLEU on newstest2014.
+
+The data recipe of wmt14_ende_base.py (TFDS wmt14_translate/de-en, 37k shared BPE, ~25k + 25k tokens
+per batch, newstest2013 validation, newstest2014 test) with the big model: d_model 1024, 16 heads,
+FFN 4096, dropout 0.3, 300k steps.
+"""
+
+from experiments import big, wmt14_ende_base
+
+
+def get_config():
+  c = big.get_config()
+  data = wmt14_ende_base.get_config()
+  c.data = data.data
+  c.eval = data.eval
+  c.train.update(eval_every=data.train.eval_every, log_every=data.train.log_every)
+  return c

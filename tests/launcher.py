@@ -1,0 +1,121 @@
+"""Runs `launch.py` many times without paying its imports each time (test helper).
+
+A server process imports launch.py and the library once (no JAX backend is started there), then
+forks one child per command; each child runs exactly what `python launch.py FLAGS...` runs:
+absl parses the flags, `launch.main` runs, and the child exits through the normal interpreter
+shutdown with launch.py's exit code. The children are real processes, so tests can SIGKILL or
+SIGTERM them.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+SERVER = r"""
+import gc, json, os, sys
+gc.disable()  # with gc.freeze() before each fork: the children's collections leave the parent's
+              # objects alone, so they neither copy its memory nor spend seconds exiting
+sys.argv = ["launch.py"]
+sys.path.insert(0, os.getcwd())
+import launch
+from absl import app
+from transformer_jax import checkpoint, evaluate, train  # the heavy imports, done once
+
+def child(command):
+  null = os.open(os.devnull, os.O_RDONLY)
+  os.dup2(null, 0)
+  for fd, path in ((1, command["stdout"]), (2, command["stderr"])):
+    os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644), fd)
+  if command.get("user") is not None and os.geteuid() == 0:
+    os.setgroups([])
+    os.setgid(command["user"])
+    os.setuid(command["user"])
+  sys.argv = ["launch.py", *command["flags"]]  # ml_collections reads overrides from sys.argv
+  app.run(launch.main, flags_parser=launch._parse_flags)
+
+for line in sys.stdin:
+  command = json.loads(line)
+  sys.stdout.flush()
+  gc.freeze()
+  pid = os.fork()
+  if pid == 0:
+    gc.enable()
+    child(command)  # ends in sys.exit: the interpreter shuts down normally, atexit and all
+    sys.exit(0)
+  print(json.dumps({"pid": pid}), flush=True)
+  _, status = os.waitpid(pid, 0)
+  print(json.dumps({"code": os.waitstatus_to_exitcode(status)}), flush=True)
+"""
+
+
+def environment(cache_dir) -> dict:
+  """The environment for runs on the CPU that share a persistent compilation cache."""
+  return dict(os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(cache_dir),
+              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+              JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+
+
+class Launcher:
+  """`start(flags)` a launch.py run, watch its output, signal it, `wait()` for its exit code."""
+
+  def __init__(self, env: dict, directory):
+    self.directory = directory
+    self._server = subprocess.Popen([sys.executable, "-c", SERVER], cwd=ROOT, env=env,
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    self._count = 0
+    self.pid = None
+    self.stdout = self.stderr = None
+
+  def start(self, *flags, user=None) -> int:
+    """Starts `launch.py FLAGS`; `user`: a uid to run it as (when the tests run as root)."""
+    self._count += 1
+    self.stdout = os.path.join(self.directory, f"launch{self._count}.out")
+    self.stderr = os.path.join(self.directory, f"launch{self._count}.err")
+    for path in (self.stdout, self.stderr):
+      open(path, "w").close()
+    command = {"flags": list(flags), "stdout": self.stdout, "stderr": self.stderr, "user": user}
+    self._server.stdin.write(json.dumps(command) + "\n")
+    self._server.stdin.flush()
+    self.pid = json.loads(self._server.stdout.readline())["pid"]
+    return self.pid
+
+  def output(self) -> tuple:
+    with open(self.stdout) as out, open(self.stderr) as err:
+      return out.read(), err.read()
+
+  def send(self, signum) -> None:
+    try:
+      os.kill(self.pid, signum)
+    except ProcessLookupError:  # it has already ended
+      pass
+
+  def wait(self) -> int:
+    return json.loads(self._server.stdout.readline())["code"]
+
+  def wait_for(self, predicate, timeout: float = 300) -> bool:
+    """Polls the output until predicate(stdout) holds (True) or the run ends (False)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+      if predicate(self.output()[0]):
+        return True
+      try:
+        os.kill(self.pid, 0)
+      except ProcessLookupError:  # it ended (the server has reaped it)
+        return predicate(self.output()[0])
+      time.sleep(0.02)
+    raise TimeoutError(f"launch.py did not get there in {timeout} s:\n{self.output()}")
+
+  def run(self, *flags, user=None) -> tuple:
+    """(exit code, stdout, stderr) of `launch.py FLAGS`."""
+    self.start(*flags, user=user)
+    code = self.wait()
+    return (code, *self.output())
+
+  def close(self) -> None:
+    self._server.stdin.close()
+    self._server.wait(timeout=60)
+

@@ -1,0 +1,248 @@
+"""Checkpoints: exact resume after SIGKILL, SIGTERM, damaged checkpoints, NaN steps, retention.
+
+The runs are launch.py processes (forked from one that has done the imports, see launcher.py) on
+the tiny config with one fixed batch shape and a persistent compilation cache, so each costs a
+second or two.
+"""
+
+import json
+import os
+import random
+import re
+import shutil
+import signal
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from transformer_jax import checkpoint, config as config_lib, train
+from transformer_jax.errors import UserError
+
+from launcher import Launcher, environment
+
+STEPS = 8
+# model.vocab_size=23: the word vocabulary of SCAN, so no output id lies outside the tokenizer.
+RUN = ["--config=experiments/tiny.py", "--mode=train", "--config.model.vocab_size=23",
+       "--config.data.batching=fixed", "--config.data.batch_size=8",
+       f"--config.train.steps={STEPS}",
+       "--config.train.checkpoint_every=1", "--config.train.keep_checkpoints=3",
+       "--config.train.log_every=1", "--config.eval.max_examples=8", "--config.eval.batch_size=8"]
+
+
+@pytest.fixture(scope="module")
+def launcher(request, tmp_path_factory):
+  # The compilation cache lives in pytest's cache, so reruns skip compiling the tiny model.
+  cache = getattr(request.config, "cache", None)
+  cache_dir = cache.mkdir("jax_compilation_cache") if cache else tmp_path_factory.mktemp("jax")
+  server = Launcher(environment(cache_dir), str(tmp_path_factory.mktemp("launches")))
+  yield server
+  server.close()
+
+
+def train_run(launcher, workdir, *flags):
+  """(exit code, stdout + stderr) of a training run of RUN in `workdir`."""
+  code, out, err = launcher.run(*RUN, f"--workdir={workdir}", *flags)
+  return code, out + err
+
+
+def last_logged_step(out: str) -> int:
+  return max((int(s) for s in re.findall(r"^step (\d+)/", out, re.M)), default=0)
+
+
+def signal_at(launcher, workdir, step: int, signum, *flags) -> tuple:
+  """Starts a run, sends `signum` once it has logged `step`; (exit code, stdout + stderr)."""
+  launcher.start(*RUN, f"--workdir={workdir}", *flags)
+  launcher.wait_for(lambda out: last_logged_step(out) >= step)
+  launcher.send(signum)
+  code = launcher.wait()
+  return code, "".join(launcher.output())
+
+
+def restore_latest(workdir):
+  """The newest readable checkpoint of a workdir, via its config.json."""
+  config = ml_collections.ConfigDict(json.loads((workdir / "config.json").read_text()))
+  model_config = config_lib.validate(config)
+  optimizer = train.make_optimizer(config.train, model_config.d_model)
+  target = jax.eval_shape(lambda: train.create_state(model_config, optimizer, config.seed))
+  manager = checkpoint.Manager(str(workdir), config)
+  try:
+    return manager.latest_good(target)
+  finally:
+    manager.close()
+
+
+def truncate_files(directory):
+  for root, _, files in os.walk(directory):
+    for name in files:
+      path = os.path.join(root, name)
+      os.truncate(path, os.path.getsize(path) // 2)
+
+
+def assert_same_state(a, b):
+  for x, y in zip(jax.tree.leaves(jax.device_get(a)), jax.tree.leaves(jax.device_get(b)),
+                  strict=True):
+    np.testing.assert_array_equal(x, y)  # bitwise: same values, same dtypes
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, launcher):
+  """An uninterrupted run of STEPS steps."""
+  workdir = tmp_path_factory.mktemp("reference") / "run"
+  code, out = train_run(launcher, workdir)
+  assert code == 0, out
+  return workdir
+
+
+def test_sigkill_at_random_steps_then_resume_is_bitwise_equal_to_no_interruption(
+    tmp_path, launcher, reference):
+  workdir = tmp_path / "run"
+  seed = random.randrange(1 << 30)
+  kills = sorted(random.Random(seed).sample(range(1, STEPS), 3))
+  why = f"kill steps {kills} (seed {seed})"
+  for kill in kills:
+    code, out = signal_at(launcher, workdir, kill, signal.SIGKILL)
+    assert code == -signal.SIGKILL, (why, out)  # killed before the end (the final eval takes time)
+    assert "Traceback" not in out, (why, out)
+  code, out = train_run(launcher, workdir)
+  assert code == 0, (why, out)
+
+  resumed, uninterrupted = restore_latest(workdir), restore_latest(reference)
+  assert resumed.step == uninterrupted.step == STEPS
+  assert_same_state(resumed.state, uninterrupted.state)
+  assert resumed.meta["data"] == {"position": STEPS, "seed": 0}
+  assert resumed.meta["tokenizer"]["sha256"] == uninterrupted.meta["tokenizer"]["sha256"]
+
+
+def test_sigterm_checkpoints_the_current_step_and_resume_continues(tmp_path, launcher):
+  workdir = tmp_path / "run"
+  code, out = signal_at(launcher, workdir, 2, signal.SIGTERM, "--config.train.steps=5000",
+                        "--config.train.checkpoint_every=1000")
+  assert code == 0, out
+  stopped = re.search(r"SIGTERM: stopped after step (\d+) and saved its checkpoint", out)
+  assert stopped, out
+  step = int(stopped.group(1))
+  assert step >= 2 and f"step {step}/5000" in out, out  # the step in flight was finished
+  manager = checkpoint.Manager(str(workdir), ml_collections.ConfigDict())
+  assert manager.all_steps() == [step]  # checkpoint_every=1000: only the preemption checkpoint
+  manager.close()
+
+  code, out = train_run(launcher, workdir, f"--config.train.steps={step + 2}",
+                        "--config.train.checkpoint_every=1000")
+  assert code == 0, out
+  assert f"resuming from step {step} with changed config: train.steps 5000 -> {step + 2}" in out
+  assert f"step {step + 1}/{step + 2}" in out and f"step {step}/" not in out, out
+  assert restore_latest(workdir).step == step + 2
+
+
+def test_truncated_or_unfinished_newest_checkpoint_falls_back_to_the_previous_step(
+    tmp_path, launcher, reference):
+  workdir = tmp_path / "run"
+  shutil.copytree(reference, workdir)
+  steps = sorted(int(name) for name in os.listdir(workdir / "checkpoints"))
+  assert steps == [STEPS - 2, STEPS - 1, STEPS]  # train.keep_checkpoints=3
+  truncate_files(workdir / "checkpoints" / str(STEPS))
+  # What a process killed while saving leaves behind: a temporary directory, never committed.
+  unfinished = f"{STEPS + 1}.orbax-checkpoint-tmp-123"
+  shutil.copytree(workdir / "checkpoints" / str(STEPS - 1), workdir / "checkpoints" / unfinished)
+
+  code, out, err = launcher.run(*RUN, f"--workdir={workdir}")
+  assert code == 0, out + err
+  warnings = [line for line in err.splitlines() if line.startswith("warning:")]
+  assert len(warnings) == 2, err  # one line each
+  assert f"unfinished checkpoint of step {STEPS + 1}" in warnings[0]
+  assert f"checkpoint step {STEPS} in" in warnings[1] and "unreadable" in warnings[1]
+  assert (f"resuming from step {STEPS - 1} (unreadable steps [{STEPS}] moved to "
+          "checkpoints_unreadable/)") in out
+  assert os.listdir(workdir / "checkpoints_unreadable") == [str(STEPS)]
+  assert unfinished not in os.listdir(workdir / "checkpoints")
+  redone = restore_latest(workdir)  # step STEPS again, trained again from STEPS - 1
+  assert redone.step == STEPS
+  assert_same_state(redone.state, restore_latest(reference).state)
+
+
+def test_a_flipped_bit_in_the_newest_checkpoint_is_caught_by_its_checksums(
+    tmp_path, reference, capfd):
+  workdir = tmp_path / "run"
+  shutil.copytree(reference, workdir)
+  state_dir = workdir / "checkpoints" / str(STEPS) / "state"
+  biggest = max((os.path.join(root, n) for root, _, names in os.walk(state_dir) for n in names),
+                key=os.path.getsize)  # the parameters and Adam moments
+  with open(biggest, "r+b") as f:
+    f.seek(os.path.getsize(biggest) // 2)
+    byte = f.read(1)[0]
+    f.seek(-1, os.SEEK_CUR)
+    f.write(bytes([byte ^ 0x10]))
+  capfd.readouterr()
+  assert restore_latest(workdir).step == STEPS - 1
+  assert f"checkpoint step {STEPS} in" in capfd.readouterr().err
+
+
+def snapshot(directory) -> dict:
+  """Every file under `directory` with its size and modification time."""
+  paths = [os.path.join(root, n) for root, _, names in os.walk(directory) for n in names]
+  return {p: (os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in paths}
+
+
+def test_nonfinite_loss_stops_at_its_step_or_skips_the_update(tmp_path, launcher, reference):
+  workdir = tmp_path / "run"
+  shutil.copytree(reference, workdir)
+  config = ml_collections.ConfigDict(json.loads((workdir / "config.json").read_text()))
+  good = restore_latest(workdir)
+  # A run about to diverge: checkpoint STEPS + 1 holds a NaN parameter.
+  state = jax.device_get(good.state)
+  leaves = jax.tree.leaves(state.params)
+  leaves[0] = leaves[0].copy()
+  leaves[0].flat[0] = np.nan
+  poisoned = state.replace(step=np.int32(STEPS + 1),
+                           params=jax.tree.unflatten(jax.tree.structure(state.params), leaves))
+  manager = checkpoint.Manager(str(workdir), config, good.meta["tokenizer"]["sha256"],
+                               writable=True)
+  manager.save(STEPS + 1, poisoned)
+  manager.wait()
+  manager.close()
+  before = snapshot(workdir / "checkpoints")
+
+  code, out = train_run(launcher, workdir, f"--config.train.steps={STEPS + 3}")
+  assert code == 2, out
+  errors = [line for line in out.splitlines() if line.startswith("error:")]
+  assert len(errors) == 1 and f"non-finite loss or gradients at step {STEPS + 2}" in errors[0], out
+  assert "Traceback" not in out
+  assert snapshot(workdir / "checkpoints") == before  # the good checkpoints are untouched
+
+  code, out = train_run(launcher, workdir, f"--config.train.steps={STEPS + 3}",
+                        "--config.train.on_nonfinite=skip")
+  assert code == 0, out
+  for step in (STEPS + 2, STEPS + 3):
+    assert f"step {step}: skipped the update (loss nan" in out, out
+  skipped = restore_latest(workdir)
+  assert skipped.step == STEPS + 3
+  for a, b in zip(jax.tree.leaves((poisoned.params, poisoned.opt_state)),
+                  jax.tree.leaves(jax.device_get((skipped.state.params, skipped.state.opt_state))),
+                  strict=True):
+    np.testing.assert_array_equal(a, b)  # the step applied neither update
+
+
+def test_keeps_the_last_n_and_the_best_by_metric(tmp_path):
+  config = config_lib.default_config()
+  config.train.update(keep_checkpoints=2, keep_best=1, best_metric="bleu")
+  manager = checkpoint.Manager(str(tmp_path), config, tokenizer_sha="abc", writable=True)
+  bleu = {2: 10.0, 4: 30.0, 6: 20.0}  # steps 2, 4, 6 were evaluated
+  for step in range(1, 8):
+    state = {"w": jnp.full((3,), step, jnp.float32), "step": jnp.int32(step)}
+    metrics = {"bleu": bleu[step], "loss": 1.0} if step in bleu else None
+    manager.save(step, state, metrics)
+  manager.wait()
+  assert manager.all_steps() == [4, 6, 7]  # the best (bleu 30 at step 4) and the last two
+  manager.close()
+  reader = checkpoint.Manager(str(tmp_path), config, tokenizer_sha="abc")
+  target = {"w": jax.ShapeDtypeStruct((3,), jnp.float32),
+            "step": jax.ShapeDtypeStruct((), jnp.int32)}
+  np.testing.assert_array_equal(reader.restore(target, 4)["w"], [4.0, 4.0, 4.0])
+  restored = reader.latest_good(target)
+  assert restored.step == 7 and restored.meta["rng"]["seed"] == config.seed
+  other = checkpoint.Manager(str(tmp_path), config, tokenizer_sha="xyz")
+  with pytest.raises(UserError, match="another vocabulary"):
+    other.latest_good(target)

@@ -1,0 +1,215 @@
+"""Evaluation and translation: the text metrics' fixed points, checkpoint averaging, translate's
+line handling, and --mode=translate reproducing --mode=evaluate on a briefly trained tiny model."""
+
+import io
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from transformer_jax import config as config_lib, evaluate, train
+from transformer_jax.data import scan, tokenizer as tokenizer_lib
+from transformer_jax.errors import UserError
+from transformer_jax.model import param_shapes
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tiny_config():
+  sys.path.insert(0, ROOT)
+  from experiments import tiny  # pylint: disable=import-outside-toplevel
+  return tiny.get_config()
+
+
+# ----------------------------------------------------------------------------- metrics
+
+REFERENCES = ["The cat sat on the mat, and the dog sat on the rug.",
+              "Two men are playing football in a park near the river.",
+              "A woman in a red coat walks her dog along the beach."]
+
+
+def test_bleu_of_references_against_themselves_is_100():
+  metrics = evaluate.text_metrics(REFERENCES, REFERENCES)
+  for key in ("bleu", "bleu_lowercase_tokenized", "chrf"):
+    assert metrics[key] == pytest.approx(100.0), key
+  assert metrics["exact_match"] == 1.0
+  assert "case:mixed" in metrics["bleu_signature"]
+
+
+def test_cased_bleu_sees_case_lowercased_bleu_does_not():
+  metrics = evaluate.text_metrics([r.lower() for r in REFERENCES], REFERENCES)
+  assert metrics["bleu"] < 95.0  # only the first word of each sentence is capitalised
+  assert metrics["bleu_lowercase_tokenized"] == pytest.approx(100.0)
+  assert metrics["exact_match"] == 0.0
+  # Exact match ignores whitespace, nothing else.
+  metrics = evaluate.text_metrics([" ".join(REFERENCES[0].split()) + "  ", "Two men are playing."],
+                                  REFERENCES[:2])
+  assert metrics["exact_match"] == 0.5
+  assert 0.0 < metrics["bleu"] < 100.0
+
+
+def test_eval_config_values_are_validated():
+  c = tiny_config()
+  c.eval.update(decode="sample", temperature=0.7, top_k=5, average_last=2)
+  config_lib.validate(c)
+  for key, value, message in (("temperature", 0.0, "temperature"), ("top_k", -1, "top_k"),
+                              ("average_last", 4, "keep_checkpoints"),
+                              ("decode", "nucleus", "greedy, beam, sample"),
+                              ("length_penalty", -0.5, "length_penalty"),
+                              ("max_decode_len", 65, "max_len")):
+    bad = tiny_config()
+    bad.eval[key] = value
+    with pytest.raises(UserError, match=message):
+      config_lib.validate(bad)
+
+
+# ----------------------------------------------------------------------------- checkpoint averaging
+
+
+def test_steps_to_average_are_the_last_n_up_to_the_step():
+  assert evaluate.steps_to_average([100, 200, 300, 400], None, 2) == [300, 400]
+  assert evaluate.steps_to_average([100, 200, 300, 400], 300, 3) == [100, 200, 300]
+  with pytest.raises(UserError, match="average_last=3"):
+    evaluate.steps_to_average([100, 200, 300], 200, 3)
+  with pytest.raises(UserError, match="no checkpoint at step 250"):
+    evaluate.steps_to_average([100, 200, 300], 250, 1)
+
+
+class FakeManager:
+  """Restores TrainStates whose parameters are {"w": step * ones}."""
+
+  def restore(self, state, step):  # pylint: disable=unused-argument
+    return train.TrainState(step=step, params={"w": jnp.full((2, 3), float(step))},
+                            opt_state=None)
+
+
+def test_average_params_is_the_elementwise_mean():
+  averaged = evaluate.average_params(FakeManager(), None, [200, 300, 400])
+  np.testing.assert_array_equal(averaged["w"], np.full((2, 3), 300.0))
+  assert averaged["w"].dtype == jnp.float32
+
+
+# ----------------------------------------------------------------------------- translate
+
+
+@pytest.fixture(scope="module")
+def model():
+  """(config, model_config, params, tokenizer): experiments/tiny.py with random parameters
+  (N(0, 0.5^2), drawn with NumPy: no compiled initialiser) and a SCAN word vocabulary."""
+  c = tiny_config()
+  model_config = config_lib.validate(c)
+  rng = np.random.default_rng(0)
+  params = jax.tree.map(lambda x: jnp.asarray(rng.normal(0.0, 0.5, x.shape), jnp.float32),
+                        param_shapes(model_config))
+  tokenizer = tokenizer_lib.train([t for p in scan.load("simple", "train") for t in p],
+                                  model_config.vocab_size, "word")
+  return c, model_config, params, tokenizer
+
+
+LONG_LINE = " and ".join(["walk left twice"] * 4)  # 15 words, more than max_source_len - 1 = 11
+LINES = ["jump twice\n", "\n", "look around right and walk\r\n", "   \n", "fly to the moon\n",
+         LONG_LINE + "\n", "run left after jump"]
+
+
+def translations(model, lines, batch_size):
+  c, model_config, params, tokenizer = model
+  c.eval.batch_size = batch_size
+  return list(evaluate.translate(params, model_config, c, tokenizer, lines))
+
+
+def test_translate_keeps_order_and_blank_lines_and_truncates(model):
+  results = translations(model, LINES, 4)  # two batches, the second padded
+  outputs = [text for text, _ in results]
+  assert [cut for _, cut in results] == [False] * 5 + [True, False]
+  assert outputs[1] == outputs[3] == ""
+  assert all(outputs[i] for i in (0, 2, 5, 6)) and all("\n" not in o for o in outputs)
+  # Another batch size and order give the same translation of each line.
+  assert [text for text, _ in translations(model, LINES[::-1], 3)] == outputs[::-1]
+  # The long line is translated as its first max_source_len - 1 tokens.
+  c = model[0]
+  truncated = " ".join(LONG_LINE.split()[:c.data.max_source_len - 1])
+  assert translations(model, [truncated], 4) == [(outputs[5], False)]
+
+  out, err = io.StringIO(), io.StringIO()
+  assert evaluate.write_translations(model[2], model[1], c, model[3], LINES, out, err) == 7
+  assert out.getvalue().split("\n") == outputs + [""]
+  assert len(err.getvalue().splitlines()) == 1 and "1 of 7" in err.getvalue()
+
+
+def test_decode_throughput_counts_output_tokens(model):
+  c, model_config, params, tokenizer = model
+  inputs, _ = evaluate.encode_sources(tokenizer, ["jump twice", "walk left thrice"],
+                                      c.data.max_source_len, 2)
+  result = evaluate.decode_throughput(params, model_config, c.eval, inputs,
+                                      c.data.max_target_len, batch_size=4, repeats=2)
+  assert result["sentences"] == 4 and len(result["pass_seconds"]) == 2
+  batch = np.resize(inputs, (4, inputs.shape[1]))  # the rows decode_throughput decodes
+  expected = np.asarray(evaluate.decode_batch(params, model_config, c.eval, batch,
+                                              c.data.max_target_len))
+  assert result["tokens"] == (expected != 0).sum() > 0
+  assert result["tokens_per_s"] == pytest.approx(result["tokens"] / result["seconds"])
+
+
+# ----------------------------------------------------------------------------- end to end
+
+# experiments/tiny.py, trained long enough that some but not all outputs are exactly right.
+TRAIN_FLAGS = ("--config.data.batching=fixed", "--config.data.batch_size=64",
+               "--config.train.steps=400", "--config.train.learning_rate=5e-3",
+               "--config.train.label_smoothing=0", "--config.train.log_every=200",
+               "--config.train.checkpoint_every=200")
+
+
+def test_translate_reproduces_evaluate_and_averaging_reads_the_last_checkpoints(tmp_path):
+  workdir = tmp_path / "run"
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+
+  def launch(*flags):
+    return [sys.executable, "launch.py", "--config=experiments/tiny.py", f"--workdir={workdir}",
+            *TRAIN_FLAGS, *flags]
+
+  def run(args, **kwargs):
+    result = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=300, **kwargs)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+  run(launch("--mode=train"))
+  evaluating = subprocess.Popen(launch("--mode=evaluate"), cwd=ROOT, env=env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+  exported = run(launch("--mode=export", "--split=test"))
+  pairs = [line.split("\t") for line in exported.splitlines()][:tiny_config().eval.max_examples]
+  sources, references = zip(*pairs)
+  translated = run(launch("--mode=translate"), input="\n".join(sources) + "\n")
+  out, err = evaluating.communicate(timeout=300)
+  assert evaluating.returncode == 0, err[-3000:]
+  metrics = json.loads(out.strip().splitlines()[-1])
+
+  hypotheses = translated.split("\n")[:-1]
+  assert len(hypotheses) == len(sources) == metrics["examples"]
+  assert metrics["skipped_too_long"] == 0
+  assert 0.0 < metrics["exact_match"] < 1.0, "want a model that is sometimes right"
+  ours = evaluate.text_metrics(hypotheses, references)
+  assert ours["exact_match"] == metrics["exact_match"]
+  assert ours["bleu"] == pytest.approx(metrics["bleu"])
+  assert ours["chrf"] == pytest.approx(metrics["chrf"])
+  saved = json.loads((workdir / "eval" / "400.json").read_text())
+  assert saved["exact_match"] == metrics["exact_match"]
+  assert saved["decoding"] == {"decode": "greedy"}
+
+  # Averaging the last 2 checkpoints (200 and 400) gives the mean of their parameters.
+  c = tiny_config()
+  c.data.update(batching="fixed", batch_size=64)
+  c.train.update(steps=400, learning_rate=5e-3, label_smoothing=0.0, log_every=200,
+                 checkpoint_every=200)
+  first, last = evaluate.load_trained(c, workdir, step=200), evaluate.load_trained(c, workdir)
+  assert (first.step, last.step, last.averaged_steps) == (200, 400, ())
+  c.eval.average_last = 2
+  averaged = evaluate.load_trained(c, workdir)
+  assert (averaged.step, averaged.averaged_steps) == (400, (200, 400))
+  jax.tree.map(lambda m, a, b: np.testing.assert_allclose(m, (a + b) / 2, rtol=1e-6, atol=1e-7),
+               averaged.params, first.params, last.params)
