@@ -105,6 +105,6 @@ def test_summary_lists_config_differences_and_metrics():
   text = summary.render(config, {"exact_match": 0.25, "loss": 0.8}, records, wall_time_s=120.0,
                         tokens_seen=24000, steps_run=77, final_step=77)
   assert "| `train.steps` | 1000 | 77 |" in text
-  assert "best exact_match: 0.5 at step 10" in text
+  assert "best exact_match: 0.5 at step 10\n" in text
   assert "best loss: 0.8 at step 20" in text
   assert "200 tokens/s" in text

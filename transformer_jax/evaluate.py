@@ -127,6 +127,9 @@ def _batch_rng(config, index: int):
 # ----------------------------------------------------------------------------- evaluate
 
 
+SAMPLES = 5  # translations shown in TensorBoard and kept in eval/STEP.json
+
+
 def evaluate(params, model_config: ModelConfig, config, tokenizer: tokenizer_lib.Tokenizer,
              pairs) -> dict:
   """Metrics of `params` on (source, reference) `pairs`, and the decode settings used."""
@@ -146,7 +149,8 @@ def evaluate(params, model_config: ModelConfig, config, tokenizer: tokenizer_lib
     outputs = np.asarray(decode_batch(params, model_config, e, batch["inputs"], max_length,
                                       _batch_rng(config, index)))
     hypotheses += [detokenize(tokenizer, row) for row in outputs[:n_real]]
-  references = [target for _, target in sources_lib.gather(pairs, examples.index)]
+  kept = sources_lib.gather(pairs, examples.index)
+  references = [target for _, target in kept]
   nll = sums["nll"] / sums["tokens"]
   text = text_metrics(hypotheses, references)
   signature = text.pop("bleu_signature")
@@ -159,6 +163,8 @@ def evaluate(params, model_config: ModelConfig, config, tokenizer: tokenizer_lib
       "skipped_too_long": examples.dropped,
       "bleu_signature": signature,
       "decoding": decode_settings(e),
+      "samples": [{"source": source, "hypothesis": hypothesis, "reference": reference}
+                  for (source, reference), hypothesis in zip(kept[:SAMPLES], hypotheses)],
   }
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from transformer_jax.config import default_config
 
@@ -41,8 +41,17 @@ def _format(value) -> str:
   return json.dumps(value) if not isinstance(value, str) else value
 
 
+def read_records(workdir: str) -> list[dict]:
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return []
+  with open(path, encoding="utf-8") as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
 def render(config, final_metrics: dict, records: list[dict], wall_time_s: float,
-           tokens_seen: int, steps_run: int, final_step: int) -> str:
+           tokens_seen: int, steps_run: int, final_step: int,
+           checkpoint_steps: Sequence[int] = ()) -> str:
   """The summary as Markdown."""
   lines = ["# Run summary", "", "## Config (differences from the defaults)", ""]
   diff = config_diff(config)
@@ -51,11 +60,14 @@ def render(config, final_metrics: dict, records: list[dict], wall_time_s: float,
   lines += ["", f"## Final metrics (step {final_step})", "", "| metric | value |", "| --- | --- |"]
   lines += [f"| {k} | {_format(v)} |" for k, v in final_metrics.items()
             if isinstance(v, (int, float))]
-  lines += ["", "## Best evaluation", ""]
+  lines += ["", "## Best evaluation and checkpoints", ""]
   for metric, higher in (("exact_match", True), ("bleu", True), ("loss", False)):
     best = best_eval(records, metric, higher)
     if best is not None:
-      lines.append(f"- best {metric}: {_format(best[metric])} at step {best['step']}")
+      kept = " (checkpoint kept)" if best["step"] in checkpoint_steps else ""
+      lines.append(f"- best {metric}: {_format(best[metric])} at step {best['step']}{kept}")
+  if checkpoint_steps:
+    lines.append(f"- checkpoints in the workdir: steps {', '.join(map(str, checkpoint_steps))}")
   throughput = tokens_seen / wall_time_s if wall_time_s > 0 else 0.0
   lines += ["", "## Cost", "",
             f"- wall time of this run: {wall_time_s / 60:.1f} min for {steps_run} steps",

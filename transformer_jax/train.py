@@ -15,7 +15,8 @@ import numpy as np
 import optax
 from flax import struct
 
-from transformer_jax import checkpoint, config as config_lib, data, evaluate, parallel
+from transformer_jax import (benchmark, checkpoint, config as config_lib, data, evaluate, parallel,
+                             summary)
 from transformer_jax.data import pipeline, tokenizer as tokenizer_lib
 from transformer_jax.errors import UserError
 from transformer_jax.logger import MetricLogger
@@ -269,11 +270,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   restored = reader.latest_good(jax.eval_shape(new_state))
   reader.close()
 
-  # Every check passed: from here on the workdir changes.
+  # Every check passed: from here on the workdir changes. With several processes, the first
+  # writes the files; checkpoints are written by all of them together (orbax).
+  is_main = jax.process_index() == 0
   checkpoint.create_workdir(workdir)
-  if new_tokenizer:
+  if is_main and new_tokenizer:
     _write(os.path.join(workdir, tokenizer_lib.FILENAME), tokenizer.model_proto)
-  _write(os.path.join(workdir, "config.json"), config.to_json_best_effort(indent=2).encode())
+  if is_main:
+    _write(os.path.join(workdir, "config.json"), config.to_json_best_effort(indent=2).encode())
   set_aside = reader.set_aside_unreadable()
   manager = checkpoint.Manager(workdir, config, tokenizer_sha, writable=True)
   if restored:
@@ -285,25 +289,37 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   rng = jax.random.PRNGKey(config.seed)
 
   counts = count_params(state.params)
-  print(describe(model_config), flush=True)
-  print(f"data: {len(train_set):,} train examples ({train_set.dropped} too long, dropped), "
-        f"{len(eval_pairs):,} eval examples, vocabulary {tokenizer.vocab_size}, "
-        f"{mesh.devices.size} device(s) ({jax.default_backend()})", flush=True)
-  if restored:
+  say = print if is_main else (lambda *args, **kwargs: None)
+  say(describe(model_config), flush=True)
+  say(f"data: {len(train_set):,} train examples ({train_set.dropped} too long, dropped), "
+      f"{len(eval_pairs):,} eval examples, vocabulary {tokenizer.vocab_size}, "
+      f"{mesh.devices.size} device(s) ({jax.default_backend()}) in {jax.process_count()} "
+      f"process(es)", flush=True)
+  if restored and is_main:
     changed = f" with changed config: {', '.join(restored.changed)}" if restored.changed else ""
     moved = (f" (unreadable steps {set_aside} moved to {checkpoint.UNREADABLE}/)" if set_aside
              else "")
     print(f"resuming from step {start}{changed}{moved}", flush=True)
-  logger = MetricLogger(workdir, total_steps=config.train.steps, start_step=start)
+  peak = benchmark.peak_flops(jax.devices()[0])
+  logger = MetricLogger(workdir, total_steps=config.train.steps, start_step=start,
+                        enabled=is_main, peak_flops=peak * mesh.devices.size if peak else None)
   logger.text("config", config.to_json_best_effort(indent=2))
   logger.text("model", f"{describe(model_config)}\n{counts}")
   schedule = make_schedule(t, model_config.d_model)
 
   unchecked = []  # (step, metrics) on the device, read together at the next log/eval/save step
+  started, tokens_seen = time.time(), 0
+  tokens_since_log = flops_since_log = 0.0  # host arithmetic on the host batch: no device sync
   with checkpoint.Preemption() as preemption:
     for step in range(start, t.steps):
-      batch = parallel.shard_batch(stream[step], mesh)
+      host_batch = stream[step]
+      batch = parallel.shard_batch(host_batch, mesh)
       state, metrics = p_train_step(state, batch, rng)
+      tokens = int((host_batch["inputs"] > 0).sum() + (host_batch["targets"] > 0).sum())
+      tokens_seen += tokens
+      tokens_since_log += tokens
+      flops_since_log += benchmark.train_flops_per_step(model_config, *host_batch["inputs"].shape,
+                                                        host_batch["targets"].shape[1])
       done = step + 1
       unchecked.append((done, metrics))
       stop = preemption.reached(done)
@@ -316,9 +332,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         unchecked = []
       if log:
         metrics = {k: v for k, v in jax.device_get(metrics).items() if k != "finite"}
-        logger.train(done, metrics, float(schedule(done - 1)))
+        logger.train(done, metrics, float(schedule(done - 1)), tokens_since_log, flops_since_log)
+        tokens_since_log = flops_since_log = 0.0
       if run_eval:
-        eval_metrics = evaluate.evaluate(state.params, model_config, config, tokenizer, eval_pairs)
+        eval_metrics = evaluate.evaluate(parallel.to_local(state.params), model_config, config,
+                                         tokenizer, eval_pairs)
         logger.eval(done, eval_metrics)
       if save:
         manager.save(done, state, eval_metrics if run_eval else None)  # metrics rank keep_best
@@ -326,21 +344,32 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         manager.wait()
         manager.close()
         logger.close()
-        print(f"{preemption.signal}: stopped after step {done} and saved its checkpoint; run the "
-              "same command to resume", flush=True)
+        say(f"{preemption.signal}: stopped after step {done} and saved its checkpoint; run the "
+            "same command to resume", flush=True)
         return {}
   manager.wait()
 
-  eval_metrics = evaluate.evaluate(state.params, model_config, config, tokenizer, eval_pairs)
+  wall_time = time.time() - started
+  eval_metrics = evaluate.evaluate(parallel.to_local(state.params), model_config, config,
+                                   tokenizer, eval_pairs)
   logger.eval(int(state.step), eval_metrics)
-  results_path = evaluate.write_results(workdir, int(state.step), eval_metrics)
   logger.close()
-  print(f"\nworkdir {workdir} holds:\n"
-        f"  checkpoints/       steps {manager.all_steps()} (orbax; a rerun resumes from the latest)\n"
+  checkpoint_steps = manager.all_steps()
+  manager.close()
+  if not is_main:
+    return eval_metrics
+  results_path = evaluate.write_results(workdir, int(state.step), eval_metrics)
+  report = summary.render(config, eval_metrics, summary.read_records(workdir), wall_time,
+                          tokens_seen, int(state.step) - start, int(state.step),
+                          checkpoint_steps)
+  summary.write(workdir, report)
+  print("\n" + report, flush=True)
+  print(f"workdir {workdir} holds:\n"
+        f"  checkpoints/       steps {checkpoint_steps} (orbax; a rerun resumes from the latest)\n"
         f"  tokenizer.model    the SentencePiece vocabulary ({tokenizer.vocab_size} pieces)\n"
         f"  config.json        the full experiment config\n"
         f"  metrics.jsonl      training and evaluation metrics, one JSON object per line\n"
         f"  tensorboard/       event files: tensorboard --logdir {os.path.join(workdir, 'tensorboard')}\n"
-        f"  eval/              final metrics: {os.path.relpath(results_path, workdir)}", flush=True)
-  manager.close()
+        f"  eval/              final metrics: {os.path.relpath(results_path, workdir)}\n"
+        f"  summary.md         this summary", flush=True)
   return eval_metrics
