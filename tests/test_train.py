@@ -74,7 +74,7 @@ def _setup(config, pairs, devices=None):
   texts = [t for p in pairs for t in p]
   tok = tokenizer_lib.train(texts, model_config.vocab_size, "word")
   data = pipeline.encode(pairs, tok, config.data.max_source_len, config.data.max_target_len)
-  mesh = parallel.make_mesh(devices)
+  mesh = parallel.make_mesh(devices=devices)
   optimizer = train.make_optimizer(config.train, model_config.d_model)
   step = train.make_train_step(model_config, config, mesh, optimizer)
   state = parallel.replicate(train.create_state(model_config, optimizer, config.seed), mesh)
@@ -154,7 +154,7 @@ DATA_PARALLEL_SCRIPT = textwrap.dedent("""
                                  ("four_accum2", jax.devices(), 2)):
       c.train.grad_accum_steps = accum
       model_config = config_lib.validate(c)
-      mesh = parallel.make_mesh(devices)
+      mesh = parallel.make_mesh(devices=devices)
       optimizer = train.make_optimizer(c.train, model_config.d_model)
       step = train.make_train_step(model_config, c, mesh, optimizer)
       state = parallel.replicate(train.create_state(model_config, optimizer, 0), mesh)
@@ -204,3 +204,15 @@ def test_train_then_evaluate_end_to_end(tmp_path):
   saved = json.loads((workdir / "eval" / "20.json").read_text())
   assert saved["exact_match"] == metrics["exact_match"]
   assert saved["loss"] == pytest.approx(metrics["loss"])
+
+
+def test_mesh_from_config():
+  devices = jax.devices()
+  mesh = parallel.make_mesh({"data": -1})
+  assert mesh.axis_names == ("data",) and mesh.devices.size == len(devices)
+  assert parallel.make_mesh({"data": len(devices)}).devices.size == len(devices)
+  from transformer_jax.errors import UserError  # pylint: disable=import-outside-toplevel
+  with pytest.raises(UserError, match="not implemented yet"):
+    parallel.make_mesh({"data": -1, "tensor": 1})
+  with pytest.raises(UserError, match="does not cover"):
+    parallel.make_mesh({"data": len(devices) + 1})

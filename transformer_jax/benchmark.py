@@ -75,7 +75,7 @@ def _median_time(fn, steps: int) -> tuple[float, list[float]]:
 def benchmark_train(config, model_config: ModelConfig) -> dict:
   """Times the jitted data-parallel train step on a synthetic batch."""
   b = config.benchmark
-  mesh = parallel.make_mesh()
+  mesh = parallel.make_mesh(config.mesh.to_dict())
   bench_config = config.copy_and_resolve_references()
   bench_config.data.batching = "fixed"
   bench_config.data.batch_size = b.batch_size

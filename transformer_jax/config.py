@@ -25,6 +25,9 @@ def default_config() -> ml_collections.ConfigDict:
   c.model.vocab_size = 37000
   c.model.dtype = "auto"  # bfloat16 on GPU/TPU, float32 on CPU
 
+  # The device mesh: {axis: size}, -1 = every device left. Only `data` exists so far.
+  c.mesh = ml_collections.ConfigDict({"data": -1})
+
   c.data = ml_collections.ConfigDict()
   c.data.source = "scan"  # scan | tfds | files
   c.data.scan_split = "simple"  # simple | length

@@ -35,10 +35,32 @@ def initialize_distributed(coordinator_address=None, num_processes=None, process
                              num_processes=num_processes, process_id=process_id)
 
 
-def make_mesh(devices=None) -> jax.sharding.Mesh:
-  """A 1-D mesh over all devices with a `data` axis (Auto axis type, as this code expects)."""
+MESH_AXES = (DATA_AXIS,)  # the axes implemented so far; "fsdp" and "tensor" will join here
+
+
+def make_mesh(axes=None, devices=None) -> jax.sharding.Mesh:
+  """The device mesh from `config.mesh`: {axis name: size}, one size may be -1 (the rest).
+
+  The mesh always spans every device (of every process). Only the `data` axis exists today;
+  its axis type is Auto, as this code expects (jax.make_mesh now defaults to Explicit).
+  """
+  from transformer_jax.errors import UserError  # pylint: disable=import-outside-toplevel
   devices = jax.devices() if devices is None else devices
-  return jax.sharding.Mesh(np.asarray(devices), (DATA_AXIS,), axis_types=(AxisType.Auto,))
+  axes = dict(axes or {DATA_AXIS: -1})
+  unknown = [name for name in axes if name not in MESH_AXES]
+  if unknown:
+    raise UserError(f"mesh axes {unknown} are not implemented yet; the mesh has the axes "
+                    f"{list(MESH_AXES)} (set e.g. --config.mesh.data=-1)")
+  fixed = int(np.prod([size for size in axes.values() if size != -1]))
+  if list(axes.values()).count(-1) > 1 or any(size == 0 or size < -1 for size in axes.values()):
+    raise UserError(f"config.mesh {axes}: sizes must be positive, with at most one -1")
+  sizes = {name: (len(devices) // fixed if size == -1 else size) for name, size in axes.items()}
+  if int(np.prod(list(sizes.values()))) != len(devices):
+    raise UserError(f"config.mesh {axes} does not cover the {len(devices)} devices; use -1 for "
+                    "one axis to take the rest")
+  shape = tuple(sizes[name] for name in MESH_AXES)
+  return jax.sharding.Mesh(np.asarray(devices).reshape(shape), MESH_AXES,
+                           axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
 def data_parallel(step_fn, mesh, donate_state: bool = True):

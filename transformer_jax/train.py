@@ -259,7 +259,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   t = config.train
   workdir = checkpoint.check_workdir(workdir)
   tokenizer, new_tokenizer, train_set, eval_pairs = prepare_data(config, workdir, model_config)
-  mesh = parallel.make_mesh()
+  mesh = parallel.make_mesh(config.mesh.to_dict())
   optimizer = make_optimizer(config.train, model_config.d_model)
   p_train_step = make_train_step(model_config, config, mesh, optimizer)
   stream = pipeline.TrainStream(train_set, config.data, config.seed,
