@@ -175,6 +175,8 @@ def make_train_step(model_config: ModelConfig, config, mesh, optimizer):
 
 # ----------------------------------------------------------------------------- the loop
 
+DISPATCH_AHEAD = 2  # train steps the host may queue before waiting for the devices
+
 
 def prepare_tokenizer(config, workdir: str, train_pairs, vocab_size: int):
   """(tokenizer, new): the run's tokenizer, and whether WORKDIR/tokenizer.model is still to write.
@@ -322,6 +324,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                                                         host_batch["targets"].shape[1])
       done = step + 1
       unchecked.append((done, metrics))
+      if len(unchecked) > DISPATCH_AHEAD:
+        # Let the host run at most DISPATCH_AHEAD steps ahead of the devices (enough to hide
+        # dispatch and input time): a preemption signal is then honoured within a step or two,
+        # not after every step queued since the last sync has run.
+        unchecked[-1 - DISPATCH_AHEAD][1]["finite"].block_until_ready()
       stop = preemption.reached(done)
       last = done == t.steps
       log = done % t.log_every == 0 or last
