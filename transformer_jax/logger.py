@@ -15,6 +15,18 @@ def _duration(seconds: float) -> str:
   return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
 
 
+METRICS_FILE = "metrics.jsonl"
+
+
+def read_metrics(workdir: str) -> list[dict]:
+  """Every record MetricLogger wrote to WORKDIR/metrics.jsonl; [] if there is none."""
+  path = os.path.join(workdir, METRICS_FILE)
+  if not os.path.exists(path):
+    return []
+  with open(path, encoding="utf-8") as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
 class MetricLogger:
   """Writes metrics to stdout, metrics.jsonl (one JSON object per line) and TensorBoard."""
 
@@ -31,7 +43,7 @@ class MetricLogger:
     self._last_step = start_step
     if not enabled:
       return
-    self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a", encoding="utf-8")
+    self._jsonl = open(os.path.join(workdir, METRICS_FILE), "a", encoding="utf-8")
     # Imported here: tensorboardX imports torch when it is installed (seconds), and only
     # training writes events.
     from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel

@@ -5,7 +5,6 @@ Everything renders headless (matplotlib's Agg backend) into PNG files.
 
 from __future__ import annotations
 
-import json
 import os
 import textwrap
 from typing import Optional
@@ -16,17 +15,16 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # pylint: disable=wrong-import-position
 import numpy as np  # pylint: disable=wrong-import-position
 
+from transformer_jax import logger  # pylint: disable=wrong-import-position
 from transformer_jax.errors import UserError  # pylint: disable=wrong-import-position
 
 ATTENTION_KINDS = ("encoder_self_attention", "decoder_self_attention", "cross_attention")
 
 
 def read_metrics(workdir: str) -> list[dict]:
-  path = os.path.join(workdir, "metrics.jsonl")
-  if not os.path.isfile(path):
+  if not os.path.isfile(os.path.join(workdir, logger.METRICS_FILE)):
     raise UserError(f"{workdir} has no metrics.jsonl; train first with --mode=train")
-  with open(path, encoding="utf-8") as f:
-    return [json.loads(line) for line in f if line.strip()]
+  return logger.read_metrics(workdir)
 
 
 def _series(records, split, key):

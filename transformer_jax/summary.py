@@ -41,14 +41,6 @@ def _format(value) -> str:
   return json.dumps(value) if not isinstance(value, str) else value
 
 
-def read_records(workdir: str) -> list[dict]:
-  path = os.path.join(workdir, "metrics.jsonl")
-  if not os.path.exists(path):
-    return []
-  with open(path, encoding="utf-8") as f:
-    return [json.loads(line) for line in f if line.strip()]
-
-
 def render(config, final_metrics: dict, records: list[dict], wall_time_s: float,
            tokens_seen: int, steps_run: int, final_step: int,
            checkpoint_steps: Sequence[int] = ()) -> str:

@@ -28,6 +28,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from transformer_jax import logger
 from transformer_jax.errors import UserError
 
 LOWER_IS_BETTER = ("loss", "perplexity")
@@ -121,9 +122,7 @@ def _metrics_of(directory: str) -> tuple[dict, list[dict]]:
   steps = sorted(int(n[:-5]) for n in os.listdir(eval_dir) if n[:-5].isdigit())
   with open(os.path.join(eval_dir, f"{steps[-1]}.json"), encoding="utf-8") as f:
     final = json.load(f)
-  with open(os.path.join(directory, "metrics.jsonl"), encoding="utf-8") as f:
-    records = [json.loads(line) for line in f if line.strip()]
-  return final, records
+  return final, logger.read_metrics(directory)
 
 
 def _finish_trial(directory: str, overrides: dict, wall_time_s: float, metric: str) -> dict:

@@ -19,7 +19,7 @@ from transformer_jax import (benchmark, checkpoint, config as config_lib, data, 
                              summary)
 from transformer_jax.data import pipeline, tokenizer as tokenizer_lib
 from transformer_jax.errors import UserError
-from transformer_jax.logger import MetricLogger
+from transformer_jax.logger import MetricLogger, read_metrics
 from transformer_jax.model import ModelConfig, Transformer, count_params, describe, init_params
 
 # ----------------------------------------------------------------------------- pure math
@@ -366,7 +366,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   if not is_main:
     return eval_metrics
   results_path = evaluate.write_results(workdir, int(state.step), eval_metrics)
-  report = summary.render(config, eval_metrics, summary.read_records(workdir), wall_time,
+  report = summary.render(config, eval_metrics, read_metrics(workdir), wall_time,
                           tokens_seen, int(state.step) - start, int(state.step),
                           checkpoint_steps)
   summary.write(workdir, report)
