@@ -54,14 +54,40 @@ def test_label_smoothing_equals_its_closed_form():
   vocab, eps = 7, 0.1
   logits = rng.normal(size=(2, 5, vocab))
   targets = rng.integers(0, vocab, size=(2, 5))
-  loss, nll = train.label_smoothed_cross_entropy(jnp.asarray(logits, jnp.float32),
-                                                 jnp.asarray(targets), eps)
+  loss, nll, _ = train.label_smoothed_cross_entropy(jnp.asarray(logits, jnp.float32),
+                                                    jnp.asarray(targets), eps)
   log_p = logits - np.log(np.exp(logits).sum(-1, keepdims=True))  # float64
   q = np.full((2, 5, vocab), eps / vocab)
   q[np.arange(2)[:, None], np.arange(5)[None], targets] += 1.0 - eps
   np.testing.assert_allclose(loss, -(q * log_p).sum(-1), rtol=1e-5)
   np.testing.assert_allclose(nll, -np.take_along_axis(log_p, targets[..., None], -1)[..., 0],
                              rtol=1e-5)
+
+
+def test_label_smoothing_gradient_and_correct_match_float64():
+  rng = np.random.default_rng(1)
+  vocab, eps = 11, 0.2
+  logits = rng.normal(size=(3, 4, vocab))
+  logits[0, 0, 5] = logits[0, 0].max() + 1.0  # a sure argmax
+  targets = rng.integers(0, vocab, size=(3, 4))
+  targets[0, 0] = 5
+  w_loss, w_nll = rng.normal(size=(3, 4)), rng.normal(size=(3, 4))
+
+  def objective(x):
+    loss, nll, _ = train.label_smoothed_cross_entropy(x, jnp.asarray(targets), eps)
+    return (loss * w_loss).sum() + (nll * w_nll).sum()
+
+  grad = jax.grad(objective)(jnp.asarray(logits, jnp.float32))
+  p = np.exp(logits - logits.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  one_hot = np.eye(vocab)[targets]
+  q = (1.0 - eps) * one_hot + eps / vocab
+  expected = w_loss[..., None] * (p - q) + w_nll[..., None] * (p - one_hot)
+  np.testing.assert_allclose(grad, expected, rtol=1e-4, atol=1e-6)
+  _, _, correct = train.label_smoothed_cross_entropy(jnp.asarray(logits, jnp.float32),
+                                                     jnp.asarray(targets), eps)
+  np.testing.assert_array_equal(correct, logits.argmax(-1) == targets)
+  assert correct[0, 0]
 
 
 def test_shift_right_starts_with_bos_and_keeps_padding():

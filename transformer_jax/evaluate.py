@@ -65,9 +65,9 @@ def _eval_step(model_config: ModelConfig):
   def step(params, batch):
     targets = batch["targets"]
     logits = model.apply({"params": params}, batch["inputs"], train.shift_right(targets))
-    _, nll = train.label_smoothed_cross_entropy(logits, targets, 0.0)
+    _, nll, correct = train.label_smoothed_cross_entropy(logits, targets, 0.0)
     weights = (targets > 0).astype(jnp.float32)
-    correct = (jnp.argmax(logits, -1) == targets) * weights
+    correct = correct * weights
     return {"nll": (nll * weights).sum(), "correct": correct.sum(), "tokens": weights.sum()}
 
   return step
