@@ -12,7 +12,7 @@ import pytest
 from transformer_jax import config as config_lib
 from transformer_jax.errors import UserError
 from transformer_jax.model import (ModelConfig, Transformer, count_params, init_params,
-                                   param_shapes)
+                                   output_projection, param_shapes)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -259,3 +259,17 @@ def test_bfloat16_compute_gives_float32_logits_close_to_float32(tiny_config, ran
   assert error.max() <= 0.1 * scale, (error.max(), scale)
   assert error.mean() <= 0.02 * scale, (error.mean(), scale)
   assert error.max() > 0.0  # the bfloat16 path really computed in lower precision
+
+
+def test_output_projection_gradients_match_autodiff():
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(2, 3, 8)), jnp.float32)
+  table = jnp.asarray(rng.normal(size=(13, 8)), jnp.float32)
+  weights = jnp.asarray(rng.normal(size=(2, 3, 13)), jnp.float32)
+  ours = jax.grad(lambda a, b: (output_projection(a, b) * weights).sum(), (0, 1))
+  plain = jax.grad(lambda a, b: (jnp.einsum("btd,vd->btv", a, b) * weights).sum(), (0, 1))
+  for got, want in zip(ours(x, table), plain(x, table)):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(output_projection(x, table),
+                             np.asarray(x, np.float64) @ np.asarray(table, np.float64).T,
+                             rtol=1e-5, atol=1e-5)
