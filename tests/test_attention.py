@@ -381,3 +381,36 @@ def test_attention_dropout_only_when_not_deterministic(init_mha):
   assert not np.allclose(a, b)
   assert not np.allclose(a, reference)
   np.testing.assert_array_equal(apply(False, 1), a)  # same rng, same mask
+
+
+@pytest.mark.parametrize("rate,shape", [(0.1, (64, 32, 256)), (0.3, (50, 999)), (0.5, (7,))])
+def test_dropout_drops_at_the_rate_and_keeps_the_mean(rate, shape):
+  x = jnp.full(shape, 2.0)
+  out = np.asarray(attention.dropout(x, rate, jax.random.PRNGKey(0)))
+  n = out.size
+  dropped = (out == 0.0).mean()
+  # Binomial: 5 standard deviations either side (the 7-element case checks only the values).
+  assert abs(dropped - rate) <= 5 * math.sqrt(rate * (1 - rate) / n) + (1.0 if n < 100 else 0)
+  kept = out[out != 0.0]
+  np.testing.assert_allclose(kept, 2.0 / (1.0 - rate), rtol=1e-4)  # keep rounded to 2^-16
+  if n > 1000:
+    assert abs(out.mean() - 2.0) < 5 * 2.0 * math.sqrt(rate / (1 - rate) / n)
+
+
+def test_dropout_masks_depend_on_the_key_only():
+  x = jnp.ones((16, 64))
+  a = np.asarray(attention.dropout(x, 0.5, jax.random.PRNGKey(1)))
+  np.testing.assert_array_equal(a, attention.dropout(x, 0.5, jax.random.PRNGKey(1)))
+  b = np.asarray(attention.dropout(x, 0.5, jax.random.PRNGKey(2)))
+  assert (a != b).mean() > 0.3  # independent masks differ in about half the places
+  # The two 16-bit halves of one word are not the same draw: halves of the last axis differ.
+  assert (a[:, :32] != a[:, 32:]).mean() > 0.3
+  assert np.all(attention.dropout(x, 1e-9, jax.random.PRNGKey(1)) == x)  # rounds to keep all
+
+
+def test_dropout_gradient_is_the_same_mask():
+  x = jnp.arange(1.0, 101.0)
+  key = jax.random.PRNGKey(3)
+  out = attention.dropout(x, 0.25, key)
+  grad = jax.grad(lambda v: attention.dropout(v, 0.25, key).sum())(x)
+  np.testing.assert_allclose(grad, np.asarray(out) / np.asarray(x), rtol=1e-6)

@@ -61,6 +61,48 @@ def combine_masks(*masks: Optional[Array]) -> Optional[Array]:
   return functools.reduce(jnp.logical_and, masks)
 
 
+# ----------------------------------------------------------------------------- dropout
+
+
+def dropout(x: Array, rate: float, rng: Array) -> Array:
+  """Inverted dropout: zeroes each element with probability `rate`, scales the rest by 1/keep.
+
+  The keep-mask comes from XLA's counter-based bit generator (`lax.rng_bit_generator`, threefry)
+  seeded from `rng`, one 16-bit draw per element (two per 32-bit word when the last axis is even),
+  so the keep probability is `1 - rate` rounded to a multiple of 2^-16 and the survivors are scaled
+  by the inverse of that rounded value. `jax.random.bernoulli` runs threefry as ordinary array ops
+  and draws 32 bits per element; on the CPU it took about 4x longer, about 9% of a training step.
+  """
+  keep_count = round((1.0 - rate) * 2**16)  # P(keep) = keep_count / 2^16
+  if keep_count >= 2**16:
+    return x
+  if keep_count == 0:
+    return jnp.zeros_like(x)
+  seed = jax.random.bits(rng, (4,), jnp.uint32)
+  generate = functools.partial(jax.lax.rng_bit_generator, seed, dtype=jnp.uint32,
+                               algorithm=jax.lax.RandomAlgorithm.RNG_THREE_FRY)
+  if x.ndim and x.shape[-1] % 2 == 0:
+    _, words = generate(x.shape[:-1] + (x.shape[-1] // 2,))
+    draws = jnp.concatenate([words & 0xFFFF, words >> 16], axis=-1)
+  else:
+    _, draws = generate(x.shape)
+    draws = draws >> 16
+  scale = jnp.asarray(2**16 / keep_count, x.dtype)
+  return jnp.where(draws < jnp.uint32(keep_count), x * scale, jnp.zeros((), x.dtype))
+
+
+class Dropout(nn.Module):
+  """`nn.Dropout` with the faster mask of `dropout`; draws from the "dropout" RNG stream."""
+
+  rate: float
+
+  @nn.compact
+  def __call__(self, x: Array, deterministic: bool) -> Array:
+    if deterministic or self.rate == 0.0:
+      return x
+    return dropout(x, self.rate, self.make_rng("dropout"))
+
+
 # ----------------------------------------------------------------------------- attention
 
 
@@ -120,8 +162,7 @@ def dot_product_attention(
     raise ValueError(f"unknown attention implementation {implementation!r}")
   weights = dot_product_attention_weights(query, key, mask)
   if dropout_rate > 0.0 and not deterministic:
-    keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights.shape)
-    weights = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
+    weights = dropout(weights, dropout_rate, dropout_rng)
   return jnp.einsum("bhqk,bkhd->bqhd", weights.astype(value.dtype), value)
 
 
@@ -213,7 +254,7 @@ class MultiHeadAttention(nn.Module):
                                 implementation=self.implementation)
     out = nn.DenseGeneral(features=self.d_model, axis=(-2, -1), dtype=self.dtype,
                           kernel_init=self.kernel_init, name="out")(out)
-    return nn.Dropout(rate=self.output_dropout_rate)(out, deterministic=deterministic)
+    return Dropout(rate=self.output_dropout_rate)(out, deterministic)
 
   def _extend_cache(self, key, value, mask):
     """Writes this step's key/value at the cache index; masks out positions not yet written."""

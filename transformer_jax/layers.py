@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer_jax.attention import MultiHeadAttention
+from transformer_jax.attention import Dropout, MultiHeadAttention
 
 if TYPE_CHECKING:
   from transformer_jax.model import ModelConfig
@@ -73,7 +73,7 @@ class FeedForward(nn.Module):
     h = nn.Dense(cfg.d_ff, dtype=cfg.compute_dtype, kernel_init=kernel_init(cfg), name="wi")(x)
     h = activation(h)
     h = nn.Dense(cfg.d_model, dtype=cfg.compute_dtype, kernel_init=kernel_init(cfg), name="wo")(h)
-    return nn.Dropout(rate=cfg.dropout_rate)(h, deterministic=deterministic)
+    return Dropout(rate=cfg.dropout_rate)(h, deterministic)
 
 
 def _attention(cfg: "ModelConfig", name: str, decode: bool = False) -> MultiHeadAttention:

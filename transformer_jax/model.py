@@ -115,7 +115,7 @@ def _embed_tokens(cfg: ModelConfig, embed: nn.Embed, positions_module: AddPositi
   """Token embedding scaled by sqrt(d_model), plus positions, then dropout."""
   x = embed(tokens) * jnp.sqrt(jnp.asarray(cfg.d_model, cfg.compute_dtype))
   x = positions_module(x, positions)
-  return nn.Dropout(rate=cfg.dropout_rate)(x, deterministic=deterministic)
+  return attention.Dropout(rate=cfg.dropout_rate)(x, deterministic)
 
 
 def _default_positions(tokens: Array) -> Array:
