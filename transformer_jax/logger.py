@@ -58,8 +58,13 @@ class MetricLogger:
     self._tb.flush()
 
   def train(self, step: int, metrics: dict, learning_rate: float, tokens: float = 0.0,
-            flops: float = 0.0) -> None:
-    """tokens, flops: non-padding tokens and model FLOPs of all steps since the previous call."""
+            flops: float = 0.0, input_seconds: float = 0.0) -> None:
+    """tokens, flops: non-padding tokens and model FLOPs of all steps since the previous call.
+
+    input_seconds: host time spent making and transferring those steps' batches. The host
+    dispatches steps ahead of the devices, so input stalls training only when this approaches
+    the elapsed time; the log shows it as a share of that time.
+    """
     now = time.time()
     elapsed = max(now - self._last_time, 1e-9)
     steps_per_s = (step - self._last_step) / elapsed
@@ -70,6 +75,8 @@ class MetricLogger:
               **{k: float(v) for k, v in metrics.items()},
               "learning_rate": learning_rate, "tokens_per_s": tokens_per_s,
               "steps_per_s": steps_per_s}
+    if input_seconds:
+      record["input_share"] = input_seconds / elapsed
     if flops:
       record["tflops_per_s"] = flops / elapsed / 1e12
       if self.peak_flops:
@@ -83,6 +90,7 @@ class MetricLogger:
           + f"{tokens_per_s:,.0f} tok/s | {steps_per_s:.2f} steps/s | "
           + (f"{record['tflops_per_s'] * 1e3:,.1f} GFLOP/s | " if "tflops_per_s" in record else "")
           + (f"MFU {record['mfu']:.1%} | " if "mfu" in record else "")
+          + (f"input {record['input_share']:.0%} | " if "input_share" in record else "")
           + f"ETA {_duration(eta)}",
           flush=True)
 

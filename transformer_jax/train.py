@@ -351,10 +351,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   unchecked = []  # (step, metrics) on the device, read together at the next log/eval/save step
   started, tokens_seen = time.time(), 0
   tokens_since_log = flops_since_log = 0.0  # host arithmetic on the host batch: no device sync
+  input_seconds = 0.0  # host time making and transferring batches since the last log line
   with checkpoint.Preemption() as preemption:
     for step in range(start, t.steps):
+      input_start = time.perf_counter()
       host_batch = stream[step]
       batch = parallel.shard_batch(host_batch, mesh)
+      input_seconds += time.perf_counter() - input_start
       state, metrics = p_train_step(state, batch, rng)
       tokens = int((host_batch["inputs"] > 0).sum() + (host_batch["targets"] > 0).sum())
       tokens_seen += tokens
@@ -378,8 +381,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         unchecked = []
       if log:
         metrics = {k: v for k, v in jax.device_get(metrics).items() if k != "finite"}
-        logger.train(done, metrics, float(schedule(done - 1)), tokens_since_log, flops_since_log)
-        tokens_since_log = flops_since_log = 0.0
+        logger.train(done, metrics, float(schedule(done - 1)), tokens_since_log, flops_since_log,
+                     input_seconds)
+        tokens_since_log = flops_since_log = input_seconds = 0.0
       if run_eval:
         eval_metrics = evaluate.evaluate(parallel.to_local(state.params), model_config, config,
                                          tokenizer, eval_pairs)
