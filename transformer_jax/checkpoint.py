@@ -39,7 +39,8 @@ UNREADABLE = "checkpoints_unreadable"  # where train moves checkpoints that do n
 # Model keys that may change on resume: they change neither the parameter shapes nor what the
 # parameters compute. Every other model key, and switching gradient clipping on or off (it adds
 # optimizer state), makes a checkpoint incompatible.
-RESUMABLE_MODEL_KEYS = ("dropout_rate", "attention_dropout_rate", "attention_impl", "dtype", "init")
+RESUMABLE_MODEL_KEYS = ("dropout_rate", "attention_dropout_rate", "attention_impl", "dtype", "init",
+                        "remat")
 LOWER_IS_BETTER = ("loss", "perplexity")
 
 # ----------------------------------------------------------------------------- the workdir

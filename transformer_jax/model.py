@@ -24,7 +24,12 @@ _CHOICES = {
     "init": ("xavier", "normal"),
     "attention_impl": attention.IMPLEMENTATIONS,
     "dtype": ("float32", "bfloat16"),
+    "remat": ("none", "full", "dots"),
 }
+
+# Rematerialisation of each layer in the backward pass (model.remat): "full" keeps only the
+# layer's inputs; "dots" also keeps the outputs of its weight matrix products.
+REMAT_POLICIES = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +57,7 @@ class ModelConfig:
   attention_impl: str = "plain"
   layer_norm_eps: float = 1e-6
   dtype: str = "float32"  # compute dtype; parameters stay float32
+  remat: str = "none"  # recompute layer activations in the backward pass: none | full | dots
   deterministic: bool = False  # True disables dropout (evaluation, decoding)
   decode: bool = False  # True: incremental decoding with a KV cache
 
@@ -148,6 +154,18 @@ def _output_projection_bwd(residuals, d_logits):
 output_projection.defvjp(_output_projection_fwd, _output_projection_bwd)
 
 
+def _maybe_remat(layer_class, cfg: ModelConfig, deterministic_argnum: int):
+  """The layer class, wrapped in `nn.remat` when training with model.remat set.
+
+  The parameter tree is the same either way (the layers keep their names), so a checkpoint
+  trained with one setting restores with any other.
+  """
+  if cfg.remat == "none" or cfg.decode:
+    return layer_class
+  return nn.remat(layer_class, static_argnums=(deterministic_argnum,),
+                  policy=REMAT_POLICIES[cfg.remat])
+
+
 class Encoder(nn.Module):
   config: ModelConfig
   embed: nn.Module
@@ -168,8 +186,9 @@ class Encoder(nn.Module):
       mask = attention.combine_masks(mask, attention.segment_mask(segments, segments))
     x = _embed_tokens(cfg, self.embed, AddPositions(cfg, name="positions"), tokens, positions,
                       deterministic)
+    layer = _maybe_remat(EncoderLayer, cfg, deterministic_argnum=3)
     for i in range(cfg.num_encoder_layers):
-      x = EncoderLayer(cfg, name=f"layer_{i}")(x, mask, deterministic)
+      x = layer(cfg, name=f"layer_{i}")(x, mask, deterministic)
     if cfg.norm == "pre":
       x = nn.LayerNorm(epsilon=cfg.layer_norm_eps, dtype=cfg.compute_dtype, name="final_norm")(x)
     return x
@@ -214,8 +233,9 @@ class Decoder(nn.Module):
 
     y = _embed_tokens(cfg, self.embed, AddPositions(cfg, name="positions"), decoder_inputs,
                       positions, deterministic)
+    layer = _maybe_remat(DecoderLayer, cfg, deterministic_argnum=5)
     for i in range(cfg.num_decoder_layers):
-      y = DecoderLayer(cfg, decode=cfg.decode, name=f"layer_{i}")(
+      y = layer(cfg, decode=cfg.decode, name=f"layer_{i}")(
           y, encoded, self_mask, cross_mask, deterministic)
     if cfg.norm == "pre":
       y = nn.LayerNorm(epsilon=cfg.layer_norm_eps, dtype=cfg.compute_dtype, name="final_norm")(y)
