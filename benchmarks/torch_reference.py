@@ -1,5 +1,6 @@
 """The same model, batch and optimizer in PyTorch (eager `torch.nn.Transformer`), for a side-by-side
-step time. Needs the optional extra: `.venv/bin/pip install -e '.[torch]'` (torch 2.13.0, CPU).
+step time (`--mode=benchmark --config.benchmark.torch=True` times it in alternating blocks with the
+JAX step). Needs the optional extra: `.venv/bin/pip install -e '.[torch]'` (torch 2.13.0, CPU).
 
 Matched to transformer_jax: post-LN layers with ReLU FFN, dropout, a shared embedding scaled by
 sqrt(d_model) plus sinusoidal positions, an output projection tied to the embedding,
@@ -11,13 +12,17 @@ from __future__ import annotations
 
 import math
 import os
-import statistics
-import time
 
 import numpy as np
 
 
-def benchmark(model_config, config) -> dict:
+def make_step(model_config, config):
+  """Builds the model and returns (step, parameter count); `step()` runs one warmed-up train step."""
+  # libgomp's threads spin for a while after each parallel region by default. Timed in
+  # alternating blocks with JAX, that spinning took the cores from the first JAX steps of every
+  # block (about +60 ms a step); passive waiting left PyTorch's own step time unchanged.
+  # Read once when torch loads its OpenMP runtime, so it must be set before the import.
+  os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
   import torch  # pylint: disable=import-outside-toplevel
   from torch import nn  # pylint: disable=import-outside-toplevel
 
@@ -74,10 +79,5 @@ def benchmark(model_config, config) -> dict:
 
   for _ in range(b.warmup):
     step()
-  times = []
-  for _ in range(b.steps):
-    start = time.perf_counter()
-    step()
-    times.append(time.perf_counter() - start)
   params = sum(int(np.prod(p.shape)) for p in model.parameters())
-  return {"step_ms": statistics.median(times) * 1e3, "params": params}
+  return step, params

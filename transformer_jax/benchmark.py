@@ -72,8 +72,29 @@ def _median_time(fn, steps: int) -> tuple[float, list[float]]:
   return statistics.median(times), times
 
 
-def benchmark_train(config, model_config: ModelConfig) -> dict:
-  """Times the jitted data-parallel train step on a synthetic batch."""
+def interleaved_medians(runs: dict, steps: int, block: int = 5) -> dict:
+  """Median seconds of `steps` calls of each callable in `runs`, alternating blocks of `block`.
+
+  Side-by-side timings taken one after the other drift apart when the machine's speed does (a
+  neighbour on a shared host, thermal limits); alternating short blocks exposes every framework
+  to the same stretches.
+  """
+  times = {name: [] for name in runs}
+  while any(len(t) < steps for t in times.values()):
+    for name, fn in runs.items():
+      for _ in range(min(block, steps - len(times[name]))):
+        start = time.perf_counter()
+        fn()
+        times[name].append(time.perf_counter() - start)
+  return {name: statistics.median(t) for name, t in times.items()}
+
+
+def benchmark_train(config, model_config: ModelConfig, reference_step=None) -> dict:
+  """Times the jitted data-parallel train step on a synthetic batch.
+
+  reference_step: another framework's warmed-up train step (a callable), timed in alternating
+  blocks with this one; its median lands in `reference_step_ms`.
+  """
   b = config.benchmark
   mesh = parallel.make_mesh(config.mesh.to_dict())
   bench_config = config.copy_and_resolve_references()
@@ -89,6 +110,8 @@ def benchmark_train(config, model_config: ModelConfig) -> dict:
   start = time.perf_counter()
   compiled = step.lower(state, batch, rng).compile()
   compile_s = time.perf_counter() - start
+  # XLA's own accounting of the compiled step: every backend reports it, unlike memory_stats().
+  analysis = compiled.memory_analysis()
 
   holder = {"state": state}
 
@@ -98,7 +121,11 @@ def benchmark_train(config, model_config: ModelConfig) -> dict:
 
   for _ in range(b.warmup):
     run()
-  step_s, _ = _median_time(run, b.steps)
+  runs = {"jax": run}
+  if reference_step is not None:
+    runs["reference"] = reference_step
+  medians = interleaved_medians(runs, b.steps)
+  step_s = medians["jax"]
   flops = train_flops_per_step(model_config, b.batch_size, b.source_len, b.target_len)
   device = jax.devices()[0]
   peak = peak_flops(device)
@@ -114,6 +141,10 @@ def benchmark_train(config, model_config: ModelConfig) -> dict:
       "tflops_per_s": achieved / 1e12,
       "mfu": achieved / (peak * mesh.devices.size) if peak else None,
   }
+  if reference_step is not None:
+    result["reference_step_ms"] = medians["reference"] * 1e3
+  if analysis is not None:
+    result["temp_memory_gib"] = analysis.temp_size_in_bytes / 2**30  # activations and scratch
   stats = device.memory_stats() if hasattr(device, "memory_stats") else None
   if stats and "peak_bytes_in_use" in stats:
     result["peak_memory_gib"] = stats["peak_bytes_in_use"] / 2**30
@@ -151,16 +182,19 @@ def run_benchmark(config) -> dict:
   print(f"benchmark: batch {b.batch_size} x (source {b.source_len} + target {b.target_len}), "
         f"{b.steps} timed steps after {b.warmup} warm-up, {jax.device_count()} device(s) "
         f"({jax.devices()[0].device_kind})", flush=True)
-  result = benchmark_train(config, model_config)
+  torch_step = None
+  if b.torch:
+    from benchmarks import torch_reference  # pylint: disable=import-outside-toplevel
+    torch_step, torch_params = torch_reference.make_step(model_config, config)
+  result = benchmark_train(config, model_config, reference_step=torch_step)
+  if b.torch:
+    # Timed in alternating blocks of steps with the JAX step (interleaved_medians).
+    result["torch_step_ms"] = result.pop("reference_step_ms")
+    result["torch_params"] = torch_params
+    result["speedup_vs_torch"] = result["torch_step_ms"] / result["step_ms"]
   if b.decode_steps:
     params = init_params(model_config, jax.random.PRNGKey(config.seed))
     result.update(benchmark_decode(config, model_config, params))
-  if b.torch:
-    from benchmarks import torch_reference  # pylint: disable=import-outside-toplevel
-    torch_result = torch_reference.benchmark(model_config, config)
-    result["torch_step_ms"] = torch_result["step_ms"]
-    result["torch_params"] = torch_result["params"]
-    result["speedup_vs_torch"] = torch_result["step_ms"] / result["step_ms"]
   for key, value in result.items():
     shown = f"{value:,.4g}" if isinstance(value, float) else value
     print(f"  {key:24s} {shown}", flush=True)
