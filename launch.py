@@ -39,11 +39,12 @@ _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "Multi-process r
                                    "process 0 (auto-detected on Cloud TPU and SLURM).")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Multi-process runs: process count.")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "Multi-process runs: this process's index.")
-_KEEP_HOST_MEMORY = flags.DEFINE_bool(
-    "keep_host_memory", True,
+_KEEP_HOST_MEMORY = flags.DEFINE_enum(
+    "keep_host_memory", "auto", ["auto", "true", "false"],
     "Let malloc keep freed memory for reuse (Linux/glibc): XLA:CPU then stops page-faulting its "
-    "large per-step temporaries again every step (about 20% of a CPU train step); the process "
-    "keeps its peak resident memory.")
+    "large per-step temporaries again every step (about 20% of the CPU benchmark's step); the "
+    "process keeps its peak resident memory. auto: only when a step's arrays exceed 32 MiB "
+    "(for small steps the shared malloc lock costs more than it saves).")
 _CHECKPOINT_STEP = flags.DEFINE_integer(
     "checkpoint_step", None,
     "Checkpoint to evaluate or translate with (default: the latest).")
@@ -99,8 +100,9 @@ def run(argv) -> None:
     raise UserError(f"--mode must be one of {', '.join(MODES)}; got {mode!r}")
   config = _CONFIG.value
 
-  if _KEEP_HOST_MEMORY.value:
-    from transformer_jax import hostmem
+  from transformer_jax import hostmem
+  keep = _KEEP_HOST_MEMORY.value
+  if keep == "true" or (keep == "auto" and hostmem.worth_keeping(config, mode)):
     hostmem.keep_freed_memory()  # before the first JAX computation starts the CPU backend
   # Imported here so that `--help` and flag errors answer without loading JAX.
   from transformer_jax import config as config_lib

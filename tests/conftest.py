@@ -5,10 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer_jax import hostmem
 from transformer_jax.model import ModelConfig
-
-hostmem.keep_freed_memory()  # as launch.py does: XLA:CPU reuses its temporaries' memory
 
 
 @pytest.fixture

@@ -40,3 +40,26 @@ def test_freed_memory_is_reused_without_page_faults():
   pages = 64 * 2**20 // 4096
   assert default > pages // 2  # glibc's default: the block was unmapped and faults in again
   assert kept < pages // 20
+
+
+def _experiment(name):
+  import importlib.util  # pylint: disable=import-outside-toplevel
+  import pathlib  # pylint: disable=import-outside-toplevel
+  path = pathlib.Path(__file__).resolve().parents[1] / "experiments" / f"{name}.py"
+  spec = importlib.util.spec_from_file_location(name, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
+def test_auto_keeps_memory_only_for_steps_with_large_arrays():
+  from transformer_jax import hostmem  # pylint: disable=import-outside-toplevel
+  tiny, bench = _experiment("tiny"), _experiment("bench_cpu")
+  assert not hostmem.worth_keeping(tiny, "train")  # its steps' blocks stay on malloc's heap
+  assert hostmem.worth_keeping(bench, "benchmark")  # 0.51 GiB of temporaries measured
+  # The estimate grows with the tokens of a step and with the vocabulary.
+  small = hostmem.step_activation_bytes(bench, "benchmark")
+  bench.benchmark.batch_size *= 2
+  assert hostmem.step_activation_bytes(bench, "benchmark") == 2 * small
+  tiny.model.vocab_size = 1_000_000
+  assert hostmem.worth_keeping(tiny, "train")
