@@ -63,15 +63,6 @@ def synthetic_batch(cfg: ModelConfig, batch: int, source_len: int, target_len: i
           "targets": rng.integers(4, cfg.vocab_size, (batch, target_len), dtype=np.int32)}
 
 
-def _median_time(fn, steps: int) -> tuple[float, list[float]]:
-  times = []
-  for _ in range(steps):
-    start = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - start)
-  return statistics.median(times), times
-
-
 def interleaved_medians(runs: dict, steps: int, block: int = 5) -> dict:
   """Median seconds of `steps` calls of each callable in `runs`, alternating blocks of `block`.
 
@@ -89,11 +80,11 @@ def interleaved_medians(runs: dict, steps: int, block: int = 5) -> dict:
   return {name: statistics.median(t) for name, t in times.items()}
 
 
-def benchmark_train(config, model_config: ModelConfig, reference_step=None) -> dict:
+def benchmark_train(config, model_config: ModelConfig, references=None) -> dict:
   """Times the jitted data-parallel train step on a synthetic batch.
 
-  reference_step: another framework's warmed-up train step (a callable), timed in alternating
-  blocks with this one; its median lands in `reference_step_ms`.
+  references: {name: another framework's warmed-up train step (a callable)}, each timed in
+  alternating blocks with this one; its median lands in `NAME_step_ms`.
   """
   b = config.benchmark
   mesh = parallel.make_mesh(config.mesh.to_dict())
@@ -121,10 +112,7 @@ def benchmark_train(config, model_config: ModelConfig, reference_step=None) -> d
 
   for _ in range(b.warmup):
     run()
-  runs = {"jax": run}
-  if reference_step is not None:
-    runs["reference"] = reference_step
-  medians = interleaved_medians(runs, b.steps)
+  medians = interleaved_medians({"jax": run, **(references or {})}, b.steps)
   step_s = medians["jax"]
   flops = train_flops_per_step(model_config, b.batch_size, b.source_len, b.target_len)
   device = jax.devices()[0]
@@ -141,8 +129,8 @@ def benchmark_train(config, model_config: ModelConfig, reference_step=None) -> d
       "tflops_per_s": achieved / 1e12,
       "mfu": achieved / (peak * mesh.devices.size) if peak else None,
   }
-  if reference_step is not None:
-    result["reference_step_ms"] = medians["reference"] * 1e3
+  for name in references or {}:
+    result[f"{name}_step_ms"] = medians[name] * 1e3
   if analysis is not None:
     result["temp_memory_gib"] = analysis.temp_size_in_bytes / 2**30  # activations and scratch
   stats = device.memory_stats() if hasattr(device, "memory_stats") else None
@@ -168,7 +156,7 @@ def benchmark_decode(config, model_config: ModelConfig, params) -> dict:
     def run():
       outputs.append(jax.block_until_ready(search()))
 
-    seconds, _ = _median_time(run, max(1, b.decode_steps))
+    seconds = interleaved_medians({name: run}, max(1, b.decode_steps))[name]
     tokens = int((np.asarray(outputs[-1]) > 0).sum())
     results[f"{name}_tokens_per_s"] = tokens / seconds
     results[f"{name}_ms_per_batch"] = seconds * 1e3
@@ -182,14 +170,12 @@ def run_benchmark(config) -> dict:
   print(f"benchmark: batch {b.batch_size} x (source {b.source_len} + target {b.target_len}), "
         f"{b.steps} timed steps after {b.warmup} warm-up, {jax.device_count()} device(s) "
         f"({jax.devices()[0].device_kind})", flush=True)
-  torch_step = None
+  references = {}
   if b.torch:
     from benchmarks import torch_reference  # pylint: disable=import-outside-toplevel
-    torch_step, torch_params = torch_reference.make_step(model_config, config)
-  result = benchmark_train(config, model_config, reference_step=torch_step)
+    references["torch"], torch_params = torch_reference.make_step(model_config, config)
+  result = benchmark_train(config, model_config, references)  # sets torch_step_ms
   if b.torch:
-    # Timed in alternating blocks of steps with the JAX step (interleaved_medians).
-    result["torch_step_ms"] = result.pop("reference_step_ms")
     result["torch_params"] = torch_params
     result["speedup_vs_torch"] = result["torch_step_ms"] / result["step_ms"]
   if b.decode_steps:
