@@ -1,4 +1,5 @@
-"""Transformer base (Vaswani et al., 2017, Table 3): 6+6 layers, d_model 512, 8 heads, 63M parameters.
+"""Transformer base (Vaswani et al., 2017, Table 3): 6+6 layers, d_model 512, 8 heads, 63M
+parameters.
 
 The model and optimiser recipe of the paper; a dataset recipe (e.g. WMT14 En-De) starts from it.
 """

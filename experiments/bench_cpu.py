@@ -1,6 +1,7 @@
 """The CPU speed reference: d_model 256, 4 heads, 3+3 layers, vocab 8000, batch 64 x 32.
 
-  .venv/bin/python launch.py --config=experiments/bench_cpu.py --mode=benchmark --config.benchmark.torch=True
+  .venv/bin/python launch.py --config=experiments/bench_cpu.py --mode=benchmark \
+    --config.benchmark.torch=True
 """
 
 from transformer_jax.config import default_config

@@ -1,4 +1,5 @@
-"""Transformer big (Vaswani et al., 2017, Table 3): 6+6 layers, d_model 1024, 16 heads, 214M parameters."""
+"""Transformer big (Vaswani et al., 2017, Table 3): 6+6 layers, d_model 1024, 16 heads, 214M
+parameters."""
 
 from transformer_jax.config import default_config
 

@@ -3,7 +3,7 @@
 Transformers famously fail this split (exact match near 0-20%); it is here to measure that.
 """
 
-from experiments import scan_simple
+from transformer_jax.experiments import scan_simple
 
 
 def get_config():

@@ -1,6 +1,7 @@
 """A tiny model on SCAN for tests and smoke runs: seconds per run on a CPU."""
 
 from transformer_jax.config import default_config
+from transformer_jax.tools import sweep
 
 
 def get_config():
@@ -18,5 +19,4 @@ def get_config():
 
 def get_sweep():
   """Four trials, for tests of `--sweep`."""
-  from transformer_jax import sweep  # pylint: disable=import-outside-toplevel
   return sweep.grid(**{"train.learning_rate": [1e-3, 3e-3], "model.d_ff": [32, 64]})

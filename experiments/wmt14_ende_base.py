@@ -10,7 +10,7 @@ The paper's batch was 8 GPUs x ~3.1k tokens per side; on fewer devices keep the 
 train.grad_accum_steps (the budget is global: rows are split across devices and microbatches).
 """
 
-from experiments import base
+from transformer_jax.experiments import base
 
 
 def get_config():

@@ -5,7 +5,7 @@ per batch, newstest2013 validation, newstest2014 test) with the big model: d_mod
 FFN 4096, dropout 0.3, 300k steps.
 """
 
-from experiments import big, wmt14_ende_base
+from transformer_jax.experiments import big, wmt14_ende_base
 
 
 def get_config():

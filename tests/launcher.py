@@ -19,11 +19,11 @@ SERVER = r"""
 import gc, json, os, sys
 gc.disable()  # with gc.freeze() before each fork: the children's collections leave the parent's
               # objects alone, so they neither copy its memory nor spend seconds exiting
-sys.argv = ["launch.py"]
-sys.path.insert(0, os.getcwd())
-import launch
+sys.argv = ["transformer-jax"]
 from absl import app
-from transformer_jax import checkpoint, evaluate, train  # the heavy imports, done once
+from transformer_jax import cli, run  # the heavy imports, done once
+from transformer_jax.tools import sweep
+from transformer_jax.eval import evaluate, translate
 
 def child(command):
   null = os.open(os.devnull, os.O_RDONLY)
@@ -34,8 +34,8 @@ def child(command):
     os.setgroups([])
     os.setgid(command["user"])
     os.setuid(command["user"])
-  sys.argv = ["launch.py", *command["flags"]]  # ml_collections reads overrides from sys.argv
-  app.run(launch.main, flags_parser=launch._parse_flags)
+  sys.argv = ["transformer-jax", *command["flags"]]  # ml_collections reads sys.argv
+  app.run(cli._main, flags_parser=cli._parse_flags)
 
 for line in sys.stdin:
   command = json.loads(line)

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer_jax import attention
+from transformer_jax.core.errors import UserError
+from transformer_jax.model import attention
 
 
 def reference_attention(query, key, value, mask=None):
@@ -120,7 +121,7 @@ def test_jax_implementation_matches_plain_under_padding_and_causal_masks(shape):
 
 def test_jax_implementation_refuses_attention_dropout():
   q = jnp.zeros((1, 2, 1, 4))
-  with pytest.raises(ValueError, match="dropout"):
+  with pytest.raises(UserError, match="dropout"):
     attention.dot_product_attention(q, q, q, dropout_rate=0.1, dropout_rng=jax.random.PRNGKey(0),
                                     deterministic=False, implementation="jax")
 

@@ -1,4 +1,4 @@
-"""--mode=benchmark: the FLOPs formula counted by hand, the interleaving, and a tiny end-to-end run."""
+"""--mode=benchmark: the FLOPs formula counted by hand, the interleaving, a tiny end-to-end run."""
 
 import json
 import os
@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from transformer_jax import benchmark
-from transformer_jax.model import ModelConfig
+from transformer_jax.model import ModelConfig, flops
+from transformer_jax.tools import benchmark
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -27,7 +27,7 @@ def test_train_flops_match_a_count_of_every_product():
     products += [(b * t, d, f), (b * t, f, d)]
   products.append((b * t, d, v))  # output projection
   forward = sum(2 * m * k * n for m, k, n in products)
-  assert benchmark.train_flops_per_step(cfg, b, s, t) == 3 * forward
+  assert flops.train_flops_per_step(cfg, b, s, t) == 3 * forward
 
 
 def test_interleaved_medians_alternate_blocks_and_count_every_call():
@@ -51,7 +51,7 @@ def test_benchmark_mode_prints_its_numbers_as_json():
   numbers = json.loads(result.stdout.strip().splitlines()[-1])
   cfg = ModelConfig(vocab_size=32, d_model=32, num_heads=2, num_encoder_layers=1,
                     num_decoder_layers=1, d_ff=64)
-  assert numbers["flops_per_step"] == benchmark.train_flops_per_step(cfg, 4, 6, 5)
+  assert numbers["flops_per_step"] == flops.train_flops_per_step(cfg, 4, 6, 5)
   for key in ("compile_s", "step_ms", "greedy_tokens_per_s", "beam4_tokens_per_s",
               "temp_memory_gib"):
     assert numbers[key] > 0, key

@@ -17,11 +17,12 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
-
-from transformer_jax import checkpoint, config as config_lib, train
-from transformer_jax.errors import UserError
-
 from launcher import Launcher, environment
+
+from transformer_jax import config as config_lib
+from transformer_jax.core.errors import UserError
+from transformer_jax.train import checkpoint
+from transformer_jax.train import state as state_lib
 
 STEPS = 8
 # model.vocab_size=23: the word vocabulary of SCAN, so no output id lies outside the tokenizer.
@@ -65,8 +66,8 @@ def restore_latest(workdir):
   """The newest readable checkpoint of a workdir, via its config.json."""
   config = ml_collections.ConfigDict(json.loads((workdir / "config.json").read_text()))
   model_config = config_lib.validate(config)
-  optimizer = train.make_optimizer(config.train, model_config.d_model)
-  target = jax.eval_shape(lambda: train.create_state(model_config, optimizer, config.seed))
+  optimizer = state_lib.make_optimizer(config.train, model_config.d_model)
+  target = jax.eval_shape(lambda: state_lib.create_state(model_config, optimizer, config.seed))
   manager = checkpoint.Manager(str(workdir), config)
   try:
     return manager.latest_good(target)

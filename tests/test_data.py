@@ -9,18 +9,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer_jax import config as config_lib, train
-from transformer_jax.data import pipeline, sources, tokenizer as tokenizer_lib
-from transformer_jax.errors import UserError
-from transformer_jax.model import Transformer, init_params
+from transformer_jax import config as config_lib
+from transformer_jax import run
+from transformer_jax.core.errors import UserError
+from transformer_jax.data import pipeline, prepare, sources
+from transformer_jax.data import tokenizer as tokenizer_lib
+from transformer_jax.experiments import multi30k_ende, tiny
+from transformer_jax.model import Transformer, init_params, shift_right
+from transformer_jax.train import step as step_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MULTI30K = os.path.join(ROOT, "..", "shared", "data", "multi30k")
 
 
 def tiny_config():
-  sys.path.insert(0, ROOT)
-  from experiments import tiny  # pylint: disable=import-outside-toplevel
   return tiny.get_config()
 
 
@@ -107,8 +109,6 @@ def test_missing_directory_and_bad_config_are_user_errors(tmp_path):
 
 @pytest.mark.skipif(not os.path.isdir(MULTI30K), reason="../shared/data/multi30k not present")
 def test_multi30k_recipe_reads_the_shared_data():
-  sys.path.insert(0, ROOT)
-  from experiments import multi30k_ende  # pylint: disable=import-outside-toplevel
   c = multi30k_ende.get_config()
   config_lib.validate(c)
   sizes = {s: len(sources.load_split(c.data, s))
@@ -127,11 +127,11 @@ def test_tokenizer_is_trained_from_a_sample_and_the_workdir_copy_wins(tmp_path):
   pairs = [(f"the cat {i} sat on the mat", f"die Katze {i} sass auf der Matte") for i in range(500)]
   sample = list(tokenizer_lib.training_texts(pairs, 100, seed=0))
   assert len(sample) == 100 and set(sample) <= {t for p in pairs for t in p}
-  trained, new = train.prepare_tokenizer(c, str(tmp_path), pairs, 40)
+  trained, new = prepare.prepare_tokenizer(c, str(tmp_path), pairs, 40)
   assert new and trained.vocab_size == 40
   (tmp_path / tokenizer_lib.FILENAME).write_bytes(trained.model_proto)  # as the loop does, once
   other = [("other words entirely", "ganz andere")] * 50
-  again, new = train.prepare_tokenizer(c, str(tmp_path), other, 40)
+  again, new = prepare.prepare_tokenizer(c, str(tmp_path), other, 40)
   assert not new and again.model_proto == trained.model_proto  # a resumed run keeps its ids
   with pytest.raises(UserError, match="lower model.vocab_size"):
     tokenizer_lib.train(["a b"] * 10, 5000, "bpe")
@@ -182,7 +182,7 @@ def test_batches_respect_the_token_budget(batching):
 def test_packed_rows_are_well_formed_and_cover_each_example_once_per_epoch():
   pairs = synthetic(300, seed=1)
   examples, stream = stream_for("packed", pairs, tokens=512)
-  epoch_batches = stream._epoch(0)  # pylint: disable=protected-access
+  epoch_batches = stream._epoch(0)
   members = [i for batch in epoch_batches for row in batch for i in row]
   assert len(members) == len(set(members)) > 0.8 * len(examples)
   padding = []
@@ -210,7 +210,7 @@ def test_packed_rows_are_well_formed_and_cover_each_example_once_per_epoch():
 def test_shift_right_starts_every_packed_example_with_bos():
   targets = jnp.array([[5, 6, 2, 7, 2, 0]])
   segments = jnp.array([[1, 1, 1, 2, 2, 0]])
-  np.testing.assert_array_equal(train.shift_right(targets, segments=segments),
+  np.testing.assert_array_equal(shift_right(targets, segments=segments),
                                 [[1, 5, 6, 1, 7, 0]])
 
 
@@ -230,7 +230,7 @@ def test_packed_batches_never_attend_across_examples(tiny_config, random_params,
   def apply(batch):
     return model.apply(
         {"params": params}, batch["inputs"],
-        train.shift_right(batch["targets"], segments=batch.get("targets_segmentation")),
+        shift_right(batch["targets"], segments=batch.get("targets_segmentation")),
         source_positions=batch.get("inputs_position"),
         target_positions=batch.get("targets_position"),
         source_segments=batch.get("inputs_segmentation"),
@@ -240,7 +240,7 @@ def test_packed_batches_never_attend_across_examples(tiny_config, random_params,
     return np.asarray(apply(batch))
 
   packed = logits(batch)
-  members = stream._epoch(0)[0]  # pylint: disable=protected-access
+  members = stream._epoch(0)[0]
   alone = [i for row in members for i in row]
   separate = logits(examples.rows(alone, 24, 24))
   k = 0
@@ -261,7 +261,7 @@ def test_packed_batches_never_attend_across_examples(tiny_config, random_params,
                          packed[0, ~at & (batch["targets"][0] > 0)], atol=1e-3)
 
   # The training loss sums over the packed batch equal those over the same examples unpacked.
-  sums = jax.jit(lambda batch: train._loss_and_metrics(  # pylint: disable=protected-access
+  sums = jax.jit(lambda batch: step_lib._loss_and_metrics(
       params, model, batch, jax.random.PRNGKey(0), 0.1, 1.0)[1])
   packed_sums, separate_sums = sums(batch), sums(examples.rows(alone, 24, 24))
   for key in ("loss", "nll", "correct"):
@@ -296,7 +296,7 @@ def test_tfds_user_errors(tmp_path, changes, message):
 
 
 def test_tfds_preparation_that_needs_tensorflow_names_the_extra(tmp_path, monkeypatch):
-  import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
+  import tensorflow_datasets as tfds
 
   def needs_tf(*args, **kwargs):
     raise ModuleNotFoundError("No module named 'tensorflow'", name="tensorflow")
@@ -309,7 +309,7 @@ def test_tfds_preparation_that_needs_tensorflow_names_the_extra(tmp_path, monkey
 def test_tfds_wmt14_end_to_end_on_mock_data(tmp_path):
   """wmt14_translate/de-en through tfds.data_source on mock data, TF-free and offline: BPE
   trained on the fly, packed batches, a few train steps, evaluation on the validation split."""
-  import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
+  import tensorflow_datasets as tfds
   c = tfds_config()
   c.model.update(vocab_size=48)
   c.data.update(batching="packed", tokens_per_batch=4 * 48)
@@ -320,10 +320,10 @@ def test_tfds_wmt14_end_to_end_on_mock_data(tmp_path):
   with tfds.testing.mock_data(num_examples=64, policy=tfds.testing.MockPolicy.USE_CODE):
     pairs = sources.load_split(c.data, "validation")
     assert len(pairs) == 64 and all(isinstance(t, str) for t in pairs[0])
-    metrics = train.train_and_evaluate(c, str(workdir))
+    metrics = run.train_and_evaluate(c, str(workdir))
   assert (workdir / tokenizer_lib.FILENAME).exists()
   assert tokenizer_lib.load(str(workdir / tokenizer_lib.FILENAME)).vocab_size == 48
-  records = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
+  records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
   steps = [r for r in records if r["split"] == "train"]
   assert [r["step"] for r in steps] == [2, 4]
   assert all(0.0 <= r["padding"] < 0.5 and np.isfinite(r["loss"]) for r in steps)
@@ -333,7 +333,7 @@ def test_tfds_wmt14_end_to_end_on_mock_data(tmp_path):
 def test_tfds_prepares_and_reads_array_record_without_tensorflow(tmp_path):
   """A real (not mocked) TFDS preparation and random-access read, offline: a builder whose
   examples come from code, prepared as array_record into data.tfds_data_dir."""
-  import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
+  import tensorflow_datasets as tfds
 
   class TinyTranslateForTests(tfds.core.GeneratorBasedBuilder):
     VERSION = tfds.core.Version("1.0.0")

@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer_jax import decode
-from transformer_jax.errors import UserError
+from transformer_jax.core.errors import UserError
+from transformer_jax.eval import decode
 from transformer_jax.model import ModelConfig, Transformer, param_shapes
 
 VOCAB, PAD, BOS, EOS = 20, 0, 1, 2

@@ -8,18 +8,18 @@ by checkpoint.Manager for the tiny config.
 
 import os
 import shutil
-import stat
 import subprocess
 import sys
 import tempfile
 
 import jax.numpy as jnp
 import pytest
-
-from transformer_jax import checkpoint
-from transformer_jax.data import scan, tokenizer as tokenizer_lib
-
 from launcher import ROOT, Launcher, environment
+
+from transformer_jax.data import scan
+from transformer_jax.data import tokenizer as tokenizer_lib
+from transformer_jax.experiments import tiny
+from transformer_jax.train import checkpoint
 
 NOBODY = 65534  # runs the unwritable-workdir row when the tests run as root
 
@@ -36,8 +36,6 @@ def launcher(tmp_path_factory):
 def paths(tmp_path_factory):
   """Every path a row refers to: a trained workdir, data directories, files."""
   root = tmp_path_factory.mktemp("inputs")
-  sys.path.insert(0, ROOT)
-  from experiments import tiny  # pylint: disable=import-outside-toplevel
   config = tiny.get_config()
 
   workdir = root / "trained"

@@ -12,17 +12,22 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer_jax import config as config_lib, evaluate, train
-from transformer_jax.data import scan, tokenizer as tokenizer_lib
-from transformer_jax.errors import UserError
+from transformer_jax import config as config_lib
+from transformer_jax.core.errors import UserError
+from transformer_jax.data import scan
+from transformer_jax.data import tokenizer as tokenizer_lib
+from transformer_jax.eval import load, search
+from transformer_jax.eval import translate as translate_lib
+from transformer_jax.eval.metrics import text_metrics
+from transformer_jax.experiments import tiny
 from transformer_jax.model import param_shapes
+from transformer_jax.tools import benchmark
+from transformer_jax.train import state as state_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def tiny_config():
-  sys.path.insert(0, ROOT)
-  from experiments import tiny  # pylint: disable=import-outside-toplevel
   return tiny.get_config()
 
 
@@ -34,7 +39,7 @@ REFERENCES = ["The cat sat on the mat, and the dog sat on the rug.",
 
 
 def test_bleu_of_references_against_themselves_is_100():
-  metrics = evaluate.text_metrics(REFERENCES, REFERENCES)
+  metrics = text_metrics(REFERENCES, REFERENCES)
   for key in ("bleu", "bleu_lowercase_tokenized", "chrf"):
     assert metrics[key] == pytest.approx(100.0), key
   assert metrics["exact_match"] == 1.0
@@ -42,12 +47,12 @@ def test_bleu_of_references_against_themselves_is_100():
 
 
 def test_cased_bleu_sees_case_lowercased_bleu_does_not():
-  metrics = evaluate.text_metrics([r.lower() for r in REFERENCES], REFERENCES)
+  metrics = text_metrics([r.lower() for r in REFERENCES], REFERENCES)
   assert metrics["bleu"] < 95.0  # only the first word of each sentence is capitalised
   assert metrics["bleu_lowercase_tokenized"] == pytest.approx(100.0)
   assert metrics["exact_match"] == 0.0
   # Exact match ignores whitespace, nothing else.
-  metrics = evaluate.text_metrics([" ".join(REFERENCES[0].split()) + "  ", "Two men are playing."],
+  metrics = text_metrics([" ".join(REFERENCES[0].split()) + "  ", "Two men are playing."],
                                   REFERENCES[:2])
   assert metrics["exact_match"] == 0.5
   assert 0.0 < metrics["bleu"] < 100.0
@@ -72,24 +77,24 @@ def test_eval_config_values_are_validated():
 
 
 def test_steps_to_average_are_the_last_n_up_to_the_step():
-  assert evaluate.steps_to_average([100, 200, 300, 400], None, 2) == [300, 400]
-  assert evaluate.steps_to_average([100, 200, 300, 400], 300, 3) == [100, 200, 300]
+  assert load.steps_to_average([100, 200, 300, 400], None, 2) == [300, 400]
+  assert load.steps_to_average([100, 200, 300, 400], 300, 3) == [100, 200, 300]
   with pytest.raises(UserError, match="average_last=3"):
-    evaluate.steps_to_average([100, 200, 300], 200, 3)
+    load.steps_to_average([100, 200, 300], 200, 3)
   with pytest.raises(UserError, match="no checkpoint at step 250"):
-    evaluate.steps_to_average([100, 200, 300], 250, 1)
+    load.steps_to_average([100, 200, 300], 250, 1)
 
 
 class FakeManager:
   """Restores TrainStates whose parameters are {"w": step * ones}."""
 
-  def restore(self, state, step):  # pylint: disable=unused-argument
-    return train.TrainState(step=step, params={"w": jnp.full((2, 3), float(step))},
+  def restore(self, state, step):
+    return state_lib.TrainState(step=step, params={"w": jnp.full((2, 3), float(step))},
                             opt_state=None)
 
 
 def test_average_params_is_the_elementwise_mean():
-  averaged = evaluate.average_params(FakeManager(), None, [200, 300, 400])
+  averaged = load.average_params(FakeManager(), None, [200, 300, 400])
   np.testing.assert_array_equal(averaged["w"], np.full((2, 3), 300.0))
   assert averaged["w"].dtype == jnp.float32
 
@@ -119,7 +124,7 @@ LINES = ["jump twice\n", "\n", "look around right and walk\r\n", "   \n", "fly t
 def translations(model, lines, batch_size):
   c, model_config, params, tokenizer = model
   c.eval.batch_size = batch_size
-  return list(evaluate.translate(params, model_config, c, tokenizer, lines))
+  return list(translate_lib.translate(params, model_config, c, tokenizer, lines))
 
 
 def test_translate_keeps_order_and_blank_lines_and_truncates(model):
@@ -136,20 +141,20 @@ def test_translate_keeps_order_and_blank_lines_and_truncates(model):
   assert translations(model, [truncated], 4) == [(outputs[5], False)]
 
   out, err = io.StringIO(), io.StringIO()
-  assert evaluate.write_translations(model[2], model[1], c, model[3], LINES, out, err) == 7
+  assert translate_lib.write_translations(model[2], model[1], c, model[3], LINES, out, err) == 7
   assert out.getvalue().split("\n") == outputs + [""]
   assert len(err.getvalue().splitlines()) == 1 and "1 of 7" in err.getvalue()
 
 
 def test_decode_throughput_counts_output_tokens(model):
   c, model_config, params, tokenizer = model
-  inputs, _ = evaluate.encode_sources(tokenizer, ["jump twice", "walk left thrice"],
+  inputs, _ = translate_lib.encode_sources(tokenizer, ["jump twice", "walk left thrice"],
                                       c.data.max_source_len, 2)
-  result = evaluate.decode_throughput(params, model_config, c.eval, inputs,
+  result = benchmark.decode_speed(params, model_config, c.eval, inputs,
                                       c.data.max_target_len, batch_size=4, repeats=2)
   assert result["sentences"] == 4 and len(result["pass_seconds"]) == 2
   batch = np.resize(inputs, (4, inputs.shape[1]))  # the rows decode_throughput decodes
-  expected = np.asarray(evaluate.decode_batch(params, model_config, c.eval, batch,
+  expected = np.asarray(search.decode_batch(params, model_config, c.eval, batch,
                                               c.data.max_target_len))
   assert result["tokens"] == (expected != 0).sum() > 0
   assert result["tokens_per_s"] == pytest.approx(result["tokens"] / result["seconds"])
@@ -193,7 +198,7 @@ def test_translate_reproduces_evaluate_and_averaging_reads_the_last_checkpoints(
   assert len(hypotheses) == len(sources) == metrics["examples"]
   assert metrics["skipped_too_long"] == 0
   assert 0.0 < metrics["exact_match"] < 1.0, "want a model that is sometimes right"
-  ours = evaluate.text_metrics(hypotheses, references)
+  ours = text_metrics(hypotheses, references)
   assert ours["exact_match"] == metrics["exact_match"]
   assert ours["bleu"] == pytest.approx(metrics["bleu"])
   assert ours["chrf"] == pytest.approx(metrics["chrf"])
@@ -206,10 +211,10 @@ def test_translate_reproduces_evaluate_and_averaging_reads_the_last_checkpoints(
   c.data.update(batching="fixed", batch_size=64)
   c.train.update(steps=400, learning_rate=5e-3, label_smoothing=0.0, log_every=200,
                  checkpoint_every=200)
-  first, last = evaluate.load_trained(c, workdir, step=200), evaluate.load_trained(c, workdir)
+  first, last = load.load_trained(c, workdir, step=200), load.load_trained(c, workdir)
   assert (first.step, last.step, last.averaged_steps) == (200, 400, ())
   c.eval.average_last = 2
-  averaged = evaluate.load_trained(c, workdir)
+  averaged = load.load_trained(c, workdir)
   assert (averaged.step, averaged.averaged_steps) == (400, (200, 400))
   jax.tree.map(lambda m, a, b: np.testing.assert_allclose(m, (a + b) / 2, rtol=1e-6, atol=1e-7),
                averaged.params, first.params, last.params)

@@ -6,9 +6,13 @@ import textwrap
 
 import pytest
 
+from transformer_jax.core import hostmem
+from transformer_jax.experiments import bench_cpu
+from transformer_jax.experiments import tiny as tiny_experiment
+
 PROGRAM = textwrap.dedent("""
     import ctypes, resource, sys
-    from transformer_jax import hostmem
+    from transformer_jax.core import hostmem
     applied = hostmem.keep_freed_memory() if sys.argv[1] == "keep" else None
     libc = ctypes.CDLL("libc.so.6")
     libc.malloc.restype = ctypes.c_void_p
@@ -42,19 +46,8 @@ def test_freed_memory_is_reused_without_page_faults():
   assert kept < pages // 20
 
 
-def _experiment(name):
-  import importlib.util  # pylint: disable=import-outside-toplevel
-  import pathlib  # pylint: disable=import-outside-toplevel
-  path = pathlib.Path(__file__).resolve().parents[1] / "experiments" / f"{name}.py"
-  spec = importlib.util.spec_from_file_location(name, path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config()
-
-
 def test_auto_keeps_memory_only_for_steps_with_large_arrays():
-  from transformer_jax import hostmem  # pylint: disable=import-outside-toplevel
-  tiny, bench = _experiment("tiny"), _experiment("bench_cpu")
+  tiny, bench = tiny_experiment.get_config(), bench_cpu.get_config()
   assert not hostmem.worth_keeping(tiny, "train")  # its steps' blocks stay on malloc's heap
   assert hostmem.worth_keeping(bench, "benchmark")  # 0.51 GiB of temporaries measured
   # The estimate grows with the tokens of a step and with the vocabulary.

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer_jax import attention, layers
-from transformer_jax.model import ModelConfig, param_shapes
+from transformer_jax.model import ModelConfig, attention, layers, param_shapes
+from transformer_jax.model import positions as positions_lib
 
 
 def small_config(**changes) -> ModelConfig:
@@ -33,21 +33,21 @@ PE_4x4_BASE_100 = [
 
 
 def test_sinusoidal_positions_closed_form():
-  table = layers.sinusoidal_positions(4, 4, base=100)
+  table = positions_lib.sinusoidal_positions(4, 4, base=100)
   assert table.shape == (4, 4) and table.dtype == np.float32
   np.testing.assert_allclose(table, np.array(PE_4x4_BASE_100), rtol=1e-6, atol=1e-7)
 
 
 def test_sinusoidal_positions_default_base_is_the_papers():
   # d_model 6: frequencies 1, 10000^(-2/6), 10000^(-4/6); PE[5, 4] = sin(5 / 10000^(4/6)).
-  table = layers.sinusoidal_positions(8, 6)
+  table = positions_lib.sinusoidal_positions(8, 6)
   np.testing.assert_allclose(table[5, 4], math.sin(5 / 10000 ** (4 / 6)), rtol=1e-6)
   np.testing.assert_allclose(table[7, 3], math.cos(7 / 10000 ** (2 / 6)), rtol=1e-6)
 
 
 def test_sinusoidal_add_positions_takes_rows_at_the_given_positions():
   cfg = small_config()
-  module = layers.AddPositions(cfg)
+  module = positions_lib.AddPositions(cfg)
   x = jnp.ones((2, 3, 4))
   positions = jnp.array([[3, 0, 2], [1, 1, 0]])
   variables = module.init(jax.random.PRNGKey(0), x, positions)
@@ -59,7 +59,7 @@ def test_sinusoidal_add_positions_takes_rows_at_the_given_positions():
 
 def test_learned_positions_are_a_table_param(random_params):
   cfg = small_config(positional="learned", d_model=8, max_len=5)
-  module = layers.AddPositions(cfg)
+  module = positions_lib.AddPositions(cfg)
   x = jnp.zeros((2, 3, 8))
   positions = jnp.array([[4, 0, 2], [1, 1, 3]])
   params = random_params(lambda rng: module.init(rng, x, positions))

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from transformer_jax import config as config_lib
-from transformer_jax.errors import UserError
-from transformer_jax.model import (ModelConfig, Transformer, count_params, init_params,
-                                   output_projection, param_shapes)
+from transformer_jax.core.errors import UserError
+from transformer_jax.model import ModelConfig, Transformer, count_params, init_params, param_shapes
+from transformer_jax.model.transformer import output_projection
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 

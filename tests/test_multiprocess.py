@@ -1,4 +1,5 @@
-"""Two processes on localhost (CPU, gloo collectives, 2 devices each) train like one 4-device process."""
+"""Two processes on localhost (CPU, gloo collectives, 2 devices each) train like one 4-device
+process."""
 
 import json
 import os
@@ -10,7 +11,8 @@ import jax
 import numpy as np
 import pytest
 
-from transformer_jax import evaluate
+from transformer_jax.eval import load
+from transformer_jax.experiments import tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARGS = ["--config=experiments/tiny.py", "--mode=train", "--config.train.steps=3",
@@ -39,11 +41,9 @@ def _train_losses(workdir):
 
 
 def _params(workdir):
-  sys.path.insert(0, ROOT)
-  from experiments import tiny  # pylint: disable=import-outside-toplevel
   config = tiny.get_config()
   config.model.qkv_bias = False
-  return jax.tree.leaves(jax.device_get(evaluate.load_trained(config, str(workdir)).params))
+  return jax.tree.leaves(jax.device_get(load.load_trained(config, str(workdir)).params))
 
 
 def test_two_processes_match_one_process_with_the_same_global_batch(tmp_path):

@@ -8,7 +8,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from transformer_jax import plot, summary
+from transformer_jax.eval import load
+from transformer_jax.experiments import tiny
+from transformer_jax.model.positions import sinusoidal_positions
+from transformer_jax.tools import plot, summary
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXT = "jump twice after walk left"
@@ -24,8 +27,6 @@ def trained_workdir(tmp_path_factory):
 
 
 def tiny_config():
-  sys.path.insert(0, ROOT)
-  from experiments import tiny  # pylint: disable=import-outside-toplevel
   return tiny.get_config()
 
 
@@ -52,9 +53,8 @@ def test_plot_mode_renders_every_kind(trained_workdir):
 
 
 def test_attention_maps_respect_the_masks(trained_workdir):
-  from transformer_jax import evaluate  # pylint: disable=import-outside-toplevel
   config = tiny_config()
-  model_config, params, tokenizer = evaluate.load_trained(config, str(trained_workdir))[:3]
+  model_config, params, tokenizer = load.load_trained(config, str(trained_workdir))[:3]
   maps, source_pieces, target_pieces, _ = plot.attention_maps(params, model_config, tokenizer,
                                                                TEXT, 20)
   layers, heads = model_config.num_decoder_layers, model_config.num_heads
@@ -70,7 +70,6 @@ def test_attention_maps_respect_the_masks(trained_workdir):
 
 
 def test_positional_encoding_picture(tmp_path):
-  from transformer_jax.layers import sinusoidal_positions  # pylint: disable=import-outside-toplevel
   path = plot.plot_positional_encoding(sinusoidal_positions(50, 64), str(tmp_path / "pe.png"),
                                        "pe")
   assert_real_picture(path)

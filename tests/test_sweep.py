@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from transformer_jax import sweep
+from transformer_jax.tools import sweep
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAST = ["--config.train.steps=2", "--config.train.log_every=1", "--config.train.checkpoint_every=2",

@@ -10,8 +10,10 @@ import dataclasses
 
 import ml_collections
 
-from transformer_jax.errors import UserError
-from transformer_jax.model import ModelConfig
+from transformer_jax.core import metric_names
+from transformer_jax.core.errors import UserError
+from transformer_jax.model import config as model_config_lib
+from transformer_jax.model.config import ModelConfig
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -109,13 +111,17 @@ def model_config(config: ml_collections.ConfigDict, platform: str = "cpu") -> Mo
   return model
 
 
-_CHOICES = {
+# Every string option and its allowed values: the model's own (checked by ModelConfig too) and
+# the rest of the experiment's.
+CHOICES = {
+    **{f"model.{key}": values for key, values in model_config_lib.CHOICES.items()},
+    "model.dtype": ("auto", *model_config_lib.CHOICES["dtype"]),  # auto: by platform
     "data.source": ("scan", "tfds", "files"),
     "data.scan_split": ("simple", "length"),
     "data.batching": ("tokens", "packed", "fixed"),
     "data.format": ("parallel", "tsv"),
     "train.schedule": ("rsqrt", "constant", "cosine"),
-    "train.best_metric": ("loss", "perplexity", "token_accuracy", "exact_match", "bleu", "chrf"),
+    "train.best_metric": metric_names.EVAL_METRICS,
     "train.on_nonfinite": ("stop", "skip"),
     "eval.decode": ("greedy", "beam", "sample"),
 }
@@ -130,8 +136,9 @@ def _get(config, dotted):
 def validate(config: ml_collections.ConfigDict, platform: str = "cpu") -> ModelConfig:
   """Checks every value a user can set; returns the ModelConfig. Raises UserError."""
   model = model_config(config, platform)
-  for key in ("train.steps", "data.batch_size", "data.tokens_per_batch", "data.bucket_width", "data.max_source_len", "data.max_target_len",
-              "train.grad_accum_steps", "train.log_every", "train.checkpoint_every",
+  for key in ("train.steps", "data.batch_size", "data.tokens_per_batch", "data.bucket_width",
+              "data.max_source_len", "data.max_target_len", "train.grad_accum_steps",
+              "train.log_every", "train.checkpoint_every",
               "train.keep_checkpoints", "eval.batch_size", "eval.beam_size"):
     if _get(config, key) <= 0:
       raise UserError(f"{key} must be positive, got {_get(config, key)}")
@@ -155,7 +162,7 @@ def validate(config: ml_collections.ConfigDict, platform: str = "cpu") -> ModelC
                     f"model.max_len ({model.max_len}); lower it or raise model.max_len")
   if config.train.schedule == "rsqrt" and config.train.warmup_steps == 0:
     raise UserError("train.warmup_steps must be positive for the rsqrt schedule")
-  for key, choices in _CHOICES.items():
+  for key, choices in CHOICES.items():
     if _get(config, key) not in choices:
       raise UserError(f"{key} must be one of {', '.join(choices)}; got {_get(config, key)!r}")
   _validate_data(config.data)

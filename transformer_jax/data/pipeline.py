@@ -27,9 +27,9 @@ import itertools
 import grain
 import numpy as np
 
+from transformer_jax.core.errors import UserError
 from transformer_jax.data import sources
 from transformer_jax.data.tokenizer import EOS_ID, Tokenizer
-from transformer_jax.errors import UserError
 
 PACKED_KEYS = ("inputs_segmentation", "targets_segmentation", "inputs_position", "targets_position")
 
@@ -104,8 +104,7 @@ def encode(pairs, tokenizer: Tokenizer, max_source_len: int, max_target_len: int
   parts = {"source": [], "target": [], "source_len": [], "target_len": [], "index": []}
   for start in range(0, len(pairs), chunk_size):
     chunk = sources.gather(pairs, range(start, min(start + chunk_size, len(pairs))))
-    for side, texts, limit in (("source", [s for s, _ in chunk], max_source_len),
-                               ("target", [t for _, t in chunk], max_target_len)):
+    for side, texts in (("source", [s for s, _ in chunk]), ("target", [t for _, t in chunk])):
       ids = tokenizer.encode(texts)
       parts[f"{side}_len"].append(np.fromiter((len(x) + 1 for x in ids), np.int64, len(ids)))
       parts[side].append(ids)

@@ -2,7 +2,7 @@
 
 Grammar (commands) and interpretation (action sequences):
 
-  C -> S and S | S after S | S           [[x1 and x2]] = [[x1]] [[x2]];  [[x1 after x2]] = [[x2]] [[x1]]
+  C -> S and S | S after S | S    [[x1 and x2]] = [[x1]] [[x2]]; [[x1 after x2]] = [[x2]] [[x1]]
   S -> V twice | V thrice | V            [[x twice]] = [[x]] x2;  [[x thrice]] = [[x]] x3
   V -> D[1] opposite D[2] | D[1] around D[2] | D | U
   D -> U left | U right | turn left | turn right

@@ -19,14 +19,10 @@ from typing import Sequence
 
 import numpy as np
 
+from transformer_jax.core.errors import UserError
 from transformer_jax.data import scan
-from transformer_jax.errors import UserError
 
 Pairs = Sequence[tuple[str, str]]
-
-# Relative data paths are looked up from the current directory, then from the project root, so a
-# config can say `../shared/data/multi30k` and work from either place.
-PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def load_split(data_config, split: str) -> Pairs:
@@ -70,17 +66,19 @@ class _PairSequence(collections.abc.Sequence):
 
 
 def resolve_path(path: str) -> str:
-  """A data path as given, relative to the current directory, or else to the project root."""
+  """A data path as an absolute path; a relative one is relative to the current directory.
+
+  The library never looks beside its own files: installed with `pip install .` it has no
+  checkout around it.
+  """
   if not path:
     raise UserError("data.path is empty; set it to the directory holding the split files, "
                     "e.g. --config.data.path=../shared/data/multi30k")
-  path = os.path.expanduser(path)
-  candidates = [path] if os.path.isabs(path) else [path, os.path.join(PROJECT_ROOT, path)]
-  for candidate in candidates:
-    if os.path.isdir(candidate):
-      return os.path.abspath(candidate)
-  raise UserError(f"data.path {path!r} is not a directory (looked in {' and '.join(candidates)}); "
-                  "fix data.path")
+  path = os.path.abspath(os.path.expanduser(path))
+  if not os.path.isdir(path):
+    raise UserError(f"data.path {path} is not a directory; fix data.path (a relative path is "
+                    "read from the current directory)")
+  return path
 
 
 class _Lines:
@@ -227,13 +225,13 @@ def _text(value) -> str:
 
 def _import_tfds():
   try:
-    import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
+    import tensorflow_datasets as tfds  # optional, slow to import
   except ImportError as e:
     raise UserError(f"data.source=tfds needs tensorflow-datasets ({e}); install it with "
                     "pip install -e .") from None
   # TFDS imports its dataset modules lazily; this registers the translation builders (wmt*,
   # ted_*, opus, ...), which `tfds.builder` does not find by name without TensorFlow otherwise.
-  import tensorflow_datasets.translate  # pylint: disable=import-outside-toplevel,unused-import
+  import tensorflow_datasets.translate  # registers the builders
   return tfds
 
 
@@ -281,7 +279,7 @@ def tfds_builder(data_config):
 def _safe_builder_cls(tfds, name):
   try:
     return tfds.builder_cls(name.split("/")[0].split(":")[0])
-  except Exception:  # pylint: disable=broad-except  # only used to improve a message
+  except Exception:  # only used to improve a message
     return None
 
 

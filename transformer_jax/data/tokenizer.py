@@ -13,9 +13,10 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 import sentencepiece as spm
 
-from transformer_jax.errors import UserError
+from transformer_jax.core.errors import UserError
+from transformer_jax.core.tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID  # noqa: F401 (re-exported)
+from transformer_jax.data import sources
 
-PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
 FILENAME = "tokenizer.model"
 
 
@@ -57,7 +58,6 @@ def training_texts(pairs, sample_size: int, seed: int = 0) -> Iterator[str]:
   Lazy: nothing is read until the tokenizer is actually trained (not on resume). Sampling by
   index reads only the sample from a large corpus instead of the whole split.
   """
-  from transformer_jax.data import sources  # pylint: disable=import-outside-toplevel
   n = len(pairs)
   count = min(n, max(1, sample_size // 2))
   indices = np.arange(n) if count == n else np.sort(

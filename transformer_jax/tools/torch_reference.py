@@ -15,19 +15,21 @@ import os
 
 import numpy as np
 
+from transformer_jax.model.positions import sinusoidal_positions
 
-def make_step(model_config, config):
-  """Builds the model and returns (step, parameter count); `step()` runs one warmed-up train step."""
+
+def make_step(model_config, config, batch):
+  """Builds the model and returns (step, parameter count); `step()` runs one warmed-up train step.
+
+  batch: {"inputs", "targets"} int arrays, the synthetic batch the JAX step is timed on.
+  """
   # libgomp's threads spin for a while after each parallel region by default. Timed in
   # alternating blocks with JAX, that spinning took the cores from the first JAX steps of every
   # block (about +60 ms a step); passive waiting left PyTorch's own step time unchanged.
   # Read once when torch loads its OpenMP runtime, so it must be set before the import.
   os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-  import torch  # pylint: disable=import-outside-toplevel
-  from torch import nn  # pylint: disable=import-outside-toplevel
-
-  from transformer_jax.benchmark import synthetic_batch  # pylint: disable=import-outside-toplevel
-  from transformer_jax.layers import sinusoidal_positions  # pylint: disable=import-outside-toplevel
+  import torch  # after OMP_WAIT_POLICY is set
+  from torch import nn
 
   torch.manual_seed(0)
   torch.set_num_threads(os.cpu_count() or 1)
@@ -63,7 +65,6 @@ def make_step(model_config, config):
   model = Model()
   model.train()
   optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
-  batch = synthetic_batch(cfg, b.batch_size, b.source_len, b.target_len)
   source = torch.from_numpy(batch["inputs"]).long()
   targets = torch.from_numpy(batch["targets"]).long()
   decoder_inputs = torch.cat([torch.ones_like(targets[:, :1]), targets[:, :-1]], dim=1)

@@ -14,9 +14,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from transformer_jax.model.config import CHOICES, check_attention_dropout
+
 Array = jax.Array
 
-IMPLEMENTATIONS = ("plain", "jax")
+IMPLEMENTATIONS = CHOICES["attention_impl"]
 
 
 # ----------------------------------------------------------------------------- masks
@@ -155,8 +157,7 @@ def dot_product_attention(
     `[batch, q_len, heads, head_dim]` in the dtype of `query`.
   """
   if implementation == "jax":
-    if dropout_rate > 0.0 and not deterministic:
-      raise ValueError("the 'jax' attention implementation has no attention-weight dropout")
+    check_attention_dropout(implementation, 0.0 if deterministic else dropout_rate)
     return jax.nn.dot_product_attention(query, key, value, mask=mask)
   if implementation != "plain":
     raise ValueError(f"unknown attention implementation {implementation!r}")
@@ -206,7 +207,8 @@ class MultiHeadAttention(nn.Module):
   @nn.compact
   def __call__(self, inputs_q: Array, inputs_kv: Optional[Array] = None,
                mask: Optional[Array] = None, deterministic: bool = True) -> Array:
-    """inputs_q `[batch, q_len, d_model]`, inputs_kv `[batch, kv_len, d_model]` -> `[batch, q_len, d_model]`."""
+    """inputs_q `[batch, q_len, d_model]`, inputs_kv `[batch, kv_len, d_model]` or None (self-
+    attention) -> `[batch, q_len, d_model]`."""
     head_dim = self.d_model // self.num_heads
     dense = functools.partial(nn.DenseGeneral, axis=-1, use_bias=self.use_bias, dtype=self.dtype,
                               kernel_init=self.kernel_init)
@@ -248,7 +250,8 @@ class MultiHeadAttention(nn.Module):
       dropout_rng = self.make_rng("dropout")
     if self.is_mutable_collection("intermediates"):
       # Only when a caller asks for attention maps; the training path never computes them twice.
-      self.sow("intermediates", "attention_weights", dot_product_attention_weights(query, key, mask))
+      self.sow("intermediates", "attention_weights",
+               dot_product_attention_weights(query, key, mask))
     out = dot_product_attention(query, key, value, mask, dropout_rate=self.dropout_rate,
                                 dropout_rng=dropout_rng, deterministic=deterministic,
                                 implementation=self.implementation)

@@ -6,7 +6,7 @@ keys -> values), usually built with `grid(...)` or `random_search(...)`:
   def get_sweep():
     return sweep.grid(**{"train.learning_rate": [1e-3, 2e-3], "model.num_encoder_layers": [2, 3]})
 
-`launch.py --config=FILE --workdir=DIR --sweep` runs every trial as its own training run in
+`transformer-jax --config=FILE --workdir=DIR --sweep` runs every trial as its own training run in
 DIR/trial_NNN (sequentially, or N at a time with --sweep_parallel=N). A finished trial leaves
 DIR/trial_NNN/trial_result.json and is never run again; an interrupted one resumes from its own
 checkpoints. DIR/results.csv and DIR/results.md list every trial, sorted by the chosen metric.
@@ -28,12 +28,15 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from transformer_jax import logger
-from transformer_jax.errors import UserError
+from transformer_jax.core import metric_names
+from transformer_jax.core.errors import UserError
+from transformer_jax.core.files import atomic_write
+from transformer_jax.train import logger
 
-LOWER_IS_BETTER = ("loss", "perplexity")
 RESULT_FILE = "trial_result.json"
-LAUNCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch.py")
+# A trial is the command line run by this very interpreter: it needs no checkout around the
+# installed package, and picks up the same virtual environment.
+COMMAND = (sys.executable, "-m", "transformer_jax")
 
 
 def grid(**axes: Sequence[Any]) -> list[dict]:
@@ -67,7 +70,7 @@ def load_sweep(config_path: str) -> list[dict]:
   spec.loader.exec_module(module)
   if not hasattr(module, "get_sweep"):
     raise UserError(f"{config_path} defines no get_sweep(); add one returning a list of "
-                    "override dicts (see transformer_jax/sweep.py)")
+                    "override dicts (see transformer_jax/tools/sweep.py)")
   trials = list(module.get_sweep())
   if not trials or not all(isinstance(t, dict) for t in trials):
     raise UserError(f"get_sweep() in {config_path} must return a non-empty list of dicts")
@@ -84,8 +87,8 @@ def _flag_value(value) -> str:
 
 def trial_command(config_path: str, trial_workdir: str, overrides: dict,
                   base_overrides: dict) -> list[str]:
-  """The launch.py command line that runs one trial (base overrides first, the trial's last)."""
-  command = [sys.executable, LAUNCH, f"--config={config_path}", f"--workdir={trial_workdir}",
+  """The command line that runs one trial (base overrides first, the trial's last)."""
+  command = [*COMMAND, f"--config={config_path}", f"--workdir={trial_workdir}",
              "--mode=train"]
   for key, value in {**base_overrides, **overrides}.items():
     command.append(f"--config.{key}={_flag_value(value)}")
@@ -127,37 +130,32 @@ def _metrics_of(directory: str) -> tuple[dict, list[dict]]:
 
 def _finish_trial(directory: str, overrides: dict, wall_time_s: float, metric: str) -> dict:
   final, records = _metrics_of(directory)
-  evals = [r for r in records if r.get("split") == "eval" and metric in r]
-  best_step = None
-  if evals:
-    pick = min if metric in LOWER_IS_BETTER else max
-    best_step = pick(evals, key=lambda r: r[metric])["step"]
+  best = metric_names.best_record(records, metric)
+  best_step = best["step"] if best else None
   result = {"overrides": overrides, "metrics": final, "best_step": best_step,
             "wall_time_s": wall_time_s, "status": "done"}
-  path = os.path.join(directory, RESULT_FILE)
-  with open(path + ".tmp", "w", encoding="utf-8") as f:
-    json.dump(result, f, indent=2)
-  os.replace(path + ".tmp", path)
+  atomic_write(os.path.join(directory, RESULT_FILE), json.dumps(result, indent=2))
   return result
 
 
 def write_results(workdir: str, results: list[tuple[int, dict]], metric: str) -> tuple[str, str]:
   """results.csv and results.md, sorted by `metric` (best first); failed trials last."""
   keys = sorted({k for _, r in results for k in r["overrides"]})
-  metric_names = sorted({k for _, r in results for k, v in r.get("metrics", {}).items()
-                         if isinstance(v, (int, float)) and k != "step"})
-  sign = 1.0 if metric in LOWER_IS_BETTER else -1.0
+  columns = sorted({k for _, r in results for k, v in r.get("metrics", {}).items()
+                    if isinstance(v, (int, float)) and k != "step"})
 
   def order(item):
     value = item[1].get("metrics", {}).get(metric)
-    return (value is None, sign * value if value is not None else 0.0, item[0])
+    return (value is None, metric_names.sort_key(metric, value) if value is not None else 0.0,
+            item[0])
 
   rows = []
   for index, r in sorted(results, key=order):
     row = {"trial": f"trial_{index:03d}", "status": r["status"]}
     row.update({k: r["overrides"].get(k, "") for k in keys})
-    row.update({m: r.get("metrics", {}).get(m, "") for m in metric_names})
-    row.update({"best_step": r.get("best_step", ""), "wall_time_s": round(r.get("wall_time_s", 0), 1)})
+    row.update({m: r.get("metrics", {}).get(m, "") for m in columns})
+    row.update({"best_step": r.get("best_step", ""),
+                "wall_time_s": round(r.get("wall_time_s", 0), 1)})
     rows.append(row)
   columns = list(rows[0])
   csv_path = os.path.join(workdir, "results.csv")
@@ -200,7 +198,7 @@ def run_sweep(config_path: str, workdir: str, base_overrides: Optional[dict] = N
   for i, trial in enumerate(trials):
     _check_trial_dir(_trial_dir(workdir, i), trial)
   results, pending = {}, []
-  for i, trial in enumerate(trials):
+  for i in range(len(trials)):
     path = os.path.join(_trial_dir(workdir, i), RESULT_FILE)
     if os.path.exists(path):
       with open(path, encoding="utf-8") as f:

@@ -7,7 +7,7 @@ on the 2-core benchmark machine, about 100 ms of a 780 ms step. With one arena, 
 trimming, freed blocks go back to malloc's heap and the next step reuses them (measured: 771 ->
 626 ms a step). The costs: the process keeps its peak resident memory until it exits, and all
 threads share one arena's lock, which made the tiny test model's 7.5 ms step 10-11 ms. So
-`launch.py --keep_host_memory=auto` applies it only when a step's arrays may exceed glibc's
+`--keep_host_memory=auto` (the command line) applies it only when a step's arrays may exceed glibc's
 largest heap-served block (`worth_keeping`).
 """
 
@@ -45,7 +45,7 @@ def keep_freed_memory() -> bool:
 
 
 def step_activation_bytes(config, mode: str) -> int:
-  """A rough upper size of one step's float32 activations for `config` in launch.py `mode`.
+  """A rough upper size of one step's float32 activations for `config` in the command line's `mode`.
 
   Tokens per step (per side) times the logits and every layer's FFN and attention outputs; the
   real temporaries are of this order (0.51 GiB measured against 0.18 GiB estimated for the CPU

@@ -4,6 +4,6 @@
 class UserError(Exception):
   """A problem the user can fix (bad flag, config value, data or checkpoint).
 
-  `launch.py` catches it once, prints `error: <message>` as a single line and
+  The command line (`cli.py`) catches it once, prints `error: <message>` as a single line and
   exits with code 2. The message must name the problem and the fix.
   """

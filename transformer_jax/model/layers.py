@@ -1,70 +1,36 @@
-"""Embeddings, positional encodings, the feed-forward network, and encoder/decoder blocks."""
+"""Initialisers, the feed-forward network, the residual + LayerNorm wrapper, the two blocks."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
-import numpy as np
 
-from transformer_jax.attention import Dropout, MultiHeadAttention
-
-if TYPE_CHECKING:
-  from transformer_jax.model import ModelConfig
+from transformer_jax.model.attention import Dropout, MultiHeadAttention
+from transformer_jax.model.config import ModelConfig
 
 Array = jax.Array
 
 
-def sinusoidal_positions(length: int, d_model: int, base: float = 10000.0) -> np.ndarray:
-  """The paper's table: PE[pos, 2i] = sin(pos / base^(2i/d)), PE[pos, 2i+1] = cos(same).
-
-  Returns float32 `[length, d_model]` (a NumPy constant, folded into the compiled program).
-  """
-  positions = np.arange(length, dtype=np.float64)[:, None]
-  even = np.arange(0, d_model, 2, dtype=np.float64)
-  angles = positions / np.power(base, even / d_model)
-  table = np.zeros((length, d_model), dtype=np.float64)
-  table[:, 0::2] = np.sin(angles)
-  table[:, 1::2] = np.cos(angles[:, : d_model // 2])
-  return table.astype(np.float32)
-
-
-def kernel_init(config: "ModelConfig"):
+def kernel_init(config: ModelConfig):
   """Weight initialiser: the paper's Xavier-uniform, or BERT/GPT-style normal(0.02)."""
   if config.init == "xavier":
     return nn.initializers.xavier_uniform()
   return nn.initializers.normal(stddev=0.02)
 
 
-def embedding_init(config: "ModelConfig"):
+def embedding_init(config: ModelConfig):
   # normal(d_model^-0.5) times the sqrt(d_model) input scale gives unit-variance embeddings.
   if config.init == "xavier":
     return nn.initializers.normal(stddev=config.d_model**-0.5)
   return nn.initializers.normal(stddev=0.02)
 
 
-class AddPositions(nn.Module):
-  """Adds sinusoidal or learned position encodings at the given integer positions."""
-
-  config: "ModelConfig"
-
-  @nn.compact
-  def __call__(self, x: Array, positions: Array) -> Array:
-    """x `[batch, length, d_model]`, positions int `[batch, length]`."""
-    cfg = self.config
-    if cfg.positional == "learned":
-      table = self.param("table", nn.initializers.normal(stddev=0.02), (cfg.max_len, cfg.d_model))
-    else:
-      table = jnp.asarray(sinusoidal_positions(cfg.max_len, cfg.d_model, cfg.position_base))
-    return x + jnp.take(table, positions, axis=0).astype(x.dtype)
-
-
 class FeedForward(nn.Module):
   """FFN(x) = act(x W1 + b1) W2 + b2, applied at every position; dropout on the output."""
 
-  config: "ModelConfig"
+  config: ModelConfig
 
   @nn.compact
   def __call__(self, x: Array, deterministic: bool) -> Array:
@@ -76,7 +42,7 @@ class FeedForward(nn.Module):
     return Dropout(rate=cfg.dropout_rate)(h, deterministic)
 
 
-def _attention(cfg: "ModelConfig", name: str, decode: bool = False) -> MultiHeadAttention:
+def _attention(cfg: ModelConfig, name: str, decode: bool = False) -> MultiHeadAttention:
   return MultiHeadAttention(
       num_heads=cfg.num_heads, d_model=cfg.d_model, dropout_rate=cfg.attention_dropout_rate,
       output_dropout_rate=cfg.dropout_rate, fused_qkv=cfg.fused_qkv, use_bias=cfg.qkv_bias,
@@ -90,7 +56,7 @@ class Residual(nn.Module):
   post (the paper): LayerNorm(x + Sublayer(x)); pre: x + Sublayer(LayerNorm(x)).
   """
 
-  config: "ModelConfig"
+  config: ModelConfig
 
   @nn.compact
   def __call__(self, x: Array, sublayer) -> Array:
@@ -102,7 +68,7 @@ class Residual(nn.Module):
 
 
 class EncoderLayer(nn.Module):
-  config: "ModelConfig"
+  config: ModelConfig
 
   @nn.compact
   def __call__(self, x: Array, mask: Optional[Array], deterministic: bool) -> Array:
@@ -115,7 +81,7 @@ class EncoderLayer(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-  config: "ModelConfig"
+  config: ModelConfig
   decode: bool = False
 
   @nn.compact

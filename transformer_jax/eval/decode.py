@@ -27,8 +27,8 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from transformer_jax.errors import UserError
-from transformer_jax.model import ModelConfig, Transformer
+from transformer_jax.core.errors import UserError
+from transformer_jax.model import ModelConfig, Transformer, shift_right
 
 Array = jax.Array
 Cache = Any  # the flax 'cache' collection: a nested dict of arrays
@@ -133,8 +133,8 @@ def sequence_log_prob(params, config: ModelConfig, source_tokens: Array, output_
   Returns:
     float32 `[batch]`: the sum of log-probabilities of the non-zero output tokens.
   """
-  bos = jnp.full((output_tokens.shape[0], 1), bos_id, output_tokens.dtype)
-  decoder_inputs = jnp.concatenate([bos, output_tokens[:, :-1]], axis=1)
+  # Inputs after EOS become padding; they only feed positions that are not counted below.
+  decoder_inputs = shift_right(output_tokens, bos_id)
   logits = _model(config, decode=False).apply({"params": params}, source_tokens, decoder_inputs)
   log_probs = jax.nn.log_softmax(logits, axis=-1)
   token_log_probs = jnp.take_along_axis(log_probs, output_tokens[..., None], axis=-1)[..., 0]

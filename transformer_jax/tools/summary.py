@@ -4,35 +4,20 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 from transformer_jax.config import default_config
-
-
-def _flatten(tree: dict, prefix: str = "") -> dict:
-  flat = {}
-  for key, value in tree.items():
-    name = f"{prefix}{key}"
-    if isinstance(value, dict):
-      flat.update(_flatten(value, name + "."))
-    else:
-      flat[name] = value
-  return flat
+from transformer_jax.core import metric_names
+from transformer_jax.core.files import atomic_write
+from transformer_jax.core.trees import flatten
 
 
 def config_diff(config) -> list[tuple[str, Any, Any]]:
   """(key, default, value) for every config value that differs from `default_config()`."""
-  defaults = _flatten(default_config().to_dict())
-  values = _flatten(config.to_dict())
+  defaults = flatten(default_config().to_dict())
+  values = flatten(config.to_dict())
   return [(k, defaults.get(k, "(new)"), values[k]) for k in sorted(values)
           if defaults.get(k, object()) != values[k]]
-
-
-def best_eval(records: list[dict], metric: str, higher_is_better: bool) -> Optional[dict]:
-  evals = [r for r in records if r.get("split") == "eval" and metric in r]
-  if not evals:
-    return None
-  return (max if higher_is_better else min)(evals, key=lambda r: r[metric])
 
 
 def _format(value) -> str:
@@ -53,8 +38,8 @@ def render(config, final_metrics: dict, records: list[dict], wall_time_s: float,
   lines += [f"| {k} | {_format(v)} |" for k, v in final_metrics.items()
             if isinstance(v, (int, float))]
   lines += ["", "## Best evaluation and checkpoints", ""]
-  for metric, higher in (("exact_match", True), ("bleu", True), ("loss", False)):
-    best = best_eval(records, metric, higher)
+  for metric in ("exact_match", "bleu", "loss"):
+    best = metric_names.best_record(records, metric)
     if best is not None:
       kept = " (checkpoint kept)" if best["step"] in checkpoint_steps else ""
       lines.append(f"- best {metric}: {_format(best[metric])} at step {best['step']}{kept}")
@@ -69,8 +54,4 @@ def render(config, final_metrics: dict, records: list[dict], wall_time_s: float,
 
 
 def write(workdir: str, text: str) -> str:
-  path = os.path.join(workdir, "summary.md")
-  with open(path + ".tmp", "w", encoding="utf-8") as f:
-    f.write(text)
-  os.replace(path + ".tmp", path)
-  return path
+  return atomic_write(os.path.join(workdir, "summary.md"), text)

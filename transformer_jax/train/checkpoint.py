@@ -29,10 +29,12 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from transformer_jax import parallel
-from transformer_jax.errors import UserError
+from transformer_jax.core import metric_names, trees
+from transformer_jax.core.errors import UserError
+from transformer_jax.train import parallel
 
 FORMAT = 1
 UNREADABLE = "checkpoints_unreadable"  # where train moves checkpoints that do not read back
@@ -41,7 +43,6 @@ UNREADABLE = "checkpoints_unreadable"  # where train moves checkpoints that do n
 # optimizer state), makes a checkpoint incompatible.
 RESUMABLE_MODEL_KEYS = ("dropout_rate", "attention_dropout_rate", "attention_impl", "dtype", "init",
                         "remat")
-LOWER_IS_BETTER = ("loss", "perplexity")
 
 # ----------------------------------------------------------------------------- the workdir
 
@@ -92,23 +93,13 @@ def checksums(tree) -> list:
   return [jnp.sum(bits(x), dtype=jnp.uint32) for x in jax.tree.leaves(tree)]
 
 
-def _flat(tree, prefix="") -> dict:
-  out = {}
-  for key, value in tree.items():
-    if isinstance(value, dict):
-      out.update(_flat(value, f"{prefix}{key}."))
-    else:
-      out[f"{prefix}{key}"] = value
-  return out
-
-
 def config_json(config) -> dict:
   return json.loads(config.to_json_best_effort())
 
 
 def compare_configs(saved: dict, config) -> tuple[list, list]:
   """(incompatible, changed): `key old -> new` for keys of both configs whose values differ."""
-  old, new = _flat(saved), _flat(config_json(config))
+  old, new = trees.flatten(saved), trees.flatten(config_json(config))
   incompatible, changed = [], []
   for key in sorted(old.keys() & new.keys()):
     a, b = old[key], new[key]
@@ -183,7 +174,7 @@ class Manager:
       t = config.train
       policies = [ocp.checkpoint_managers.LatestN(n=t.keep_checkpoints)]
       if t.keep_best:
-        lower_is_better = t.best_metric in LOWER_IS_BETTER
+        lower_is_better = metric_names.lower_is_better(t.best_metric)
         worst = float("inf") if lower_is_better else float("-inf")
         policies.append(ocp.checkpoint_managers.BestN(
             get_metric_fn=lambda metrics: metrics.get(t.best_metric, worst),
@@ -301,7 +292,7 @@ class Manager:
       try:
         meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
         meta = meta["meta"]
-      except Exception as e:  # pylint: disable=broad-except  # any damage to the files
+      except Exception as e:  # any damage to the files
         raise _Unreadable(f"its metadata does not read: {_reason(e)}") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
       raise _Unreadable("it has no metadata of this version")
@@ -330,7 +321,7 @@ class Manager:
       try:
         state = self._manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(_restore_target(target))))["state"]
-      except Exception as e:  # pylint: disable=broad-except  # any damage to the files
+      except Exception as e:  # any damage to the files
         raise _Unreadable(f"its arrays do not read: {_reason(e)}") from None
     if [int(c) for c in jax.device_get(checksums(state))] != meta["checksums"]:
       raise _Unreadable("its arrays do not match the checksums written with them")
@@ -365,7 +356,7 @@ class Preemption:
       signal.signal(sig, handler)
     self._previous = {}
 
-  def _handle(self, signum, frame):  # pylint: disable=unused-argument
+  def _handle(self, signum, frame):
     if self.signal is not None and signum == signal.SIGINT:
       raise KeyboardInterrupt
     self.signal = signal.Signals(signum).name

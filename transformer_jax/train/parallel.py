@@ -11,7 +11,10 @@ import os
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from transformer_jax.core.errors import UserError
 
 DATA_AXIS = "data"
 
@@ -28,7 +31,7 @@ def initialize_distributed(coordinator_address=None, num_processes=None, process
   if not (explicit or slurm or tpu_pod):
     return
   if explicit and (coordinator_address is None or num_processes is None or process_id is None):
-    from transformer_jax.errors import UserError  # pylint: disable=import-outside-toplevel
+
     raise UserError("multi-process runs need all of --coordinator_address, --num_processes and "
                     "--process_id (or none of them on Cloud TPU / SLURM)")
   jax.distributed.initialize(coordinator_address=coordinator_address,
@@ -44,7 +47,7 @@ def make_mesh(axes=None, devices=None) -> jax.sharding.Mesh:
   The mesh always spans every device (of every process). Only the `data` axis exists today;
   its axis type is Auto, as this code expects (jax.make_mesh now defaults to Explicit).
   """
-  from transformer_jax.errors import UserError  # pylint: disable=import-outside-toplevel
+
   devices = jax.devices() if devices is None else devices
   axes = dict(axes or {DATA_AXIS: -1})
   unknown = [name for name in axes if name not in MESH_AXES]
@@ -79,7 +82,7 @@ def process_rows(global_rows: int) -> slice:
   process). Every process derives the same global batch plan; each materialises only its part."""
   count, index = jax.process_count(), jax.process_index()
   if global_rows % count:
-    from transformer_jax.errors import UserError  # pylint: disable=import-outside-toplevel
+
     raise UserError(f"a global batch of {global_rows} rows does not split over {count} processes")
   per_process = global_rows // count
   return slice(index * per_process, (index + 1) * per_process)

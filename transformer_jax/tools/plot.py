@@ -1,6 +1,7 @@
 """Pictures of a run: training curves, the positional-encoding matrix, and attention maps.
 
-Everything renders headless (matplotlib's Agg backend) into PNG files.
+Everything renders headless into PNG files: figures are made with matplotlib's object API
+(`Figure`), never pyplot, so no GUI backend or global figure state is involved.
 """
 
 from __future__ import annotations
@@ -9,22 +10,19 @@ import os
 import textwrap
 from typing import Optional
 
-import matplotlib
+import jax
+import jax.numpy as jnp
+import numpy as np
+from matplotlib.figure import Figure
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # pylint: disable=wrong-import-position
-import numpy as np  # pylint: disable=wrong-import-position
-
-from transformer_jax import logger  # pylint: disable=wrong-import-position
-from transformer_jax.errors import UserError  # pylint: disable=wrong-import-position
+from transformer_jax import config as config_lib
+from transformer_jax.core.tokens import BOS_ID, EOS_ID
+from transformer_jax.eval import decode, load
+from transformer_jax.model import Transformer
+from transformer_jax.model.positions import sinusoidal_positions
+from transformer_jax.train import logger
 
 ATTENTION_KINDS = ("encoder_self_attention", "decoder_self_attention", "cross_attention")
-
-
-def read_metrics(workdir: str) -> list[dict]:
-  if not os.path.isfile(os.path.join(workdir, logger.METRICS_FILE)):
-    raise UserError(f"{workdir} has no metrics.jsonl; train first with --mode=train")
-  return logger.read_metrics(workdir)
 
 
 def _series(records, split, key):
@@ -40,7 +38,8 @@ def plot_curves(records: list[dict], path: str) -> str:
       ("exact match / BLEU", [("eval", "exact_match"), ("eval", "bleu")]),
       ("learning rate", [("train", "learning_rate")]),
   ]
-  fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4))
+  fig = Figure(figsize=(4.2 * len(panels), 3.4))
+  axes = fig.subplots(1, len(panels))
   for ax, (title, lines) in zip(axes, panels):
     for split, key in lines:
       steps, values = _series(records, split, key)
@@ -58,13 +57,13 @@ def plot_curves(records: list[dict], path: str) -> str:
       ax.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
-  plt.close(fig)
   return path
 
 
 def plot_positional_encoding(table: np.ndarray, path: str, title: str) -> str:
   """A heat map of a `[length, d_model]` positional-encoding table."""
-  fig, ax = plt.subplots(figsize=(8, 4))
+  fig = Figure(figsize=(8, 4))
+  ax = fig.subplots()
   image = ax.imshow(table, aspect="auto", cmap="RdBu", vmin=-1, vmax=1, interpolation="nearest")
   ax.set_xlabel("dimension")
   ax.set_ylabel("position")
@@ -72,7 +71,6 @@ def plot_positional_encoding(table: np.ndarray, path: str, title: str) -> str:
   fig.colorbar(image, ax=ax)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
-  plt.close(fig)
   return path
 
 
@@ -87,8 +85,8 @@ def plot_attention(weights: np.ndarray, query_tokens: list[str], key_tokens: lis
   # One square per token pair; room for the token labels on the left and below.
   width = 0.22 * len(key_tokens) + 1.4
   height = 0.22 * len(query_tokens) + 1.4
-  fig, axes = plt.subplots(layers, heads, figsize=(width * heads, height * layers + 0.5),
-                           squeeze=False)
+  fig = Figure(figsize=(width * heads, height * layers + 0.5))
+  axes = fig.subplots(layers, heads, squeeze=False)
   for layer in range(layers):
     for head in range(heads):
       ax = axes[layer, head]
@@ -103,7 +101,6 @@ def plot_attention(weights: np.ndarray, query_tokens: list[str], key_tokens: lis
   fig.suptitle(textwrap.fill(title, max(30, int(width * heads * 9))), fontsize=9)
   fig.tight_layout()
   fig.savefig(path, dpi=100)
-  plt.close(fig)
   return path
 
 
@@ -113,13 +110,6 @@ def attention_maps(params, model_config, tokenizer, text: str, max_length: int):
   Returns (maps, source_pieces, target_pieces, translation): maps[kind] is
   `[layers, heads, q_len, kv_len]`; the decoder attends over BOS + the translation.
   """
-  import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-
-  from transformer_jax import decode  # pylint: disable=import-outside-toplevel
-  from transformer_jax.data.tokenizer import BOS_ID, EOS_ID  # pylint: disable=import-outside-toplevel
-  from transformer_jax.model import Transformer  # pylint: disable=import-outside-toplevel
-
   source = tokenizer.encode([text])[0][: model_config.max_len - 1] + [EOS_ID]
   source = jnp.asarray([source], jnp.int32)
   cfg = model_config.replace(deterministic=True, decode=False)
@@ -148,20 +138,16 @@ def attention_maps(params, model_config, tokenizer, text: str, max_length: int):
 def plot_workdir(config, workdir: str, text: Optional[str] = None,
                  step: Optional[int] = None) -> list[str]:
   """Writes every plot for a run into WORKDIR/plots; returns the paths."""
-  from transformer_jax import config as config_lib  # pylint: disable=import-outside-toplevel
-  from transformer_jax.layers import sinusoidal_positions  # pylint: disable=import-outside-toplevel
-
   workdir = os.path.abspath(workdir)
   out = os.path.join(workdir, "plots")
-  records = read_metrics(workdir)
+  records = logger.read_metrics(workdir, required=True)
   model_config = config_lib.validate(config)
   os.makedirs(out, exist_ok=True)
   paths = [plot_curves(records, os.path.join(out, "curves.png"))]
 
   params = tokenizer = None
   if text is not None or model_config.positional == "learned":
-    from transformer_jax import evaluate  # pylint: disable=import-outside-toplevel
-    model_config, params, tokenizer = evaluate.load_trained(config, workdir, step)[:3]
+    model_config, params, tokenizer = load.load_trained(config, workdir, step)[:3]
   length = min(model_config.max_len, 100)
   if model_config.positional == "learned":
     table = np.asarray(params["encoder"]["positions"]["table"])[:length]

@@ -1,115 +1,39 @@
-"""ModelConfig, Encoder, Decoder and the Transformer with `encode` / `decode` methods."""
+"""Encoder, Decoder and the Transformer with `encode` / `decode` methods; sizes and `describe`."""
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Mapping, Optional
+from typing import Optional
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer_jax import attention
-from transformer_jax.errors import UserError
-from transformer_jax.layers import (AddPositions, DecoderLayer, EncoderLayer, embedding_init,
-                                    kernel_init)
+from transformer_jax.core.tokens import BOS_ID
+from transformer_jax.model import attention
+from transformer_jax.model.config import ModelConfig
+from transformer_jax.model.layers import DecoderLayer, EncoderLayer, embedding_init, kernel_init
+from transformer_jax.model.positions import AddPositions
 
 Array = jax.Array
-
-_CHOICES = {
-    "activation": ("relu", "gelu"),
-    "norm": ("post", "pre"),
-    "positional": ("sinusoidal", "learned"),
-    "init": ("xavier", "normal"),
-    "attention_impl": attention.IMPLEMENTATIONS,
-    "dtype": ("float32", "bfloat16"),
-    "remat": ("none", "full", "dots"),
-}
 
 # Rematerialisation of each layer in the backward pass (model.remat): "full" keeps only the
 # layer's inputs; "dots" also keeps the outputs of its weight matrix products.
 REMAT_POLICIES = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-  """Everything that fixes the model's shape and arithmetic. Immutable; vary with `.replace()`."""
+def shift_right(targets: Array, bos_id: int = BOS_ID, segments: Optional[Array] = None) -> Array:
+  """Decoder inputs: BOS followed by the targets without their last position. `[batch, length]`.
 
-  vocab_size: int
-  d_model: int = 512
-  num_heads: int = 8
-  num_encoder_layers: int = 6
-  num_decoder_layers: int = 6
-  d_ff: int = 2048
-  dropout_rate: float = 0.1  # residual dropout: embeddings and every sublayer output
-  attention_dropout_rate: float = 0.0  # on attention weights
-  activation: str = "relu"
-  norm: str = "post"  # "post" = the paper's LayerNorm(x + Sublayer(x)); "pre" = x + Sublayer(LN(x))
-  positional: str = "sinusoidal"
-  position_base: float = 10000.0
-  max_len: int = 256
-  share_embeddings: bool = True  # one table for source and target tokens
-  tie_output: bool = True  # the output projection is the (target) embedding table transposed
-  fused_qkv: bool = False
-  qkv_bias: bool = True
-  init: str = "xavier"
-  attention_impl: str = "plain"
-  layer_norm_eps: float = 1e-6
-  dtype: str = "float32"  # compute dtype; parameters stay float32
-  remat: str = "none"  # recompute layer activations in the backward pass: none | full | dots
-  deterministic: bool = False  # True disables dropout (evaluation, decoding)
-  decode: bool = False  # True: incremental decoding with a KV cache
-
-  @property
-  def compute_dtype(self):
-    return jnp.dtype(self.dtype)
-
-  @property
-  def head_dim(self) -> int:
-    return self.d_model // self.num_heads
-
-  def replace(self, **changes) -> "ModelConfig":
-    return dataclasses.replace(self, **changes)
-
-  def validate(self) -> "ModelConfig":
-    """Raises UserError naming the first impossible value."""
-    positive = ("vocab_size", "d_model", "num_heads", "d_ff", "max_len")
-    for name in positive:
-      if getattr(self, name) <= 0:
-        raise UserError(f"model.{name} must be positive, got {getattr(self, name)}")
-    for name in ("num_encoder_layers", "num_decoder_layers"):
-      if getattr(self, name) < 0:
-        raise UserError(f"model.{name} must be >= 0, got {getattr(self, name)}")
-    if self.d_model % self.num_heads:
-      raise UserError(f"model.d_model ({self.d_model}) must be divisible by model.num_heads "
-                      f"({self.num_heads}); change one of them")
-    if self.positional == "sinusoidal" and self.d_model % 2:
-      raise UserError(f"model.d_model ({self.d_model}) must be even for sinusoidal positions")
-    for name in ("dropout_rate", "attention_dropout_rate"):
-      value = getattr(self, name)
-      if not 0.0 <= value < 1.0:
-        raise UserError(f"model.{name} must be in [0, 1), got {value}")
-    for name, choices in _CHOICES.items():
-      if getattr(self, name) not in choices:
-        raise UserError(f"model.{name} must be one of {', '.join(choices)}; "
-                        f"got {getattr(self, name)!r}")
-    if self.attention_impl == "jax" and self.attention_dropout_rate > 0:
-      raise UserError("model.attention_impl='jax' has no attention-weight dropout; "
-                      "set model.attention_dropout_rate=0 or model.attention_impl='plain'")
-    if self.position_base <= 1.0:
-      raise UserError(f"model.position_base must be > 1, got {self.position_base}")
-    return self
-
-  @classmethod
-  def from_dict(cls, values: Mapping[str, Any]) -> "ModelConfig":
-    """Builds and validates a ModelConfig from a mapping (e.g. `config.model`)."""
-    fields = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - fields)
-    if unknown:
-      raise UserError(f"unknown model config key(s): {', '.join('model.' + k for k in unknown)}")
-    return cls(**dict(values)).validate()
-
+  Positions where `targets` is padding (0) stay 0. With `segments` (int `[batch, length]`,
+  packed rows), every example starts with its own BOS.
+  """
+  bos = jnp.full((targets.shape[0], 1), bos_id, targets.dtype)
+  shifted = jnp.concatenate([bos, targets[:, :-1]], axis=1)
+  if segments is not None:
+    previous = jnp.concatenate([jnp.zeros_like(segments[:, :1]), segments[:, :-1]], axis=1)
+    shifted = jnp.where(segments != previous, bos_id, shifted)
+  return jnp.where(targets > 0, shifted, 0)
 
 def _embed(cfg: ModelConfig, name: str) -> nn.Embed:
   return nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=embedding_init(cfg),
@@ -130,7 +54,7 @@ def _default_positions(tokens: Array) -> Array:
 
 @jax.custom_vjp
 def output_projection(x: Array, embedding: Array) -> Array:
-  """Logits of the tied output layer: x `[batch, length, d]` times the `[vocab, d]` table, transposed.
+  """Logits of the tied output layer: x `[batch, length, d]` times the `[vocab, d]` table^T.
 
   The gradient is the usual one; the custom rule only fixes how it is computed: the table's
   gradient as `(x^T dlogits)^T`, a `[d, vocab]` product transposed once at the end, where
@@ -274,7 +198,8 @@ class Transformer(nn.Module):
                source_positions: Optional[Array] = None, target_positions: Optional[Array] = None,
                source_segments: Optional[Array] = None,
                target_segments: Optional[Array] = None) -> Array:
-    """source_tokens `[batch, src_len]`, decoder_inputs `[batch, tgt_len]` -> logits `[batch, tgt_len, vocab]`."""
+    """source_tokens `[batch, src_len]`, decoder_inputs `[batch, tgt_len]`
+    -> logits `[batch, tgt_len, vocab]`."""
     encoded = self.encode(source_tokens, source_positions, source_segments)
     return self.decode(encoded, source_tokens, decoder_inputs, target_positions,
                        source_segments, target_segments)

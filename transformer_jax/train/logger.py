@@ -6,6 +6,7 @@ import json
 import os
 import time
 
+from transformer_jax.core.errors import UserError
 
 
 def _duration(seconds: float) -> str:
@@ -18,10 +19,15 @@ def _duration(seconds: float) -> str:
 METRICS_FILE = "metrics.jsonl"
 
 
-def read_metrics(workdir: str) -> list[dict]:
-  """Every record MetricLogger wrote to WORKDIR/metrics.jsonl; [] if there is none."""
+def read_metrics(workdir: str, required: bool = False) -> list[dict]:
+  """Every record MetricLogger wrote to WORKDIR/metrics.jsonl.
+
+  Without the file: [] or, if `required`, a UserError saying to train first.
+  """
   path = os.path.join(workdir, METRICS_FILE)
   if not os.path.exists(path):
+    if required:
+      raise UserError(f"{workdir} has no {METRICS_FILE}; train first with --mode=train")
     return []
   with open(path, encoding="utf-8") as f:
     return [json.loads(line) for line in f if line.strip()]
@@ -46,7 +52,7 @@ class MetricLogger:
     self._jsonl = open(os.path.join(workdir, METRICS_FILE), "a", encoding="utf-8")
     # Imported here: tensorboardX imports torch when it is installed (seconds), and only
     # training writes events.
-    from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
+    from tensorboardX import SummaryWriter  # see above
     self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
 
   def _write(self, record: dict) -> None:
@@ -103,8 +109,8 @@ class MetricLogger:
     if metrics.get("samples"):
       rows = "\n".join(f"| {s['source']} | {s['hypothesis']} | {s['reference']} |"
                        for s in metrics["samples"])
-      self._tb.add_text("eval/samples", "| source | translation | reference |\n| --- | --- | --- |\n"
-                        + rows, step)
+      header = "| source | translation | reference |\n| --- | --- | --- |\n"
+      self._tb.add_text("eval/samples", header + rows, step)
     shown = " | ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
                        for k, v in record.items() if k not in ("split", "step", "time"))
     print(f"eval at step {step} | {shown}", flush=True)

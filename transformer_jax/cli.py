@@ -1,0 +1,198 @@
+"""The command line: flags -> one library call per mode.
+
+Installed as the `transformer-jax` console script; also `python -m transformer_jax` and the
+checkout's `launch.py`:
+
+  transformer-jax --config=experiments/scan_simple.py --workdir=runs/scan --mode=train
+  transformer-jax --config=scan_simple --workdir=runs/scan --mode=translate < in.txt
+  transformer-jax --config=base --config.model.d_model=256 --mode=describe
+
+`--config` takes an experiment file, or the name of an experiment installed with the package
+(`experiments/NAME.py` of the checkout). Errors the user can fix are printed as one line
+`error: ...` with exit code 2.
+
+The library is imported only once the flags are parsed, so `--help` and flag errors answer
+without loading JAX.
+"""
+
+import logging
+import os
+import re
+import sys
+
+from absl import app, flags
+from absl import logging as absl_logging
+from ml_collections import config_flags
+
+from transformer_jax import experiments
+from transformer_jax.core.errors import UserError
+
+MODES = ("describe", "train", "evaluate", "translate", "export", "plot", "benchmark")
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Experiment config: a file (experiments/*.py) or an installed experiment's "
+    "name (e.g. scan_simple).", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None,
+                               "Directory for checkpoints, logs and the tokenizer.")
+_MODE = flags.DEFINE_string("mode", "train", f"One of: {', '.join(MODES)}.")
+_SPLIT = flags.DEFINE_string("split", "train", "Data split for --mode=export.")
+_TEXT = flags.DEFINE_string("text", None, "--mode=plot: an input sentence whose attention maps "
+                            "(encoder, decoder, cross) are drawn.")
+_SWEEP = flags.DEFINE_bool("sweep", False, "Run every trial of the experiment's get_sweep(), each "
+                           "in WORKDIR/trial_NNN; finished trials are skipped on a rerun.")
+_SWEEP_PARALLEL = flags.DEFINE_integer("sweep_parallel", 1, "Trials run at the same time.")
+_SWEEP_DRY_RUN = flags.DEFINE_bool("sweep_dry_run", False, "Print the trial commands (one per "
+                                   "line, e.g. for a SLURM job array) instead of running them.")
+_SWEEP_METRIC = flags.DEFINE_string("sweep_metric", "loss", "Final eval metric that orders the "
+                                    "results table (loss and perplexity: lower is better).")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "Multi-process runs: host:port of "
+                                   "process 0 (auto-detected on Cloud TPU and SLURM).")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Multi-process runs: process count.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "Multi-process runs: this process's index.")
+_KEEP_HOST_MEMORY = flags.DEFINE_enum(
+    "keep_host_memory", "auto", ["auto", "true", "false"],
+    "Let malloc keep freed memory for reuse (Linux/glibc): XLA:CPU then stops page-faulting its "
+    "large per-step temporaries again every step (about 20% of the CPU benchmark's step); the "
+    "process keeps its peak resident memory. auto: only when a step's arrays exceed 32 MiB "
+    "(for small steps the shared malloc lock costs more than it saves).")
+_CHECKPOINT_STEP = flags.DEFINE_integer(
+    "checkpoint_step", None,
+    "Checkpoint to evaluate or translate with (default: the latest).")
+
+
+def _fail(message: str) -> None:
+  print(f"error: {message}", file=sys.stderr)
+  sys.exit(2)
+
+
+_TYPE_ERRORS = (("invalid literal for int()", "an integer"),
+                ("could not convert string to float", "a number"),
+                ("Non-boolean argument", "true or false"))
+
+
+def _flag_error(message: str) -> str:
+  """absl's message for a bad flag; for a --config override of the wrong type, a plainer one."""
+  match = re.match(r"flag --config\.([\w.]+)=(.*?): (.*)", message)
+  if match:
+    for marker, kind in _TYPE_ERRORS:
+      if marker in match.group(3):
+        return f"--config.{match.group(1)} takes {kind}; got {match.group(2)!r}"
+  return message + " (see --helpfull)"
+
+
+def _resolve_config_flags(argv: list) -> list:
+  """`--config=NAME` -> the installed experiment file NAME.py when no file NAME exists."""
+  resolved = []
+  for arg in argv:
+    if arg.startswith("--config="):
+      path, colon, rest = arg[len("--config="):].partition(":")
+      arg = f"--config={experiments.resolve(path)}{colon}{rest}"
+    resolved.append(arg)
+  return resolved
+
+
+def _parse_flags(argv):
+  """absl parsing, with every flag error turned into one line and exit code 2."""
+  argv = _resolve_config_flags(argv)
+  sys.argv[:] = _resolve_config_flags(sys.argv)  # ml_collections reads overrides from sys.argv
+  try:
+    remaining = flags.FLAGS(argv)
+  except flags.Error as e:
+    _fail(_flag_error(str(e).splitlines()[0]))
+  except (AttributeError, KeyError) as e:  # ml_collections: an override names no config key
+    bad = [a for a in argv if a.startswith("--config.")]
+    _fail(f"unknown config key {str(e).strip(chr(34) + chr(39))!r} in {' '.join(bad)}; "
+          "see the experiment file for the keys that exist")
+  except Exception as e:  # a config file that fails to import
+    _fail(f"cannot load --config: {type(e).__name__}: {str(e).splitlines()[-1].strip()}")
+  try:
+    if _CONFIG.value is not None:
+      _CONFIG.value.get("seed")  # config files load lazily; surface a bad path or broken file now
+  except Exception as e:  # anything a broken config file raises
+    _fail(f"cannot load --config: {str(e).splitlines()[-1].strip()}; check the path")
+  return remaining
+
+
+def run(argv) -> None:
+  if len(argv) > 1:
+    raise UserError(f"unexpected arguments {' '.join(argv[1:])}; flags look like --name=value")
+  if _CONFIG.value is None:
+    raise UserError("--config is required, e.g. --config=experiments/scan_simple.py")
+  mode = _MODE.value
+  if mode not in MODES:
+    raise UserError(f"--mode must be one of {', '.join(MODES)}; got {mode!r}")
+  config = _CONFIG.value
+
+  from transformer_jax.core import hostmem
+  keep = _KEEP_HOST_MEMORY.value
+  if keep == "true" or (keep == "auto" and hostmem.worth_keeping(config, mode)):
+    hostmem.keep_freed_memory()  # before the first JAX computation starts the CPU backend
+  from transformer_jax import config as config_lib
+  from transformer_jax import model as model_lib
+
+  if mode == "describe":
+    print(model_lib.describe(config_lib.validate(config)))
+    return
+  if mode == "benchmark":
+    from transformer_jax.tools import benchmark
+    benchmark.run_benchmark(config)
+    return
+  if mode == "export":
+    from transformer_jax import data
+    config_lib.validate(config)
+    data.export_split(config, _SPLIT.value, sys.stdout)
+    return
+  if _WORKDIR.value is None:
+    raise UserError(f"--workdir is required for --mode={mode}")
+  if _SWEEP.value or _SWEEP_DRY_RUN.value:
+    from transformer_jax.tools import sweep
+    sweep.run_sweep(config_flags.get_config_filename(flags.FLAGS["config"]), _WORKDIR.value,
+                    config_flags.get_override_values(flags.FLAGS["config"]),
+                    parallel=_SWEEP_PARALLEL.value, dry_run=_SWEEP_DRY_RUN.value,
+                    metric=_SWEEP_METRIC.value)
+    return
+  from transformer_jax.train import parallel
+  parallel.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+  if mode == "train":
+    from transformer_jax import run as run_lib
+    run_lib.train_and_evaluate(config, _WORKDIR.value)
+  elif mode == "plot":
+    from transformer_jax.tools import plot
+    for path in plot.plot_workdir(config, _WORKDIR.value, text=_TEXT.value,
+                                  step=_CHECKPOINT_STEP.value):
+      print(path)
+  elif mode == "evaluate":
+    from transformer_jax.eval import evaluate
+    evaluate.evaluate_from_workdir(config, _WORKDIR.value, step=_CHECKPOINT_STEP.value)
+  elif mode == "translate":  # stdin lines -> stdout translations, in order
+    from transformer_jax.eval import translate
+    translate.translate_from_workdir(config, _WORKDIR.value, sys.stdin, sys.stdout,
+                                    step=_CHECKPOINT_STEP.value)
+
+
+def _main(argv) -> None:
+  # INFO from JAX and orbax ("no TPU found", every checkpoint file) buries the training log.
+  absl_logging.set_verbosity(absl_logging.WARNING)
+  logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+  try:
+    run(argv)
+    sys.stdout.flush()  # inside the try: a closed pipe fails here, not at interpreter exit
+  except UserError as e:
+    _fail(" ".join(str(e).splitlines()))
+  except KeyboardInterrupt:
+    print("interrupted", file=sys.stderr)
+    sys.exit(130)
+  except BrokenPipeError:
+    # The reader of stdout went away (`--mode=export | head`): stop quietly. Point stdout at
+    # /dev/null so that Python's own flush at exit does not report the broken pipe again.
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    sys.exit(0)
+
+
+def main() -> None:
+  """The console script: parses the flags and runs the mode."""
+  app.run(_main, flags_parser=_parse_flags)
+
+
+if __name__ == "__main__":
+  main()

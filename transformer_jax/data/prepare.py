@@ -1,0 +1,53 @@
+"""What a training run reads before it writes anything: the splits and the run's tokenizer."""
+
+from __future__ import annotations
+
+import os
+
+from transformer_jax.core.errors import UserError
+from transformer_jax.data import pipeline, sources
+from transformer_jax.data import tokenizer as tokenizer_lib
+
+
+def prepare_tokenizer(config, workdir: str, train_pairs, vocab_size: int):
+  """(tokenizer, new): the run's tokenizer, and whether WORKDIR/tokenizer.model is still to write.
+
+  The workdir's tokenizer wins (a resumed run keeps its ids); else data.tokenizer.model_path;
+  else one trained on a sample of the train split. Nothing is written here.
+  """
+  t = config.data.tokenizer
+  path = os.path.join(workdir, tokenizer_lib.FILENAME)
+  new = not os.path.exists(path)
+  if not new:
+    tokenizer = tokenizer_lib.load(path)
+    if t.model_path and tokenizer_lib.load(t.model_path).model_proto != tokenizer.model_proto:
+      raise UserError(f"data.tokenizer.model_path {t.model_path} is not {path}, the vocabulary "
+                      "this workdir was trained with; drop the override or start a new --workdir")
+  elif t.model_path:
+    tokenizer = tokenizer_lib.load(t.model_path)
+  else:
+    texts = tokenizer_lib.training_texts(train_pairs, t.sample_size, config.seed)
+    tokenizer = tokenizer_lib.train(texts, vocab_size, t.model_type, t.character_coverage,
+                                    t.sample_size)
+  if tokenizer.vocab_size > vocab_size:
+    raise UserError(f"the tokenizer has {tokenizer.vocab_size} pieces but model.vocab_size is "
+                    f"{vocab_size}; raise model.vocab_size")
+  return tokenizer, new
+
+
+def prepare_data(config, workdir: str, vocab_size: int):
+  """Loads the splits and the tokenizer, and encodes the train split. Writes nothing.
+
+  Returns (tokenizer, new_tokenizer, train_set, eval_pairs).
+  """
+  train_pairs = sources.load_split(config.data, config.data.train_split)
+  if not len(train_pairs):
+    raise UserError(f"the {config.data.train_split!r} split is empty; check the data config")
+  tokenizer, new = prepare_tokenizer(config, workdir, train_pairs, vocab_size)
+  d = config.data
+  train_set = pipeline.encode(train_pairs, tokenizer, d.max_source_len, d.max_target_len)
+  if not len(train_set):
+    raise UserError("every training example is longer than data.max_source_len / "
+                    "data.max_target_len; raise them")
+  eval_pairs = sources.load_split(config.data, config.data.eval_split)
+  return tokenizer, new, train_set, eval_pairs

@@ -1,0 +1,63 @@
+"""The configured search: `eval.decode` picks greedy, beam or sampling, with its settings.
+
+evaluate, translate and the benchmark all decode through `decode_batch`, so the same sources
+give the same outputs everywhere.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from transformer_jax.core.tokens import UNK_ID
+from transformer_jax.data import tokenizer as tokenizer_lib
+from transformer_jax.eval import decode
+from transformer_jax.model import ModelConfig
+
+
+def decode_settings(eval_config) -> dict:
+  """The settings that determine the decoded outputs, as recorded with the metrics."""
+  e = eval_config
+  settings = {"decode": e.decode}
+  if e.decode == "beam":
+    settings.update(beam_size=e.beam_size, length_penalty=e.length_penalty)
+  elif e.decode == "sample":
+    settings.update(temperature=e.temperature, top_k=e.top_k)
+  return settings
+
+
+def max_decode_length(config) -> int:
+  """Output positions (EOS included) that decoding allows: eval.max_decode_len or the targets'."""
+  return config.eval.max_decode_len or config.data.max_target_len
+
+
+def decode_batch(params, model_config: ModelConfig, eval_config, inputs, max_length: int,
+                 rng=None):
+  """Output token ids `[batch, max_length]` of source ids `inputs` by the configured search.
+
+  Rows of `inputs` that are all padding come back as zeros at no cost. `rng` (a PRNG key) is
+  used by decode=sample only.
+  """
+  cfg = model_config.replace(deterministic=True)
+  e = eval_config
+  if e.decode == "beam":
+    tokens, _ = decode.beam_search(params, cfg, inputs, max_length, beam_size=e.beam_size,
+                                   alpha=e.length_penalty)
+    return tokens
+  if e.decode == "sample":
+    rng = jax.random.key(0) if rng is None else rng
+    return decode.sample(params, cfg, inputs, max_length, rng, temperature=e.temperature,
+                         top_k=e.top_k)
+  return decode.greedy_decode(params, cfg, inputs, max_length)
+
+
+def detokenize(tokenizer: tokenizer_lib.Tokenizer, ids) -> str:
+  """The text of decoded ids; ids the tokenizer lacks (model.vocab_size may exceed its size, and
+  an undertrained model can emit them) read as unknown."""
+  ids = np.asarray(ids)
+  return tokenizer.decode(np.where(ids < tokenizer.vocab_size, ids, UNK_ID))
+
+
+def batch_rng(config, index: int):
+  """The sampling key of the `index`-th decoded batch: evaluate and translate agree on it."""
+  return jax.random.fold_in(jax.random.key(config.seed), index)

@@ -1,0 +1,109 @@
+"""ModelConfig: everything that fixes the model's shape and arithmetic.
+
+It imports no model code, so every module of the model (and every layer above) can import it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import jax.numpy as jnp
+
+from transformer_jax.core.errors import UserError
+
+# The allowed values of every string option; `transformer_jax.config` extends this table with the
+# experiment's other options, so all choices are listed in one place.
+CHOICES = {
+    "activation": ("relu", "gelu"),
+    "norm": ("post", "pre"),
+    "positional": ("sinusoidal", "learned"),
+    "init": ("xavier", "normal"),
+    "attention_impl": ("plain", "jax"),  # see attention.dot_product_attention
+    "dtype": ("float32", "bfloat16"),
+    "remat": ("none", "full", "dots"),
+}
+
+
+def check_attention_dropout(implementation: str, rate: float) -> None:
+  """jax.nn.dot_product_attention has no dropout on the attention weights: refuse the pair."""
+  if implementation == "jax" and rate > 0.0:
+    raise UserError("model.attention_impl='jax' has no attention-weight dropout; "
+                    "set model.attention_dropout_rate=0 or model.attention_impl='plain'")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Everything that fixes the model's shape and arithmetic. Immutable; vary with `.replace()`."""
+
+  vocab_size: int
+  d_model: int = 512
+  num_heads: int = 8
+  num_encoder_layers: int = 6
+  num_decoder_layers: int = 6
+  d_ff: int = 2048
+  dropout_rate: float = 0.1  # residual dropout: embeddings and every sublayer output
+  attention_dropout_rate: float = 0.0  # on attention weights
+  activation: str = "relu"
+  norm: str = "post"  # "post" = the paper's LayerNorm(x + Sublayer(x)); "pre" = x + Sublayer(LN(x))
+  positional: str = "sinusoidal"
+  position_base: float = 10000.0
+  max_len: int = 256
+  share_embeddings: bool = True  # one table for source and target tokens
+  tie_output: bool = True  # the output projection is the (target) embedding table transposed
+  fused_qkv: bool = False
+  qkv_bias: bool = True
+  init: str = "xavier"
+  attention_impl: str = "plain"
+  layer_norm_eps: float = 1e-6
+  dtype: str = "float32"  # compute dtype; parameters stay float32
+  remat: str = "none"  # recompute layer activations in the backward pass: none | full | dots
+  deterministic: bool = False  # True disables dropout (evaluation, decoding)
+  decode: bool = False  # True: incremental decoding with a KV cache
+
+  @property
+  def compute_dtype(self):
+    return jnp.dtype(self.dtype)
+
+  @property
+  def head_dim(self) -> int:
+    return self.d_model // self.num_heads
+
+  def replace(self, **changes) -> "ModelConfig":
+    return dataclasses.replace(self, **changes)
+
+  def validate(self) -> "ModelConfig":
+    """Raises UserError naming the first impossible value."""
+    positive = ("vocab_size", "d_model", "num_heads", "d_ff", "max_len")
+    for name in positive:
+      if getattr(self, name) <= 0:
+        raise UserError(f"model.{name} must be positive, got {getattr(self, name)}")
+    for name in ("num_encoder_layers", "num_decoder_layers"):
+      if getattr(self, name) < 0:
+        raise UserError(f"model.{name} must be >= 0, got {getattr(self, name)}")
+    if self.d_model % self.num_heads:
+      raise UserError(f"model.d_model ({self.d_model}) must be divisible by model.num_heads "
+                      f"({self.num_heads}); change one of them")
+    if self.positional == "sinusoidal" and self.d_model % 2:
+      raise UserError(f"model.d_model ({self.d_model}) must be even for sinusoidal positions")
+    for name in ("dropout_rate", "attention_dropout_rate"):
+      value = getattr(self, name)
+      if not 0.0 <= value < 1.0:
+        raise UserError(f"model.{name} must be in [0, 1), got {value}")
+    for name, choices in CHOICES.items():
+      if getattr(self, name) not in choices:
+        raise UserError(f"model.{name} must be one of {', '.join(choices)}; "
+                        f"got {getattr(self, name)!r}")
+    check_attention_dropout(self.attention_impl, self.attention_dropout_rate)
+    if self.position_base <= 1.0:
+      raise UserError(f"model.position_base must be > 1, got {self.position_base}")
+    return self
+
+  @classmethod
+  def from_dict(cls, values: Mapping[str, Any]) -> "ModelConfig":
+    """Builds and validates a ModelConfig from a mapping (e.g. `config.model`)."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - fields)
+    if unknown:
+      raise UserError(f"unknown model config key(s): {', '.join('model.' + k for k in unknown)}")
+    return cls(**dict(values)).validate()

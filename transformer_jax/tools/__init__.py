@@ -1,0 +1,1 @@
+"""Tools around training: benchmark, plot, sweep, the run summary, the PyTorch reference."""

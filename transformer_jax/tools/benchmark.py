@@ -1,0 +1,216 @@
+"""`--mode=benchmark`: compile time, step time, tokens/s, FLOPs, MFU, memory, decode speed.
+
+The FLOP formula and the devices' peak FLOP/s live with the model (`model/flops.py`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+
+import jax
+import numpy as np
+
+from transformer_jax import config as config_lib
+from transformer_jax.core.errors import UserError
+from transformer_jax.data import pipeline
+from transformer_jax.data import sources as sources_lib
+from transformer_jax.eval import load, search
+from transformer_jax.model import ModelConfig, count_params, init_params
+from transformer_jax.model.flops import peak_flops, train_flops_per_step
+from transformer_jax.train import parallel
+from transformer_jax.train import state as state_lib
+from transformer_jax.train import step as step_lib
+
+
+def synthetic_batch(cfg: ModelConfig, batch: int, source_len: int, target_len: int, seed=0):
+  """Full rows of random real tokens (ids >= 4), EOS-free: every position counts."""
+  rng = np.random.default_rng(seed)
+  return {"inputs": rng.integers(4, cfg.vocab_size, (batch, source_len), dtype=np.int32),
+          "targets": rng.integers(4, cfg.vocab_size, (batch, target_len), dtype=np.int32)}
+
+
+def interleaved_medians(runs: dict, steps: int, block: int = 5) -> dict:
+  """Median seconds of `steps` calls of each callable in `runs`, alternating blocks of `block`.
+
+  Side-by-side timings taken one after the other drift apart when the machine's speed does (a
+  neighbour on a shared host, thermal limits); alternating short blocks exposes every framework
+  to the same stretches.
+  """
+  times = {name: [] for name in runs}
+  while any(len(t) < steps for t in times.values()):
+    for name, fn in runs.items():
+      for _ in range(min(block, steps - len(times[name]))):
+        start = time.perf_counter()
+        fn()
+        times[name].append(time.perf_counter() - start)
+  return {name: statistics.median(t) for name, t in times.items()}
+
+
+def benchmark_train(config, model_config: ModelConfig, references=None) -> dict:
+  """Times the jitted data-parallel train step on a synthetic batch.
+
+  references: {name: another framework's warmed-up train step (a callable)}, each timed in
+  alternating blocks with this one; its median lands in `NAME_step_ms`.
+  """
+  b = config.benchmark
+  mesh = parallel.make_mesh(config.mesh.to_dict())
+  bench_config = config.copy_and_resolve_references()
+  bench_config.data.batching = "fixed"
+  bench_config.data.batch_size = b.batch_size
+  optimizer = state_lib.make_optimizer(config.train, model_config.d_model)
+  step = step_lib.make_train_step(model_config, bench_config, mesh, optimizer)
+  state = parallel.replicate(state_lib.create_state(model_config, optimizer, config.seed), mesh)
+  batch = parallel.shard_batch(synthetic_batch(model_config, b.batch_size, b.source_len,
+                                               b.target_len), mesh)
+  rng = jax.random.PRNGKey(0)
+
+  start = time.perf_counter()
+  compiled = step.lower(state, batch, rng).compile()
+  compile_s = time.perf_counter() - start
+  # XLA's own accounting of the compiled step: every backend reports it, unlike memory_stats().
+  analysis = compiled.memory_analysis()
+
+  holder = {"state": state}
+
+  def run():
+    holder["state"], metrics = compiled(holder["state"], batch, rng)
+    jax.block_until_ready(metrics)
+
+  for _ in range(b.warmup):
+    run()
+  medians = interleaved_medians({"jax": run, **(references or {})}, b.steps)
+  step_s = medians["jax"]
+  flops = train_flops_per_step(model_config, b.batch_size, b.source_len, b.target_len)
+  device = jax.devices()[0]
+  peak = peak_flops(device)
+  achieved = flops / step_s
+  result = {
+      "device": f"{mesh.devices.size} x {device.device_kind}",
+      "params": count_params(state.params)["total"],
+      "compile_s": compile_s,
+      "step_ms": step_s * 1e3,
+      "source_tokens_per_s": b.batch_size * b.source_len / step_s,
+      "target_tokens_per_s": b.batch_size * b.target_len / step_s,
+      "flops_per_step": flops,
+      "tflops_per_s": achieved / 1e12,
+      "mfu": achieved / (peak * mesh.devices.size) if peak else None,
+  }
+  for name in references or {}:
+    result[f"{name}_step_ms"] = medians[name] * 1e3
+  if analysis is not None:
+    result["temp_memory_gib"] = analysis.temp_size_in_bytes / 2**30  # activations and scratch
+  stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+  if stats and "peak_bytes_in_use" in stats:
+    result["peak_memory_gib"] = stats["peak_bytes_in_use"] / 2**30
+  return result
+
+
+def decode_speed(params, model_config: ModelConfig, eval_config, sources: np.ndarray,
+                 max_length: int, batch_size: int = 32, repeats: int = 3) -> dict:
+  """Decoding speed of eval_config's search over `sources`, measured after a warm-up call.
+
+  Args:
+    sources: int `[n, src_len]` source ids (EOS-terminated, padded), cut into full batches of
+      `batch_size` rows (repeated if n < batch_size, the remainder dropped).
+    repeats: timed passes over all batches; the median pass is reported.
+
+  Returns:
+    tokens_per_s: output tokens (EOS included; for beam search those of the returned best
+    hypotheses, not of every beam) per second; sentences_per_s; seconds of the median pass and
+    of every pass; the sentences and tokens of one pass.
+  """
+  if len(sources) < batch_size:
+    sources = np.resize(sources, (batch_size, sources.shape[1]))
+  batches = [sources[i:i + batch_size]
+             for i in range(0, len(sources) - batch_size + 1, batch_size)]
+  # Warm-up: compiles, and fills caches (the model and config replace() are cached by jit).
+  np.asarray(search.decode_batch(params, model_config, eval_config, batches[0], max_length))
+  passes, tokens = [], 0
+  for _ in range(repeats):
+    tokens = 0
+    start = time.perf_counter()
+    for batch in batches:
+      outputs = np.asarray(search.decode_batch(params, model_config, eval_config, batch,
+                                               max_length))
+      tokens += int((outputs != 0).sum())
+    passes.append(time.perf_counter() - start)
+  seconds = statistics.median(passes)
+  sentences = len(batches) * batch_size
+  return {"tokens_per_s": tokens / seconds, "sentences_per_s": sentences / seconds,
+          "seconds": seconds, "pass_seconds": passes, "sentences": sentences, "tokens": tokens}
+
+
+def benchmark_decoding(config, workdir: str, batch_size: int = 32, beam_size: int = 4,
+                       num_batches: int = 8, repeats: int = 3, step=None) -> dict:
+  """Greedy and beam-search decoding speed of a trained workdir on its eval split's sources.
+
+  Uses the first `num_batches * batch_size` eval examples, beam length penalty
+  eval.length_penalty, and eval.max_decode_len (or data.max_target_len) output positions.
+  """
+  trained = load.load_trained(config, workdir, step)
+  d = config.data
+  pairs = sources_lib.load_split(d, d.eval_split)
+  examples = pipeline.encode(pairs[: num_batches * batch_size], trained.tokenizer,
+                             d.max_source_len, d.max_target_len)
+  if not len(examples):
+    raise UserError("no evaluation example fits data.max_source_len / data.max_target_len")
+  sources = examples.rows(np.arange(len(examples)))["inputs"]
+  results = {"step": trained.step, "platform": jax.default_backend(),
+             "device": jax.devices()[0].device_kind, "device_count": jax.device_count(),
+             "cpu_count": os.cpu_count(),
+             "batch_size": batch_size, "max_decode_len": search.max_decode_length(config)}
+  for name, overrides in (("greedy", {"decode": "greedy"}),
+                          (f"beam{beam_size}", {"decode": "beam", "beam_size": beam_size})):
+    eval_config = config.eval.copy_and_resolve_references()
+    eval_config.update(overrides)
+    results[name] = {**search.decode_settings(eval_config), **decode_speed(
+        trained.params, trained.model_config, eval_config, sources,
+        search.max_decode_length(config), batch_size, repeats)}
+  return results
+
+
+def benchmark_decode(config, model_config: ModelConfig, params) -> dict:
+  """Output tokens/s of greedy and beam-4 search on one synthetic batch of benchmark.decode_batch
+  rows (random weights, so every row decodes all benchmark.target_len positions)."""
+  b = config.benchmark
+  source_ids = synthetic_batch(model_config, b.decode_batch, b.source_len, 1)["inputs"]
+  results = {}
+  for name, overrides in (("greedy", {"decode": "greedy"}),
+                          ("beam4", {"decode": "beam", "beam_size": 4})):
+    eval_config = config.eval.copy_and_resolve_references()
+    eval_config.update(overrides)
+    speed = decode_speed(params, model_config, eval_config, source_ids, b.target_len,
+                         batch_size=b.decode_batch, repeats=max(1, b.decode_steps))
+    results[f"{name}_tokens_per_s"] = speed["tokens_per_s"]
+    results[f"{name}_ms_per_batch"] = speed["seconds"] * 1e3
+  return results
+
+
+def run_benchmark(config) -> dict:
+  """Everything `--mode=benchmark` prints; the last stdout line is the JSON object."""
+  model_config = config_lib.validate(config, jax.default_backend())
+  b = config.benchmark
+  print(f"benchmark: batch {b.batch_size} x (source {b.source_len} + target {b.target_len}), "
+        f"{b.steps} timed steps after {b.warmup} warm-up, {jax.device_count()} device(s) "
+        f"({jax.devices()[0].device_kind})", flush=True)
+  references = {}
+  if b.torch:
+    from transformer_jax.tools import torch_reference  # imports torch: optional
+    references["torch"], torch_params = torch_reference.make_step(
+        model_config, config, synthetic_batch(model_config, b.batch_size, b.source_len,
+                                              b.target_len))
+  result = benchmark_train(config, model_config, references)  # sets torch_step_ms
+  if b.torch:
+    result["torch_params"] = torch_params
+    result["speedup_vs_torch"] = result["torch_step_ms"] / result["step_ms"]
+  if b.decode_steps:
+    params = init_params(model_config, jax.random.PRNGKey(config.seed))
+    result.update(benchmark_decode(config, model_config, params))
+  for key, value in result.items():
+    shown = f"{value:,.4g}" if isinstance(value, float) else value
+    print(f"  {key:24s} {shown}", flush=True)
+  print(json.dumps(result), flush=True)
+  return result

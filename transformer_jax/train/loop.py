@@ -1,0 +1,158 @@
+"""The training loop: check everything, then train with periodic logging, evaluation and saves.
+
+Evaluation is passed in (`evaluate_fn`, normally `transformer_jax.eval.evaluate.evaluate`), so
+this layer never imports the one above it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Callable, Optional
+
+import jax
+
+from transformer_jax import config as config_lib
+from transformer_jax.core.files import atomic_write
+from transformer_jax.data import pipeline, prepare
+from transformer_jax.data import tokenizer as tokenizer_lib
+from transformer_jax.model import ModelConfig, count_params, describe
+from transformer_jax.model.flops import peak_flops
+from transformer_jax.train import actions, checkpoint, parallel
+from transformer_jax.train import state as state_lib
+from transformer_jax.train import step as step_lib
+from transformer_jax.train.logger import MetricLogger
+
+DISPATCH_AHEAD = 2  # train steps the host may queue before waiting for the devices
+
+# evaluate_fn(params, model_config, config, tokenizer, pairs) -> metrics
+EvaluateFn = Callable[..., dict]
+
+
+@dataclasses.dataclass
+class Result:
+  """What a finished (or stopped) run hands to the code that reports on it."""
+
+  workdir: str
+  state: Any
+  model_config: ModelConfig
+  tokenizer: tokenizer_lib.Tokenizer
+  start_step: int  # the step this run resumed from (0 for a new run)
+  final_metrics: dict  # the evaluation after the last step; {} if stopped early
+  stopped_by: Optional[str]  # the signal that stopped the run early, or None
+  checkpoint_steps: list
+  tokens_seen: int
+  wall_time: float  # seconds of training, without the final evaluation
+
+  @property
+  def step(self) -> int:
+    return int(self.state.step)
+
+
+def _announce(model_config, train_set, eval_pairs, tokenizer, mesh, restored, start,
+              set_aside) -> None:
+  print(describe(model_config), flush=True)
+  print(f"data: {len(train_set):,} train examples ({train_set.dropped} too long, dropped), "
+        f"{len(eval_pairs):,} eval examples, vocabulary {tokenizer.vocab_size}, "
+        f"{mesh.devices.size} device(s) ({jax.default_backend()}) in {jax.process_count()} "
+        f"process(es)", flush=True)
+  if restored:
+    changed = f" with changed config: {', '.join(restored.changed)}" if restored.changed else ""
+    moved = (f" (unreadable steps {set_aside} moved to {checkpoint.UNREADABLE}/)" if set_aside
+             else "")
+    print(f"resuming from step {start}{changed}{moved}", flush=True)
+
+
+def train(config, workdir: str, evaluate_fn: EvaluateFn) -> Result:
+  """Trains `config` in `workdir` (resuming from its newest readable checkpoint), then evaluates.
+
+  Everything the user's input can fail (config, data, tokenizer, batching, a checkpoint's
+  compatibility) is checked before the workdir is touched. SIGTERM/SIGINT end the run after the
+  current step with a checkpoint.
+  """
+  model_config = config_lib.validate(config, jax.default_backend())
+  t = config.train
+  workdir = checkpoint.check_workdir(workdir)
+  tokenizer, new_tokenizer, train_set, eval_pairs = prepare.prepare_data(
+      config, workdir, model_config.vocab_size)
+  mesh = parallel.make_mesh(config.mesh.to_dict())
+  optimizer = state_lib.make_optimizer(t, model_config.d_model)
+  train_step = step_lib.make_train_step(model_config, config, mesh, optimizer)
+  stream = pipeline.TrainStream(train_set, config.data, config.seed,
+                                row_multiple=mesh.devices.size * t.grad_accum_steps)
+  new_state = lambda: state_lib.create_state(model_config, optimizer, config.seed)
+  tokenizer_sha = checkpoint.sha256(tokenizer.model_proto)
+  reader = checkpoint.Manager(workdir, config, tokenizer_sha)
+  restored = reader.latest_good(jax.eval_shape(new_state))
+  reader.close()
+
+  # Every check passed: from here on the workdir changes. With several processes, the first
+  # writes the files; checkpoints are written by all of them together (orbax).
+  is_main = jax.process_index() == 0
+  checkpoint.create_workdir(workdir)
+  if is_main and new_tokenizer:
+    atomic_write(os.path.join(workdir, tokenizer_lib.FILENAME), tokenizer.model_proto)
+  if is_main:
+    atomic_write(os.path.join(workdir, "config.json"), config.to_json_best_effort(indent=2))
+  set_aside = reader.set_aside_unreadable()
+  manager = checkpoint.Manager(workdir, config, tokenizer_sha, writable=True)
+  if restored:
+    state, start = restored.state, restored.step
+  else:
+    # One compiled initialiser, not hundreds of op-by-op dispatches; made replicated on the mesh.
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    state, start = jax.jit(new_state, out_shardings=replicated)(), 0
+  rng = jax.random.PRNGKey(config.seed)
+  if is_main:
+    _announce(model_config, train_set, eval_pairs, tokenizer, mesh, restored, start, set_aside)
+
+  peak = peak_flops(jax.devices()[0])
+  logger = MetricLogger(workdir, total_steps=t.steps, start_step=start, enabled=is_main,
+                        peak_flops=peak * mesh.devices.size if peak else None)
+  logger.text("config", config.to_json_best_effort(indent=2))
+  logger.text("model", f"{describe(model_config)}\n{count_params(state.params)}")
+  schedule = state_lib.make_schedule(t, model_config.d_model)
+  periodic = actions.Periodic(t)
+  throughput = actions.Throughput(model_config)
+  pending = actions.PendingSteps(DISPATCH_AHEAD)
+  nonfinite = actions.NonFinitePolicy(t.on_nonfinite, manager)
+
+  def evaluate(params) -> dict:
+    return evaluate_fn(parallel.to_local(params), model_config, config, tokenizer, eval_pairs)
+
+  with checkpoint.Preemption() as preemption:
+    for step in range(start, t.steps):
+      with throughput.input():
+        host_batch = stream[step]
+        batch = parallel.shard_batch(host_batch, mesh)
+      state, metrics = train_step(state, batch, rng)
+      throughput.count(host_batch)
+      done = step + 1
+      pending.push(done, metrics)
+      due = periodic.due(done, stop=preemption.reached(done))
+      if due.sync:
+        nonfinite.check(pending.drain())
+      if due.log:
+        logged = {k: v for k, v in jax.device_get(metrics).items() if k != "finite"}
+        logger.train(done, logged, float(schedule(done - 1)), **throughput.take())
+      eval_metrics = None
+      if due.eval:
+        eval_metrics = evaluate(state.params)
+        logger.eval(done, eval_metrics)
+      if due.save:
+        manager.save(done, state, eval_metrics)  # the metrics rank checkpoints for keep_best
+      if due.stop:
+        break
+  manager.wait()
+  wall_time = throughput.wall_time  # of training; the final evaluation is not counted
+  final_metrics = {}
+  if not preemption.signal:
+    final_metrics = evaluate(state.params)
+    logger.eval(int(state.step), final_metrics)
+  logger.close()
+  checkpoint_steps = manager.all_steps()
+  manager.close()
+  return Result(workdir=workdir, state=state, model_config=model_config, tokenizer=tokenizer,
+                start_step=start, final_metrics=final_metrics, stopped_by=preemption.signal,
+                checkpoint_steps=checkpoint_steps, tokens_seen=throughput.tokens_seen,
+                wall_time=wall_time)
