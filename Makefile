@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 WORKDIR ?= runs/scan_simple
 
-.PHONY: install test demo clean
+.PHONY: install lint test demo clean
 
 install: $(VENV)/.installed
 
@@ -14,7 +14,10 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $@
 
-test: $(VENV)/.installed
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+
+test: lint
 	$(PY) -m pytest -q -n 2 tests
 
 demo: $(VENV)/.installed
