@@ -23,11 +23,20 @@ def test_describe_prints_the_base_parameter_count():
   assert "Traceback" not in result.stderr
 
 
+def test_an_installed_experiment_is_found_by_name():
+  by_name = launch("--config=base", "--config.model.d_model=256", "--mode=describe")
+  by_path = launch("--config=experiments/base.py", "--config.model.d_model=256",
+                   "--mode=describe")
+  assert by_name.returncode == 0, by_name.stderr
+  assert by_name.stdout == by_path.stdout and "d_model 256" in by_name.stdout
+
+
 @pytest.mark.parametrize("flags,names", [
     (["--config=experiments/base.py", "--config.model.num_heads=7", "--mode=describe"],
      ["num_heads", "7"]),
     (["--config=experiments/base.py", "--config.model.nope=1", "--mode=describe"], ["nope"]),
     (["--config=experiments/no_such_experiment.py", "--mode=describe"], ["no_such_experiment.py"]),
+    (["--config=no_such_name", "--mode=describe"], ["no_such_name", "scan_simple, tiny"]),
     (["--config=experiments/base.py", "--mode=fly"], ["--mode", "fly"]),
 ])
 def test_user_errors_are_one_line_with_exit_code_2(flags, names):

@@ -109,7 +109,8 @@ def _parse_flags(argv):
     if _CONFIG.value is not None:
       _CONFIG.value.get("seed")  # config files load lazily; surface a bad path or broken file now
   except Exception as e:  # anything a broken config file raises
-    _fail(f"cannot load --config: {str(e).splitlines()[-1].strip()}; check the path")
+    _fail(f"cannot load --config: {str(e).splitlines()[-1].strip()}; check the path, or name "
+          f"an installed experiment ({', '.join(experiments.names())})")
   return remaining
 
 
