@@ -30,6 +30,16 @@ def test_train_flops_match_a_count_of_every_product():
   assert flops.train_flops_per_step(cfg, b, s, t) == 3 * forward
 
 
+@pytest.mark.parametrize("kind,peak", [
+    ("NVIDIA H100 80GB HBM3", 989e12), ("TPU v5 lite", 197e12), ("TPU v5", 459e12),
+    ("TPU v6 lite", 918e12), ("TPU v4", 275e12), ("cpu", None)])
+def test_peak_flops_by_the_device_kind_jax_reports(kind, peak):
+  class Device:
+    device_kind = kind
+
+  assert flops.peak_flops(Device()) == peak
+
+
 def test_interleaved_medians_alternate_blocks_and_count_every_call():
   calls = []
   runs = {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}

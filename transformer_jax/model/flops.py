@@ -20,9 +20,11 @@ from __future__ import annotations
 from transformer_jax.model.config import ModelConfig
 
 # Peak dense bf16 FLOP/s by device kind (substring match, first hit wins).
+# TPUs report device_kind "TPU v4", "TPU v5 lite" (v5e), "TPU v5" (v5p), "TPU v6 lite" (v6e); each
+# "lite" entry comes before the name it extends.
 PEAK_FLOPS = (
     ("H200", 989e12), ("H100", 989e12), ("A100", 312e12),
-    ("TPU v5p", 459e12), ("TPU v5 lite", 197e12), ("TPU v5e", 197e12), ("TPU v4", 275e12),
+    ("TPU v6 lite", 918e12), ("TPU v5 lite", 197e12), ("TPU v5", 459e12), ("TPU v4", 275e12),
 )
 
 
