@@ -96,6 +96,8 @@ def default_config() -> ml_collections.ConfigDict:
   c.benchmark.decode_batch = 32
   c.benchmark.decode_steps = 3  # timed decode batches (greedy and beam 4); 0 skips decoding
   c.benchmark.torch = False  # also time torch.nn.Transformer (needs the [torch] extra)
+  c.benchmark.torch_autocast = False  # torch side: bf16 autocast (float32 parameters)
+  c.benchmark.torch_compile = ""  # torch side: a torch.compile backend (e.g. inductor); "" = eager
   return c
 
 

@@ -1,6 +1,9 @@
 """The same model, batch and optimizer in PyTorch (eager `torch.nn.Transformer`), for a side-by-side
 step time (`--mode=benchmark --config.benchmark.torch=True` times it in alternating blocks with the
 JAX step). Needs the optional extra: `.venv/bin/pip install -e '.[torch]'` (torch 2.13.0, CPU).
+On a machine with CUDA it runs on the GPU; `benchmark.torch_autocast` (bf16 autocast) and
+`benchmark.torch_compile` (a torch.compile backend, e.g. inductor) make it the fair opponent of a
+bf16 JAX step there. Both are off by default, which keeps the CPU comparison eager and float32.
 
 Matched to transformer_jax: post-LN layers with ReLU FFN, dropout, a shared embedding scaled by
 sqrt(d_model) plus sinusoidal positions, an output projection tied to the embedding,
@@ -34,6 +37,7 @@ def make_step(model_config, config, batch):
   torch.manual_seed(0)
   torch.set_num_threads(os.cpu_count() or 1)
   cfg, b = model_config, config.benchmark
+  device = "cuda" if torch.cuda.is_available() else "cpu"
 
   class Model(nn.Module):
     def __init__(self):
@@ -55,27 +59,33 @@ def make_step(model_config, config, batch):
 
     def forward(self, source, decoder_inputs):
       length = decoder_inputs.shape[1]
-      causal = torch.triu(torch.ones(length, length, dtype=torch.bool), diagonal=1)  # True = masked
+      causal = torch.triu(torch.ones(length, length, dtype=torch.bool, device=source.device),
+                          diagonal=1)  # True = masked
       y = self.transformer(self.embed_tokens(source), self.embed_tokens(decoder_inputs),
                            tgt_mask=causal, tgt_is_causal=True,
                            src_key_padding_mask=source == 0, memory_key_padding_mask=source == 0,
                            tgt_key_padding_mask=decoder_inputs == 0)
       return y @ self.embed.weight.T
 
-  model = Model()
+  model = Model().to(device)
   model.train()
   optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
-  source = torch.from_numpy(batch["inputs"]).long()
-  targets = torch.from_numpy(batch["targets"]).long()
+  forward = torch.compile(model, backend=b.torch_compile) if b.torch_compile else model
+  source = torch.from_numpy(batch["inputs"]).long().to(device)
+  targets = torch.from_numpy(batch["targets"]).long().to(device)
   decoder_inputs = torch.cat([torch.ones_like(targets[:, :1]), targets[:, :-1]], dim=1)
   loss_fn = nn.CrossEntropyLoss(ignore_index=0, label_smoothing=config.train.label_smoothing)
 
   def step():
     optimizer.zero_grad(set_to_none=True)
-    logits = model(source, decoder_inputs)
-    loss = loss_fn(logits.reshape(-1, cfg.vocab_size), targets.reshape(-1))
+    # Parameters stay float32, as in the JAX model; autocast runs the products in bf16.
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=b.torch_autocast):
+      logits = forward(source, decoder_inputs)
+      loss = loss_fn(logits.reshape(-1, cfg.vocab_size), targets.reshape(-1))
     loss.backward()
     optimizer.step()
+    if device == "cuda":  # kernels run asynchronously: the caller's clock must see them finish
+      torch.cuda.synchronize()
     return loss
 
   for _ in range(b.warmup):
