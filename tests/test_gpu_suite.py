@@ -1,0 +1,147 @@
+"""benchmarks/gpu_suite.py: the dry run of every case fills results.json/results.md.
+
+No GPU is needed: the dry run runs each case's command on the CPU with a tiny model, so these
+tests check the command lines, the config keys and the parsing that the real run will rely on.
+"""
+
+import importlib.util
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+# A script, not a module of the package: loaded from its file.
+_SPEC = importlib.util.spec_from_file_location("gpu_suite", REPO / "benchmarks" / "gpu_suite.py")
+gpu_suite = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(gpu_suite)
+
+
+def make_fake_multi30k(directory: pathlib.Path) -> pathlib.Path:
+  """A few sentence pairs in the Multi30k file layout."""
+  pairs = [("two dogs play in the snow", "zwei hunde spielen im schnee"),
+           ("a girl reads a book", "ein maedchen liest ein buch"),
+           ("the man rides a horse", "der mann reitet ein pferd"),
+           ("a boy jumps into the water", "ein junge springt ins wasser")]
+  directory.mkdir(parents=True)
+  for split, count in (("train", 48), ("val", 6), ("test_2016_flickr", 6)):
+    rows = [pairs[i % len(pairs)] for i in range(count)]
+    (directory / f"{split}.en").write_text("".join(en + "\n" for en, _ in rows))
+    (directory / f"{split}.de").write_text("".join(de + "\n" for _, de in rows))
+  return directory
+
+
+def run(argv, env=None, timeout=900):
+  return subprocess.run(argv, cwd=REPO, env=dict(os.environ, **(env or {})),
+                        capture_output=True, text=True, timeout=timeout)
+
+
+def test_the_plan_fits_a_window_and_starts_with_the_default_steps():
+  cases = gpu_suite.plan("/data/multi30k")
+  names = [c.name for c in cases]
+  assert names[:4] == ["base_bf16", "big_bf16", "base_torch", "big_torch"]
+  assert len(names) == len(set(names))
+  assert 15 <= sum(c.minutes for c in cases) <= 22  # ~20 minutes of a 30-minute window
+  for case in cases:
+    assert 0 < case.minutes < sum(c.timeout_min for c in case.commands)
+    for command in case.commands:
+      if command.mode == "benchmark":
+        assert command.overrides["model.dtype"] == "bfloat16"
+  by_name = {c.name: c for c in cases}
+  torch = by_name["base_torch"].commands[0]
+  assert torch.overrides["benchmark.torch_compile"] == "inductor"
+  assert torch.overrides["benchmark.torch_autocast"] is True
+  assert torch.env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+  for name, tokens in (("base_b8k", 8192), ("base_b16k", 16384), ("base_bf16", 25600),
+                       ("base_b32k", 32768)):
+    o = by_name[name].commands[0].overrides
+    assert o["benchmark.batch_size"] * o["benchmark.source_len"] == tokens
+  train, evaluate = by_name["multi30k"].commands
+  assert (train.mode, evaluate.mode) == ("train", "evaluate")
+  assert evaluate.overrides["eval.average_last"] == 10
+  assert evaluate.overrides["data.eval_split"] == "test_2016_flickr"
+  flags = {c.commands[0].env.get("XLA_FLAGS") for c in cases if c.name.startswith("big_xla_")}
+  assert flags == {flag for _, flag, _ in gpu_suite.XLA_FLAG_CASES}
+  assert "multi30k" not in [c.name for c in gpu_suite.plan(None)]
+
+
+def test_last_json_finds_the_result_line_under_later_noise():
+  output = 'step 1\n{"a": 1}\n{"step_ms": 2.5}\nW1123 warning {not json\n\n'
+  assert gpu_suite.last_json(output) == {"step_ms": 2.5}
+  assert gpu_suite.last_json("no json here\n") is None
+
+
+def test_a_hung_case_is_killed_at_its_timeout(tmp_path):
+  log = tmp_path / "hang.log"
+  status, _, seconds, output = gpu_suite.run_command(
+      [sys.executable, "-c", "import time; print('started', flush=True); time.sleep(120)"],
+      dict(os.environ), timeout_s=2, log=log)
+  assert status == "timeout" and seconds < 30
+  assert "started" in output and "time.sleep(120)" in log.read_text()
+
+
+def test_dry_run_fills_a_row_per_case_with_the_parsed_numbers(tmp_path):
+  data = make_fake_multi30k(tmp_path / "multi30k")
+  out = tmp_path / "out"
+  result = run([sys.executable, "benchmarks/gpu_suite.py", str(out), "--dry_run",
+                "--multi30k", str(data)])
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  assert "total: 18 cases" in result.stdout  # the plan is printed before anything runs
+
+  state = json.loads((out / "results.json").read_text())
+  expected = gpu_suite.plan(str(data))
+  assert [row["name"] for row in state["cases"]] == [c.name for c in expected]
+  assert state["dry_run"] is True and state["environment"]["backend"] == "cpu"
+  markdown = (out / "results.md").read_text()
+  for case, row in zip(expected, state["cases"]):
+    assert row["status"] == "ok", row
+    assert (out / row["log"]).stat().st_size > 0
+    m = row["metrics"]
+    if case.table == "multi30k":
+      assert 0 <= m["bleu_lowercase_tokenized"] <= 100
+      assert row["bleu_minus_published"] == pytest.approx(m["bleu_lowercase_tokenized"] - 41.02)
+      assert len(m["averaged_steps"]) == 10  # --config.eval.average_last=10 took effect
+      assert row["val_metrics"]["step"] == 10  # the train run's own final validation
+      assert row["train_wall_s"] > 0 and row["evaluate_wall_s"] > 0
+      assert "--config.data.eval_split=test_2016_flickr" in row["commands"][1]
+      line = next(row for row in markdown.splitlines() if row.startswith("| multi30k |"))
+      assert f"{m['bleu_lowercase_tokenized']:.4g}" in line
+      continue
+    for key in ("compile_s", "step_ms", "target_tokens_per_s", "tflops_per_s"):
+      assert m[key] > 0, (case.name, key)
+    assert row["mfu_989"] == pytest.approx(m["tflops_per_s"] / 989)
+    if case.table == "torch":
+      assert m["torch_step_ms"] > 0
+      assert m["speedup_vs_torch"] == pytest.approx(m["torch_step_ms"] / m["step_ms"])
+      assert "--config.benchmark.torch_autocast=True" in row["commands"][0]
+      assert "--config.benchmark.torch_compile=eager" in row["commands"][0]
+    if case.table == "decode":
+      assert m["greedy_tokens_per_s"] > 0 and m["beam4_tokens_per_s"] > 0
+    line = next(row for row in markdown.splitlines() if row.startswith(f"| {case.name} |"))
+    assert line.endswith("| ok |")
+    shown = m["step_ms"] if case.table != "decode" else m["greedy_tokens_per_s"]
+    assert gpu_suite._num(shown) in line  # pylint: disable=protected-access
+  rows = {row["name"]: row for row in state["cases"]}
+  assert "--config.model.attention_impl=jax" in rows["big_attn_jax"].get("commands")[0]
+  assert "--config.model.remat=dots" in rows["big_remat_dots"]["commands"][0]
+  for _, flag, _ in gpu_suite.XLA_FLAG_CASES:  # each flag reached the process (and parsed)
+    assert any(f"XLA_FLAGS={flag}" in (out / r["log"]).read_text().replace("'", "")
+               for r in state["cases"] if r["name"].startswith("big_xla_"))
+
+
+def test_a_failing_case_is_recorded_and_the_suite_goes_on(tmp_path, monkeypatch):
+  bad = gpu_suite.Case("bad", "train", 0.1, "an unknown key", [gpu_suite.Command(
+      "benchmark", "experiments/base.py", {"model.no_such_key": 1})], {})
+  good = gpu_suite.plan(None)[0]
+  monkeypatch.setattr(gpu_suite, "plan", lambda multi30k: [bad, good])
+  code = gpu_suite.main([str(tmp_path), "--dry_run", "--jobs", "1"])
+  assert code == 1
+  state = json.loads((tmp_path / "results.json").read_text())
+  assert [row["status"] for row in state["cases"]] == ["failed", "ok"]
+  assert "no_such_key" in state["cases"][0]["error"]
+  assert state["cases"][1]["metrics"]["step_ms"] > 0
+  assert "- bad: failed" in (tmp_path / "results.md").read_text()
+
