@@ -1,4 +1,4 @@
-"""benchmarks/gpu_suite.py: the dry run of every case fills results.json/results.md.
+"""benchmarks/gpu_suite.py and gpu.sh: the dry run of every case fills results.json/results.md.
 
 No GPU is needed: the dry run runs each case's command on the CPU with a tiny model, so these
 tests check the command lines, the config keys and the parsing that the real run will rely on.
@@ -145,3 +145,16 @@ def test_a_failing_case_is_recorded_and_the_suite_goes_on(tmp_path, monkeypatch)
   assert state["cases"][1]["metrics"]["step_ms"] > 0
   assert "- bad: failed" in (tmp_path / "results.md").read_text()
 
+
+def test_gpu_sh_dry_run_skips_the_install_and_passes_the_data_on(tmp_path):
+  data = make_fake_multi30k(tmp_path / "multi30k")
+  out, venv = tmp_path / "out", tmp_path / "venv"
+  result = run(["bash", "benchmarks/gpu.sh", str(out), "--dry_run", "--only", "base_bf16"],
+               env={"PYTHON": sys.executable, "VENV": str(venv), "MULTI30K": str(data)})
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  assert not venv.exists()
+  state = json.loads((out / "results.json").read_text())
+  assert state["multi30k_dir"] == str(data)
+  [row] = state["cases"]
+  assert row["name"] == "base_bf16" and row["status"] == "ok" and row["metrics"]["step_ms"] > 0
+  assert "| base_bf16 |" in (out / "results.md").read_text()
