@@ -17,6 +17,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 # A script, not a module of the package: loaded from its file.
 _SPEC = importlib.util.spec_from_file_location("gpu_suite", REPO / "benchmarks" / "gpu_suite.py")
 gpu_suite = importlib.util.module_from_spec(_SPEC)
+sys.modules["gpu_suite"] = gpu_suite  # its dataclasses look their module up there
 _SPEC.loader.exec_module(gpu_suite)
 
 
