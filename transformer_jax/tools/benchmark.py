@@ -143,6 +143,18 @@ def decode_speed(params, model_config: ModelConfig, eval_config, sources: np.nda
           "seconds": seconds, "pass_seconds": passes, "sentences": sentences, "tokens": tokens}
 
 
+def _searches(eval_config, beam_size: int) -> list:
+  """[(name, eval config)] for greedy search and beam search of `beam_size`, the other settings
+  (length penalty, max length) as configured."""
+  searches = []
+  for name, overrides in (("greedy", {"decode": "greedy"}),
+                          (f"beam{beam_size}", {"decode": "beam", "beam_size": beam_size})):
+    search_config = eval_config.copy_and_resolve_references()
+    search_config.update(overrides)
+    searches.append((name, search_config))
+  return searches
+
+
 def benchmark_decoding(config, workdir: str, batch_size: int = 32, beam_size: int = 4,
                        num_batches: int = 8, repeats: int = 3, step=None) -> dict:
   """Greedy and beam-search decoding speed of a trained workdir on its eval split's sources.
@@ -162,10 +174,7 @@ def benchmark_decoding(config, workdir: str, batch_size: int = 32, beam_size: in
              "device": jax.devices()[0].device_kind, "device_count": jax.device_count(),
              "cpu_count": os.cpu_count(),
              "batch_size": batch_size, "max_decode_len": search.max_decode_length(config)}
-  for name, overrides in (("greedy", {"decode": "greedy"}),
-                          (f"beam{beam_size}", {"decode": "beam", "beam_size": beam_size})):
-    eval_config = config.eval.copy_and_resolve_references()
-    eval_config.update(overrides)
+  for name, eval_config in _searches(config.eval, beam_size):
     results[name] = {**search.decode_settings(eval_config), **decode_speed(
         trained.params, trained.model_config, eval_config, sources,
         search.max_decode_length(config), batch_size, repeats)}
@@ -178,10 +187,7 @@ def benchmark_decode(config, model_config: ModelConfig, params) -> dict:
   b = config.benchmark
   source_ids = synthetic_batch(model_config, b.decode_batch, b.source_len, 1)["inputs"]
   results = {}
-  for name, overrides in (("greedy", {"decode": "greedy"}),
-                          ("beam4", {"decode": "beam", "beam_size": 4})):
-    eval_config = config.eval.copy_and_resolve_references()
-    eval_config.update(overrides)
+  for name, eval_config in _searches(config.eval, beam_size=4):
     speed = decode_speed(params, model_config, eval_config, source_ids, b.target_len,
                          batch_size=b.decode_batch, repeats=max(1, b.decode_steps))
     results[f"{name}_tokens_per_s"] = speed["tokens_per_s"]
