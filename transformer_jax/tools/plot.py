@@ -16,9 +16,9 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from transformer_jax import config as config_lib
-from transformer_jax.core.tokens import BOS_ID, EOS_ID
+from transformer_jax.core.tokens import EOS_ID
 from transformer_jax.eval import decode, load
-from transformer_jax.model import Transformer
+from transformer_jax.model import Transformer, shift_right
 from transformer_jax.model.positions import sinusoidal_positions
 from transformer_jax.train import logger
 
@@ -116,7 +116,7 @@ def attention_maps(params, model_config, tokenizer, text: str, max_length: int):
   output = np.asarray(decode.greedy_decode(params, cfg, source, max_length))[0]
   length = int(np.argmax(output == EOS_ID)) + 1 if (output == EOS_ID).any() else len(output)
   output = output[:length]
-  decoder_inputs = jnp.asarray([[BOS_ID] + output[:-1].tolist()], jnp.int32)
+  decoder_inputs = shift_right(jnp.asarray(output[None], jnp.int32))  # no padding up to EOS
   _, state = Transformer(cfg).apply({"params": params}, source, decoder_inputs,
                                     mutable=["intermediates"])
   inter = jax.device_get(state["intermediates"])
