@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Optional
 
 LOWER_IS_BETTER = ("loss", "perplexity")
-# Every metric that `eval.evaluate` reports as a number, in the order summaries show them.
+# Every metric that `eval.evaluate` reports as a number (the choices of train.best_metric).
 EVAL_METRICS = ("loss", "perplexity", "token_accuracy", "exact_match", "bleu",
                 "bleu_lowercase_tokenized", "chrf")
 

@@ -89,11 +89,12 @@ def train(config, workdir: str, evaluate_fn: EvaluateFn) -> Result:
   # Every check passed: from here on the workdir changes. With several processes, the first
   # writes the files; checkpoints are written by all of them together (orbax).
   is_main = jax.process_index() == 0
+  config_json = config.to_json_best_effort(indent=2)
   checkpoint.create_workdir(workdir)
   if is_main and new_tokenizer:
     atomic_write(os.path.join(workdir, tokenizer_lib.FILENAME), tokenizer.model_proto)
   if is_main:
-    atomic_write(os.path.join(workdir, "config.json"), config.to_json_best_effort(indent=2))
+    atomic_write(os.path.join(workdir, "config.json"), config_json)
   set_aside = reader.set_aside_unreadable()
   manager = checkpoint.Manager(workdir, config, tokenizer_sha, writable=True)
   if restored:
@@ -109,7 +110,7 @@ def train(config, workdir: str, evaluate_fn: EvaluateFn) -> Result:
   peak = peak_flops(jax.devices()[0])
   logger = MetricLogger(workdir, total_steps=t.steps, start_step=start, enabled=is_main,
                         peak_flops=peak * mesh.devices.size if peak else None)
-  logger.text("config", config.to_json_best_effort(indent=2))
+  logger.text("config", config_json)
   logger.text("model", f"{describe(model_config)}\n{count_params(state.params)}")
   schedule = state_lib.make_schedule(t, model_config.d_model)
   periodic = actions.Periodic(t)
