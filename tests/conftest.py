@@ -1,5 +1,6 @@
 """Shared fixtures: a tiny model config, and parameters that cost no compiled initialiser."""
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,7 +18,8 @@ def tiny_config() -> ModelConfig:
 
 @pytest.fixture
 def random_params():
-  """Returns `make(init_fn, seed=0)`: NumPy-drawn parameters shaped like `init_fn(rng)["params"]`.
+  """Returns `make(init_fn, seed=0)`: NumPy-drawn parameters shaped like `init_fn(rng)["params"]`
+  (unboxed: plain arrays without their logical axis names).
 
   The shapes come from `jax.eval_shape`, so no initialiser is compiled (that dominates the run time
   of tiny-module tests); the values, normal(0, 0.3) and LayerNorm scales near 1, are good enough for
@@ -25,7 +27,7 @@ def random_params():
   """
 
   def make(init_fn, seed=0):
-    shapes = jax.eval_shape(init_fn, jax.random.PRNGKey(0))["params"]
+    shapes = nn.unbox(jax.eval_shape(init_fn, jax.random.PRNGKey(0))["params"])
     rng = np.random.default_rng(seed)
 
     def draw(path, shape):

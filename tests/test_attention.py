@@ -2,6 +2,7 @@
 
 import math
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -314,7 +315,7 @@ def test_fused_and_separate_projections_compute_the_same_function(init_mha, cros
                     "qkv": {leaf: stack(["query", "key", "value"], leaf)
                             for leaf in ("kernel", "bias")}}
   assert shapes_of(fused_params) == shapes_of(
-      jax.eval_shape(fused.init, jax.random.PRNGKey(0), x, memory)["params"])
+      nn.unbox(jax.eval_shape(fused.init, jax.random.PRNGKey(0), x, memory)["params"]))
 
   np.testing.assert_allclose(
       np.asarray(fused.apply({"params": fused_params}, x, memory, mask)),
@@ -325,8 +326,8 @@ def test_fused_projections_are_initialised_like_separate_ones():
   x = random_inputs(0, 2, 5, d_model=64)
   separate = attention.MultiHeadAttention(num_heads=4, d_model=64)
   fused = attention.MultiHeadAttention(num_heads=4, d_model=64, fused_qkv=True)
-  separate_params = jax.jit(separate.init)(jax.random.PRNGKey(0), x)["params"]
-  fused_params = jax.jit(fused.init)(jax.random.PRNGKey(0), x)["params"]
+  separate_params = nn.unbox(jax.jit(separate.init)(jax.random.PRNGKey(0), x)["params"])
+  fused_params = nn.unbox(jax.jit(fused.init)(jax.random.PRNGKey(0), x)["params"])
   separate_std = float(np.std(separate_params["query"]["kernel"]))
   fused_std = float(np.std(fused_params["qkv"]["kernel"]))
   expected = math.sqrt(2.0 / (64 + 64))  # Xavier-uniform of one d_model x d_model projection

@@ -9,10 +9,11 @@ from transformer_jax.model.transformer import (
                                                Transformer,
                                                count_params,
                                                describe,
+                                               init_boxed_params,
                                                init_params,
                                                param_shapes,
                                                shift_right,
 )
 
-__all__ = ["CHOICES", "ModelConfig", "Transformer", "count_params", "describe", "init_params",
-           "param_shapes", "shift_right"]
+__all__ = ["CHOICES", "ModelConfig", "Transformer", "count_params", "describe",
+           "init_boxed_params", "init_params", "param_shapes", "shift_right"]

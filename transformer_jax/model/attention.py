@@ -14,6 +14,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from transformer_jax.model.axes import constrain, param_init
 from transformer_jax.model.config import CHOICES, check_attention_dropout
 
 Array = jax.Array
@@ -211,24 +212,33 @@ class MultiHeadAttention(nn.Module):
     """inputs_q `[batch, q_len, d_model]`, inputs_kv `[batch, kv_len, d_model]` or None (self-
     attention) -> `[batch, q_len, d_model]`."""
     head_dim = self.d_model // self.num_heads
-    dense = functools.partial(nn.DenseGeneral, axis=-1, use_bias=self.use_bias, dtype=self.dtype,
-                              kernel_init=self.kernel_init)
+    bias_init = nn.initializers.zeros_init()
+
+    def dense(n=None, name=None):
+      """Projection d_model -> [n,] heads, head_dim (n fused projections stacked)."""
+      features = (self.num_heads, head_dim) if n is None else (n, self.num_heads, head_dim)
+      names = ("heads", "kv") if n is None else ("stack", "heads", "kv")
+      init = self.kernel_init if n is None else _stacked_init(self.kernel_init, n)
+      return nn.DenseGeneral(features=features, axis=-1, use_bias=self.use_bias,
+                             dtype=self.dtype, kernel_init=param_init(init, "embed", *names),
+                             bias_init=param_init(bias_init, *names), name=name)
+
+    def heads(x):
+      return constrain(x, "batch", "length", "heads", "kv")
+
     self_attention = inputs_kv is None
 
     def project_kv(x):
       if self.fused_qkv:
-        kv = dense(features=(2, self.num_heads, head_dim), name="kv",
-                   kernel_init=_stacked_init(self.kernel_init, 2))(x)
-        return kv[:, :, 0], kv[:, :, 1]
-      return (dense(features=(self.num_heads, head_dim), name="key")(x),
-              dense(features=(self.num_heads, head_dim), name="value")(x))
+        kv = dense(2, name="kv")(x)
+        return heads(kv[:, :, 0]), heads(kv[:, :, 1])
+      return heads(dense(name="key")(x)), heads(dense(name="value")(x))
 
     if self_attention and self.fused_qkv:
-      qkv = dense(features=(3, self.num_heads, head_dim), name="qkv",
-                  kernel_init=_stacked_init(self.kernel_init, 3))(inputs_q)
-      query, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+      qkv = dense(3, name="qkv")(inputs_q)
+      query, key, value = heads(qkv[:, :, 0]), heads(qkv[:, :, 1]), heads(qkv[:, :, 2])
     else:
-      query = dense(features=(self.num_heads, head_dim), name="query")(inputs_q)
+      query = heads(dense(name="query")(inputs_q))
       if self_attention:
         key, value = project_kv(inputs_q)
       elif self.decode:
@@ -257,7 +267,9 @@ class MultiHeadAttention(nn.Module):
                                 dropout_rng=dropout_rng, deterministic=deterministic,
                                 implementation=self.implementation)
     out = nn.DenseGeneral(features=self.d_model, axis=(-2, -1), dtype=self.dtype,
-                          kernel_init=self.kernel_init, name="out")(out)
+                          kernel_init=param_init(self.kernel_init, "heads", "kv", "embed"),
+                          bias_init=param_init(bias_init, "embed"), name="out")(heads(out))
+    out = constrain(out, "batch", "length", "embed")
     return Dropout(rate=self.output_dropout_rate)(out, deterministic)
 
   def _extend_cache(self, key, value, mask):

@@ -8,6 +8,7 @@ import flax.linen as nn
 import jax
 
 from transformer_jax.model.attention import Dropout, MultiHeadAttention
+from transformer_jax.model.axes import constrain, param_init
 from transformer_jax.model.config import ModelConfig
 
 Array = jax.Array
@@ -36,9 +37,14 @@ class FeedForward(nn.Module):
   def __call__(self, x: Array, deterministic: bool) -> Array:
     cfg = self.config
     activation = {"relu": nn.relu, "gelu": nn.gelu}[cfg.activation]
-    h = nn.Dense(cfg.d_ff, dtype=cfg.compute_dtype, kernel_init=kernel_init(cfg), name="wi")(x)
-    h = activation(h)
-    h = nn.Dense(cfg.d_model, dtype=cfg.compute_dtype, kernel_init=kernel_init(cfg), name="wo")(h)
+    h = nn.Dense(cfg.d_ff, dtype=cfg.compute_dtype,
+                 kernel_init=param_init(kernel_init(cfg), "embed", "mlp"),
+                 bias_init=param_init(nn.initializers.zeros_init(), "mlp"), name="wi")(x)
+    h = constrain(activation(h), "batch", "length", "mlp")
+    h = nn.Dense(cfg.d_model, dtype=cfg.compute_dtype,
+                 kernel_init=param_init(kernel_init(cfg), "mlp", "embed"),
+                 bias_init=param_init(nn.initializers.zeros_init(), "embed"), name="wo")(h)
+    h = constrain(h, "batch", "length", "embed")
     return Dropout(rate=cfg.dropout_rate)(h, deterministic)
 
 
@@ -48,6 +54,12 @@ def _attention(cfg: ModelConfig, name: str, decode: bool = False) -> MultiHeadAt
       output_dropout_rate=cfg.dropout_rate, fused_qkv=cfg.fused_qkv, use_bias=cfg.qkv_bias,
       implementation=cfg.attention_impl, decode=decode, dtype=cfg.compute_dtype,
       kernel_init=kernel_init(cfg), name=name)
+
+
+def layer_norm(config: ModelConfig, name: str) -> nn.LayerNorm:
+  return nn.LayerNorm(epsilon=config.layer_norm_eps, dtype=config.compute_dtype,
+                      scale_init=param_init(nn.initializers.ones_init(), "embed"),
+                      bias_init=param_init(nn.initializers.zeros_init(), "embed"), name=name)
 
 
 class Residual(nn.Module):
@@ -60,11 +72,12 @@ class Residual(nn.Module):
 
   @nn.compact
   def __call__(self, x: Array, sublayer) -> Array:
-    norm = nn.LayerNorm(epsilon=self.config.layer_norm_eps, dtype=self.config.compute_dtype,
-                        name="norm")
+    norm = layer_norm(self.config, "norm")
     if self.config.norm == "pre":
-      return x + sublayer(norm(x))
-    return norm(x + sublayer(x))
+      x = x + sublayer(norm(x))
+    else:
+      x = norm(x + sublayer(x))
+    return constrain(x, "batch", "length", "embed")
 
 
 class EncoderLayer(nn.Module):

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from transformer_jax.model.axes import param_init
 from transformer_jax.model.config import ModelConfig
 
 Array = jax.Array
@@ -36,7 +37,8 @@ class AddPositions(nn.Module):
     """x `[batch, length, d_model]`, positions int `[batch, length]`."""
     cfg = self.config
     if cfg.positional == "learned":
-      table = self.param("table", nn.initializers.normal(stddev=0.02), (cfg.max_len, cfg.d_model))
+      table = self.param("table", param_init(nn.initializers.normal(stddev=0.02), "position",
+                                             "embed"), (cfg.max_len, cfg.d_model))
     else:
       table = jnp.asarray(sinusoidal_positions(cfg.max_len, cfg.d_model, cfg.position_base))
     return x + jnp.take(table, positions, axis=0).astype(x.dtype)

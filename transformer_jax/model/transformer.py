@@ -11,8 +11,15 @@ import numpy as np
 
 from transformer_jax.core.tokens import BOS_ID
 from transformer_jax.model import attention
+from transformer_jax.model.axes import constrain, param_init
 from transformer_jax.model.config import ModelConfig
-from transformer_jax.model.layers import DecoderLayer, EncoderLayer, embedding_init, kernel_init
+from transformer_jax.model.layers import (
+  DecoderLayer,
+  EncoderLayer,
+  embedding_init,
+  kernel_init,
+  layer_norm,
+)
 from transformer_jax.model.positions import AddPositions
 
 Array = jax.Array
@@ -36,7 +43,8 @@ def shift_right(targets: Array, bos_id: int = BOS_ID, segments: Optional[Array] 
   return jnp.where(targets > 0, shifted, 0)
 
 def _embed(cfg: ModelConfig, name: str) -> nn.Embed:
-  return nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=embedding_init(cfg),
+  return nn.Embed(cfg.vocab_size, cfg.d_model,
+                  embedding_init=param_init(embedding_init(cfg), "vocab", "embed"),
                   dtype=cfg.compute_dtype, name=name)
 
 
@@ -44,7 +52,7 @@ def _embed_tokens(cfg: ModelConfig, embed: nn.Embed, positions_module: AddPositi
                   tokens: Array, positions: Array, deterministic: bool) -> Array:
   """Token embedding scaled by sqrt(d_model), plus positions, then dropout."""
   x = embed(tokens) * jnp.sqrt(jnp.asarray(cfg.d_model, cfg.compute_dtype))
-  x = positions_module(x, positions)
+  x = constrain(positions_module(x, positions), "batch", "length", "embed")
   return attention.Dropout(rate=cfg.dropout_rate)(x, deterministic)
 
 
@@ -114,7 +122,7 @@ class Encoder(nn.Module):
     for i in range(cfg.num_encoder_layers):
       x = layer(cfg, name=f"layer_{i}")(x, mask, deterministic)
     if cfg.norm == "pre":
-      x = nn.LayerNorm(epsilon=cfg.layer_norm_eps, dtype=cfg.compute_dtype, name="final_norm")(x)
+      x = layer_norm(cfg, "final_norm")(x)
     return x
 
 
@@ -162,14 +170,16 @@ class Decoder(nn.Module):
       y = layer(cfg, decode=cfg.decode, name=f"layer_{i}")(
           y, encoded, self_mask, cross_mask, deterministic)
     if cfg.norm == "pre":
-      y = nn.LayerNorm(epsilon=cfg.layer_norm_eps, dtype=cfg.compute_dtype, name="final_norm")(y)
+      y = layer_norm(cfg, "final_norm")(y)
     if cfg.tie_output:
       embedding = jnp.asarray(self.embed.embedding, cfg.compute_dtype)
       logits = output_projection(y.astype(cfg.compute_dtype), embedding)
     else:
-      logits = nn.Dense(cfg.vocab_size, dtype=cfg.compute_dtype, kernel_init=kernel_init(cfg),
+      logits = nn.Dense(cfg.vocab_size, dtype=cfg.compute_dtype,
+                        kernel_init=param_init(kernel_init(cfg), "embed", "vocab"),
+                        bias_init=param_init(nn.initializers.zeros_init(), "vocab"),
                         name="logits")(y)
-    return logits.astype(jnp.float32)
+    return constrain(logits.astype(jnp.float32), "batch", "length", "vocab")
 
 
 class Transformer(nn.Module):
@@ -208,12 +218,18 @@ class Transformer(nn.Module):
 # ----------------------------------------------------------------------------- sizes
 
 
-def init_params(config: ModelConfig, rng: Array, source_len: int = 8, target_len: int = 8):
-  """Initial float32 parameters (shapes only depend on the config, not on the lengths)."""
+def init_boxed_params(config: ModelConfig, rng: Array):
+  """Initial float32 parameters, each wrapped with the logical names of its dimensions
+  (`nn.LogicallyPartitioned`; see `axes.py`). `nn.get_partition_spec` reads the names,
+  `nn.unbox` the arrays."""
   model = Transformer(config.replace(deterministic=True, decode=False))
-  source = jnp.ones((1, source_len), jnp.int32)
-  target = jnp.ones((1, target_len), jnp.int32)
-  return model.init(rng, source, target)["params"]
+  tokens = jnp.ones((1, 8), jnp.int32)  # the shapes depend on the config only, not on lengths
+  return model.init(rng, tokens, tokens)["params"]
+
+
+def init_params(config: ModelConfig, rng: Array):
+  """Initial float32 parameters: a nested dict of arrays."""
+  return nn.unbox(init_boxed_params(config, rng))
 
 
 def param_shapes(config: ModelConfig):
