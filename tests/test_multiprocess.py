@@ -1,5 +1,5 @@
 """Two processes on localhost (CPU, gloo collectives, 2 devices each) train like one 4-device
-process."""
+process, with the parameters split over the devices of both."""
 
 import json
 import os
@@ -47,18 +47,21 @@ def _params(workdir):
 
 
 def test_two_processes_match_one_process_with_the_same_global_batch(tmp_path):
+  """One process with 4 data-parallel devices against two processes of 2 devices whose mesh
+  splits parameters and optimizer state over all 4 (fsdp across both processes)."""
   one, two = tmp_path / "one", tmp_path / "two"
   single = subprocess.Popen([sys.executable, "launch.py", *ARGS, f"--workdir={one}"], cwd=ROOT,
                             env=_env(4), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
   port = _free_port()
   pair = [subprocess.Popen([sys.executable, "launch.py", *ARGS, f"--workdir={two}",
+                            "--config.mesh.data=1", "--config.mesh.fsdp=4",
                             f"--coordinator_address=localhost:{port}", "--num_processes=2",
                             f"--process_id={i}"], cwd=ROOT, env=_env(2),
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i in (0, 1)]
   outputs = [p.communicate(timeout=300)[0].decode() for p in [single] + pair]
   for process, output in zip([single] + pair, outputs):
     assert process.returncode == 0, output[-3000:]
-  assert "4 device(s) (cpu) in 2 process(es)" in outputs[1]
+  assert "4 device(s) (cpu) in 2 process(es), mesh data 1 x fsdp 4 x tensor 1" in outputs[1]
   assert "Run summary" not in outputs[2]  # only process 0 reports
 
   losses_one, losses_two = _train_losses(one), _train_losses(two)

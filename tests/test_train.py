@@ -13,13 +13,12 @@ import numpy as np
 import pytest
 
 from transformer_jax import config as config_lib
-from transformer_jax.core.errors import UserError
 from transformer_jax.data import pipeline, scan
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.eval import decode
 from transformer_jax.experiments import tiny
 from transformer_jax.model import shift_right
-from transformer_jax.train import losses, parallel
+from transformer_jax.train import losses, sharding
 from transformer_jax.train import state as state_lib
 from transformer_jax.train import step as step_lib
 
@@ -106,10 +105,10 @@ def _setup(config, pairs, devices=None):
   texts = [t for p in pairs for t in p]
   tok = tokenizer_lib.train(texts, model_config.vocab_size, "word")
   data = pipeline.encode(pairs, tok, config.data.max_source_len, config.data.max_target_len)
-  mesh = parallel.make_mesh(devices=devices)
+  mesh = sharding.make_mesh(devices=devices)
   optimizer = state_lib.make_optimizer(config.train, model_config.d_model)
   step = step_lib.make_train_step(model_config, config, mesh, optimizer)
-  state = parallel.replicate(state_lib.create_state(model_config, optimizer, config.seed), mesh)
+  state = state_lib.init_state(model_config, optimizer, config.seed, mesh)
   return model_config, tok, data, mesh, step, state
 
 
@@ -119,7 +118,7 @@ def test_tiny_model_overfits_a_handful_of_pairs():
   c.train.update(schedule="constant", learning_rate=3e-3, label_smoothing=0.0)
   pairs = scan.load("simple", "train")[::2000][:8]
   model_config, tok, data, mesh, step, state = _setup(c, pairs)
-  batch = parallel.shard_batch(data.rows(np.arange(len(data))), mesh)
+  batch = sharding.shard_batch(data.rows(np.arange(len(data))), mesh)
   rng = jax.random.PRNGKey(0)
   for i in range(300):
     state, metrics = step(state, batch, rng)
@@ -168,7 +167,7 @@ DATA_PARALLEL_SCRIPT = textwrap.dedent("""
     import jax, numpy as np
     from transformer_jax.experiments import tiny
     from transformer_jax import config as config_lib
-    from transformer_jax.train import parallel, state as state_lib, step as step_lib
+    from transformer_jax.train import sharding, state as state_lib, step as step_lib
     from transformer_jax.data import pipeline, scan, tokenizer as tokenizer_lib
     assert jax.device_count() == 4, jax.devices()
     c = tiny.get_config()
@@ -186,13 +185,14 @@ DATA_PARALLEL_SCRIPT = textwrap.dedent("""
                                  ("four_accum2", jax.devices(), 2)):
       c.train.grad_accum_steps = accum
       model_config = config_lib.validate(c)
-      mesh = parallel.make_mesh(devices=devices)
+      mesh = sharding.make_mesh(devices=devices)
       optimizer = state_lib.make_optimizer(c.train, model_config.d_model)
       step = step_lib.make_train_step(model_config, c, mesh, optimizer)
-      state = parallel.replicate(state_lib.create_state(model_config, optimizer, 0), mesh)
+      state = state_lib.init_state(model_config, optimizer, 0, mesh)
       results["init"] = [np.asarray(x, np.float64).ravel().tolist()
                          for x in jax.tree.leaves(jax.device_get(state.params))]
-      state, metrics = step(state, parallel.shard_batch(batch, mesh), jax.random.PRNGKey(0))
+      state, metrics = step(state, sharding.shard_batch(batch, mesh, accum),
+                            jax.random.PRNGKey(0))
       leaves = jax.tree.leaves(jax.device_get(state.params))
       results[name] = {{"loss": float(metrics["loss"]), "tokens": float(metrics["tokens"]),
                        "params": [np.asarray(x, np.float64).ravel().tolist() for x in leaves]}}
@@ -240,14 +240,3 @@ def test_train_then_evaluate_end_to_end(tmp_path):
   saved = json.loads((workdir / "eval" / "20.json").read_text())
   assert saved["exact_match"] == metrics["exact_match"]
   assert saved["loss"] == pytest.approx(metrics["loss"])
-
-
-def test_mesh_from_config():
-  devices = jax.devices()
-  mesh = parallel.make_mesh({"data": -1})
-  assert mesh.axis_names == ("data",) and mesh.devices.size == len(devices)
-  assert parallel.make_mesh({"data": len(devices)}).devices.size == len(devices)
-  with pytest.raises(UserError, match="not implemented yet"):
-    parallel.make_mesh({"data": -1, "tensor": 1})
-  with pytest.raises(UserError, match="does not cover"):
-    parallel.make_mesh({"data": len(devices) + 1})

@@ -152,8 +152,8 @@ def run(argv) -> None:
                     parallel=_SWEEP_PARALLEL.value, dry_run=_SWEEP_DRY_RUN.value,
                     metric=_SWEEP_METRIC.value)
     return
-  from transformer_jax.train import parallel
-  parallel.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+  from transformer_jax.train import sharding
+  sharding.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   if mode == "train":
     from transformer_jax import run as run_lib
     run_lib.train_and_evaluate(config, _WORKDIR.value)

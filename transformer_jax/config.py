@@ -27,8 +27,10 @@ def default_config() -> ml_collections.ConfigDict:
   c.model.vocab_size = 37000
   c.model.dtype = "auto"  # bfloat16 on GPU/TPU, float32 on CPU
 
-  # The device mesh: {axis: size}, -1 = every device left. Only `data` exists so far.
-  c.mesh = ml_collections.ConfigDict({"data": -1})
+  # The device mesh (train/sharding.py): data parallel x fully sharded data parallel (parameters
+  # and optimizer state split) x tensor parallel (heads, d_ff, vocabulary split); their product
+  # is the device count, and one size may be -1 for "the devices left".
+  c.mesh = ml_collections.ConfigDict({"data": -1, "fsdp": 1, "tensor": 1})
 
   c.data = ml_collections.ConfigDict()
   c.data.source = "scan"  # scan | tfds | files

@@ -167,7 +167,7 @@ class TrainStream:
   batching="tokens": length buckets of width `bucket_width`; bucket b holds the examples whose
   longer side has a length in (width(b-1), width b]; a batch of bucket b is trimmed to that length
   and has as many rows as fit `tokens_per_batch` per side (padding included), rounded down to a
-  multiple of `row_multiple` (devices times accumulation steps). Trimming is what makes short
+  multiple of `row_multiple` (the accumulation steps). Trimming is what makes short
   examples cheap. batching="packed": rows of the maximum lengths, packed greedily from a shuffled
   epoch, `tokens_per_batch // max length` rows (rounded the same way). See the module docstring.
   """
@@ -202,7 +202,7 @@ class TrainStream:
     rows = self._budget // length // row_multiple * row_multiple
     if rows == 0:
       raise UserError(f"data.tokens_per_batch ({self._budget}) cannot hold one row of length "
-                      f"{length} on each of {row_multiple} devices x accumulation steps; raise it")
+                      f"{length} for each of {row_multiple} accumulation steps; raise it")
     return rows
 
   def _make_epoch(self, epoch: int) -> list:

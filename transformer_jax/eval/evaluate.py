@@ -8,9 +8,7 @@ import json
 import math
 import os
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 
 from transformer_jax.core.errors import UserError
 from transformer_jax.core.files import atomic_write
@@ -26,14 +24,15 @@ from transformer_jax.eval.search import (
   max_decode_length,
 )
 from transformer_jax.model import ModelConfig, Transformer, shift_right
+from transformer_jax.train import sharding
 from transformer_jax.train.losses import label_smoothed_cross_entropy
 
 
 @functools.lru_cache(maxsize=None)
-def _eval_step(model_config: ModelConfig):
+def _eval_step(model_config: ModelConfig, mesh):
+  """Sums of the loss, correct tokens and tokens of a batch, by teacher forcing, on `mesh`."""
   model = Transformer(model_config.replace(deterministic=True, decode=False))
 
-  @jax.jit
   def step(params, batch):
     targets = batch["targets"]
     logits = model.apply({"params": params}, batch["inputs"], shift_right(targets))
@@ -42,15 +41,21 @@ def _eval_step(model_config: ModelConfig):
     correct = correct * weights
     return {"nll": (nll * weights).sum(), "correct": correct.sum(), "tokens": weights.sum()}
 
-  return step
+  return sharding.jit(step, mesh, out_shardings=sharding.replicated(mesh))
 
 
 SAMPLES = 5  # translations shown in TensorBoard and kept in eval/STEP.json
 
 
 def evaluate(params, model_config: ModelConfig, config, tokenizer: tokenizer_lib.Tokenizer,
-             pairs) -> dict:
-  """Metrics of `params` on (source, reference) `pairs`, and the decode settings used."""
+             pairs, mesh=None) -> dict:
+  """Metrics of `params` on (source, reference) `pairs`, and the decode settings used.
+
+  `params` live on `mesh` (default: the mesh of config.mesh), sharded as in training or not;
+  batches are split over its data x fsdp devices. With several processes every process calls
+  this with the same pairs and gets the same metrics.
+  """
+  mesh = sharding.make_mesh(config.mesh.to_dict()) if mesh is None else mesh
   d, e = config.data, config.eval
   if e.max_examples:
     pairs = pairs[: e.max_examples]
@@ -58,14 +63,14 @@ def evaluate(params, model_config: ModelConfig, config, tokenizer: tokenizer_lib
   if not len(examples):
     raise UserError("no evaluation example fits data.max_source_len / data.max_target_len")
   max_length = max_decode_length(config)
-  step = _eval_step(model_config)
+  step = _eval_step(model_config, mesh)
   sums = {"nll": 0.0, "correct": 0.0, "tokens": 0.0}
   hypotheses = []
   for index, (batch, n_real) in enumerate(pipeline.eval_batches(examples, e.batch_size)):
-    for k, v in jax.device_get(step(params, batch)).items():
+    for k, v in sharding.to_host(step(params, sharding.shard_batch(batch, mesh))).items():
       sums[k] += float(v)
-    outputs = np.asarray(decode_batch(params, model_config, e, batch["inputs"], max_length,
-                                      batch_rng(config, index)))
+    outputs = decode_batch(params, model_config, e, batch["inputs"], max_length,
+                           batch_rng(config, index), mesh=mesh)
     hypotheses += [detokenize(tokenizer, row) for row in outputs[:n_real]]
   kept = sources.gather(pairs, examples.index)
   references = [target for _, target in kept]
@@ -101,7 +106,7 @@ def evaluate_from_workdir(config, workdir: str, step=None) -> dict:
   """
   trained = load_trained(config, workdir, step)
   metrics = evaluate(trained.params, trained.model_config, config, trained.tokenizer,
-                     sources.load_split(config.data, config.data.eval_split))
+                     sources.load_split(config.data, config.data.eval_split), trained.mesh)
   if trained.averaged_steps:
     metrics["averaged_steps"] = list(trained.averaged_steps)
   write_results(os.path.abspath(workdir), trained.step, metrics)

@@ -12,16 +12,17 @@ from transformer_jax import config as config_lib
 from transformer_jax.core.errors import UserError
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.model import ModelConfig
-from transformer_jax.train import checkpoint
+from transformer_jax.train import checkpoint, sharding
 from transformer_jax.train import state as state_lib
 
 
 class Trained(NamedTuple):
   model_config: ModelConfig
-  params: Any
+  params: Any  # sharded on `mesh` as in training
   tokenizer: tokenizer_lib.Tokenizer
   step: int  # the checkpoint restored; with averaging, the latest one averaged
   averaged_steps: tuple  # the checkpoints whose parameters were averaged; () = no averaging
+  mesh: Any  # the device mesh of config.mesh that the parameters live on
 
 
 def steps_to_average(available: Sequence[int], step, n: int) -> list:
@@ -38,7 +39,8 @@ def steps_to_average(available: Sequence[int], step, n: int) -> list:
 
 
 def average_params(manager: checkpoint.Manager, state, steps: Sequence[int]):
-  """The element-wise mean of the parameters checkpointed at `steps` (restored one at a time)."""
+  """The element-wise mean of the parameters checkpointed at `steps` (restored one at a time
+  into the shardings of the target `state`)."""
   total = None
   for step in steps:
     params = manager.restore(state, step).params
@@ -53,6 +55,7 @@ def load_trained(config, workdir: str, step=None) -> Trained:
   `step` (checkpoint averaging, as in the paper's base and big results).
   """
   model_config = config_lib.validate(config, jax.default_backend())
+  mesh = sharding.make_mesh(config.mesh.to_dict())
   workdir = os.path.abspath(workdir)
   tokenizer_path = os.path.join(workdir, tokenizer_lib.FILENAME)
   if not os.path.isfile(tokenizer_path):
@@ -63,7 +66,7 @@ def load_trained(config, workdir: str, step=None) -> Trained:
     if not manager.all_steps():
       raise UserError(f"{workdir} holds no checkpoint; train first with --mode=train")
     optimizer = state_lib.make_optimizer(config.train, model_config.d_model)
-    abstract = jax.eval_shape(lambda: state_lib.create_state(model_config, optimizer, config.seed))
+    abstract = state_lib.abstract_state(model_config, optimizer, mesh)
     averaged = ()
     if config.eval.average_last:
       averaged = tuple(steps_to_average(manager.all_steps(), step, config.eval.average_last))
@@ -73,4 +76,4 @@ def load_trained(config, workdir: str, step=None) -> Trained:
       params, step = state.params, int(state.step)
   finally:
     manager.close()
-  return Trained(model_config, params, tokenizer_lib.load(tokenizer_path), step, averaged)
+  return Trained(model_config, params, tokenizer_lib.load(tokenizer_path), step, averaged, mesh)

@@ -6,6 +6,8 @@ give the same outputs everywhere.
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import numpy as np
 
@@ -13,6 +15,7 @@ from transformer_jax.core.tokens import UNK_ID
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.eval import decode
 from transformer_jax.model import ModelConfig
+from transformer_jax.train import sharding
 
 
 def decode_settings(eval_config) -> dict:
@@ -32,23 +35,31 @@ def max_decode_length(config) -> int:
 
 
 def decode_batch(params, model_config: ModelConfig, eval_config, inputs, max_length: int,
-                 rng=None):
+                 rng=None, mesh=None) -> np.ndarray:
   """Output token ids `[batch, max_length]` of source ids `inputs` by the configured search.
 
   Rows of `inputs` that are all padding come back as zeros at no cost. `rng` (a PRNG key) is
-  used by decode=sample only.
+  used by decode=sample only. With a `mesh` (that `params` live on), the rows are split over
+  its data x fsdp devices and every process gets all outputs.
   """
   cfg = model_config.replace(deterministic=True)
   e = eval_config
-  if e.decode == "beam":
-    tokens, _ = decode.beam_search(params, cfg, inputs, max_length, beam_size=e.beam_size,
-                                   alpha=e.length_penalty)
-    return tokens
-  if e.decode == "sample":
-    rng = jax.random.key(0) if rng is None else rng
-    return decode.sample(params, cfg, inputs, max_length, rng, temperature=e.temperature,
-                         top_k=e.top_k)
-  return decode.greedy_decode(params, cfg, inputs, max_length)
+  rows = len(inputs)
+  context = contextlib.nullcontext()
+  if mesh is not None:
+    inputs = sharding.shard_batch({"inputs": np.asarray(inputs)}, mesh)["inputs"]
+    context = sharding.context(mesh)
+  with context:
+    if e.decode == "beam":
+      tokens, _ = decode.beam_search(params, cfg, inputs, max_length, beam_size=e.beam_size,
+                                     alpha=e.length_penalty)
+    elif e.decode == "sample":
+      rng = jax.random.key(0) if rng is None else rng
+      tokens = decode.sample(params, cfg, inputs, max_length, rng, temperature=e.temperature,
+                             top_k=e.top_k)
+    else:
+      tokens = decode.greedy_decode(params, cfg, inputs, max_length)
+  return sharding.to_host(tokens)[:rows]
 
 
 def detokenize(tokenizer: tokenizer_lib.Tokenizer, ids) -> str:

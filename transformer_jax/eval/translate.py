@@ -33,12 +33,12 @@ def encode_sources(tokenizer: tokenizer_lib.Tokenizer, texts: Sequence[str], max
 
 
 def translate(params, model_config: ModelConfig, config, tokenizer: tokenizer_lib.Tokenizer,
-              lines: Iterable[str]) -> Iterator[tuple[str, bool]]:
+              lines: Iterable[str], mesh=None) -> Iterator[tuple[str, bool]]:
   """Yields (translation, truncated) for each line, in order, decoding eval.batch_size at a time.
 
   Lines are read lazily, one batch at a time. A blank line translates to an empty line without
   decoding; a source of more than data.max_source_len - 1 tokens (the last place is EOS's) is
-  truncated; a translation never contains a newline.
+  truncated; a translation never contains a newline. `mesh`: the mesh `params` live on, if any.
   """
   batch_size, max_length = config.eval.batch_size, max_decode_length(config)
   lines = iter(lines)
@@ -49,8 +49,8 @@ def translate(params, model_config: ModelConfig, config, tokenizer: tokenizer_li
     if todo:
       inputs, truncated = encode_sources(tokenizer, [chunk[i] for i in todo],
                                          config.data.max_source_len, batch_size)
-      tokens = np.asarray(decode_batch(params, model_config, config.eval, inputs, max_length,
-                                       batch_rng(config, decoded)))
+      tokens = decode_batch(params, model_config, config.eval, inputs, max_length,
+                            batch_rng(config, decoded), mesh=mesh)
       decoded += 1
       for row, i in enumerate(todo):
         results[i] = (" ".join(detokenize(tokenizer, tokens[row]).splitlines()),
@@ -60,14 +60,14 @@ def translate(params, model_config: ModelConfig, config, tokenizer: tokenizer_li
 
 def write_translations(params, model_config: ModelConfig, config,
                        tokenizer: tokenizer_lib.Tokenizer, lines: Iterable[str], out=sys.stdout,
-                       err=sys.stderr) -> int:
+                       err=sys.stderr, mesh=None) -> int:
   """Writes one translation per line of `lines` to `out`, in order; returns the line count.
 
   How many sources were truncated is said once, on `err`, at the end.
   """
   count, truncated, first = 0, 0, None
   for count, (translation, cut) in enumerate(
-      translate(params, model_config, config, tokenizer, lines), 1):
+      translate(params, model_config, config, tokenizer, lines, mesh), 1):
     out.write(translation + "\n")
     out.flush()
     if cut:
@@ -86,4 +86,4 @@ def translate_from_workdir(config, workdir: str, lines: Iterable[str], out=sys.s
   if eval.average_last > 0."""
   trained = load_trained(config, workdir, step)
   return write_translations(trained.params, trained.model_config, config, trained.tokenizer,
-                            lines, out, err)
+                            lines, out, err, trained.mesh)

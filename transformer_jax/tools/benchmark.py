@@ -20,7 +20,7 @@ from transformer_jax.data import sources as sources_lib
 from transformer_jax.eval import load, search
 from transformer_jax.model import ModelConfig, count_params, init_params
 from transformer_jax.model.flops import peak_flops, train_flops_per_step
-from transformer_jax.train import parallel
+from transformer_jax.train import sharding
 from transformer_jax.train import state as state_lib
 from transformer_jax.train import step as step_lib
 
@@ -50,21 +50,22 @@ def interleaved_medians(runs: dict, steps: int, block: int = 5) -> dict:
 
 
 def benchmark_train(config, model_config: ModelConfig, references=None) -> dict:
-  """Times the jitted data-parallel train step on a synthetic batch.
+  """Times the jitted train step on a synthetic batch, on the mesh of config.mesh.
 
   references: {name: another framework's warmed-up train step (a callable)}, each timed in
   alternating blocks with this one; its median lands in `NAME_step_ms`.
   """
   b = config.benchmark
-  mesh = parallel.make_mesh(config.mesh.to_dict())
+  mesh = sharding.make_mesh(config.mesh.to_dict())
   bench_config = config.copy_and_resolve_references()
   bench_config.data.batching = "fixed"
   bench_config.data.batch_size = b.batch_size
   optimizer = state_lib.make_optimizer(config.train, model_config.d_model)
   step = step_lib.make_train_step(model_config, bench_config, mesh, optimizer)
-  state = parallel.replicate(state_lib.create_state(model_config, optimizer, config.seed), mesh)
-  batch = parallel.shard_batch(synthetic_batch(model_config, b.batch_size, b.source_len,
-                                               b.target_len), mesh)
+  state = state_lib.init_state(model_config, optimizer, config.seed, mesh)
+  batch = sharding.shard_batch(synthetic_batch(model_config, b.batch_size, b.source_len,
+                                               b.target_len), mesh,
+                               multiple=config.train.grad_accum_steps)
   rng = jax.random.PRNGKey(0)
 
   start = time.perf_counter()
@@ -89,6 +90,7 @@ def benchmark_train(config, model_config: ModelConfig, references=None) -> dict:
   achieved = flops / step_s
   result = {
       "device": f"{mesh.devices.size} x {device.device_kind}",
+      "mesh": sharding.describe_mesh(mesh),
       "params": count_params(state.params)["total"],
       "compile_s": compile_s,
       "step_ms": step_s * 1e3,

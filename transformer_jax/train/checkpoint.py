@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from transformer_jax.core import metric_names, trees
 from transformer_jax.core.errors import UserError
-from transformer_jax.train import parallel
+from transformer_jax.train import sharding
 
 FORMAT = 1
 UNREADABLE = "checkpoints_unreadable"  # where train moves checkpoints that do not read back
@@ -149,8 +149,9 @@ def _reason(e: Exception) -> str:
 
 
 def _restore_target(target):
-  """ShapeDtypeStructs to restore into: the target's sharding, or replicated over all devices."""
-  replicated = NamedSharding(parallel.make_mesh(), P())
+  """ShapeDtypeStructs to restore into: the target's sharding (orbax reshards a checkpoint
+  written on any mesh into it), or replicated over all devices."""
+  replicated = NamedSharding(sharding.make_mesh(), P())
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
       x.shape, x.dtype, sharding=getattr(x, "sharding", None) or replicated), target)
 

@@ -18,14 +18,14 @@ from transformer_jax.data import pipeline, prepare
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.model import ModelConfig, count_params, describe
 from transformer_jax.model.flops import peak_flops
-from transformer_jax.train import actions, checkpoint, parallel
+from transformer_jax.train import actions, checkpoint, sharding
 from transformer_jax.train import state as state_lib
 from transformer_jax.train import step as step_lib
 from transformer_jax.train.logger import MetricLogger
 
 DISPATCH_AHEAD = 2  # train steps the host may queue before waiting for the devices
 
-# evaluate_fn(params, model_config, config, tokenizer, pairs) -> metrics
+# evaluate_fn(params, model_config, config, tokenizer, pairs, mesh) -> metrics
 EvaluateFn = Callable[..., dict]
 
 
@@ -55,7 +55,7 @@ def _announce(model_config, train_set, eval_pairs, tokenizer, mesh, restored, st
   print(f"data: {len(train_set):,} train examples ({train_set.dropped} too long, dropped), "
         f"{len(eval_pairs):,} eval examples, vocabulary {tokenizer.vocab_size}, "
         f"{mesh.devices.size} device(s) ({jax.default_backend()}) in {jax.process_count()} "
-        f"process(es)", flush=True)
+        f"process(es), mesh {sharding.describe_mesh(mesh)}", flush=True)
   if restored:
     changed = f" with changed config: {', '.join(restored.changed)}" if restored.changed else ""
     moved = (f" (unreadable steps {set_aside} moved to {checkpoint.UNREADABLE}/)" if set_aside
@@ -75,15 +75,17 @@ def train(config, workdir: str, evaluate_fn: EvaluateFn) -> Result:
   workdir = checkpoint.check_workdir(workdir)
   tokenizer, new_tokenizer, train_set, eval_pairs = prepare.prepare_data(
       config, workdir, model_config.vocab_size)
-  mesh = parallel.make_mesh(config.mesh.to_dict())
+  mesh = sharding.make_mesh(config.mesh.to_dict())
   optimizer = state_lib.make_optimizer(t, model_config.d_model)
   train_step = step_lib.make_train_step(model_config, config, mesh, optimizer)
+  # The batches do not depend on the mesh: rows are a multiple of the accumulation steps only,
+  # and shard_batch fills a batch with empty rows to split it over the devices.
   stream = pipeline.TrainStream(train_set, config.data, config.seed,
-                                row_multiple=mesh.devices.size * t.grad_accum_steps)
-  new_state = lambda: state_lib.create_state(model_config, optimizer, config.seed)
+                                row_multiple=t.grad_accum_steps)
   tokenizer_sha = checkpoint.sha256(tokenizer.model_proto)
   reader = checkpoint.Manager(workdir, config, tokenizer_sha)
-  restored = reader.latest_good(jax.eval_shape(new_state))
+  # Restored onto this run's mesh, whatever mesh or device count wrote the checkpoint.
+  restored = reader.latest_good(state_lib.abstract_state(model_config, optimizer, mesh))
   reader.close()
 
   # Every check passed: from here on the workdir changes. With several processes, the first
@@ -100,9 +102,7 @@ def train(config, workdir: str, evaluate_fn: EvaluateFn) -> Result:
   if restored:
     state, start = restored.state, restored.step
   else:
-    # One compiled initialiser, not hundreds of op-by-op dispatches; made replicated on the mesh.
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    state, start = jax.jit(new_state, out_shardings=replicated)(), 0
+    state, start = state_lib.init_state(model_config, optimizer, config.seed, mesh), 0
   rng = jax.random.PRNGKey(config.seed)
   if is_main:
     _announce(model_config, train_set, eval_pairs, tokenizer, mesh, restored, start, set_aside)
@@ -119,13 +119,13 @@ def train(config, workdir: str, evaluate_fn: EvaluateFn) -> Result:
   nonfinite = actions.NonFinitePolicy(t.on_nonfinite, manager)
 
   def evaluate(params) -> dict:
-    return evaluate_fn(parallel.to_local(params), model_config, config, tokenizer, eval_pairs)
+    return evaluate_fn(params, model_config, config, tokenizer, eval_pairs, mesh)
 
   with checkpoint.Preemption() as preemption:
     for step in range(start, t.steps):
       with throughput.input():
         host_batch = stream[step]
-        batch = parallel.shard_batch(host_batch, mesh)
+        batch = sharding.shard_batch(host_batch, mesh, multiple=t.grad_accum_steps)
       state, metrics = train_step(state, batch, rng)
       throughput.count(host_batch)
       done = step + 1

@@ -1,4 +1,4 @@
-"""The train step: (state, batch, rng) -> (state, metrics), and its data-parallel wrapper."""
+"""The train step: (state, batch, rng) -> (state, metrics), and its jit over a device mesh."""
 
 from __future__ import annotations
 
@@ -10,13 +10,15 @@ import optax
 
 from transformer_jax.core.errors import UserError
 from transformer_jax.model import ModelConfig, Transformer, shift_right
-from transformer_jax.train import parallel
+from transformer_jax.model.axes import constrain
+from transformer_jax.train import sharding
+from transformer_jax.train import state as state_lib
 from transformer_jax.train.losses import label_smoothed_cross_entropy
 from transformer_jax.train.state import TrainState
 
 
 def _loss_and_metrics(params, model, batch, rng, smoothing, normalizer):
-  """Sum of the smoothed loss over this shard's tokens, divided by the global token count."""
+  """Sum of the smoothed loss over a microbatch's tokens, divided by the batch's token count."""
   targets = batch["targets"]
   segments = batch.get("targets_segmentation")  # packed rows (data.batching=packed) only
   logits = model.apply({"params": params}, batch["inputs"],
@@ -33,18 +35,21 @@ def _loss_and_metrics(params, model, batch, rng, smoothing, normalizer):
 
 
 def train_step(state: TrainState, batch, rng, *, model: Transformer, optimizer, smoothing: float,
-               accum_steps: int, axis_name: str = parallel.DATA_AXIS):
-  """One update from this device's shard of the global batch; reduces over `axis_name`.
+               accum_steps: int):
+  """One update from the global batch: (state, batch, rng) -> (state, metrics).
 
-  The loss is the mean over all non-padding target tokens of the global batch (not a mean of
-  per-device means), so any device count gives the same update as one device.
+  Written for the whole batch; `make_train_step` runs it on a mesh. The loss is the mean over
+  all non-padding target tokens of the batch, so rows of padding added to fill a mesh change
+  nothing. With `accum_steps` > 1 the rows are dealt out to microbatches in turn (row r to
+  microbatch r % accum_steps), so every device holds part of every microbatch.
   """
-  rng = jax.random.fold_in(jax.random.fold_in(rng, state.step), jax.lax.axis_index(axis_name))
-  tokens = jax.lax.psum((batch["targets"] > 0).sum().astype(jnp.float32), axis_name)
+  rng = jax.random.fold_in(rng, state.step)
+  tokens = (batch["targets"] > 0).sum().astype(jnp.float32)
   grad_fn = jax.grad(_loss_and_metrics, has_aux=True)
 
-  # Gradient accumulation: the shard is split into microbatches whose gradients are summed.
-  micro = jax.tree.map(lambda x: x.reshape((accum_steps, -1) + x.shape[1:]), batch)
+  def deal(x):  # [rows, ...] -> [accum_steps, rows / accum_steps, ...]
+    x = x.reshape((-1, accum_steps) + x.shape[1:]).swapaxes(0, 1)
+    return constrain(x, None, "batch", *(None,) * (x.ndim - 2))
 
   def accumulate(carry, inputs):
     grads, sums = carry
@@ -55,8 +60,8 @@ def train_step(state: TrainState, batch, rng, *, model: Transformer, optimizer, 
 
   zeros = (jax.tree.map(jnp.zeros_like, state.params),
            {"loss": 0.0, "nll": 0.0, "correct": 0.0})
-  (grads, sums), _ = jax.lax.scan(accumulate, zeros, (micro, jnp.arange(accum_steps)))
-  grads, sums = jax.lax.psum((grads, sums), axis_name)
+  (grads, sums), _ = jax.lax.scan(accumulate, zeros,
+                                  (jax.tree.map(deal, batch), jnp.arange(accum_steps)))
 
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
@@ -66,24 +71,29 @@ def train_step(state: TrainState, batch, rng, *, model: Transformer, optimizer, 
   finite = jnp.isfinite(sums["loss"]) & jnp.isfinite(grad_norm)
   params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
                                    (params, opt_state), (state.params, state.opt_state))
-  # Share of padding in the batch, both sides: what bucketing and packing try to keep low.
-  real, slots = jax.lax.psum(
-      (sum((batch[k] > 0).sum() for k in ("inputs", "targets")).astype(jnp.float32),
-       jnp.float32(batch["inputs"].size + batch["targets"].size)), axis_name)
+  # Share of padding in the rows that hold examples, both sides: what bucketing and packing try
+  # to keep low (the empty rows that fill a mesh are not counted).
+  used = (batch["inputs"] > 0).any(axis=1) | (batch["targets"] > 0).any(axis=1)
+  real = sum((batch[k] > 0).sum() for k in ("inputs", "targets")).astype(jnp.float32)
+  slots = used.sum() * (batch["inputs"].shape[1] + batch["targets"].shape[1])
   metrics = {"loss": sums["loss"] / tokens, "nll": sums["nll"] / tokens,
              "accuracy": sums["correct"] / tokens, "grad_norm": grad_norm,
-             "tokens": tokens, "padding": 1.0 - real / slots, "finite": finite}
+             "tokens": tokens, "padding": 1.0 - real / jnp.maximum(slots, 1), "finite": finite}
   return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
 def make_train_step(model_config: ModelConfig, config, mesh, optimizer):
-  n_devices = mesh.devices.size
-  if (config.data.batching == "fixed"
-      and config.data.batch_size % (n_devices * config.train.grad_accum_steps)):
-    raise UserError(f"data.batch_size ({config.data.batch_size}) must be divisible by the device "
-                    f"count ({n_devices}) times train.grad_accum_steps "
-                    f"({config.train.grad_accum_steps})")
+  """The train step as one jit over `mesh`: state sharded by its logical axes (donated), batch
+  rows over data x fsdp, metrics replicated. Call it with batches from `sharding.shard_batch`
+  (rows padded to a multiple of train.grad_accum_steps x the batch shards)."""
+  accum = config.train.grad_accum_steps
+  if config.data.batching == "fixed" and config.data.batch_size % accum:
+    raise UserError(f"data.batch_size ({config.data.batch_size}) must be divisible by "
+                    f"train.grad_accum_steps ({accum})")
   step = functools.partial(train_step, model=Transformer(model_config), optimizer=optimizer,
-                           smoothing=config.train.label_smoothing,
-                           accum_steps=config.train.grad_accum_steps)
-  return parallel.data_parallel(step, mesh)
+                           smoothing=config.train.label_smoothing, accum_steps=accum)
+  state_shardings = state_lib.state_shardings(model_config, optimizer, mesh)
+  replicated = sharding.replicated(mesh)
+  return sharding.jit(step, mesh, donate_argnums=(0,),
+                      in_shardings=(state_shardings, sharding.batch_sharding(mesh), replicated),
+                      out_shardings=(state_shardings, replicated))
