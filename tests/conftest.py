@@ -6,7 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from transformer_jax.core import platforms
 from transformer_jax.model import ModelConfig
+
+platforms.cpu_only_unless_accelerated()  # before JAX starts: no TPU runtime warnings
 
 
 @pytest.fixture

@@ -23,6 +23,20 @@ def test_describe_prints_the_base_parameter_count():
   assert "Traceback" not in result.stderr
 
 
+def test_a_cpu_machine_runs_on_the_cpu_without_tpu_runtime_warnings():
+  """libtpu comes with the test extra (to compile for TPU slices); without JAX_PLATFORMS, a
+  machine with no accelerator must not start its runtime (which prints warnings on stderr)."""
+  pytest.importorskip("libtpu")
+  env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+  result = subprocess.run([sys.executable, "launch.py", "--config=experiments/tiny.py",
+                           "--mode=benchmark", "--config.benchmark.steps=1",
+                           "--config.benchmark.warmup=0", "--config.benchmark.decode_steps=0"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+  assert result.returncode == 0, result.stderr
+  assert result.stderr == ""
+  assert '"device": "1 x cpu"' in result.stdout
+
+
 def test_an_installed_experiment_is_found_by_name():
   by_name = launch("--config=base", "--config.model.d_model=256", "--mode=describe")
   by_path = launch("--config=experiments/base.py", "--config.model.d_model=256",

@@ -124,7 +124,8 @@ def run(argv) -> None:
     raise UserError(f"--mode must be one of {', '.join(MODES)}; got {mode!r}")
   config = _CONFIG.value
 
-  from transformer_jax.core import hostmem
+  from transformer_jax.core import hostmem, platforms
+  platforms.cpu_only_unless_accelerated()  # before JAX starts a backend
   keep = _KEEP_HOST_MEMORY.value
   if keep == "true" or (keep == "auto" and hostmem.worth_keeping(config, mode)):
     hostmem.keep_freed_memory()  # before the first JAX computation starts the CPU backend
