@@ -1,4 +1,4 @@
-"""Model FLOPs of a training step and the peak FLOP/s of accelerators, for MFU.
+"""Model FLOPs of a training step, and the accelerators' peak FLOP/s, HBM size and bandwidth.
 
 Model FLOPs of one training step (no padding: the benchmark batch is full), counting a
 multiply-add as 2 FLOPs and the backward pass as twice the forward:
@@ -17,23 +17,48 @@ reports). MFU = achieved FLOP/s / the device's peak dense bf16 FLOP/s.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from transformer_jax.model.config import ModelConfig
 
-# Peak dense bf16 FLOP/s by device kind (substring match, first hit wins).
-# TPUs report device_kind "TPU v4", "TPU v5 lite" (v5e), "TPU v5" (v5p), "TPU v6 lite" (v6e); each
-# "lite" entry comes before the name it extends.
-PEAK_FLOPS = (
-    ("H200", 989e12), ("H100", 989e12), ("A100", 312e12),
-    ("TPU v6 lite", 918e12), ("TPU v5 lite", 197e12), ("TPU v5", 459e12), ("TPU v4", 275e12),
+
+class Chip(NamedTuple):
+  """An accelerator's published peak dense bf16 FLOP/s, HBM size and HBM bandwidth."""
+
+  name: str
+  peak_flops: float
+  hbm_bytes: float
+  hbm_bytes_per_s: float
+
+
+GiB = 2**30
+
+# By device kind (substring match, first hit wins). TPUs report device_kind "TPU v4", "TPU v5
+# lite" (v5e), "TPU v5" (v5p), "TPU v6 lite" (v6e); each "lite" entry comes before the name it
+# extends. Figures from the vendors' spec sheets (HBM per chip; A100 40 GB).
+CHIPS = (
+    ("H200", Chip("H200", 989e12, 141e9, 4.8e12)),
+    ("H100", Chip("H100", 989e12, 80e9, 3.35e12)),
+    ("A100", Chip("A100", 312e12, 40e9, 1.555e12)),
+    ("TPU v6 lite", Chip("TPU v6e", 918e12, 32 * GiB, 1.64e12)),
+    ("TPU v5 lite", Chip("TPU v5e", 197e12, 16 * GiB, 0.819e12)),
+    ("TPU v5", Chip("TPU v5p", 459e12, 95 * GiB, 2.765e12)),
+    ("TPU v4", Chip("TPU v4", 275e12, 32 * GiB, 1.228e12)),
 )
 
 
-def peak_flops(device) -> float | None:
+def chip(device) -> Chip | None:
+  """The spec sheet of `device`'s kind, or None (CPUs, unknown accelerators)."""
   kind = getattr(device, "device_kind", "")
-  for name, flops in PEAK_FLOPS:
+  for name, spec in CHIPS:
     if name.lower() in kind.lower():
-      return flops
+      return spec
   return None
+
+
+def peak_flops(device) -> float | None:
+  spec = chip(device)
+  return spec.peak_flops if spec else None
 
 
 def train_flops_per_step(cfg: ModelConfig, batch: int, source_len: int, target_len: int) -> float:
