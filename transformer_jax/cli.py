@@ -27,7 +27,7 @@ from ml_collections import config_flags
 from transformer_jax import experiments
 from transformer_jax.core.errors import UserError
 
-MODES = ("describe", "train", "evaluate", "translate", "export", "plot", "benchmark")
+MODES = ("describe", "train", "evaluate", "translate", "export", "plot", "benchmark", "compile")
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment config: a file (experiments/*.py) or an installed experiment's "
@@ -138,6 +138,10 @@ def run(argv) -> None:
   if mode == "benchmark":
     from transformer_jax.tools import benchmark
     benchmark.run_benchmark(config)
+    return
+  if mode == "compile":
+    from transformer_jax.tools import compile as compile_lib
+    compile_lib.run_compile(config)
     return
   if mode == "export":
     from transformer_jax import data

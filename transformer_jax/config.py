@@ -89,6 +89,13 @@ def default_config() -> ml_collections.ConfigDict:
   c.eval.max_examples = 0  # 0 = the whole split
   c.eval.average_last = 0  # evaluate/translate with the mean of the last N checkpoints; 0 = off
 
+  c.compile = ml_collections.ConfigDict()  # --mode=compile (tools/compile.py)
+  c.compile.topology = ""  # a TPU slice, e.g. v5e:2x4, v5p:2x2x1, v6e:2x4 (or v5litepod-8)
+  c.compile.batch_size = 0  # rows of the compiled train batch; 0 = the data config's largest
+  c.compile.source_len = 0  # 0 = data.max_source_len
+  c.compile.target_len = 0  # 0 = data.max_target_len
+  c.compile.decode_batch = 64  # rows of the compiled greedy decode step
+
   c.benchmark = ml_collections.ConfigDict()  # --mode=benchmark
   c.benchmark.batch_size = 64  # global rows of the synthetic batch
   c.benchmark.source_len = 32
@@ -143,12 +150,14 @@ def validate(config: ml_collections.ConfigDict, platform: str = "cpu") -> ModelC
   for key in ("train.steps", "data.batch_size", "data.tokens_per_batch", "data.bucket_width",
               "data.max_source_len", "data.max_target_len", "train.grad_accum_steps",
               "train.log_every", "train.checkpoint_every",
-              "train.keep_checkpoints", "eval.batch_size", "eval.beam_size"):
+              "train.keep_checkpoints", "eval.batch_size", "eval.beam_size",
+              "compile.decode_batch"):
     if _get(config, key) <= 0:
       raise UserError(f"{key} must be positive, got {_get(config, key)}")
   for key in ("train.warmup_steps", "train.eval_every", "eval.max_decode_len",
               "eval.max_examples", "train.grad_clip_norm", "train.weight_decay",
-              "eval.length_penalty", "eval.top_k", "eval.average_last", "train.keep_best"):
+              "eval.length_penalty", "eval.top_k", "eval.average_last", "train.keep_best",
+              "compile.batch_size", "compile.source_len", "compile.target_len"):
     if _get(config, key) < 0:
       raise UserError(f"{key} must be >= 0, got {_get(config, key)}")
   if config.train.learning_rate <= 0:

@@ -54,3 +54,6 @@ def quiet_tpu_compiler() -> None:
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-8")
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    # Without a TPU there is no chip to guard: let several processes load libtpu at once (the
+    # runtime's lock file would otherwise refuse the second compile on this machine).
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")

@@ -1,0 +1,274 @@
+"""`--mode=compile`: the real train step (and a greedy decode step) compiled for a TPU slice on a
+machine without one, and what the compiler says of it: memory per chip against the chip's HBM,
+FLOPs against the model's formula, and a step time estimated by XLA's cost model (or, where that
+gives no usable number, a roofline). The way MaxText's `train_compile.py` checks a config before
+a slice is paid for.
+
+Everything printed is the compiler's estimate for a program it has not run: no measurement.
+The roofline takes the larger of (compiled FLOPs / the chip's peak) and (bytes accessed / its
+HBM bandwidth) and ignores communication between chips.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from transformer_jax import config as config_lib
+from transformer_jax.core import platforms
+from transformer_jax.core.errors import UserError
+from transformer_jax.eval import decode
+from transformer_jax.model import ModelConfig
+from transformer_jax.model.flops import GiB, chip, train_flops_per_step
+from transformer_jax.train import sharding
+from transformer_jax.train import state as state_lib
+from transformer_jax.train import step as step_lib
+
+# Cloud TPU accelerator-type names for the topologies `get_topology_desc` knows (v5p and v4
+# names count TensorCores, two per chip).
+ALIASES = {"v5litepod-4": "v5e:2x2", "v5litepod-8": "v5e:2x4", "v5e-4": "v5e:2x2",
+           "v5e-8": "v5e:2x4", "v6e-4": "v6e:2x2", "v6e-8": "v6e:2x4", "v5p-8": "v5p:2x2x1",
+           "v4-8": "v4:2x2x1"}
+EXAMPLES = "v5e:2x4, v5p:2x2x1, v6e:2x4, v4:2x2x1 (or v5litepod-8, v5p-8, v6e-8, v4-8)"
+SAY = "compiler's estimates for a program it has not run, not measurements"
+
+
+def topology_devices(name: str) -> list:
+  """The devices of a TPU slice by topology name, from libtpu, on any machine."""
+  if not name:
+    raise UserError(f"--mode=compile needs --config.compile.topology, e.g. {EXAMPLES}")
+  try:
+    import libtpu  # noqa: F401  (only to say what to install)
+  except ImportError:
+    raise UserError("--mode=compile needs libtpu to compile for TPUs: pip install -e '.[tpu]'"
+                    ) from None
+  platforms.quiet_tpu_compiler()  # before libtpu loads
+  from jax.experimental import topologies
+  try:
+    return list(topologies.get_topology_desc(platform="tpu",
+                                             topology_name=ALIASES.get(name, name)).devices)
+  except Exception as e:  # JaxRuntimeError (INVALID_ARGUMENT: a bad name) or libtpu failing
+    first = " ".join(str(e).split())[:200] or type(e).__name__
+    if "INVALID_ARGUMENT" in first:
+      raise UserError(f"unknown TPU topology {name!r} ({first.split(': ', 1)[-1]}); use e.g. "
+                      f"{EXAMPLES}") from None
+    raise UserError(f"libtpu could not describe the TPU topology {name!r}: {first}") from None
+
+
+@dataclasses.dataclass
+class Shapes:
+  rows: int
+  source_len: int
+  target_len: int
+
+  def __str__(self):
+    return f"{self.rows} rows x (source {self.source_len} + target {self.target_len})"
+
+
+def train_shapes(config, mesh) -> Shapes:
+  """The batch the train step is compiled for: compile.* where set, else the largest batch the
+  data config makes (the longest length bucket, or packed rows), padded for the mesh."""
+  c, d = config.compile, config.data
+  source_len = c.source_len or d.max_source_len
+  target_len = c.target_len or d.max_target_len
+  if c.batch_size:
+    rows = c.batch_size
+  elif d.batching == "fixed":
+    rows = d.batch_size
+  else:
+    rows = d.tokens_per_batch // max(source_len, target_len)
+  accum = config.train.grad_accum_steps
+  rows = rows // accum * accum
+  if rows <= 0:
+    raise UserError(f"the compiled batch has no row: data.tokens_per_batch "
+                    f"({d.tokens_per_batch}) is shorter than one example; raise it or set "
+                    "--config.compile.batch_size")
+  return Shapes(sharding.padded_rows(rows, accum * sharding.batch_shards(mesh)), source_len,
+                target_len)
+
+
+def _abstract(shape, dtype, sharding_):
+  return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding_)
+
+
+def _fails_to_fit(error: Exception) -> str | None:
+  """The compiler's out-of-memory message, or None if `error` is another failure. libtpu says
+  e.g. "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO
+  temporaries (203.94G) exceeds available HBM (15.75G)."
+  """
+  text = " ".join(str(error).split())
+  if "RESOURCE_EXHAUSTED" not in text:
+    return None
+  text = text.split("RESOURCE_EXHAUSTED:", 1)[-1].strip().rstrip(".")
+  return text[:300]
+
+
+def _compile(lowered, what: str, chip_name: str, mesh, held: str = ""):
+  try:
+    return lowered.compile()
+  except Exception as e:  # XlaRuntimeError: the program does not fit the chip, or worse
+    reason = _fails_to_fit(e)
+    if reason is None:
+      raise
+    raise UserError(f"{what} does not fit {chip_name} HBM on mesh "
+                    f"{sharding.describe_mesh(mesh)}{held} ({reason}); split the parameters "
+                    "and optimizer state with --config.mesh.fsdp (and --config.mesh.tensor), "
+                    "use --config.model.remat=full, or compile a smaller batch") from None
+
+
+def _cost(compiled) -> dict:
+  cost = compiled.cost_analysis()
+  if isinstance(cost, (list, tuple)):  # older JAX: one dict per program
+    cost = cost[0] if cost else {}
+  return dict(cost or {})
+
+
+def estimate_seconds(cost: dict, spec) -> tuple[float, str]:
+  """(seconds, which estimate): XLA's cost model where it gives a positive time, else the
+  roofline max(flops / peak, bytes accessed / HBM bandwidth)."""
+  optimal = float(cost.get("optimal_seconds", -1.0))
+  if optimal > 0:
+    return optimal, "XLA cost model (optimal_seconds)"
+  flops, accessed = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
+  compute, memory = flops / spec.peak_flops, accessed / spec.hbm_bytes_per_s
+  bound = "compute" if compute >= memory else "HBM bandwidth"
+  return (max(compute, memory),
+          f"roofline, {bound}-bound (XLA's cost model gave {optimal:.3g} s: not usable)")
+
+
+def _memory(compiled) -> dict:
+  m = compiled.memory_analysis()
+  args, out = m.argument_size_in_bytes, m.output_size_in_bytes
+  alias, temp = m.alias_size_in_bytes, m.temp_size_in_bytes
+  return {"argument_bytes": args, "output_bytes": out, "alias_bytes": alias, "temp_bytes": temp,
+          "total_bytes": args + out - alias + temp}
+
+
+def _state_bytes_per_chip(abstract_state) -> tuple[int, int]:
+  """(parameter bytes, optimizer-state bytes) that one chip holds."""
+  def held(tree):
+    return sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
+               for x in jax.tree.leaves(tree))
+  return held(abstract_state.params), held(abstract_state.opt_state)
+
+
+def compile_train_step(config, model_config: ModelConfig, mesh, spec) -> dict:
+  optimizer = state_lib.make_optimizer(config.train, model_config.d_model)
+  step = step_lib.make_train_step(model_config, config, mesh, optimizer)
+  state = state_lib.abstract_state(model_config, optimizer, mesh)
+  shapes = train_shapes(config, mesh)
+  rows = sharding.batch_sharding(mesh)
+  keys = ("inputs", "targets")
+  if config.data.batching == "packed":
+    keys += ("inputs_segmentation", "targets_segmentation", "inputs_position", "targets_position")
+  batch = {k: _abstract((shapes.rows, shapes.source_len if k.startswith("inputs") else
+                         shapes.target_len), jnp.int32, rows) for k in keys}
+  rng = _abstract((2,), jnp.uint32, sharding.replicated(mesh))
+  params_bytes, optimizer_bytes = _state_bytes_per_chip(state)
+  held = (f", where each chip holds parameters of {_gib(params_bytes)} and optimizer state of "
+          f"{_gib(optimizer_bytes)}")
+  start = time.perf_counter()
+  compiled = _compile(step.lower(state, batch, rng), "the train step", spec.name, mesh, held)
+  seconds_to_compile = time.perf_counter() - start
+  cost, memory = _cost(compiled), _memory(compiled)
+  chips = mesh.devices.size
+  # A loop body counts once in XLA's figures: gradient accumulation runs it accum times.
+  accum = config.train.grad_accum_steps
+  cost["flops"] = float(cost.get("flops", 0.0)) * accum
+  cost["bytes accessed"] = float(cost.get("bytes accessed", 0.0)) * accum
+  seconds, method = estimate_seconds(cost, spec)
+  model_flops = train_flops_per_step(model_config, shapes.rows, shapes.source_len,
+                                     shapes.target_len)
+  return {
+      "batch": str(shapes), "compile_s": seconds_to_compile,
+      "params_bytes": params_bytes, "optimizer_bytes": optimizer_bytes, **memory,
+      "hbm_bytes": spec.hbm_bytes, "fits": memory["total_bytes"] <= spec.hbm_bytes,
+      "compiled_flops": cost["flops"], "model_flops": model_flops / chips,
+      "bytes_accessed": cost["bytes accessed"], "step_s": seconds, "estimate": method,
+      "mfu": model_flops / chips / (seconds * spec.peak_flops),
+      "target_tokens_per_s": shapes.rows * shapes.target_len / seconds / chips,
+      "source_tokens_per_s": shapes.rows * shapes.source_len / seconds / chips,
+  }
+
+
+def compile_decode_step(config, model_config: ModelConfig, mesh, spec) -> dict:
+  """One position of greedy decoding with a full KV cache: memory and tokens/s per chip."""
+  cfg = model_config.replace(deterministic=True)
+  optimizer = state_lib.make_optimizer(config.train, model_config.d_model)
+  params = state_lib.abstract_state(model_config, optimizer, mesh).params
+  rows = sharding.padded_rows(config.compile.decode_batch, sharding.batch_shards(mesh))
+  source_len, length = config.data.max_source_len, config.data.max_target_len
+  batch, replicated = sharding.batch_sharding(mesh), sharding.replicated(mesh)
+  source = _abstract((rows, source_len), jnp.int32, batch)
+  encoded = _abstract((rows, source_len, cfg.d_model), cfg.compute_dtype, batch)
+  cache = jax.eval_shape(lambda p, e, s: decode.init_cache(p, cfg, e, s, length), params,
+                         encoded, source)
+  cache = jax.tree.map(lambda x: _abstract(x.shape, x.dtype, batch if x.ndim else replicated),
+                       cache)
+  tokens = _abstract((rows,), jnp.int32, batch)
+  position = _abstract((), jnp.int32, replicated)
+
+  def one_position(params, cache, encoded, source, tokens, position):
+    logits, cache = decode.decode_step(params, cfg, cache, encoded, source, tokens, position)
+    return jnp.argmax(logits, axis=-1), cache
+
+  step = sharding.jit(one_position, mesh, donate_argnums=(1,))
+  compiled = _compile(step.lower(params, cache, encoded, source, tokens, position),
+                      "the decode step", spec.name, mesh)
+  cost, memory = _cost(compiled), _memory(compiled)
+  seconds, method = estimate_seconds(cost, spec)
+  return {"batch": f"{rows} rows, cache of {length} positions", **memory,
+          "fits": memory["total_bytes"] <= spec.hbm_bytes, "step_s": seconds,
+          "estimate": method, "tokens_per_s": rows / seconds / mesh.devices.size}
+
+
+def _gib(n: float) -> str:
+  return f"{n / GiB:.2f} GiB"
+
+
+def report(name: str, mesh, train: dict, decode_: dict, spec) -> str:
+  spare = spec.hbm_bytes - train["total_bytes"]
+  fit = (f"fits, {_gib(spare)} to spare" if spare >= 0 else
+         f"DOES NOT FIT, {_gib(-spare)} over")
+  lines = [
+      f"compiled for {name}: {mesh.devices.size} x {spec.name}, mesh "
+      f"{sharding.describe_mesh(mesh)}; the {SAY}",
+      f"train step, batch {train['batch']}, compiled in {train['compile_s']:.1f} s on this machine",
+      f"  memory per chip: parameters {_gib(train['params_bytes'])} + optimizer "
+      f"{_gib(train['optimizer_bytes'])} + temporaries {_gib(train['temp_bytes'])} = "
+      f"{_gib(train['total_bytes'])} of {_gib(spec.hbm_bytes)} HBM: {fit}",
+      f"  FLOPs per chip: compiled {train['compiled_flops'] / 1e12:.3f} T, model formula "
+      f"{train['model_flops'] / 1e12:.3f} T",
+      f"  step time {train['step_s'] * 1e3:.1f} ms ({train['estimate']}): MFU "
+      f"{train['mfu']:.1%}, {train['target_tokens_per_s']:,.0f} target tokens/s per chip",
+      f"greedy decode step, {decode_['batch']}: {_gib(decode_['total_bytes'])} per chip, "
+      f"{decode_['step_s'] * 1e3:.2f} ms ({decode_['estimate']}): "
+      f"{decode_['tokens_per_s']:,.0f} tokens/s per chip",
+  ]
+  return "\n".join(lines)
+
+
+def run_compile(config) -> dict:
+  """Everything `--mode=compile` prints; the last stdout line is one JSON object."""
+  name = config.compile.topology
+  devices = topology_devices(name)
+  model_config = config_lib.validate(config, platform="tpu")  # dtype auto: bfloat16
+  spec = chip(devices[0])
+  if spec is None:
+    raise UserError(f"no HBM and peak figures for device kind {devices[0].device_kind!r}; "
+                    f"use one of {EXAMPLES}")
+  mesh = sharding.make_mesh(config.mesh.to_dict(), devices)
+  print(f"compiling for {name} ({len(devices)} x {spec.name}), mesh "
+        f"{sharding.describe_mesh(mesh)}...", flush=True)
+  train = compile_train_step(config, model_config, mesh, spec)
+  decode_ = compile_decode_step(config, model_config, mesh, spec)
+  print(report(name, mesh, train, decode_, spec), flush=True)
+  result = {"topology": name, "chips": len(devices), "chip": spec.name,
+            "mesh": dict(mesh.shape), "note": SAY, "train": train, "decode": decode_}
+  print(json.dumps(result), flush=True)
+  return result
