@@ -184,6 +184,41 @@ MESHES_SCRIPT = textwrap.dedent("""
       state = run(name, restored.state, 2, 4, losses)
       results["resumed"][name] = {"losses": losses, "params": flat(state.params),
                                   "step": restored.step, "sharding": spec}
+
+    # Decoding and evaluation from the sharded state of (1,2,4), against one device; averaging
+    # two checkpoints of (2,4,1) restored onto (1,2,4).
+    from transformer_jax.eval import evaluate, load, search
+    c.eval.update(batch_size=8, max_examples=12)
+    mesh, _ = mesh_and_step("1,2,4")
+    state = state_lib.init_state(model_config, optimizer, 0, mesh)
+    state = run("1,2,4", state, 0, 3, [])
+    one_mesh, _ = mesh_and_step("1")
+    single = jax.device_put(sharding.to_host(state.params), jax.devices()[0])
+    sources = stream[5]["inputs"][:7]
+    results["decode"] = [search.decode_batch(params, model_config, c.eval, sources, 20,
+                                             mesh=m).tolist()
+                         for params, m in ((state.params, mesh), (single, one_mesh))]
+    results["evaluate"] = [{k: v for k, v in evaluate.evaluate(
+        params, model_config, c, tok, pairs[:12], m).items() if isinstance(v, float)}
+        for params, m in ((state.params, mesh), (single, one_mesh))]
+    manager = checkpoint.Manager(workdir, c, writable=True)
+    mesh_241, _ = mesh_and_step("2,4,1")
+    state = run("2,4,1", state_lib.init_state(model_config, optimizer, 0, mesh_241), 0, 3, [])
+    manager.save(3, state)
+    manager.wait()
+    manager.close()
+    reader = checkpoint.Manager(workdir, c)
+    averaged = load.average_params(reader, state_lib.abstract_state(model_config, optimizer, mesh),
+                                   [2, 3])
+    reader.close()
+    saved = [sharding.to_host(checkpoint.Manager(workdir, c).restore(
+        state_lib.abstract_state(model_config, optimizer, one_mesh), step).params)
+        for step in (2, 3)]
+    results["average"] = {
+        "sharding": str(jax.tree.leaves(averaged)[0].sharding.spec),
+        "error": max(float(np.abs(a - (b + c_) / 2).max()) for a, b, c_ in zip(
+            jax.tree.leaves(sharding.to_host(averaged)), jax.tree.leaves(saved[0]),
+            jax.tree.leaves(saved[1])))}
     print(json.dumps(results))
 """)
 
@@ -240,3 +275,18 @@ def test_a_checkpoint_from_one_mesh_resumes_on_another_like_no_stop(meshes, name
   _assert_same_run(meshes["uninterrupted"], {
       "losses": meshes["uninterrupted"]["losses"][:2] + resumed["losses"],
       "params": resumed["params"]})
+
+
+def test_decoding_and_evaluation_on_a_sharded_state_match_one_device(meshes):
+  sharded, single = meshes["decode"]
+  assert sharded == single and any(any(row) for row in sharded)
+  sharded, single = meshes["evaluate"]
+  assert sharded.keys() == single.keys() and "loss" in sharded
+  for name in sharded:
+    assert sharded[name] == pytest.approx(single[name], rel=1e-5, abs=1e-6), name
+
+
+def test_checkpoint_averaging_restores_onto_the_mesh_and_averages(meshes):
+  average = meshes["average"]
+  assert average["sharding"] == "P('fsdp', 'tensor', None)"  # the mesh of (1,2,4)
+  assert average["error"] < 1e-7
