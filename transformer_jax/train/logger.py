@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import os
+import socket
+import struct
 import time
 
+from transformer_jax.core import files
 from transformer_jax.core.errors import UserError
 
 
@@ -20,17 +22,73 @@ METRICS_FILE = "metrics.jsonl"
 
 
 def read_metrics(workdir: str, required: bool = False) -> list[dict]:
-  """Every record MetricLogger wrote to WORKDIR/metrics.jsonl.
+  """The records MetricLogger wrote to WORKDIR/metrics.jsonl, in step order.
 
-  Without the file: [] or, if `required`, a UserError saying to train first.
+  A step logged twice (re-run after a resume from an earlier checkpoint) counts once, by its
+  last record per split; lines that do not parse (a write cut off by a kill or a full disk) are
+  skipped with a warning. Without the file: [] or, if `required`, a UserError saying to train.
   """
   path = os.path.join(workdir, METRICS_FILE)
-  if not os.path.exists(path):
+  if not os.path.isfile(path):
     if required:
       raise UserError(f"{workdir} has no {METRICS_FILE}; train first with --mode=train")
     return []
-  with open(path, encoding="utf-8") as f:
-    return [json.loads(line) for line in f if line.strip()]
+  latest = {}
+  for record in files.read_jsonl(path):
+    if isinstance(record.get("step"), int):
+      key = (record.get("split"), record["step"])
+      latest.pop(key, None)  # the last record of a step wins, in its place
+      latest[key] = record
+  return sorted(latest.values(), key=lambda r: r["step"])
+
+
+class _Events:
+  """TensorBoard scalars and text: tensorboardX's summaries and event protos, framed as TFRecords
+  (with tensorboardX's CRC) and appended in the caller's thread by `files.AppendFile`.
+
+  Not tensorboardX's SummaryWriter: its writer thread dies on a full disk without a word, and the
+  training loop then blocks forever on the thread's full queue; and its buffered file would
+  report the same failure again at exit. Here a failed write raises at the step that made it
+  (one UserError naming the file) and leaves the file ending with a whole record.
+  """
+
+  def __init__(self, directory: str):
+    # Imported here: tensorboardX imports torch when it is installed (seconds), and only
+    # training writes events.
+    from tensorboardX import summary  # see above
+    from tensorboardX.proto.event_pb2 import Event  # see above
+    from tensorboardX.record_writer import masked_crc32c  # see above
+    self._summary, self._event, self._crc = summary, Event, masked_crc32c
+    try:
+      os.makedirs(directory, exist_ok=True)
+    except OSError as e:
+      raise files.write_error(directory, e) from None
+    # The pid in the name: two runs started within the same second (a resume right after a
+    # kill) must not share a file.
+    name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}"
+    self._file = files.AppendFile(os.path.join(directory, name))
+    self._append([self._event(wall_time=time.time(), file_version="brain.Event:2")])
+
+  def _record(self, data: bytes) -> bytes:
+    """One TFRecord: length, its CRC, the data, its CRC (little-endian, as TensorBoard reads)."""
+    header = struct.pack("<Q", len(data))
+    return (header + struct.pack("<I", self._crc(header)) + data
+            + struct.pack("<I", self._crc(data)))
+
+  def _append(self, events: list) -> None:
+    self._file.append(b"".join(self._record(e.SerializeToString()) for e in events))
+
+  def write(self, summaries: list, step: int) -> None:
+    self._append([self._event(summary=s, step=step, wall_time=time.time()) for s in summaries])
+
+  def scalars(self, values: dict, step: int) -> None:
+    self.write([self._summary.scalar(tag, value) for tag, value in values.items()], step)
+
+  def text(self, tag: str, text: str, step: int) -> None:
+    self.write([self._summary.text(tag, text)], step)
+
+  def close(self) -> None:
+    self._file.close()
 
 
 class MetricLogger:
@@ -40,7 +98,10 @@ class MetricLogger:
                peak_flops: float | None = None):
     """enabled=False (every process but the first of a multi-process run) writes nothing.
 
-    peak_flops: the devices' combined peak FLOP/s, for the MFU shown in each line.
+    start_step: the step this run starts from. Records of later steps in metrics.jsonl were
+    written by a run that stopped before its next checkpoint; they are dropped, as this run
+    logs those steps again. peak_flops: the devices' combined peak FLOP/s, for the MFU shown
+    in each line.
     """
     self.total_steps = total_steps
     self.enabled = enabled
@@ -49,19 +110,18 @@ class MetricLogger:
     self._last_step = start_step
     if not enabled:
       return
-    self._jsonl = open(os.path.join(workdir, METRICS_FILE), "a", encoding="utf-8")
-    # Imported here: tensorboardX imports torch when it is installed (seconds), and only
-    # training writes events.
-    from tensorboardX import SummaryWriter  # see above
-    self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+    path = os.path.join(workdir, METRICS_FILE)
+    files.set_aside_partial_line(path)
+    files.rewrite_jsonl(path, keep=lambda r: not isinstance(r.get("step"), int)
+                        or r["step"] <= start_step)
+    self._jsonl = files.JsonLog(path)
+    self._tb = _Events(os.path.join(workdir, "tensorboard"))
 
   def _write(self, record: dict) -> None:
-    self._jsonl.write(json.dumps(record) + "\n")
-    self._jsonl.flush()
-    for key, value in record.items():
-      if key not in ("step", "split") and isinstance(value, (int, float)):
-        self._tb.add_scalar(f"{record['split']}/{key}", value, record["step"])
-    self._tb.flush()
+    self._jsonl.append(record)
+    self._tb.scalars({f"{record['split']}/{key}": value for key, value in record.items()
+                      if key not in ("step", "split") and isinstance(value, (int, float))},
+                     record["step"])
 
   def train(self, step: int, metrics: dict, learning_rate: float, tokens: float = 0.0,
             flops: float = 0.0, input_seconds: float = 0.0) -> None:
@@ -110,14 +170,14 @@ class MetricLogger:
       rows = "\n".join(f"| {s['source']} | {s['hypothesis']} | {s['reference']} |"
                        for s in metrics["samples"])
       header = "| source | translation | reference |\n| --- | --- | --- |\n"
-      self._tb.add_text("eval/samples", header + rows, step)
+      self._tb.text("eval/samples", header + rows, step)
     shown = " | ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
                        for k, v in record.items() if k not in ("split", "step", "time"))
     print(f"eval at step {step} | {shown}", flush=True)
 
   def text(self, tag: str, text: str) -> None:
     if self.enabled:
-      self._tb.add_text(tag, f"```\n{text}\n```", 0)
+      self._tb.text(tag, f"```\n{text}\n```", 0)
 
   def close(self) -> None:
     if self.enabled:
