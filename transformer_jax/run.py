@@ -36,7 +36,10 @@ def train_and_evaluate(config, workdir: str) -> dict:
   result = loop.train(config, workdir, evaluate_fn=evaluate)
   is_main = jax.process_index() == 0
   if result.stopped_by:
-    if is_main:
+    if is_main and result.step >= config.train.steps:
+      print(f"{result.stopped_by}: stopped during the final evaluation; the checkpoint of step "
+            f"{result.step} is saved; run the same command to evaluate it", flush=True)
+    elif is_main:
       print(f"{result.stopped_by}: stopped after step {result.step} and saved its checkpoint; "
             "run the same command to resume", flush=True)
     return {}

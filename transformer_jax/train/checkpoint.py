@@ -15,11 +15,13 @@ checks it.
 from __future__ import annotations
 
 import contextlib
+import gc
 import glob
 import hashlib
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -27,12 +29,13 @@ from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from transformer_jax.core import metric_names, trees
+from transformer_jax.core import files, lock, metric_names, trees
 from transformer_jax.core.errors import UserError
 from transformer_jax.train import sharding
 
@@ -47,8 +50,20 @@ RESUMABLE_MODEL_KEYS = ("dropout_rate", "attention_dropout_rate", "attention_imp
 # ----------------------------------------------------------------------------- the workdir
 
 
-def check_workdir(workdir: str) -> str:
-  """The absolute workdir if training can write there; creates nothing. Raises UserError."""
+# What training writes in the workdir, and whether each is a directory: a path of the wrong kind
+# (a file named `checkpoints`, say) is refused before anything is written.
+WORKDIR_ENTRIES = {"checkpoints": True, UNREADABLE: True, "tensorboard": True, "eval": True,
+                   "tokenizer.model": False, "config.json": False, "metrics.jsonl": False,
+                   "summary.md": False, lock.FILENAME: False}
+
+
+def check_workdir(workdir: str, entries: dict = WORKDIR_ENTRIES) -> str:
+  """The absolute workdir if training can write there; creates nothing. Raises UserError.
+
+  entries: {name: is a directory} of what will be written inside it.
+  """
+  if not workdir.strip():
+    raise UserError("--workdir is empty (an unset shell variable?); give a directory")
   workdir = os.path.abspath(os.path.expanduser(workdir))
   if os.path.exists(workdir):
     if not os.path.isdir(workdir):
@@ -56,6 +71,15 @@ def check_workdir(workdir: str) -> str:
     if not os.access(workdir, os.W_OK | os.X_OK):
       raise UserError(f"--workdir {workdir} is not writable; choose another or fix its "
                       "permissions")
+    for name, is_dir in entries.items():
+      path = os.path.join(workdir, name)
+      if os.path.lexists(path) and os.path.isdir(path) != is_dir:
+        kind = "a file" if is_dir else "a directory"
+        raise UserError(f"{path} is {kind}, where this program keeps its "
+                        f"{'directory' if is_dir else 'file'} {name}; move it away or use "
+                        "another --workdir")
+      if os.path.isdir(path) and not os.access(path, os.W_OK | os.X_OK):
+        raise UserError(f"{path} is not writable; fix its permissions or use another --workdir")
     return workdir
   parent = os.path.dirname(workdir)
   while not os.path.exists(parent):
@@ -72,7 +96,41 @@ def create_workdir(workdir: str) -> None:
   try:
     os.makedirs(workdir, exist_ok=True)
   except OSError as e:
-    raise UserError(f"cannot create --workdir {workdir}: {e.strerror}; choose another") from None
+    raise files.write_error(workdir, e) from None
+
+
+def saved_steps(workdir: str) -> list:
+  """The steps of the finished checkpoints in WORKDIR/checkpoints (no orbax needed)."""
+  directory = os.path.join(workdir, "checkpoints")
+  names = os.listdir(directory) if os.path.isdir(directory) else []
+  return sorted(int(n) for n in names if n.isdigit())
+
+
+def claim_workdir(workdir: str, seen_steps: list) -> lock.DirectoryLock:
+  """Makes this run the one writer of the (existing) `workdir`; returns the lock to release.
+
+  Process 0 takes the lock for every process of a job, and tells them whether it got it. Refused
+  (UserError, on every process) when another run holds the lock, or when the checkpoints are no
+  longer `seen_steps`, those this run read before: another run saved one in the meantime.
+  """
+  held = lock.DirectoryLock(workdir)
+  refusal = None
+  if jax.process_index() == 0:
+    try:
+      held.acquire()
+      if saved_steps(workdir) != seen_steps:
+        held.release()
+        refusal = (f"another run saved checkpoints in --workdir {workdir} while this one was "
+                   f"starting (steps {seen_steps} -> {saved_steps(workdir)}); run the same "
+                   "command again to continue from the newest")
+    except UserError as e:
+      refusal = str(e)
+  if jax.process_count() > 1:
+    if multihost_utils.broadcast_one_to_all(np.int32(refusal is not None)) and refusal is None:
+      refusal = f"process 0 of this job could not take --workdir {workdir} (see its error)"
+  if refusal:
+    raise UserError(refusal)
+  return held
 
 
 def sha256(data: bytes) -> str:
@@ -125,6 +183,31 @@ class _Unreadable(Exception):
   pass
 
 
+def _write_errno(e: BaseException):
+  """The errno of a failed write, found in an OSError or in the text of the error that orbax and
+  tensorstore raise for it (`... No space left on device [os_error_code='28']`); else None."""
+  if isinstance(e, OSError) and e.errno in files.WRITE_ERRNOS:
+    return e.errno
+  for match in re.finditer(r"os_error_code='?(\d+)|\[Errno (\d+)\]", str(e)):
+    code = int(match.group(1) or match.group(2))
+    if code in files.WRITE_ERRNOS:
+      return code
+  return None
+
+
+class _WriteFailureFilter(logging.Filter):
+  """Drops the error logs (with tracebacks) of orbax's background save threads and of asyncio's
+  abandoned tasks for a write that failed (disk full, read-only): `Manager` raises that failure
+  as one UserError in the main thread, and nothing else needs saying."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    exception = record.exc_info[1] if record.exc_info else None
+    return _write_errno(Exception(f"{record.getMessage()} {exception}")) is None
+
+
+_FILTER = _WriteFailureFilter()
+
+
 @contextlib.contextmanager
 def _quiet():
   """Silences what orbax, tensorstore and asyncio print while a damaged checkpoint fails to read
@@ -138,6 +221,7 @@ def _quiet():
   try:
     yield
   finally:
+    gc.collect()  # the abandoned coroutines complain when collected: here, not at some later step
     for lg, level in zip(loggers, levels):
       lg.setLevel(level)
     sys.unraisablehook = hook
@@ -172,6 +256,8 @@ class Manager:
     self.tokenizer_sha = tokenizer_sha
     self.unreadable = []  # steps found unreadable by latest_good()
     if writable:
+      for name in ("absl", "asyncio"):
+        logging.getLogger(name).addFilter(_FILTER)
       t = config.train
       policies = [ocp.checkpoint_managers.LatestN(n=t.keep_checkpoints)]
       if t.keep_best:
@@ -216,12 +302,29 @@ class Manager:
     }
     if metrics is not None:
       metrics = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
-    self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                     meta=ocp.args.JsonSave(meta)),
-                       metrics=metrics, force=True)
+    with self._writing():
+      self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                       meta=ocp.args.JsonSave(meta)),
+                         metrics=metrics, force=True)
 
   def wait(self) -> None:
-    self._manager.wait_until_finished()
+    with self._writing():
+      self._manager.wait_until_finished()
+
+  @contextlib.contextmanager
+  def _writing(self):
+    """A failed write of a checkpoint (here, or in the async save of an earlier one: orbax
+    raises it at the next call) becomes one UserError naming the directory and the free space."""
+    try:
+      yield
+    except Exception as e:  # orbax wraps the OSError in whatever its layer raises
+      code = _write_errno(e)
+      if code is None:
+        raise
+      steps = saved_steps(self.workdir)
+      kept = (f"the checkpoints written before (steps {steps}) are intact" if steps
+              else "no checkpoint was written")
+      raise files.write_error(self.directory, OSError(code, os.strerror(code)), kept) from None
 
   def close(self) -> None:
     self._manager.close()
@@ -315,8 +418,9 @@ class Manager:
     if self.tokenizer_sha and saved_sha and self.tokenizer_sha != saved_sha:
       raise UserError(f"checkpoint step {step} in {self.directory} was trained with another "
                       f"vocabulary (tokenizer sha256 {saved_sha[:12]}, now "
-                      f"{self.tokenizer_sha[:12]}); restore WORKDIR/tokenizer.model or start a "
-                      "new --workdir")
+                      f"{self.tokenizer_sha[:12]}); restore the "
+                      f"{os.path.join(self.workdir, 'tokenizer.model')} it was trained with, or "
+                      "start a new --workdir")
 
     with _quiet():
       try:
@@ -332,6 +436,10 @@ class Manager:
 # ----------------------------------------------------------------------------- preemption
 
 
+class _Abandoned(Exception):
+  """Raised by the signal handler inside `Preemption.abandoning()`."""
+
+
 class Preemption:
   """`with Preemption() as p:` ... `if p.reached(step):` save and stop.
 
@@ -345,6 +453,7 @@ class Preemption:
     self.signal = None  # the name of the signal received
     self._previous = {}
     self._sync = True
+    self._abandon = False
 
   def __enter__(self):
     if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
@@ -361,6 +470,20 @@ class Preemption:
     if self.signal is not None and signum == signal.SIGINT:
       raise KeyboardInterrupt
     self.signal = signal.Signals(signum).name
+    if self._abandon:
+      raise _Abandoned
+
+  @contextlib.contextmanager
+  def abandoning(self):
+    """Inside the block a signal stops the work at once: the block is left where it was, with
+    `self.signal` set. For work that a rerun redoes anyway (the final evaluation)."""
+    self._abandon = True
+    try:
+      yield
+    except _Abandoned:
+      pass
+    finally:
+      self._abandon = False
 
   def reached(self, step: int) -> bool:
     """Whether to checkpoint `step` and stop; called after every step."""

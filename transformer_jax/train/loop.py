@@ -14,6 +14,7 @@ import jax
 
 from transformer_jax import config as config_lib
 from transformer_jax.core.files import atomic_write
+from transformer_jax.core.lock import DirectoryLock
 from transformer_jax.data import pipeline, prepare
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.model import ModelConfig, count_params, describe
@@ -73,6 +74,8 @@ def train(config, workdir: str, evaluate_fn: EvaluateFn) -> Result:
   model_config = config_lib.validate(config, jax.default_backend())
   t = config.train
   workdir = checkpoint.check_workdir(workdir)
+  if jax.process_count() == 1:  # a second run in this workdir is refused before any work
+    DirectoryLock(workdir).check()
   tokenizer, new_tokenizer, train_set, eval_pairs = prepare.prepare_data(
       config, workdir, model_config.vocab_size)
   mesh = sharding.make_mesh(config.mesh.to_dict())
@@ -83,6 +86,7 @@ def train(config, workdir: str, evaluate_fn: EvaluateFn) -> Result:
   stream = pipeline.TrainStream(train_set, config.data, config.seed,
                                 row_multiple=t.grad_accum_steps)
   tokenizer_sha = checkpoint.sha256(tokenizer.model_proto)
+  seen_steps = checkpoint.saved_steps(workdir)
   reader = checkpoint.Manager(workdir, config, tokenizer_sha)
   # Restored onto this run's mesh, whatever mesh or device count wrote the checkpoint.
   restored = reader.latest_good(state_lib.abstract_state(model_config, optimizer, mesh))
@@ -93,6 +97,7 @@ def train(config, workdir: str, evaluate_fn: EvaluateFn) -> Result:
   is_main = jax.process_index() == 0
   config_json = config.to_json_best_effort(indent=2)
   checkpoint.create_workdir(workdir)
+  lock = checkpoint.claim_workdir(workdir, seen_steps)  # held until training and its eval end
   if is_main and new_tokenizer:
     atomic_write(os.path.join(workdir, tokenizer_lib.FILENAME), tokenizer.model_proto)
   if is_main:
@@ -121,7 +126,7 @@ def train(config, workdir: str, evaluate_fn: EvaluateFn) -> Result:
   def evaluate(params) -> dict:
     return evaluate_fn(params, model_config, config, tokenizer, eval_pairs, mesh)
 
-  with checkpoint.Preemption() as preemption:
+  with lock, checkpoint.Preemption() as preemption:
     for step in range(start, t.steps):
       with throughput.input():
         host_batch = stream[step]
@@ -144,13 +149,17 @@ def train(config, workdir: str, evaluate_fn: EvaluateFn) -> Result:
         manager.save(done, state, eval_metrics)  # the metrics rank checkpoints for keep_best
       if due.stop:
         break
-  manager.wait()
-  wall_time = throughput.wall_time  # of training; the final evaluation is not counted
-  final_metrics = {}
-  if not preemption.signal:
-    final_metrics = evaluate(state.params)
-    logger.eval(int(state.step), final_metrics)
-  logger.close()
+    manager.wait()
+    wall_time = throughput.wall_time  # of training; the final evaluation is not counted
+    final_metrics = {}
+    if not preemption.signal:
+      # The last step's checkpoint is written: a signal now abandons the evaluation (a rerun of
+      # the same command evaluates that checkpoint) instead of waiting for it.
+      with preemption.abandoning():
+        final_metrics = evaluate(state.params)
+      if not preemption.signal:
+        logger.eval(int(state.step), final_metrics)
+    logger.close()
   checkpoint_steps = manager.all_steps()
   manager.close()
   return Result(workdir=workdir, state=state, model_config=model_config, tokenizer=tokenizer,
