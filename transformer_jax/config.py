@@ -7,10 +7,11 @@ needs, so every key exists in every experiment and `--config.key=value` can reac
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import ml_collections
 
-from transformer_jax.core import metric_names
+from transformer_jax.core import metric_names, trees
 from transformer_jax.core.errors import UserError
 from transformer_jax.model import config as model_config_lib
 from transformer_jax.model.config import ModelConfig
@@ -135,6 +136,7 @@ CHOICES = {
     "train.best_metric": metric_names.EVAL_METRICS,
     "train.on_nonfinite": ("stop", "skip"),
     "eval.decode": ("greedy", "beam", "sample"),
+    "data.tokenizer.model_type": ("bpe", "unigram", "word"),
 }
 
 
@@ -144,8 +146,47 @@ def _get(config, dotted):
   return config
 
 
+def check_structure(config) -> None:
+  """A config is a ConfigDict with every key of `default_config()` (the mesh's axes aside)."""
+  if not isinstance(config, ml_collections.ConfigDict):
+    raise UserError(f"the experiment's get_config() returned {type(config).__name__}, not an "
+                    "ml_collections.ConfigDict; return transformer_jax.config.default_config() "
+                    "with your changes (see experiments/tiny.py)")
+  missing = sorted(set(trees.flatten(default_config().to_dict()))
+                   - set(trees.flatten(config.to_dict())))
+  missing = [key for key in missing if not key.startswith("mesh.")]
+  if missing:
+    shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+    raise UserError(f"the experiment's config lacks the keys {shown}; start it from "
+                    "transformer_jax.config.default_config() (see experiments/tiny.py)")
+
+
+def _check_numbers(config) -> None:
+  """Every number finite; the ranges that a type does not say."""
+  for key, value in trees.flatten(config.to_dict()).items():
+    if isinstance(value, float) and not math.isfinite(value):
+      raise UserError(f"{key} must be a finite number, got {value}")
+  t = config.train
+  if not 0 <= config.seed < 2**32:  # PRNGKey(seed) keeps 32 bits: 2**32 would repeat seed 0
+    raise UserError(f"seed must be in [0, 2**32), got {config.seed}")
+  if t.steps >= 2**31:  # the step counter is an int32
+    raise UserError(f"train.steps must be below 2**31, got {t.steps}")
+  for key in ("adam_b1", "adam_b2"):
+    if not 0.0 <= t[key] < 1.0:
+      raise UserError(f"train.{key} must be in [0, 1), got {t[key]} (the paper: 0.9 and 0.98)")
+  if t.adam_eps <= 0:
+    raise UserError(f"train.adam_eps must be positive, got {t.adam_eps} (the paper: 1e-9)")
+  if config.model.layer_norm_eps <= 0:
+    raise UserError(f"model.layer_norm_eps must be positive, got {config.model.layer_norm_eps}")
+  if config.eval.top_k > config.model.vocab_size:
+    raise UserError(f"eval.top_k ({config.eval.top_k}) exceeds model.vocab_size "
+                    f"({config.model.vocab_size}); lower it (0 = sample from all tokens)")
+
+
 def validate(config: ml_collections.ConfigDict, platform: str = "cpu") -> ModelConfig:
   """Checks every value a user can set; returns the ModelConfig. Raises UserError."""
+  check_structure(config)
+  _check_numbers(config)
   model = model_config(config, platform)
   for key in ("train.steps", "data.batch_size", "data.tokens_per_batch", "data.bucket_width",
               "data.max_source_len", "data.max_target_len", "train.grad_accum_steps",
@@ -202,3 +243,18 @@ def _validate_data(d) -> None:
                     f"{d.tokenizer.character_coverage}")
   if d.tokenizer.sample_size <= 0:
     raise UserError(f"data.tokenizer.sample_size must be positive, got {d.tokenizer.sample_size}")
+
+
+def validate_benchmark(config, model: ModelConfig) -> None:
+  """The `benchmark.*` values, checked by --mode=benchmark only (other modes do not use them)."""
+  b = config.benchmark
+  for key in ("batch_size", "source_len", "target_len", "steps", "decode_batch"):
+    if b[key] <= 0:
+      raise UserError(f"benchmark.{key} must be positive, got {b[key]}")
+  for key in ("warmup", "decode_steps"):
+    if b[key] < 0:
+      raise UserError(f"benchmark.{key} must be >= 0, got {b[key]}")
+  for key in ("source_len", "target_len"):
+    if b[key] >= model.max_len:
+      raise UserError(f"benchmark.{key} ({b[key]}) must be below model.max_len ({model.max_len}); "
+                      "lower it or raise model.max_len")

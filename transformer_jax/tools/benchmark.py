@@ -200,6 +200,7 @@ def benchmark_decode(config, model_config: ModelConfig, params) -> dict:
 def run_benchmark(config) -> dict:
   """Everything `--mode=benchmark` prints; the last stdout line is the JSON object."""
   model_config = config_lib.validate(config, jax.default_backend())
+  config_lib.validate_benchmark(config, model_config)
   b = config.benchmark
   print(f"benchmark: batch {b.batch_size} x (source {b.source_len} + target {b.target_len}), "
         f"{b.steps} timed steps after {b.warmup} warm-up, {jax.device_count()} device(s) "

@@ -18,6 +18,7 @@ import os
 
 import numpy as np
 
+from transformer_jax.core.errors import UserError
 from transformer_jax.model.positions import sinusoidal_positions
 
 
@@ -31,7 +32,11 @@ def make_step(model_config, config, batch):
   # block (about +60 ms a step); passive waiting left PyTorch's own step time unchanged.
   # Read once when torch loads its OpenMP runtime, so it must be set before the import.
   os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-  import torch  # after OMP_WAIT_POLICY is set
+  try:
+    import torch  # after OMP_WAIT_POLICY is set
+  except ImportError as e:
+    raise UserError(f"benchmark.torch=True needs PyTorch ({e}); install it with "
+                    "pip install -e '.[torch]'") from None
   from torch import nn
 
   torch.manual_seed(0)
@@ -70,7 +75,13 @@ def make_step(model_config, config, batch):
   model = Model().to(device)
   model.train()
   optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
-  forward = torch.compile(model, backend=b.torch_compile) if b.torch_compile else model
+  forward = model
+  if b.torch_compile:
+    if b.torch_compile not in torch._dynamo.list_backends(exclude_tags=()):
+      raise UserError(f"benchmark.torch_compile={b.torch_compile!r} is not a torch.compile "
+                      f"backend; use e.g. {', '.join(torch._dynamo.list_backends())} (or '' for "
+                      "no compilation)")
+    forward = torch.compile(model, backend=b.torch_compile)
   source = torch.from_numpy(batch["inputs"]).long().to(device)
   targets = torch.from_numpy(batch["targets"]).long().to(device)
   decoder_inputs = torch.cat([torch.ones_like(targets[:, :1]), targets[:, :-1]], dim=1)
