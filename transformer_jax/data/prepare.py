@@ -2,11 +2,35 @@
 
 from __future__ import annotations
 
+import collections
 import os
 
 from transformer_jax.core.errors import UserError
 from transformer_jax.data import pipeline, sources
 from transformer_jax.data import tokenizer as tokenizer_lib
+
+# What to do about a damaged WORKDIR/tokenizer.model.
+WORKDIR_TOKENIZER_FIX = "restore it (the workdir's checkpoints use it) or start a new --workdir"
+UNKNOWN_SHARE = 0.01  # a word vocabulary that leaves more training words unknown is refused
+
+
+def _counting(texts, words: collections.Counter):
+  """`texts`, unchanged, counting their words into `words` as they are read."""
+  for text in texts:
+    words.update(text.split())
+    yield text
+
+
+def _check_word_coverage(words: collections.Counter, vocab_size: int) -> None:
+  """A word vocabulary keeps the vocab_size - 4 most frequent words (4 ids are special) and reads
+  every other word as unknown: refuse one under which the training text is largely unknown."""
+  total = sum(words.values())
+  unknown = sum(count for _, count in words.most_common()[max(vocab_size - 4, 0):])
+  if total and unknown / total > UNKNOWN_SHARE:
+    raise UserError(f"a word vocabulary of model.vocab_size={vocab_size} pieces leaves "
+                    f"{unknown / total:.0%} of the training words unknown (the text has "
+                    f"{len(words)} distinct words); raise model.vocab_size to {len(words) + 4} "
+                    "or use data.tokenizer.model_type=bpe")
 
 
 def prepare_tokenizer(config, workdir: str, train_pairs, vocab_size: int):
@@ -17,9 +41,9 @@ def prepare_tokenizer(config, workdir: str, train_pairs, vocab_size: int):
   """
   t = config.data.tokenizer
   path = os.path.join(workdir, tokenizer_lib.FILENAME)
-  new = not os.path.exists(path)
+  new = not os.path.lexists(path)
   if not new:
-    tokenizer = tokenizer_lib.load(path)
+    tokenizer = tokenizer_lib.load(path, WORKDIR_TOKENIZER_FIX)
     if t.model_path and tokenizer_lib.load(t.model_path).model_proto != tokenizer.model_proto:
       raise UserError(f"data.tokenizer.model_path {t.model_path} is not {path}, the vocabulary "
                       "this workdir was trained with; drop the override or start a new --workdir")
@@ -27,8 +51,13 @@ def prepare_tokenizer(config, workdir: str, train_pairs, vocab_size: int):
     tokenizer = tokenizer_lib.load(t.model_path)
   else:
     texts = tokenizer_lib.training_texts(train_pairs, t.sample_size, config.seed)
+    words = collections.Counter()
+    if t.model_type == "word":
+      texts = _counting(texts, words)
     tokenizer = tokenizer_lib.train(texts, vocab_size, t.model_type, t.character_coverage,
                                     t.sample_size)
+    if t.model_type == "word":
+      _check_word_coverage(words, vocab_size)
   if tokenizer.vocab_size > vocab_size:
     raise UserError(f"the tokenizer has {tokenizer.vocab_size} pieces but model.vocab_size is "
                     f"{vocab_size}; raise model.vocab_size")

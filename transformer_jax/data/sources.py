@@ -19,6 +19,7 @@ from typing import Sequence
 
 import numpy as np
 
+from transformer_jax.core import files
 from transformer_jax.core.errors import UserError
 from transformer_jax.data import scan
 
@@ -89,8 +90,11 @@ class _Lines:
 
   def __init__(self, path: str):
     self.path = path
-    with open(path, "rb") as f:
-      self.data = f.read()
+    try:
+      with open(path, "rb") as f:
+        self.data = f.read()
+    except OSError as e:
+      raise UserError(f"cannot read {path}: {e.strerror}; fix data.path or the file") from None
     if not self.data.strip():
       raise UserError(f"{path} is empty; put one sentence per line in it or fix data.path")
     _check_utf8(self.data, path)
@@ -187,12 +191,11 @@ def load_files(data_config, split: str) -> Pairs:
   names = [split + x for x in suffixes]
   paths = [os.path.join(directory, n) for n in names]
   for path in paths:
-    if not os.path.isfile(path):
-      found = ", ".join(_split_files(directory, suffixes)) or "none"
-      raise UserError(f"{path} does not exist; data.format={d.format} reads "
-                      f"{' and '.join(names)} for split {split!r} (splits found in {directory}: "
-                      f"{found}); fix data.path or the split name (data.train_split / "
-                      "data.eval_split / data.test_split)")
+    found = ", ".join(_split_files(directory, suffixes)) or "none"
+    files.check_readable(path, f"data.format={d.format} reads {' and '.join(names)} text files "
+                         f"for split {split!r} (splits found in {directory}: {found}); fix "
+                         "data.path or the split name (data.train_split / data.eval_split / "
+                         "data.test_split)")
   return TsvFile(paths[0]) if d.format == "tsv" else ParallelFiles(*paths)
 
 

@@ -7,12 +7,12 @@ BPE by default, trained on a random sample of both sides of the training split).
 from __future__ import annotations
 
 import io
-import os
 from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 import sentencepiece as spm
 
+from transformer_jax.core import files
 from transformer_jax.core.errors import UserError
 from transformer_jax.core.tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID  # noqa: F401 (re-exported)
 from transformer_jax.data import sources
@@ -23,12 +23,20 @@ FILENAME = "tokenizer.model"
 class Tokenizer:
   """A thin wrapper over a SentencePiece processor with the project's special ids."""
 
-  def __init__(self, model_proto: bytes):
+  def __init__(self, model_proto: bytes, name: str = "the SentencePiece model",
+               fix: str = "fix data.tokenizer.model_path"):
+    """name, fix: how messages name the model (its file) and what to do about a bad one."""
     self.model_proto = model_proto
-    self._sp = spm.SentencePieceProcessor(model_proto=model_proto)
+    if not model_proto:
+      raise UserError(f"{name} is empty; {fix}")
+    try:
+      self._sp = spm.SentencePieceProcessor(model_proto=model_proto)
+    except (RuntimeError, TypeError, ValueError):  # sentencepiece's "ParseFromArray" failure
+      raise UserError(f"{name} is not a SentencePiece model (its {len(model_proto)} bytes do not "
+                      f"parse); {fix}") from None
     if (self._sp.pad_id(), self._sp.bos_id(), self._sp.eos_id()) != (PAD_ID, BOS_ID, EOS_ID):
-      raise UserError("the SentencePiece model must use pad=0, bos=1, eos=2 (train it with "
-                      "--pad_id=0 --bos_id=1 --eos_id=2 --unk_id=3)")
+      raise UserError(f"{name} must use pad=0, bos=1, eos=2 (train it with --pad_id=0 "
+                      "--bos_id=1 --eos_id=2 --unk_id=3)")
 
   @property
   def vocab_size(self) -> int:
@@ -87,8 +95,8 @@ def train(texts: Iterable[str], vocab_size: int, model_type: str = "bpe",
   return Tokenizer(proto.getvalue())
 
 
-def load(path: str) -> Tokenizer:
-  if not os.path.isfile(path):
-    raise UserError(f"tokenizer model {path} does not exist; fix data.tokenizer.model_path")
+def load(path: str, fix: str = "fix data.tokenizer.model_path") -> Tokenizer:
+  """The tokenizer in the SentencePiece .model file `path`; `fix` ends the message of a bad one."""
+  files.check_readable(path, fix)
   with open(path, "rb") as f:
-    return Tokenizer(f.read())
+    return Tokenizer(f.read(), f"tokenizer model {path}", fix)
