@@ -10,8 +10,8 @@ import os
 
 import jax.numpy as jnp
 
+from transformer_jax.core import files
 from transformer_jax.core.errors import UserError
-from transformer_jax.core.files import atomic_write
 from transformer_jax.data import pipeline, sources
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.eval.load import load_trained
@@ -91,24 +91,29 @@ def evaluate(params, model_config: ModelConfig, config, tokenizer: tokenizer_lib
   }
 
 
-def write_results(workdir: str, step: int, metrics: dict) -> str:
-  """Writes WORKDIR/eval/STEP.json; returns its path."""
+def write_results(workdir: str, step: int, metrics: dict, what: str = "") -> str:
+  """Writes WORKDIR/eval/STEP.json; returns its path. `what`: see files.write_error."""
   directory = os.path.join(workdir, "eval")
-  os.makedirs(directory, exist_ok=True)
-  return atomic_write(os.path.join(directory, f"{step}.json"),
-                      json.dumps({"step": step, **metrics}, indent=2))
+  try:
+    os.makedirs(directory, exist_ok=True)
+  except OSError as e:
+    raise files.write_error(directory, e, what) from None
+  return files.atomic_write(os.path.join(directory, f"{step}.json"),
+                            json.dumps({"step": step, **metrics}, indent=2), what)
 
 
 def evaluate_from_workdir(config, workdir: str, step=None) -> dict:
   """Evaluates a checkpoint of `workdir` on data.eval_split; prints the metrics as one JSON line.
 
-  The metrics also go to WORKDIR/eval/STEP.json.
+  The metrics then go to WORKDIR/eval/STEP.json: printed first, so that a workdir that cannot
+  be written (read-only, full) loses nothing but the file.
   """
   trained = load_trained(config, workdir, step)
   metrics = evaluate(trained.params, trained.model_config, config, trained.tokenizer,
                      sources.load_split(config.data, config.data.eval_split), trained.mesh)
   if trained.averaged_steps:
     metrics["averaged_steps"] = list(trained.averaged_steps)
-  write_results(os.path.abspath(workdir), trained.step, metrics)
   print(json.dumps({"step": trained.step, **metrics}), flush=True)
+  write_results(os.path.abspath(workdir), trained.step, metrics,
+                what="the metrics are the JSON line printed above")
   return metrics

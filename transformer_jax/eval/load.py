@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from transformer_jax import config as config_lib
 from transformer_jax.core.errors import UserError
+from transformer_jax.data import prepare
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.model import ModelConfig
 from transformer_jax.train import checkpoint, sharding
@@ -58,10 +59,13 @@ def load_trained(config, workdir: str, step=None) -> Trained:
   mesh = sharding.make_mesh(config.mesh.to_dict())
   workdir = os.path.abspath(workdir)
   tokenizer_path = os.path.join(workdir, tokenizer_lib.FILENAME)
-  if not os.path.isfile(tokenizer_path):
+  if not os.path.lexists(tokenizer_path):
     raise UserError(f"{workdir} holds no trained model (no {tokenizer_lib.FILENAME}); "
                     "train first with --mode=train")
-  manager = checkpoint.Manager(workdir, config)
+  tokenizer = tokenizer_lib.load(tokenizer_path, prepare.WORKDIR_TOKENIZER_FIX)
+  # The tokenizer and the config are checked against the checkpoint's record, as train does:
+  # another vocabulary would give wrong translations without a word.
+  manager = checkpoint.Manager(workdir, config, checkpoint.sha256(tokenizer.model_proto))
   try:
     if not manager.all_steps():
       raise UserError(f"{workdir} holds no checkpoint; train first with --mode=train")
@@ -76,4 +80,4 @@ def load_trained(config, workdir: str, step=None) -> Trained:
       params, step = state.params, int(state.step)
   finally:
     manager.close()
-  return Trained(model_config, params, tokenizer_lib.load(tokenizer_path), step, averaged, mesh)
+  return Trained(model_config, params, tokenizer, step, averaged, mesh)

@@ -58,25 +58,58 @@ def translate(params, model_config: ModelConfig, config, tokenizer: tokenizer_li
     yield from results
 
 
-def write_translations(params, model_config: ModelConfig, config,
-                       tokenizer: tokenizer_lib.Tokenizer, lines: Iterable[str], out=sys.stdout,
-                       err=sys.stderr, mesh=None) -> int:
-  """Writes one translation per line of `lines` to `out`, in order; returns the line count.
+class DecodedLines:
+  """The lines of a byte stream (or a text stream) as text, never failing on bad bytes.
 
-  How many sources were truncated is said once, on `err`, at the end.
+  Bytes that are not UTF-8 become U+FFFD and the numbers of their lines are kept in `bad`, for
+  one warning at the end instead of a lost batch. A text stream decoded with surrogateescape (a
+  POSIX locale) carries such bytes as lone surrogates; they are replaced the same way. A UTF-8
+  byte order mark at the start is not text and is dropped.
   """
-  count, truncated, first = 0, 0, None
+
+  def __init__(self, lines: Iterable):
+    self.lines = lines
+    self.bad = []
+
+  def __iter__(self) -> Iterator[str]:
+    for number, line in enumerate(self.lines, 1):
+      raw = line if isinstance(line, bytes) else line.encode("utf-8", "surrogateescape")
+      try:
+        text = raw.decode("utf-8")
+      except UnicodeDecodeError:
+        text = raw.decode("utf-8", errors="replace")
+        self.bad.append(number)
+      yield text.removeprefix("\ufeff") if number == 1 else text
+
+
+def _lines(numbers: list) -> str:
+  return ", ".join(map(str, numbers[:10])) + (", ..." if len(numbers) > 10 else "")
+
+
+def write_translations(params, model_config: ModelConfig, config,
+                       tokenizer: tokenizer_lib.Tokenizer, lines: Iterable, out=sys.stdout,
+                       err=sys.stderr, mesh=None) -> int:
+  """Writes one translation per line of `lines` (bytes or text) to `out`, in order; returns the
+  line count.
+
+  How many sources were truncated, and which were not UTF-8, is said once each, on `err`, at
+  the end.
+  """
+  lines = DecodedLines(lines)
+  count, truncated = 0, []
   for count, (translation, cut) in enumerate(
       translate(params, model_config, config, tokenizer, lines, mesh), 1):
     out.write(translation + "\n")
     out.flush()
     if cut:
-      truncated += 1
-      first = first or count
+      truncated.append(count)
   if truncated:
-    print(f"warning: {truncated} of {count} source lines (the first is line {first}) had more "
-          f"than data.max_source_len - 1 = {config.data.max_source_len - 1} tokens and were "
+    print(f"warning: {len(truncated)} of {count} source lines (line {_lines(truncated)}) had "
+          f"more than data.max_source_len - 1 = {config.data.max_source_len - 1} tokens and were "
           "truncated", file=err, flush=True)
+  if lines.bad:
+    print(f"warning: {len(lines.bad)} of {count} source lines (line {_lines(lines.bad)}) were "
+          "not UTF-8; their undecodable bytes were read as U+FFFD", file=err, flush=True)
   return count
 
 
