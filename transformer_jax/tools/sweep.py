@@ -16,22 +16,27 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import io
 import itertools
 import json
 import math
 import os
 import shlex
+import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import Any, Optional, Sequence
 
 import numpy as np
+from absl import flags
+from ml_collections import config_flags
 
-from transformer_jax.core import metric_names
+from transformer_jax import config as config_lib
+from transformer_jax.core import files, lock, metric_names
 from transformer_jax.core.errors import UserError
-from transformer_jax.core.files import atomic_write
-from transformer_jax.train import logger
+from transformer_jax.train import checkpoint, logger
 
 RESULT_FILE = "trial_result.json"
 # A trial is the command line run by this very interpreter: it needs no checkout around the
@@ -71,10 +76,14 @@ def load_sweep(config_path: str) -> list[dict]:
   if not hasattr(module, "get_sweep"):
     raise UserError(f"{config_path} defines no get_sweep(); add one returning a list of "
                     "override dicts (see transformer_jax/tools/sweep.py)")
-  trials = list(module.get_sweep())
-  if not trials or not all(isinstance(t, dict) for t in trials):
+  try:
+    trials = module.get_sweep()
+  except Exception as e:  # the experiment's own code: report it in one line
+    raise UserError(f"get_sweep() in {config_path} raised {type(e).__name__}: {e}") from None
+  if not isinstance(trials, (list, tuple)) or not trials or not all(
+      isinstance(t, dict) for t in trials):
     raise UserError(f"get_sweep() in {config_path} must return a non-empty list of dicts")
-  return trials
+  return list(trials)
 
 
 def _flag_value(value) -> str:
@@ -95,46 +104,91 @@ def trial_command(config_path: str, trial_workdir: str, overrides: dict,
   return command
 
 
+def trial_config(config_path: str, overrides: dict, base_overrides: dict):
+  """The config a trial's command line gives its run, parsed as that run parses it."""
+  args = [a for a in trial_command(config_path, "", overrides, base_overrides)[len(COMMAND):]
+          if a.startswith("--config")]
+  flag_values = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", None, "", flag_values=flag_values, lock_config=True,
+                                  sys_argv=["sweep", *args])
+  try:
+    flag_values(["sweep", *args])
+  except flags.Error as e:  # a value of the wrong type: "flag --config.a.b=x: why"
+    raise UserError(" ".join(str(e).split())) from None
+  except (AttributeError, KeyError) as e:  # ml_collections: a key that does not exist
+    text = str(e.args[0]) if e.args else str(e)
+    raise UserError(f"unknown config key {' '.join(text.split())}") from None
+  return flag_values["config"].value
+
+
+def check_trials(config_path: str, trials: list, base_overrides: dict) -> list:
+  """Every trial's config, validated before any trial runs; the first bad one is a UserError."""
+  configs = []
+  for i, trial in enumerate(trials):
+    try:
+      config = trial_config(config_path, trial, base_overrides)
+      config_lib.validate(config)
+    except UserError as e:
+      raise UserError(f"trial_{i:03d} of get_sweep() in {config_path} ({trial}): {e}; fix "
+                      "get_sweep() (no trial was run)") from None
+    configs.append(config)
+  return configs
+
+
 def _log(workdir: str, **record) -> None:
-  with open(os.path.join(workdir, "sweep_log.jsonl"), "a", encoding="utf-8") as f:
-    f.write(json.dumps({"time": time.time(), **record}) + "\n")
+  files.append_jsonl(os.path.join(workdir, "sweep_log.jsonl"), {"time": time.time(), **record})
 
 
 def _trial_dir(workdir: str, index: int) -> str:
   return os.path.join(workdir, f"trial_{index:03d}")
 
 
+def _read_json(path: str, what: str) -> dict:
+  try:
+    with open(path, encoding="utf-8") as f:
+      value = json.load(f)
+  except (OSError, ValueError) as e:
+    raise UserError(f"cannot read {path} ({what}): {e}; move it away to run the trial "
+                    "again") from None
+  if not isinstance(value, dict):
+    raise UserError(f"{path} ({what}) is not a JSON object; move it away to run the trial again")
+  return value
+
+
 def _check_trial_dir(directory: str, overrides: dict) -> None:
   """A trial directory belongs to exactly one set of overrides: refuse a changed sweep."""
   path = os.path.join(directory, "trial.json")
   if os.path.exists(path):
-    with open(path, encoding="utf-8") as f:
-      previous = json.load(f)["overrides"]
+    previous = _read_json(path, "the trial's overrides").get("overrides")
     if previous != json.loads(json.dumps(overrides)):
       raise UserError(f"{directory} was run with overrides {previous}, but the sweep now asks for "
                       f"{overrides}; use a new --workdir for a changed sweep")
-  else:
-    os.makedirs(directory, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-      json.dump({"overrides": overrides}, f)
 
 
-def _metrics_of(directory: str) -> tuple[dict, list[dict]]:
-  """The final eval metrics (newest eval/STEP.json) and all metrics.jsonl records of a trial."""
+def _metrics_of(directory: str, steps: int) -> tuple[Optional[dict], list[dict]]:
+  """A trial's final eval metrics (eval/STEP.json of its last step, train.steps or later; None
+  if it did not get there) and its metrics.jsonl records."""
   eval_dir = os.path.join(directory, "eval")
-  steps = sorted(int(n[:-5]) for n in os.listdir(eval_dir) if n[:-5].isdigit())
-  with open(os.path.join(eval_dir, f"{steps[-1]}.json"), encoding="utf-8") as f:
-    final = json.load(f)
+  names = os.listdir(eval_dir) if os.path.isdir(eval_dir) else []
+  last = max((int(n[:-5]) for n in names if n.endswith(".json") and n[:-5].isdigit()), default=-1)
+  if last < steps:
+    return None, []
+  final = _read_json(os.path.join(eval_dir, f"{last}.json"), "the trial's final metrics")
   return final, logger.read_metrics(directory)
 
 
-def _finish_trial(directory: str, overrides: dict, wall_time_s: float, metric: str) -> dict:
-  final, records = _metrics_of(directory)
+def _finish_trial(directory: str, overrides: dict, wall_time_s: float, metric: str,
+                  steps: int) -> Optional[dict]:
+  """The result of a trial that ended with exit code 0, written to its directory; None if it
+  stopped early (a signal) and has no final metrics."""
+  final, records = _metrics_of(directory, steps)
+  if final is None:
+    return None
   best = metric_names.best_record(records, metric)
   best_step = best["step"] if best else None
   result = {"overrides": overrides, "metrics": final, "best_step": best_step,
             "wall_time_s": wall_time_s, "status": "done"}
-  atomic_write(os.path.join(directory, RESULT_FILE), json.dumps(result, indent=2))
+  files.atomic_write(os.path.join(directory, RESULT_FILE), json.dumps(result, indent=2))
   return result
 
 
@@ -158,35 +212,80 @@ def write_results(workdir: str, results: list[tuple[int, dict]], metric: str) ->
                 "wall_time_s": round(r.get("wall_time_s", 0), 1)})
     rows.append(row)
   columns = list(rows[0])
-  csv_path = os.path.join(workdir, "results.csv")
-  with open(csv_path, "w", newline="", encoding="utf-8") as f:
-    writer = csv.DictWriter(f, fieldnames=columns)
-    writer.writeheader()
-    writer.writerows(rows)
+  table = io.StringIO(newline="")
+  writer = csv.DictWriter(table, fieldnames=columns)
+  writer.writeheader()
+  writer.writerows(rows)
+  csv_path = files.atomic_write(os.path.join(workdir, "results.csv"), table.getvalue())
 
   def cell(v):
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
-  md_path = os.path.join(workdir, "results.md")
-  with open(md_path, "w", encoding="utf-8") as f:
-    f.write(f"# Sweep results (sorted by {metric}, best first)\n\n")
-    f.write("| " + " | ".join(columns) + " |\n")
-    f.write("| " + " | ".join("---" for _ in columns) + " |\n")
-    for row in rows:
-      f.write("| " + " | ".join(cell(row[c]) for c in columns) + " |\n")
+  lines = [f"# Sweep results (sorted by {metric}, best first)", "",
+           "| " + " | ".join(columns) + " |", "| " + " | ".join("---" for _ in columns) + " |"]
+  lines += ["| " + " | ".join(cell(row[c]) for c in columns) + " |" for row in rows]
+  md_path = files.atomic_write(os.path.join(workdir, "results.md"), "\n".join(lines) + "\n")
   return csv_path, md_path
+
+
+class _Signals:
+  """While a sweep runs, SIGTERM and SIGINT go on to its running trials (each in a session of its
+  own, so that a terminal's Ctrl-C reaches them once, through here) and no trial starts after
+  them. A trial stops as training does: its current step checkpointed, exit code 0."""
+
+  def __init__(self, running: dict):
+    self.running = running
+    self.signal = None
+    self._previous = {}
+
+  def __enter__(self):
+    if threading.current_thread() is threading.main_thread():
+      for sig in (signal.SIGTERM, signal.SIGINT):
+        self._previous[sig] = signal.signal(sig, self._forward)
+    return self
+
+  def __exit__(self, *exc):
+    for sig, handler in self._previous.items():
+      signal.signal(sig, handler)
+
+  def _forward(self, signum, frame):
+    self.signal = signal.Signals(signum).name
+    for process, _, _ in self.running.values():
+      if process.poll() is None:
+        process.send_signal(signum)  # a second Ctrl-C stops a trial at once, as it does train
+
+
+def _launchable(workdir: str, pending: list, waiting: set) -> Optional[int]:
+  """The first pending trial whose directory no other run holds. A held one (a trial left running
+  by a sweep that was killed) is waited for, with one line saying so."""
+  for i in pending:
+    try:
+      lock.DirectoryLock(_trial_dir(workdir, i), "trial").check()
+      return i
+    except UserError as e:
+      if i not in waiting:
+        waiting.add(i)
+        print(f"trial_{i:03d}: waiting for the run that holds it ({e})", flush=True)
+  return None
 
 
 def run_sweep(config_path: str, workdir: str, base_overrides: Optional[dict] = None,
               parallel: int = 1, dry_run: bool = False, metric: str = "loss",
               out=sys.stdout) -> list[tuple[int, dict]]:
-  """Runs (or with dry_run, prints) every trial not yet finished; writes the results table."""
+  """Runs (or with dry_run, prints) every trial not yet finished; writes the results table.
+
+  Every trial's config is validated first: a bad one is refused before any trial runs.
+  """
   if parallel < 1:
     raise UserError(f"--sweep_parallel must be >= 1, got {parallel}")
+  if metric not in metric_names.EVAL_METRICS:
+    raise UserError(f"--sweep_metric must be one of {', '.join(metric_names.EVAL_METRICS)}; "
+                    f"got {metric!r}")
   config_path = os.path.abspath(config_path)
   trials = load_sweep(config_path)
   base_overrides = dict(base_overrides or {})
-  workdir = os.path.abspath(workdir)
+  configs = check_trials(config_path, trials, base_overrides)
+  workdir = checkpoint.check_workdir(workdir, entries={})
   commands = [trial_command(config_path, _trial_dir(workdir, i), t, base_overrides)
               for i, t in enumerate(trials)]
   if dry_run:
@@ -194,48 +293,81 @@ def run_sweep(config_path: str, workdir: str, base_overrides: Optional[dict] = N
       out.write(shlex.join(command) + "\n")
     return []
 
-  os.makedirs(workdir, exist_ok=True)
-  for i, trial in enumerate(trials):
+  for i, trial in enumerate(trials):  # all checked before anything is written
     _check_trial_dir(_trial_dir(workdir, i), trial)
+  checkpoint.create_workdir(workdir)
+  sweep_lock = lock.DirectoryLock(workdir, "the sweep's --workdir")
+  sweep_lock.acquire()
+  with sweep_lock:
+    return _run_trials(workdir, trials, configs, commands, parallel, metric)
+
+
+def _run_trials(workdir, trials, configs, commands, parallel, metric) -> list[tuple[int, dict]]:
   results, pending = {}, []
-  for i in range(len(trials)):
-    path = os.path.join(_trial_dir(workdir, i), RESULT_FILE)
+  for i, trial in enumerate(trials):
+    directory = _trial_dir(workdir, i)
+    if not os.path.exists(os.path.join(directory, "trial.json")):
+      checkpoint.create_workdir(directory)
+      files.atomic_write(os.path.join(directory, "trial.json"), json.dumps({"overrides": trial}))
+    path = os.path.join(directory, RESULT_FILE)
+    result = None
     if os.path.exists(path):
-      with open(path, encoding="utf-8") as f:
-        results[i] = json.load(f)
+      try:
+        result = _read_json(path, "the trial's result")
+      except UserError as e:
+        print(f"warning: {e}", file=sys.stderr, flush=True)
+    if result is not None:
+      results[i] = result
     else:
       pending.append(i)
   print(f"sweep: {len(trials)} trials, {len(results)} already finished, running {len(pending)} "
         f"({parallel} at a time) in {workdir}", flush=True)
 
-  running = {}  # index -> (process, start time, log file)
-  while pending or running:
-    while pending and len(running) < parallel:
-      i = pending.pop(0)
-      log = open(os.path.join(_trial_dir(workdir, i), "train.log"), "a", encoding="utf-8")
-      _log(workdir, trial=i, event="start", overrides=trials[i])
-      process = subprocess.Popen(commands[i], stdout=log, stderr=subprocess.STDOUT)
-      running[i] = (process, time.time(), log)
-      print(f"trial_{i:03d} started: {trials[i]}", flush=True)
-    time.sleep(0.2)
-    for i, (process, start, log) in list(running.items()):
-      if process.poll() is None:
-        continue
-      log.close()
-      del running[i]
-      wall = time.time() - start
-      if process.returncode == 0:
-        results[i] = _finish_trial(_trial_dir(workdir, i), trials[i], wall, metric)
-        value = results[i]["metrics"].get(metric)
-        print(f"trial_{i:03d} done in {wall:.0f}s: {metric} {value}", flush=True)
-      else:
-        results[i] = {"overrides": trials[i], "status": f"failed (exit {process.returncode})",
-                      "wall_time_s": wall}
-        print(f"trial_{i:03d} failed with exit code {process.returncode}; see "
-              f"{_trial_dir(workdir, i)}/train.log", flush=True)
-      _log(workdir, trial=i, event="end", status=results[i]["status"])
+  running, waiting = {}, set()  # running: index -> (process, start time, log file)
+  with _Signals(running) as signals:
+    while (pending and not signals.signal) or running:
+      while pending and len(running) < parallel and not signals.signal:
+        i = _launchable(workdir, pending, waiting)
+        if i is None:
+          break
+        pending.remove(i)
+        log = open(os.path.join(_trial_dir(workdir, i), "train.log"), "a", encoding="utf-8")
+        _log(workdir, trial=i, event="start", overrides=trials[i])
+        process = subprocess.Popen(commands[i], stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+        running[i] = (process, time.time(), log)
+        print(f"trial_{i:03d} started: {trials[i]}", flush=True)
+      time.sleep(0.2)
+      for i, (process, start, log) in list(running.items()):
+        if process.poll() is None:
+          continue
+        log.close()
+        del running[i]
+        wall = time.time() - start
+        directory = _trial_dir(workdir, i)
+        result = None
+        if process.returncode == 0:
+          result = _finish_trial(directory, trials[i], wall, metric, configs[i].train.steps)
+        if result is not None:
+          results[i] = result
+          print(f"trial_{i:03d} done in {wall:.0f}s: {metric} {result['metrics'].get(metric)}",
+                flush=True)
+        elif process.returncode == 0 or signals.signal:
+          results[i] = {"overrides": trials[i], "status": "interrupted", "wall_time_s": wall}
+          print(f"trial_{i:03d} stopped ({signals.signal or 'a signal'}); a rerun resumes it",
+                flush=True)
+        else:
+          results[i] = {"overrides": trials[i], "status": f"failed (exit {process.returncode})",
+                        "wall_time_s": wall}
+          print(f"trial_{i:03d} failed with exit code {process.returncode}; see "
+                f"{directory}/train.log", flush=True)
+        _log(workdir, trial=i, event="end", status=results[i]["status"])
 
   ordered = sorted(results.items())
-  csv_path, md_path = write_results(workdir, ordered, metric)
-  print(f"results: {md_path} and {csv_path}", flush=True)
+  if ordered:
+    csv_path, md_path = write_results(workdir, ordered, metric)
+    print(f"results: {md_path} and {csv_path}", flush=True)
+  if signals.signal:
+    print(f"{signals.signal}: the sweep stopped; its running trials saved checkpoints; run the "
+          "same command to resume", flush=True)
   return ordered
