@@ -20,6 +20,7 @@ import os
 import re
 import sys
 
+import ml_collections
 from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
@@ -80,6 +81,17 @@ def _flag_error(message: str) -> str:
   return message + " (see --helpfull)"
 
 
+def _last_line(text: str) -> str:
+  lines = [line.strip() for line in text.splitlines() if line.strip()]
+  return lines[-1] if lines else "an error without a message"
+
+
+def _unknown_key(argv: list, e: Exception) -> str:
+  bad = [a for a in argv if a.startswith("--config.")]
+  return (f"unknown config key {str(e).strip(chr(34) + chr(39))!r} in {' '.join(bad)}; "
+          "see the experiment file for the keys that exist")
+
+
 def _resolve_config_flags(argv: list) -> list:
   """`--config=NAME` -> the installed experiment file NAME.py when no file NAME exists."""
   resolved = []
@@ -93,18 +105,30 @@ def _resolve_config_flags(argv: list) -> list:
 
 def _parse_flags(argv):
   """absl parsing, with every flag error turned into one line and exit code 2."""
+  if "--config=" in argv:
+    _fail("--config is empty (an unset shell variable?); give an experiment file or name, e.g. "
+          "--config=experiments/scan_simple.py")
   argv = _resolve_config_flags(argv)
   sys.argv[:] = _resolve_config_flags(sys.argv)  # ml_collections reads overrides from sys.argv
+  # ml_collections logs a warning when get_config() returns None; run() reports that as an error.
+  logging.getLogger("absl").setLevel(logging.ERROR)
   try:
     remaining = flags.FLAGS(argv)
   except flags.Error as e:
-    _fail(_flag_error(str(e).splitlines()[0]))
-  except (AttributeError, KeyError) as e:  # ml_collections: an override names no config key
-    bad = [a for a in argv if a.startswith("--config.")]
-    _fail(f"unknown config key {str(e).strip(chr(34) + chr(39))!r} in {' '.join(bad)}; "
-          "see the experiment file for the keys that exist")
+    text = str(e)
+    if "Error whilst parsing config file" in text:  # get_config() raised; the cause is last
+      _fail(f"cannot load --config: its get_config() raised {_last_line(text)}")
+    _fail(_flag_error(text.splitlines()[0]))
+  except AttributeError as e:
+    if "has no attribute 'get_config'" in str(e):
+      _fail("cannot load --config: the file defines no get_config(); an experiment file "
+            "defines get_config() returning a ConfigDict (see experiments/tiny.py)")
+    _fail(_unknown_key(argv, e))
+  except KeyError as e:  # ml_collections: an override names no config key
+    _fail(_unknown_key(argv, e))
   except Exception as e:  # a config file that fails to import
-    _fail(f"cannot load --config: {type(e).__name__}: {str(e).splitlines()[-1].strip()}")
+    _fail(f"cannot load --config: {type(e).__name__}: {_last_line(str(e))}")
+  logging.getLogger("absl").setLevel(logging.NOTSET)
   try:
     if _CONFIG.value is not None:
       _CONFIG.value.get("seed")  # config files load lazily; surface a bad path or broken file now
@@ -114,20 +138,54 @@ def _parse_flags(argv):
   return remaining
 
 
+def _check_flags(mode: str) -> None:
+  """Flag values that no library call checks."""
+  for flag in (_WORKDIR, _TEXT, _SPLIT, _COORDINATOR):
+    if flag.value is not None and not flag.value.strip():
+      raise UserError(f"--{flag.name} is empty (an unset shell variable?); give a value or "
+                      "leave the flag out")
+  sweep = _SWEEP.value or _SWEEP_DRY_RUN.value
+  if sweep and mode != "train":
+    raise UserError(f"--sweep trains every trial; it does not combine with --mode={mode}")
+  if sweep:
+    from transformer_jax.core import metric_names
+    if _SWEEP_METRIC.value not in metric_names.EVAL_METRICS:
+      raise UserError(f"--sweep_metric must be one of {', '.join(metric_names.EVAL_METRICS)}; "
+                      f"got {_SWEEP_METRIC.value!r}")
+  count, index = _NUM_PROCESSES.value, _PROCESS_ID.value
+  if count is not None and count < 1:
+    raise UserError(f"--num_processes must be positive, got {count}")
+  if index is not None and not 0 <= index < (count or 1):
+    raise UserError(f"--process_id must be in [0, --num_processes), got {index}")
+  if _COORDINATOR.value and not re.fullmatch(r"\S+:\d+", _COORDINATOR.value):
+    raise UserError(f"--coordinator_address must be host:port, got {_COORDINATOR.value!r}")
+
+
 def run(argv) -> None:
   if len(argv) > 1:
     raise UserError(f"unexpected arguments {' '.join(argv[1:])}; flags look like --name=value")
   if _CONFIG.value is None:
+    if flags.FLAGS["config"].present:  # a file was given, and its get_config() returned None
+      raise UserError("the experiment's get_config() returned None; return a ConfigDict "
+                      "(see experiments/tiny.py)")
     raise UserError("--config is required, e.g. --config=experiments/scan_simple.py")
   mode = _MODE.value
   if mode not in MODES:
     raise UserError(f"--mode must be one of {', '.join(MODES)}; got {mode!r}")
+  _check_flags(mode)
   config = _CONFIG.value
+  if not isinstance(config, ml_collections.ConfigDict):
+    raise UserError(f"the experiment's get_config() returned {type(config).__name__}, not an "
+                    "ml_collections.ConfigDict (see experiments/tiny.py)")
 
   from transformer_jax.core import hostmem, platforms
   platforms.cpu_only_unless_accelerated()  # before JAX starts a backend
   keep = _KEEP_HOST_MEMORY.value
-  if keep == "true" or (keep == "auto" and hostmem.worth_keeping(config, mode)):
+  try:
+    worth = keep == "true" or (keep == "auto" and hostmem.worth_keeping(config, mode))
+  except (AttributeError, KeyError, TypeError):  # keys missing: config_lib.validate says which
+    worth = keep == "true"
+  if worth:
     hostmem.keep_freed_memory()  # before the first JAX computation starts the CPU backend
   from transformer_jax import config as config_lib
   from transformer_jax import model as model_lib
@@ -151,6 +209,7 @@ def run(argv) -> None:
   if _WORKDIR.value is None:
     raise UserError(f"--workdir is required for --mode={mode}")
   if _SWEEP.value or _SWEEP_DRY_RUN.value:
+    config_lib.validate(config)
     from transformer_jax.tools import sweep
     sweep.run_sweep(config_flags.get_config_filename(flags.FLAGS["config"]), _WORKDIR.value,
                     config_flags.get_override_values(flags.FLAGS["config"]),
@@ -172,7 +231,8 @@ def run(argv) -> None:
     evaluate.evaluate_from_workdir(config, _WORKDIR.value, step=_CHECKPOINT_STEP.value)
   elif mode == "translate":  # stdin lines -> stdout translations, in order
     from transformer_jax.eval import translate
-    translate.translate_from_workdir(config, _WORKDIR.value, sys.stdin, sys.stdout,
+    # Bytes, decoded by translate: a line that is not UTF-8 must not lose its whole batch.
+    translate.translate_from_workdir(config, _WORKDIR.value, sys.stdin.buffer, sys.stdout,
                                     step=_CHECKPOINT_STEP.value)
 
 
@@ -193,6 +253,12 @@ def _main(argv) -> None:
     # /dev/null so that Python's own flush at exit does not report the broken pipe again.
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     sys.exit(0)
+  except OSError as e:
+    from transformer_jax.core import files
+    if e.errno not in files.WRITE_ERRNOS or not e.filename:
+      raise
+    # A write that no caller turned into a UserError: a full disk or a read-only file system.
+    _fail(" ".join(str(files.write_error(str(e.filename), e)).splitlines()))
 
 
 def main() -> None:

@@ -6,6 +6,7 @@ Everything renders headless into PNG files: figures are made with matplotlib's o
 
 from __future__ import annotations
 
+import io
 import os
 import textwrap
 from typing import Optional
@@ -16,6 +17,8 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from transformer_jax import config as config_lib
+from transformer_jax.core import files
+from transformer_jax.core.errors import UserError
 from transformer_jax.core.tokens import EOS_ID
 from transformer_jax.eval import decode, load
 from transformer_jax.model import Transformer, shift_right
@@ -23,6 +26,13 @@ from transformer_jax.model.positions import sinusoidal_positions
 from transformer_jax.train import logger
 
 ATTENTION_KINDS = ("encoder_self_attention", "decoder_self_attention", "cross_attention")
+
+
+def _save(fig: Figure, path: str, dpi: int) -> str:
+  """Writes the PNG whole or not at all (a full disk leaves the previous picture)."""
+  png = io.BytesIO()
+  fig.savefig(png, format="png", dpi=dpi)
+  return files.atomic_write(path, png.getvalue())
 
 
 def _series(records, split, key):
@@ -56,8 +66,7 @@ def plot_curves(records: list[dict], path: str) -> str:
     if ax.lines:
       ax.legend(fontsize=7)
   fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  return path
+  return _save(fig, path, dpi=110)
 
 
 def plot_positional_encoding(table: np.ndarray, path: str, title: str) -> str:
@@ -70,8 +79,7 @@ def plot_positional_encoding(table: np.ndarray, path: str, title: str) -> str:
   ax.set_title(title)
   fig.colorbar(image, ax=ax)
   fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  return path
+  return _save(fig, path, dpi=110)
 
 
 def plot_attention(weights: np.ndarray, query_tokens: list[str], key_tokens: list[str],
@@ -100,8 +108,7 @@ def plot_attention(weights: np.ndarray, query_tokens: list[str], key_tokens: lis
   title = title if len(title) <= 160 else title[:157] + "..."
   fig.suptitle(textwrap.fill(title, max(30, int(width * heads * 9))), fontsize=9)
   fig.tight_layout()
-  fig.savefig(path, dpi=100)
-  return path
+  return _save(fig, path, dpi=100)
 
 
 def attention_maps(params, model_config, tokenizer, text: str, max_length: int):
@@ -142,7 +149,12 @@ def plot_workdir(config, workdir: str, text: Optional[str] = None,
   out = os.path.join(workdir, "plots")
   records = logger.read_metrics(workdir, required=True)
   model_config = config_lib.validate(config)
-  os.makedirs(out, exist_ok=True)
+  if os.path.lexists(out) and not os.path.isdir(out):
+    raise UserError(f"{out} is not a directory, where plots are written; move it away")
+  try:
+    os.makedirs(out, exist_ok=True)
+  except OSError as e:
+    raise files.write_error(out, e) from None
   paths = [plot_curves(records, os.path.join(out, "curves.png"))]
 
   params = tokenizer = None
