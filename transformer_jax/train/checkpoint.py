@@ -208,6 +208,19 @@ class _WriteFailureFilter(logging.Filter):
 _FILTER = _WriteFailureFilter()
 
 
+def _drop_write_failure_noise(previous):
+  """An unraisable-exception hook that drops what a failed checkpoint write leaves behind: its
+  errors, and tensorstore writes still in flight that finish into the closed event loop of the
+  save they belonged to. Everything else goes to `previous`."""
+  def hook(unraisable):
+    value = unraisable.exc_value
+    if (_write_errno(Exception(str(value))) is None
+        and not (isinstance(value, RuntimeError) and str(value) == "Event loop is closed")):
+      previous(unraisable)
+  hook.drops_write_failure_noise = True
+  return hook
+
+
 @contextlib.contextmanager
 def _quiet():
   """Silences what orbax, tensorstore and asyncio print while a damaged checkpoint fails to read
@@ -258,6 +271,8 @@ class Manager:
     if writable:
       for name in ("absl", "asyncio"):
         logging.getLogger(name).addFilter(_FILTER)
+      if not getattr(sys.unraisablehook, "drops_write_failure_noise", False):
+        sys.unraisablehook = _drop_write_failure_noise(sys.unraisablehook)
       t = config.train
       policies = [ocp.checkpoint_managers.LatestN(n=t.keep_checkpoints)]
       if t.keep_best:
