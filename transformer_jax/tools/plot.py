@@ -151,15 +151,15 @@ def plot_workdir(config, workdir: str, text: Optional[str] = None,
   model_config = config_lib.validate(config)
   if os.path.lexists(out) and not os.path.isdir(out):
     raise UserError(f"{out} is not a directory, where plots are written; move it away")
+  params = tokenizer = None  # loaded (and checked) before anything is written
+  if text is not None or model_config.positional == "learned":
+    model_config, params, tokenizer = load.load_trained(config, workdir, step)[:3]
   try:
     os.makedirs(out, exist_ok=True)
   except OSError as e:
     raise files.write_error(out, e) from None
   paths = [plot_curves(records, os.path.join(out, "curves.png"))]
 
-  params = tokenizer = None
-  if text is not None or model_config.positional == "learned":
-    model_config, params, tokenizer = load.load_trained(config, workdir, step)[:3]
   length = min(model_config.max_len, 100)
   if model_config.positional == "learned":
     table = np.asarray(params["encoder"]["positions"]["table"])[:length]
