@@ -6,8 +6,10 @@ launcher.py). The workdir of most rows already holds a run: a tokenizer and a ch
 by checkpoint.Manager for the tiny config.
 """
 
+import collections
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -16,6 +18,8 @@ import jax.numpy as jnp
 import pytest
 from launcher import ROOT, Launcher, environment
 
+from transformer_jax import cli
+from transformer_jax.core import lock
 from transformer_jax.data import scan
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.experiments import tiny
@@ -48,15 +52,46 @@ def paths(tmp_path_factory):
   manager.save(10, {"step": jnp.int32(10), "params": {"w": jnp.ones((2, 2))}})
   manager.wait()
   manager.close()
+  (workdir / "metrics.jsonl").write_text('{"split": "train", "step": 10, "loss": 1.0}\n')
   other_tokenizer = root / "other.model"
   other_tokenizer.write_bytes(tokenizer_lib.train(["jump left", "walk right twice"] * 50, 32,
                                                   "word").model_proto)
 
-  def data_dir(name, files):
+  def variant(name, change):
+    """A copy of the trained workdir with one thing wrong."""
+    copy = root / name
+    shutil.copytree(workdir, copy)
+    change(copy)
+    return copy
+
+  swapped = variant("swapped", lambda w: shutil.copy(other_tokenizer, w / tokenizer_lib.FILENAME))
+  garbled = variant("garbled", lambda w: (w / tokenizer_lib.FILENAME).write_bytes(b"\x07" * 999))
+  checkpoints_file = variant("checkpoints_file", lambda w: (
+      shutil.rmtree(w / "checkpoints"), (w / "checkpoints").write_text("")))
+  metrics_dir = variant("metrics_dir", lambda w: (
+      os.remove(w / "metrics.jsonl"), (w / "metrics.jsonl").mkdir()))
+  plots_file = variant("plots_file", lambda w: (w / "plots").write_text(""))
+  locked = variant("locked", lambda w: None)
+  holder = lock.DirectoryLock(str(locked))  # another run, alive: this test process
+  holder.acquire()
+
+  configs = root / "configs"  # experiment files as a user's mistakes make them
+  configs.mkdir()
+  for name, text in CONFIG_FILES.items():
+    (configs / name).write_text(text)
+  tokenizers = root / "tokenizers"
+  tokenizers.mkdir()
+  (tokenizers / "empty.model").write_bytes(b"")
+  (tokenizers / "garbage.model").write_bytes(bytes(range(256)) * 4)
+
+  def data_dir(name, files, special=None):
+    """A data directory; `special(path)` makes its train.de (a FIFO, a directory, a link)."""
     directory = root / name
     directory.mkdir()
     for filename, content in files.items():
       (directory / filename).write_bytes(content)
+    if special:
+      special(str(directory / "train.de"))
     return directory
 
   good = b"jump left\nwalk twice\nrun\n"
@@ -71,6 +106,21 @@ def paths(tmp_path_factory):
   os.mkdir(unwritable, 0o555)
   os.chmod(unwritable, 0o555)
   yield {
+      "pid": os.getpid(),
+      "host": socket.gethostname(),
+      "root": root,
+      "configs": configs,
+      "tokenizers": tokenizers,
+      "swapped": swapped,
+      "garbled": garbled,
+      "checkpoints_file": checkpoints_file,
+      "metrics_dir": metrics_dir,
+      "plots_file": plots_file,
+      "locked": locked,
+      "fifo": data_dir("fifo", {"train.en": good, **test}, special=os.mkfifo),
+      "dir": data_dir("dir", {"train.en": good, **test}, special=os.mkdir),
+      "null": data_dir("null", {"train.en": good, **test},
+                       special=lambda path: os.symlink(os.devnull, path)),
       "trained": workdir,
       "fresh": root / "fresh_run",
       "a_file": a_file,
@@ -83,12 +133,44 @@ def paths(tmp_path_factory):
       "latin1": data_dir("latin1", {"train.en": good, "train.de": "springen\nl\xe4ufen\nx\n"
                                     .encode("latin-1"), **test}),
   }
+  holder.release()
   shutil.rmtree(base)
 
 
 TINY = ["--config=experiments/tiny.py", "--mode=train"]
 TRAINED = TINY + ["--workdir={trained}"]
+FRESH = TINY + ["--workdir={fresh}"]
 FILES = ["--config.data.source=files"]
+EVALUATE = ["--config=experiments/tiny.py", "--mode=evaluate"]
+TRANSLATE = ["--config=experiments/tiny.py", "--mode=translate"]
+PLOT = ["--config=experiments/tiny.py", "--mode=plot"]
+EXPORT = ["--config=experiments/tiny.py", "--mode=export"]
+BENCHMARK = ["--config=experiments/tiny.py", "--mode=benchmark"]
+SWEEP = ["--workdir={fresh}", "--sweep"]
+
+def _mode(flags) -> str:
+  """The mode a row runs (for COUNTS): --sweep, else --mode, else train."""
+  if any(f.startswith("--sweep") for f in flags):
+    return "sweep"
+  return next((f.split("=")[1] for f in flags if f.startswith("--mode=")), "train")
+
+
+TINY_CONFIG = "from transformer_jax.experiments.tiny import get_config  # noqa: F401\n"
+CONFIG_FILES = {
+    "raises.py": "raise RuntimeError('boom at import')\n",
+    "no_get_config.py": "X = 1\n",
+    "returns_dict.py": "def get_config():\n  return {'seed': 1}\n",
+    "returns_none.py": "def get_config():\n  pass\n",
+    "get_config_raises.py": "def get_config():\n  raise ValueError('bad recipe')\n",
+    "lacks_keys.py": ("import ml_collections\n\ndef get_config():\n"
+                      "  return ml_collections.ConfigDict({'seed': 1})\n"),
+    "sweep_bad_key.py": TINY_CONFIG + ("def get_sweep():\n  return [{'train.steps': 2}, "
+                                       "{'train.learnin_rate': 1e-3}]\n"),
+    "sweep_bad_type.py": TINY_CONFIG + "def get_sweep():\n  return [{'train.steps': 'many'}]\n",
+    "sweep_bad_value.py": TINY_CONFIG + ("def get_sweep():\n  return [{'train.steps': 2}, "
+                                         "{'model.num_heads': 3}]\n"),
+    "sweep_raises.py": TINY_CONFIG + "def get_sweep():\n  raise KeyError('x')\n",
+}
 
 # (id, flags, what the one line must say); {name} stands for paths[name].
 ROWS = [
@@ -151,25 +233,186 @@ ROWS = [
      ["data.tokenizer.model_path", "other.model", "tokenizer.model"]),
     ("resume switching clipping on", TRAINED + ["--config.train.grad_clip_norm=1.0"],
      ["train.grad_clip_norm 0.0 -> 1.0"]),
+    # --- train: flags and experiment files
+    ("empty --workdir", TINY + ["--workdir="], ["--workdir is empty"]),
+    ("empty --config", ["--config=", "--workdir={trained}"], ["--config is empty"]),
+    ("config raises at import", ["--config={configs}/raises.py", "--workdir={trained}"],
+     ["RuntimeError: boom at import"]),
+    ("config without get_config", ["--config={configs}/no_get_config.py", "--workdir={trained}"],
+     ["defines no get_config()"]),
+    ("get_config returns a dict", ["--config={configs}/returns_dict.py", "--workdir={trained}"],
+     ["get_config() returned dict"]),
+    ("get_config returns None", ["--config={configs}/returns_none.py", "--workdir={trained}"],
+     ["get_config() returned None"]),
+    ("get_config raises", ["--config={configs}/get_config_raises.py", "--workdir={trained}"],
+     ["get_config() raised ValueError: bad recipe"]),
+    ("config without the default keys", ["--config={configs}/lacks_keys.py",
+                                         "--workdir={trained}"],
+     ["lacks the keys benchmark.batch_size"]),
+    ("process id out of range", TRAINED + ["--coordinator_address=localhost:1234",
+                                           "--num_processes=2", "--process_id=2"],
+     ["--process_id must be in [0, --num_processes)"]),
+    ("coordinator without a port", TRAINED + ["--coordinator_address=localhost",
+                                              "--num_processes=2", "--process_id=0"],
+     ["--coordinator_address must be host:port"]),
+    # --- train: numbers that are not finite or out of range
+    ("negative seed", TRAINED + ["--config.seed=-1"], ["seed must be in [0, 2**32)"]),
+    ("seed of 2**32 (= seed 0 for PRNGKey)", TRAINED + ["--config.seed=4294967296"],
+     ["seed must be in [0, 2**32)"]),
+    ("learning rate nan", TRAINED + ["--config.train.learning_rate=nan"],
+     ["train.learning_rate must be a finite number, got nan"]),
+    ("learning rate inf", TRAINED + ["--config.train.learning_rate=inf"],
+     ["train.learning_rate must be a finite number, got inf"]),
+    ("adam_b1 above 1", TRAINED + ["--config.train.adam_b1=1.5"],
+     ["train.adam_b1 must be in [0, 1), got 1.5"]),
+    ("negative adam_b2", TRAINED + ["--config.train.adam_b2=-0.1"], ["train.adam_b2 must be in"]),
+    ("adam_eps of 0", TRAINED + ["--config.train.adam_eps=0"],
+     ["train.adam_eps must be positive"]),
+    ("weight decay nan", TRAINED + ["--config.train.weight_decay=nan"],
+     ["train.weight_decay must be a finite number"]),
+    ("clipping norm inf", TRAINED + ["--config.train.grad_clip_norm=inf"],
+     ["train.grad_clip_norm must be a finite number"]),
+    ("layer norm eps of 0", TRAINED + ["--config.model.layer_norm_eps=0"],
+     ["model.layer_norm_eps must be positive"]),
+    ("position base inf", TRAINED + ["--config.model.position_base=inf"],
+     ["model.position_base must be a finite number"]),
+    ("steps beyond int32", TRAINED + ["--config.train.steps=2147483648"],
+     ["train.steps must be below 2**31"]),
+    ("top_k above the vocabulary", TRAINED + ["--config.eval.top_k=100"],
+     ["eval.top_k (100) exceeds model.vocab_size (32)"]),
+    ("temperature inf", TRAINED + ["--config.eval.temperature=inf"],
+     ["eval.temperature must be a finite number"]),
+    # --- train: tokenizer and data
+    ("unknown tokenizer type", FRESH + ["--config.data.tokenizer.model_type=typo"],
+     ["data.tokenizer.model_type must be one of bpe, unigram, word; got 'typo'"]),
+    ("tokenizer file of garbage", FRESH + ["--config.data.tokenizer.model_path="
+                                           "{tokenizers}/garbage.model"],
+     ["garbage.model is not a SentencePiece model"]),
+    ("empty tokenizer file", FRESH + ["--config.data.tokenizer.model_path="
+                                      "{tokenizers}/empty.model"], ["empty.model is empty"]),
+    ("tokenizer path a directory", FRESH + ["--config.data.tokenizer.model_path={tokenizers}"],
+     ["tokenizers is a directory, not a regular file"]),
+    ("word vocabulary below the words", FRESH + ["--config.model.vocab_size=10"],
+     ["vocabulary of model.vocab_size=10 pieces leaves", "training words unknown",
+      "raise model.vocab_size to 23"]),
+    ("data file a FIFO", TRAINED + FILES + ["--config.data.path={fifo}"],
+     ["train.de is a named pipe (FIFO), not a regular file"]),
+    ("data file a directory", TRAINED + FILES + ["--config.data.path={dir}"],
+     ["train.de is a directory, not a regular file"]),
+    ("data file a link to /dev/null", TRAINED + FILES + ["--config.data.path={null}"],
+     ["train.de is a character device (it points to /dev/null)"]),
+    # --- train: the workdir
+    ("checkpoints is a file", TINY + ["--workdir={checkpoints_file}"],
+     ["checkpoints is a file, where this program keeps its directory"]),
+    ("metrics.jsonl is a directory", TINY + ["--workdir={metrics_dir}"],
+     ["metrics.jsonl is a directory, where this program keeps its file"]),
+    ("workdir in use by another run", TINY + ["--workdir={locked}"],
+     ["is in use by pid {pid} on host {host}", "use another directory"]),
+    # --- evaluate
+    ("evaluate: another tokenizer", EVALUATE + ["--workdir={swapped}"],
+     ["was trained with another vocabulary", "swapped/tokenizer.model"]),
+    ("evaluate: damaged tokenizer", EVALUATE + ["--workdir={garbled}"],
+     ["tokenizer.model is not a SentencePiece model", "restore it"]),
+    ("evaluate: another model", EVALUATE + ["--workdir={trained}", "--config.model.d_model=64"],
+     ["does not fit this config: model.d_model 32 -> 64"]),
+    ("evaluate: no such step", EVALUATE + ["--workdir={trained}", "--checkpoint_step=7"],
+     ["no checkpoint at step 7", "available: [10]"]),
+    ("evaluate: nothing trained", EVALUATE + ["--workdir={fresh}"], ["holds no trained model"]),
+    ("evaluate: averaging more than there are", EVALUATE + ["--workdir={trained}",
+                                                            "--config.eval.average_last=2"],
+     ["eval.average_last=2 needs 2 checkpoints"]),
+    ("evaluate: learning rate nan", EVALUATE + ["--workdir={trained}",
+                                                "--config.train.learning_rate=nan"],
+     ["train.learning_rate must be a finite number"]),
+    # --- translate
+    ("translate: another tokenizer", TRANSLATE + ["--workdir={swapped}"],
+     ["was trained with another vocabulary"]),
+    ("translate: no such step", TRANSLATE + ["--workdir={trained}", "--checkpoint_step=3"],
+     ["no checkpoint at step 3"]),
+    ("translate: empty --workdir", TRANSLATE + ["--workdir="], ["--workdir is empty"]),
+    ("translate: top_k above the vocabulary", TRANSLATE + ["--workdir={trained}",
+                                                         "--config.eval.decode=sample",
+                                                         "--config.eval.top_k=33"],
+     ["eval.top_k (33) exceeds"]),
+    # --- plot
+    ("plot: nothing trained", PLOT + ["--workdir={fresh}"], ["has no metrics.jsonl"]),
+    ("plot: plots is a file", PLOT + ["--workdir={plots_file}"],
+     ["plots is not a directory, where plots are written"]),
+    ("plot: empty --text", PLOT + ["--workdir={trained}", "--text="], ["--text is empty"]),
+    ("plot: another tokenizer", PLOT + ["--workdir={swapped}", "--text=jump twice"],
+     ["was trained with another vocabulary"]),
+    # --- export
+    ("export: unknown split", EXPORT + ["--split=dev"], ["SCAN has the splits train and test"]),
+    ("export: empty --split", EXPORT + ["--split="], ["--split is empty"]),
+    ("export: data file a FIFO", EXPORT + FILES + ["--config.data.path={fifo}"],
+     ["train.de is a named pipe"]),
+    ("export: adam_eps nan", EXPORT + ["--config.train.adam_eps=nan"],
+     ["train.adam_eps must be a finite number"]),
+    # --- sweep
+    ("sweep: unknown key in a trial", ["--config={configs}/sweep_bad_key.py", *SWEEP],
+     ["trial_001 of get_sweep()", "learnin_rate", "no trial was run"]),
+    ("sweep: value of the wrong type", ["--config={configs}/sweep_bad_type.py", *SWEEP],
+     ["trial_000 of get_sweep()", "--config.train.steps=many"]),
+    ("sweep: impossible value", ["--config={configs}/sweep_bad_value.py", *SWEEP],
+     ["trial_001 of get_sweep()", "model.num_heads (3)"]),
+    ("sweep: get_sweep raises", ["--config={configs}/sweep_raises.py", *SWEEP],
+     ["get_sweep() in", "raised KeyError"]),
+    ("sweep: no get_sweep", ["--config=experiments/scan_simple.py", *SWEEP],
+     ["defines no get_sweep()"]),
+    ("sweep: unknown metric", ["--config=experiments/tiny.py", *SWEEP, "--sweep_metric=blue"],
+     ["--sweep_metric must be one of", "'blue'"]),
+    ("sweep: with --mode=evaluate", ["--config=experiments/tiny.py", *SWEEP, "--mode=evaluate"],
+     ["--sweep trains every trial; it does not combine with --mode=evaluate"]),
+    ("sweep: none at a time", ["--config=experiments/tiny.py", *SWEEP, "--sweep_parallel=0"],
+     ["--sweep_parallel must be >= 1"]),
+    ("sweep: workdir is a file", ["--config=experiments/tiny.py", "--workdir={a_file}",
+                                  "--sweep"], ["a_file is a file"]),
+    ("sweep: workdir in use", ["--config=experiments/tiny.py", "--workdir={locked}", "--sweep"],
+     ["is in use by pid {pid}"]),
+    ("sweep: base override nan", ["--config=experiments/tiny.py", *SWEEP,
+                                  "--config.train.learning_rate=nan"],
+     ["train.learning_rate must be a finite number"]),
+    # --- benchmark
+    ("benchmark: batch of 0", BENCHMARK + ["--config.benchmark.batch_size=0"],
+     ["benchmark.batch_size must be positive"]),
+    ("benchmark: no timed steps", BENCHMARK + ["--config.benchmark.steps=0"],
+     ["benchmark.steps must be positive"]),
+    ("benchmark: source beyond max_len", BENCHMARK + ["--config.benchmark.source_len=1000"],
+     ["benchmark.source_len (1000) must be below model.max_len (64)"]),
+    ("benchmark: decode batch of 0", BENCHMARK + ["--config.benchmark.decode_batch=0"],
+     ["benchmark.decode_batch must be positive"]),
+    ("benchmark: negative warm-up", BENCHMARK + ["--config.benchmark.warmup=-1"],
+     ["benchmark.warmup must be >= 0"]),
+    ("benchmark: learning rate inf", BENCHMARK + ["--config.train.learning_rate=inf"],
+     ["train.learning_rate must be a finite number"]),
+    # --- describe
+    ("describe: position base nan", ["--config=experiments/tiny.py", "--mode=describe",
+                                     "--config.model.position_base=nan"],
+     ["model.position_base must be a finite number"]),
 ]
+COUNTS = collections.Counter(_mode(row[1]) for row in ROWS)
 
 
 def snapshot(path):
-  """A path's files and directories with their sizes and modification times (None: absent)."""
-  if not os.path.exists(path):
+  """A path's files and directories with their sizes and modification times (None: absent).
+
+  Links are not followed: /dev/null, behind one of them, changes whenever anything writes to it.
+  """
+  if not os.path.lexists(path):
     return None
-  entries = {".": os.stat(path).st_mtime_ns}
+  entries = {".": os.lstat(path).st_mtime_ns}
   for root, dirs, files in os.walk(path):
     for name in dirs + files:
-      full = os.path.join(root, name)
-      entries[os.path.relpath(full, path)] = (os.stat(full).st_size, os.stat(full).st_mtime_ns)
+      stat = os.lstat(os.path.join(root, name))
+      entries[os.path.relpath(os.path.join(root, name), path)] = (stat.st_size, stat.st_mtime_ns)
   return entries
 
 
 @pytest.mark.parametrize("flags,expected", [row[1:] for row in ROWS], ids=[row[0] for row in ROWS])
 def test_bad_input_is_one_line_exit_2_and_changes_nothing(launcher, paths, flags, expected):
   flags = [flag.format(**paths) for flag in flags]
-  watched = ("trained", "fresh", "a_file", "unwritable")
+  expected = [text.format(**paths) for text in expected]
+  watched = ("root", "fresh", "unwritable")
   before = {name: snapshot(paths[name]) for name in watched}
   user = NOBODY if any(str(paths["unwritable"]) in flag for flag in flags) else None
 
@@ -181,6 +424,11 @@ def test_bad_input_is_one_line_exit_2_and_changes_nothing(launcher, paths, flags
   for text in expected:
     assert text in lines[0], (text, lines[0])
   assert {name: snapshot(paths[name]) for name in watched} == before
+
+
+def test_the_table_covers_every_mode():
+  assert set(COUNTS) >= set(cli.MODES) | {"sweep"}, COUNTS
+  assert len(ROWS) >= 60
 
 
 def test_a_closed_pipe_ends_export_quietly():
