@@ -9,6 +9,7 @@ SIGTERM them.
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import time
@@ -16,7 +17,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SERVER = r"""
-import gc, json, os, sys
+import gc, json, os, subprocess, sys
 gc.disable()  # with gc.freeze() before each fork: the children's collections leave the parent's
               # objects alone, so they neither copy its memory nor spend seconds exiting
 sys.argv = ["transformer-jax"]
@@ -39,6 +40,10 @@ def child(command):
 
 for line in sys.stdin:
   command = json.loads(line)
+  if "shell" in command:  # a command of the test's own (mount, umount) in the server's namespaces
+    done = subprocess.run(command["shell"], shell=True, capture_output=True, text=True)
+    print(json.dumps({"code": done.returncode, "output": done.stdout + done.stderr}), flush=True)
+    continue
   sys.stdout.flush()
   gc.freeze()
   pid = os.fork()
@@ -59,13 +64,34 @@ def environment(cache_dir) -> dict:
               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
 
 
-class Launcher:
-  """`start(flags)` a launch.py run, watch its output, signal it, `wait()` for its exit code."""
+# A user and mount namespace of the server's own, where it may mount file systems (a small
+# tmpfs: a full disk) that only it and its children see. As root, or as any user where the kernel
+# allows unprivileged user namespaces.
+NAMESPACE = ["unshare", "--user", "--map-root-user", "--mount"]
 
-  def __init__(self, env: dict, directory):
+
+def namespaces_work() -> bool:
+  """Whether this machine lets a test mount a tmpfs in a namespace of its own."""
+  try:
+    return subprocess.run([*NAMESPACE, "mount", "-t", "tmpfs", "-o", "size=4k", "tmpfs", "/tmp"],
+                          capture_output=True, timeout=30).returncode == 0
+  except (OSError, subprocess.SubprocessError):
+    return False
+
+
+class Launcher:
+  """`start(flags)` a launch.py run, watch its output, signal it, `wait()` for its exit code.
+
+  namespace=True: the server and its runs live in a mount namespace of their own (NAMESPACE),
+  where `shell()` mounts file systems; the test sees their files at `outside(path)`.
+  """
+
+  def __init__(self, env: dict, directory, namespace: bool = False):
     self.directory = directory
-    self._server = subprocess.Popen([sys.executable, "-c", SERVER], cwd=ROOT, env=env,
+    prefix = NAMESPACE if namespace else []
+    self._server = subprocess.Popen([*prefix, sys.executable, "-c", SERVER], cwd=ROOT, env=env,
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    self.namespace = namespace
     self._count = 0
     self.pid = None
     self.stdout = self.stderr = None
@@ -82,6 +108,19 @@ class Launcher:
     self._server.stdin.flush()
     self.pid = json.loads(self._server.stdout.readline())["pid"]
     return self.pid
+
+  def shell(self, command: str) -> str:
+    """Runs a shell command in the server's namespaces; its output. Fails the test if it fails."""
+    self._server.stdin.write(json.dumps({"shell": command}) + "\n")
+    self._server.stdin.flush()
+    reply = json.loads(self._server.stdout.readline())
+    assert reply["code"] == 0, (command, reply["output"])
+    return reply["output"]
+
+  def outside(self, path) -> pathlib.Path:
+    """Where the test sees `path` as the runs see it (inside their mount namespace)."""
+    path = os.path.abspath(str(path))
+    return pathlib.Path(f"/proc/{self._server.pid}/root{path}" if self.namespace else path)
 
   def output(self) -> tuple:
     with open(self.stdout) as out, open(self.stderr) as err:
