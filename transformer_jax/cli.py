@@ -144,6 +144,12 @@ def _check_flags(mode: str) -> None:
     if flag.value is not None and not flag.value.strip():
       raise UserError(f"--{flag.name} is empty (an unset shell variable?); give a value or "
                       "leave the flag out")
+  for flag, modes in ((_CHECKPOINT_STEP, ("evaluate", "translate", "plot")), (_TEXT, ("plot",)),
+                      (_SPLIT, ("export",))):
+    if flags.FLAGS[flag.name].present and mode not in modes:
+      raise UserError(f"--{flag.name} is for --mode={' or '.join(modes)}, not --mode={mode}"
+                      + ("; training always resumes from the newest checkpoint"
+                         if flag is _CHECKPOINT_STEP and mode == "train" else ""))
   sweep = _SWEEP.value or _SWEEP_DRY_RUN.value
   if sweep and mode != "train":
     raise UserError(f"--sweep trains every trial; it does not combine with --mode={mode}")
