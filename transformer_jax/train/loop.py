@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional
 import jax
 
 from transformer_jax import config as config_lib
+from transformer_jax.core.errors import UserError
 from transformer_jax.core.files import atomic_write
 from transformer_jax.core.lock import DirectoryLock
 from transformer_jax.data import pipeline, prepare
@@ -91,6 +92,10 @@ def train(config, workdir: str, evaluate_fn: EvaluateFn) -> Result:
   # Restored onto this run's mesh, whatever mesh or device count wrote the checkpoint.
   restored = reader.latest_good(state_lib.abstract_state(model_config, optimizer, mesh))
   reader.close()
+  if restored and restored.step > t.steps:
+    raise UserError(f"the newest checkpoint of {workdir} is at step {restored.step}, past "
+                    f"train.steps={t.steps}; raise train.steps to continue, or evaluate it with "
+                    "--mode=evaluate")
 
   # Every check passed: from here on the workdir changes. With several processes, the first
   # writes the files; checkpoints are written by all of them together (orbax).
