@@ -81,8 +81,9 @@ def load_sweep(config_path: str) -> list[dict]:
   except Exception as e:  # the experiment's own code: report it in one line
     raise UserError(f"get_sweep() in {config_path} raised {type(e).__name__}: {e}") from None
   if not isinstance(trials, (list, tuple)) or not trials or not all(
-      isinstance(t, dict) for t in trials):
-    raise UserError(f"get_sweep() in {config_path} must return a non-empty list of dicts")
+      isinstance(t, dict) and all(isinstance(k, str) for k in t) for t in trials):
+    raise UserError(f"get_sweep() in {config_path} must return a non-empty list of dicts of "
+                    "dotted config keys (e.g. {'train.learning_rate': 1e-3})")
   return list(trials)
 
 
