@@ -185,6 +185,8 @@ def test_sigterm_checkpoints_the_current_step_or_abandons_the_final_evaluation(t
   code, out = train_run(launcher, workdir, *resume)  # the same command evaluates it
   assert code == 0, out
   assert json.loads((workdir / "eval" / f"{step + 2}.json").read_text())["step"] == step + 2
+  code, out = train_run(launcher, workdir, f"--config.train.steps={step + 1}")
+  assert code == 2 and f"at step {step + 2}, past train.steps={step + 1}" in out, out
 
 
 def test_truncated_or_unfinished_newest_checkpoint_falls_back_to_the_previous_step(

@@ -170,6 +170,7 @@ CONFIG_FILES = {
     "sweep_bad_value.py": TINY_CONFIG + ("def get_sweep():\n  return [{'train.steps': 2}, "
                                          "{'model.num_heads': 3}]\n"),
     "sweep_raises.py": TINY_CONFIG + "def get_sweep():\n  raise KeyError('x')\n",
+    "sweep_int_key.py": TINY_CONFIG + "def get_sweep():\n  return [{1: 2}]\n",
 }
 
 # (id, flags, what the one line must say); {name} stands for paths[name].
@@ -255,6 +256,10 @@ ROWS = [
     ("coordinator without a port", TRAINED + ["--coordinator_address=localhost",
                                               "--num_processes=2", "--process_id=0"],
      ["--coordinator_address must be host:port"]),
+    ("--checkpoint_step with train", TRAINED + ["--checkpoint_step=10"],
+     ["--checkpoint_step is for --mode=evaluate or translate or plot, not --mode=train",
+      "resumes from the newest checkpoint"]),
+    ("--split with train", TRAINED + ["--split=test"], ["--split is for --mode=export"]),
     # --- train: numbers that are not finite or out of range
     ("negative seed", TRAINED + ["--config.seed=-1"], ["seed must be in [0, 2**32)"]),
     ("seed of 2**32 (= seed 0 for PRNGKey)", TRAINED + ["--config.seed=4294967296"],
@@ -321,6 +326,8 @@ ROWS = [
     ("evaluate: averaging more than there are", EVALUATE + ["--workdir={trained}",
                                                             "--config.eval.average_last=2"],
      ["eval.average_last=2 needs 2 checkpoints"]),
+    ("evaluate: --text", EVALUATE + ["--workdir={trained}", "--text=jump"],
+     ["--text is for --mode=plot, not --mode=evaluate"]),
     ("evaluate: learning rate nan", EVALUATE + ["--workdir={trained}",
                                                 "--config.train.learning_rate=nan"],
      ["train.learning_rate must be a finite number"]),
@@ -357,6 +364,8 @@ ROWS = [
      ["trial_001 of get_sweep()", "model.num_heads (3)"]),
     ("sweep: get_sweep raises", ["--config={configs}/sweep_raises.py", *SWEEP],
      ["get_sweep() in", "raised KeyError"]),
+    ("sweep: a key that is not a string", ["--config={configs}/sweep_int_key.py", *SWEEP],
+     ["must return a non-empty list of dicts of dotted config keys"]),
     ("sweep: no get_sweep", ["--config=experiments/scan_simple.py", *SWEEP],
      ["defines no get_sweep()"]),
     ("sweep: unknown metric", ["--config=experiments/tiny.py", *SWEEP, "--sweep_metric=blue"],
