@@ -146,6 +146,24 @@ def test_translate_keeps_order_and_blank_lines_and_truncates(model):
   assert len(err.getvalue().splitlines()) == 1 and "1 of 7" in err.getvalue()
 
 
+def test_translate_reads_bytes_that_are_not_utf8_with_replacement_characters(model):
+  c, model_config, params, tokenizer = model
+  c.eval.batch_size = 4
+  raw = [b"\xef\xbb\xbfjump twice\n", b"walk l\xe4ft\n", b"run\r\n", b"look \xff\xfe\n"]
+  out, err = io.StringIO(), io.StringIO()
+  assert translate_lib.write_translations(params, model_config, c, tokenizer, raw, out, err) == 4
+  decoded = ["jump twice", "walk l\ufffdft", "run", "look \ufffd\ufffd"]
+  expected = [text for text, _ in translations(model, decoded, 4)]
+  assert out.getvalue().split("\n") == expected + [""]  # nothing lost, the batch included
+  assert err.getvalue().splitlines() == [
+      "warning: 2 of 4 source lines (line 2, 4) were not UTF-8; their undecodable bytes were "
+      "read as U+FFFD"]
+  # A text stream decoded with surrogateescape (a POSIX locale) gives the same lines.
+  escaped = [line.decode("utf-8", "surrogateescape") for line in raw]
+  assert list(translate_lib.DecodedLines(escaped)) == [t + e for t, e in zip(
+      decoded, ["\n", "\n", "\r\n", "\n"])]
+
+
 def test_decode_throughput_counts_output_tokens(model):
   c, model_config, params, tokenizer = model
   inputs, _ = translate_lib.encode_sources(tokenizer, ["jump twice", "walk left thrice"],

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from transformer_jax.core import lock
 from transformer_jax.tools import sweep
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -53,19 +54,23 @@ def test_interrupted_sweep_resumes_without_redoing_finished_trials(tmp_path):
   workdir = tmp_path / "sweep"
   command = [sys.executable, "launch.py", "--config=experiments/tiny.py", f"--workdir={workdir}",
              "--sweep", "--sweep_metric=loss"] + FAST
-  process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL, start_new_session=True)
+  process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
   deadline = time.time() + 240
   finished = lambda: [i for i in range(4)
                       if (workdir / f"trial_{i:03d}" / sweep.RESULT_FILE).exists()]
   while len(finished()) < 2 and time.time() < deadline and process.poll() is None:
     time.sleep(0.2)
-  os.killpg(process.pid, signal.SIGKILL)  # the sweep and the trial it is running
-  process.wait()
+  process.send_signal(signal.SIGTERM)  # to the sweep alone: it passes it on to its trial
+  out = process.communicate(timeout=120)[0]
+  assert process.returncode == 0, out
   done_before = finished()
   assert len(done_before) >= 2, "the sweep did not finish two trials in time"
   if len(done_before) == 4:
     pytest.skip("the machine was too fast to interrupt the sweep")
+  assert "SIGTERM: the sweep stopped" in out and "Traceback" not in out, out
+  for i in range(4):  # no trial left running: each trial directory is free
+    lock.DirectoryLock(str(workdir / f"trial_{i:03d}")).check()
 
   subprocess.run(command, cwd=ROOT, check=True, capture_output=True)
   starts = _starts(workdir)
