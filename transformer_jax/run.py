@@ -25,7 +25,8 @@ def _workdir_map(result: loop.Result, results_path: str) -> str:
           f"  tensorboard/       event files: tensorboard --logdir "
           f"{os.path.join(workdir, 'tensorboard')}\n"
           f"  eval/              final metrics: {os.path.relpath(results_path, workdir)}\n"
-          f"  summary.md         this summary")
+          f"  summary.md         this summary\n"
+          f"  lock               held by the run writing the workdir (its host and pid)")
 
 
 def train_and_evaluate(config, workdir: str) -> dict:
