@@ -451,8 +451,10 @@ class Manager:
 # ----------------------------------------------------------------------------- preemption
 
 
-class _Abandoned(Exception):
-  """Raised by the signal handler inside `Preemption.abandoning()`."""
+class _Abandoned(BaseException):
+  """Raised by the signal handler inside `Preemption.abandoning()`. A BaseException, as
+  KeyboardInterrupt is: library code that catches Exception (JAX's compilation cache does) must
+  not swallow it."""
 
 
 class Preemption:
