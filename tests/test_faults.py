@@ -37,7 +37,10 @@ def cache_dir(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def launcher(cache_dir, tmp_path_factory):
-  server = Launcher(environment(cache_dir), str(tmp_path_factory.mktemp("launches")))
+  """The runs' launcher: in a mount namespace of its own where the machine allows one (the full
+  disks below need it), else a plain one."""
+  server = Launcher(environment(cache_dir), str(tmp_path_factory.mktemp("launches")),
+                    namespace=namespaces_work())
   yield server
   server.close()
 
@@ -86,15 +89,12 @@ def test_a_second_trainer_is_refused_and_the_first_loses_nothing(tmp_path, launc
 
 
 @pytest.fixture(scope="module")
-def disk(cache_dir, tmp_path_factory):
-  """A launcher in a mount namespace of its own, where tests mount small file systems."""
-  if not namespaces_work():
+def disk(launcher):
+  """The launcher, where it can mount small file systems."""
+  if not launcher.namespace:
     pytest.skip("this machine allows no mount namespace for a tmpfs; test_files.py injects the "
                 "full disk instead")
-  server = Launcher(environment(cache_dir), str(tmp_path_factory.mktemp("launches")),
-                    namespace=True)
-  yield server
-  server.close()
+  return launcher
 
 
 def tmpfs(disk, path, size: int) -> None:
