@@ -158,6 +158,7 @@ def _mode(flags) -> str:
 TINY_CONFIG = "from transformer_jax.experiments.tiny import get_config  # noqa: F401\n"
 CONFIG_FILES = {
     "raises.py": "raise RuntimeError('boom at import')\n",
+    "raises_value_error.py": "raise ValueError('bad at import')\n",
     "no_get_config.py": "X = 1\n",
     "returns_dict.py": "def get_config():\n  return {'seed': 1}\n",
     "returns_none.py": "def get_config():\n  pass\n",
@@ -239,6 +240,9 @@ ROWS = [
     ("empty --config", ["--config=", "--workdir={trained}"], ["--config is empty"]),
     ("config raises at import", ["--config={configs}/raises.py", "--workdir={trained}"],
      ["RuntimeError: boom at import"]),
+    ("config raises ValueError at import", ["--config={configs}/raises_value_error.py",
+                                            "--workdir={trained}"],
+     ["cannot load --config: the file raised ValueError: bad at import"]),
     ("config without get_config", ["--config={configs}/no_get_config.py", "--workdir={trained}"],
      ["defines no get_config()"]),
     ("get_config returns a dict", ["--config={configs}/returns_dict.py", "--workdir={trained}"],

@@ -116,8 +116,9 @@ def _parse_flags(argv):
     remaining = flags.FLAGS(argv)
   except flags.Error as e:
     text = str(e)
-    if "Error whilst parsing config file" in text:  # get_config() raised; the cause is last
-      _fail(f"cannot load --config: its get_config() raised {_last_line(text)}")
+    if "Error whilst parsing config file" in text:  # the file or its get_config() raised
+      where = "its get_config()" if ", in get_config\n" in text else "the file"
+      _fail(f"cannot load --config: {where} raised {_last_line(text)}")
     _fail(_flag_error(text.splitlines()[0]))
   except AttributeError as e:
     if "has no attribute 'get_config'" in str(e):
