@@ -243,6 +243,14 @@ def run(argv) -> None:
                                     step=_CHECKPOINT_STEP.value)
 
 
+def _stdout_file():
+  """The file behind stdout, where Linux names it in /proc; else None."""
+  try:
+    return os.readlink(f"/proc/self/fd/{sys.stdout.fileno()}")
+  except (OSError, ValueError):
+    return None
+
+
 def _main(argv) -> None:
   # INFO from JAX and orbax ("no TPU found", every checkpoint file) buries the training log.
   absl_logging.set_verbosity(absl_logging.WARNING)
@@ -262,10 +270,16 @@ def _main(argv) -> None:
     sys.exit(0)
   except OSError as e:
     from transformer_jax.core import files
-    if e.errno not in files.WRITE_ERRNOS or not e.filename:
+    if e.errno not in files.WRITE_ERRNOS:
       raise
-    # A write that no caller turned into a UserError: a full disk or a read-only file system.
-    _fail(" ".join(str(files.write_error(str(e.filename), e)).splitlines()))
+    # A write that no caller turned into a UserError: a full disk or a read-only file system
+    # under a file, or under stdout (the library names every file it writes).
+    if e.filename:
+      error = files.write_error(str(e.filename), e)
+    else:
+      target = _stdout_file()
+      error = files.write_error(f"standard output ({target or 'not a file'})", e, where=target)
+    _fail(" ".join(str(error).splitlines()))
 
 
 def main() -> None:

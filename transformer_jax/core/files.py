@@ -47,14 +47,15 @@ def free_space(path: str) -> Optional[int]:
     return None
 
 
-def write_error(path: str, e: OSError, what: str = "") -> UserError:
+def write_error(path: str, e: OSError, what: str = "", where: Optional[str] = None) -> UserError:
   """The UserError for a failed write of `path`: one line with the cause and the fix.
 
   what: what the failed write means for the run, e.g. "the last checkpoint, step 20, is intact".
+  where: a file on the same file system as `path`, if `path` is not a file's path (stdout).
   """
   after = f"; {what}" if what else ""
   if e.errno in NO_ROOM:
-    free = free_space(path)
+    free = free_space(where or path)
     room = f", {_size(free)} free" if free is not None else ""
     return UserError(f"cannot write {path}: no space left on its file system{room}{after}; free "
                      "some space (or move the directory to a larger disk) and run the same "
