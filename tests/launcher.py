@@ -96,12 +96,13 @@ class Launcher:
     self.pid = None
     self.stdout = self.stderr = None
 
-  def start(self, *flags, user=None) -> int:
-    """Starts `launch.py FLAGS`; `user`: a uid to run it as (when the tests run as root)."""
+  def start(self, *flags, user=None, stdout=None) -> int:
+    """Starts `launch.py FLAGS`; `user`: a uid to run it as (when the tests run as root);
+    `stdout`: a file for its stdout (as the run sees it), instead of one of the launcher's."""
     self._count += 1
-    self.stdout = os.path.join(self.directory, f"launch{self._count}.out")
+    self.stdout = stdout or os.path.join(self.directory, f"launch{self._count}.out")
     self.stderr = os.path.join(self.directory, f"launch{self._count}.err")
-    for path in (self.stdout, self.stderr):
+    for path in (self.stdout, self.stderr)[0 if stdout is None else 1:]:
       open(path, "w").close()
     command = {"flags": list(flags), "stdout": self.stdout, "stderr": self.stderr, "user": user}
     self._server.stdin.write(json.dumps(command) + "\n")
@@ -123,7 +124,7 @@ class Launcher:
     return pathlib.Path(f"/proc/{self._server.pid}/root{path}" if self.namespace else path)
 
   def output(self) -> tuple:
-    with open(self.stdout) as out, open(self.stderr) as err:
+    with open(self.outside(self.stdout)) as out, open(self.stderr) as err:
       return out.read(), err.read()
 
   def send(self, signum) -> None:
@@ -148,9 +149,9 @@ class Launcher:
       time.sleep(0.02)
     raise TimeoutError(f"launch.py did not get there in {timeout} s:\n{self.output()}")
 
-  def run(self, *flags, user=None) -> tuple:
+  def run(self, *flags, user=None, stdout=None) -> tuple:
     """(exit code, stdout, stderr) of `launch.py FLAGS`."""
-    self.start(*flags, user=user)
+    self.start(*flags, user=user, stdout=stdout)
     code = self.wait()
     return (code, *self.output())
 

@@ -202,7 +202,8 @@ def valid_events(path) -> int:
   return count
 
 
-def test_evaluate_prints_its_metrics_before_a_write_fails(tmp_path, disk, reference):
+def test_evaluate_prints_its_metrics_before_a_write_fails_and_export_says_so(tmp_path, disk,
+                                                                            reference):
   workdir = tmp_path / "run"
   shutil.copytree(reference, workdir)
   evaluate = [*RUN, f"--workdir={workdir}", "--mode=evaluate"]
@@ -213,6 +214,10 @@ def test_evaluate_prints_its_metrics_before_a_write_fails(tmp_path, disk, refere
   full_disk_error(one_error(err), workdir / "eval" / f"{STEPS}.json")
   assert "the metrics are the JSON line printed above" in err
   assert json.loads(out.strip().splitlines()[-1])["step"] == STEPS
+  # export's stdout on the full disk
+  code, out, err = disk.run(*RUN, "--mode=export", stdout=f"{workdir}/eval/export.tsv")
+  assert code == 2, out + err
+  full_disk_error(one_error(err), f"standard output ({workdir}/eval/export.tsv)")
   disk.shell(f"umount {workdir}/eval")
 
   disk.shell(f"mount --bind {workdir} {workdir} && mount -o remount,bind,ro {workdir}")
