@@ -125,6 +125,8 @@ def test_sigkill_at_random_moments_and_inside_saves_then_resume_is_bitwise_equal
   rng = random.Random(seed)
   unfinished = 0  # kills that left a save unfinished
   for kill in range(kills):
+    if kill % 2 and (checkpoints / str(STEPS)).exists():  # no save left to kill: start over
+      shutil.rmtree(workdir)
     pid = launcher.start(*RUN, f"--workdir={workdir}")
     if kill % 2:
       seen = set(os.listdir(checkpoints)) if checkpoints.exists() else set()
