@@ -147,6 +147,9 @@ PLOT = ["--config=experiments/tiny.py", "--mode=plot"]
 EXPORT = ["--config=experiments/tiny.py", "--mode=export"]
 BENCHMARK = ["--config=experiments/tiny.py", "--mode=benchmark"]
 SWEEP = ["--workdir={fresh}", "--sweep"]
+# A tiny model whose split dimensions divide 2 (4 heads); a 4-chip slice.
+COMPILE = ["--config=experiments/tiny.py", "--mode=compile", "--config.model.num_heads=4"]
+SLICE = COMPILE + ["--config.compile.topology=v5e:2x2"]
 
 def _mode(flags) -> str:
   """The mode a row runs (for COUNTS): --sweep, else --mode, else train."""
@@ -398,6 +401,25 @@ ROWS = [
      ["benchmark.warmup must be >= 0"]),
     ("benchmark: learning rate inf", BENCHMARK + ["--config.train.learning_rate=inf"],
      ["train.learning_rate must be a finite number"]),
+    # --- compile (for a TPU slice, on this CPU machine)
+    ("compile: no topology", COMPILE, ["needs --config.compile.topology", "v5e:2x4"]),
+    ("compile: topology of the wrong shape", COMPILE + ["--config.compile.topology=v5e:9x9"],
+     ["unknown TPU topology 'v5e:9x9'", "not divisible"]),
+    ("compile: not a topology name", COMPILE + ["--config.compile.topology=banana"],
+     ["unknown TPU topology 'banana'"]),
+    ("compile: a chip without figures", COMPILE + ["--config.compile.topology=tpu7x:2x2"],
+     ["no HBM and peak figures", "TPU7x"]),
+    ("compile: mesh does not cover the slice", SLICE + ["--config.mesh.data=3"],
+     ["3 places for 4 devices"]),
+    ("compile: mesh does not divide the slice", SLICE + ["--config.mesh.fsdp=3"],
+     ["do not split into groups of 3"]),
+    ("compile: unknown mesh axis", SLICE + ["--config.mesh.model=2"], ["model"]),
+    ("compile: does not fit", SLICE + ["--config.compile.batch_size=4000000"],
+     ["does not fit TPU v5e HBM", "exceeds available HBM", "--config.mesh.fsdp"]),
+    ("compile: negative batch", SLICE + ["--config.compile.batch_size=-1"],
+     ["compile.batch_size must be >= 0"]),
+    ("compile: decode batch of 0", SLICE + ["--config.compile.decode_batch=0"],
+     ["compile.decode_batch must be positive"]),
     # --- describe
     ("describe: position base nan", ["--config=experiments/tiny.py", "--mode=describe",
                                      "--config.model.position_base=nan"],
@@ -440,8 +462,7 @@ def test_bad_input_is_one_line_exit_2_and_changes_nothing(launcher, paths, flags
 
 
 def test_the_table_covers_every_mode():
-  modes = set(cli.MODES) - {"compile"}  # compile's rows are still to come (with issue 14's mode)
-  assert set(COUNTS) >= modes | {"sweep"}, COUNTS
+  assert set(COUNTS) >= set(cli.MODES) | {"sweep"}, COUNTS
   assert len(ROWS) >= 60
 
 
