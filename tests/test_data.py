@@ -179,6 +179,66 @@ def test_batches_respect_the_token_budget(batching):
       np.testing.assert_array_equal(again[key], value)
 
 
+class RecordingArray(np.ndarray):
+  """A token array that records every index it is read at."""
+
+  def __getitem__(self, index):
+    self.reads.append(np.asarray(index).ravel())
+    return np.asarray(super().__getitem__(index))
+
+
+def recording(examples):
+  for side in ("source", "target"):
+    array = np.asarray(getattr(examples, side)).view(RecordingArray)
+    array.reads = []
+    setattr(examples, side, array)
+  return examples
+
+
+def process_rows(rows, processes, process, shards=4):
+  """The rows of a global batch that `process` holds on a data-parallel mesh of `shards` devices
+  spread evenly over `processes` processes (what sharding.process_row_indices gives): the batch
+  is padded to a multiple of the shards, each process holds one contiguous block of it."""
+  padded = -(-rows // shards) * shards
+  block = padded // processes
+  return np.arange(process * block, min((process + 1) * block, rows))
+
+
+@pytest.mark.parametrize("batching", ["tokens", "packed", "fixed"])
+def test_each_process_reads_only_its_rows_of_one_global_batch(batching):
+  """The global batches do not depend on the number of processes: for 1, 2 and 4 processes,
+  the rows each one fills put together are the one-process batch, and each process reads the
+  tokens of the examples of its own rows and no others."""
+  pairs = synthetic(500, seed=3)
+  examples, stream = stream_for(batching, pairs, row_multiple=2, tokens=256)
+  if batching == "fixed":
+    stream = pipeline.TrainStream(examples, tiny_config().data, seed=0)
+  for step in range(20):
+    whole = stream[step]
+    plan = stream.plan(step)
+    assert plan.tokens(examples) == sum(int((whole[k] > 0).sum()) for k in ("inputs", "targets"))
+    for processes in (1, 2, 4):
+      together = {k: np.zeros_like(v) for k, v in whole.items()}
+      for process in range(processes):
+        rows = process_rows(plan.rows, processes, process)
+        reader = recording(pipeline.Encoded(**vars(examples)))
+        part = pipeline.fill(reader, plan, rows)
+        others = np.setdiff1d(np.arange(plan.rows), rows)
+        for key, value in part.items():
+          assert not value[others].any()
+          together[key][rows] = value[rows]
+        mine = plan.examples[np.isin(np.repeat(np.arange(plan.rows), plan.row_sizes), rows)]
+        for side in ("source", "target"):
+          read = np.concatenate(getattr(reader, side).reads)
+          starts = getattr(examples, f"{side}_starts")
+          lengths = getattr(examples, f"{side}_lengths")
+          allowed = np.concatenate([np.arange(starts[i], starts[i] + lengths[i]) for i in mine]
+                                   or [np.zeros(0, np.int64)])
+          assert set(read.tolist()) == set(allowed.tolist())
+      for key, value in whole.items():
+        np.testing.assert_array_equal(together[key], value, err_msg=f"{processes} {key}")
+
+
 def test_packed_rows_are_well_formed_and_cover_each_example_once_per_epoch():
   pairs = synthetic(300, seed=1)
   examples, stream = stream_for("packed", pairs, tokens=512)

@@ -1,8 +1,11 @@
 """Tokenised, fixed-shape batches: a deterministic train stream and ordered eval batches.
 
-Batch `k` of the train stream depends only on (seed, k): epochs are shuffled with a seed derived
-from (seed, epoch) and the stream is indexed by step, so the step is the whole iterator state and a
-resumed run gets exactly the batch that would have come next.
+Batch `k` of the train stream depends only on (data, config, seed, k): epochs are shuffled with a
+seed derived from (seed, epoch) and the stream is indexed by step, so the step is the whole
+iterator state and a resumed run gets exactly the batch that would have come next. Nor does it
+depend on the number of processes or devices: the plan of a batch (which examples fill which
+row, `TrainStream.plan`) comes from the examples' lengths alone and is the same on every
+process, and each process reads the tokens of its own rows only (`fill`).
 
 Three ways to batch (data.batching):
   fixed   `batch_size` examples per batch, padded to the configured maximum lengths.
@@ -23,6 +26,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import threading
 
 import grain
 import numpy as np
@@ -37,13 +41,17 @@ PACKED_KEYS = ("inputs_segmentation", "targets_segmentation", "inputs_position",
 @dataclasses.dataclass
 class Encoded:
   """Tokenised, EOS-terminated examples stored ragged: example i's source is
-  `source[source_starts[i]:source_starts[i + 1]]`. `index` maps each example back to its position
-  in the split. Ragged storage keeps a corpus of millions of pairs at its token count."""
+  `source[source_starts[i]:source_starts[i] + source_lengths[i]]`. `index` maps each example back
+  to its position in the split. Ragged storage keeps a corpus of millions of pairs at its token
+  count; `source` and `target` may be memory-mapped files of the cache (`data/cache.py`), of
+  which a batch reads only its own examples."""
 
-  source: np.ndarray  # [total source tokens], uint16 or int32
-  source_starts: np.ndarray  # [n + 1]
+  source: np.ndarray  # [tokens] every example's ids and EOS, uint16 or int32
+  source_starts: np.ndarray  # [n] int64
+  source_lengths: np.ndarray  # [n] EOS included
   target: np.ndarray
   target_starts: np.ndarray
+  target_lengths: np.ndarray
   index: np.ndarray  # [n]
   dropped: int  # examples longer than the limits
   max_source_len: int
@@ -52,77 +60,121 @@ class Encoded:
   def __len__(self):
     return len(self.index)
 
-  @property
-  def source_lengths(self) -> np.ndarray:
-    return np.diff(self.source_starts)
-
-  @property
-  def target_lengths(self) -> np.ndarray:
-    return np.diff(self.target_starts)
-
   def rows(self, rows, source_len: int | None = None, target_len: int | None = None) -> dict:
     """One example per row, padded to the given lengths (default: the maximum lengths)."""
-    source_len, target_len = source_len or self.max_source_len, target_len or self.max_target_len
-    return {"inputs": _pad(self.source, self.source_starts, rows, source_len),
-            "targets": _pad(self.target, self.target_starts, rows, target_len)}
-
-  def packed_rows(self, groups, source_len: int, target_len: int) -> dict:
-    """Row r holds the examples `groups[r]` one after the other (see the module docstring)."""
-    batch = {k: np.zeros((len(groups), source_len if k.startswith("inputs") else target_len),
-                         np.int32) for k in ("inputs", "targets") + PACKED_KEYS}
-    for side, tokens, starts in (("inputs", self.source, self.source_starts),
-                                 ("targets", self.target, self.target_starts)):
-      out, segments, positions = (batch[side], batch[f"{side}_segmentation"],
-                                  batch[f"{side}_position"])
-      for r, members in enumerate(groups):
-        at = 0
-        for segment, i in enumerate(members, 1):
-          piece = tokens[starts[i]:starts[i + 1]]
-          n = len(piece)
-          out[r, at:at + n] = piece
-          segments[r, at:at + n] = segment
-          positions[r, at:at + n] = np.arange(n)
-          at += n
-    return batch
+    rows = np.asarray(rows, np.int64)
+    plan = Plan(rows, np.ones(len(rows), np.int64), source_len or self.max_source_len,
+                target_len or self.max_target_len, packed=False)
+    return fill(self, plan)
 
 
-def _pad(tokens, starts, rows, length) -> np.ndarray:
-  out = np.zeros((len(rows), length), np.int32)
-  for r, i in enumerate(rows):
-    piece = tokens[starts[i]:starts[i + 1]]
-    out[r, :len(piece)] = piece
-  return out
+def encode_corpus(pairs, tokenizer: Tokenizer, chunk_size: int = 50_000) -> dict:
+  """Tokenises every pair and appends EOS to both sides: the form the cache stores.
 
-
-def encode(pairs, tokenizer: Tokenizer, max_source_len: int, max_target_len: int,
-           chunk_size: int = 50_000) -> Encoded:
-  """Tokenises pairs, appends EOS to both sides, drops pairs that do not fit the limits.
-
+  Returns {"source", "target": [tokens] uint16 (int32 for vocabularies over 65,535),
+  "source_offsets", "target_offsets": [n + 1] int64, example i at offsets[i]:offsets[i + 1]}.
   Reads and tokenises `chunk_size` pairs at a time, so a large corpus is never held as text.
   """
   dtype = np.uint16 if tokenizer.vocab_size <= np.iinfo(np.uint16).max else np.int32
-  parts = {"source": [], "target": [], "source_len": [], "target_len": [], "index": []}
+  parts = {"source": [], "target": [], "source_lengths": [], "target_lengths": []}
   for start in range(0, len(pairs), chunk_size):
     chunk = sources.gather(pairs, range(start, min(start + chunk_size, len(pairs))))
     for side, texts in (("source", [s for s, _ in chunk]), ("target", [t for _, t in chunk])):
       ids = tokenizer.encode(texts)
-      parts[f"{side}_len"].append(np.fromiter((len(x) + 1 for x in ids), np.int64, len(ids)))
-      parts[side].append(ids)
-    keep = ((parts["source_len"][-1] <= max_source_len)
-            & (parts["target_len"][-1] <= max_target_len))
-    for side in ("source", "target"):
-      ids = parts[side][-1]
-      kept = itertools.chain.from_iterable(ids[i] + [EOS_ID] for i in np.flatnonzero(keep))
-      parts[side][-1] = np.fromiter(kept, dtype)
-      parts[f"{side}_len"][-1] = parts[f"{side}_len"][-1][keep]
-    parts["index"].append(start + np.flatnonzero(keep))
-  cat = lambda k, t: np.concatenate(parts[k]) if parts[k] else np.zeros(0, t)
-  index = cat("index", np.int64)
-  starts = lambda k: np.concatenate([[0], np.cumsum(cat(k, np.int64))]).astype(np.int64)
-  return Encoded(source=cat("source", dtype), source_starts=starts("source_len"),
-                 target=cat("target", dtype), target_starts=starts("target_len"), index=index,
-                 dropped=len(pairs) - len(index), max_source_len=max_source_len,
+      lengths = np.fromiter(map(len, ids), np.int64, len(ids)) + 1  # EOS
+      tokens = np.empty(int(lengths.sum()), dtype)
+      eos = np.cumsum(lengths) - 1
+      real = np.ones(len(tokens), bool)
+      real[eos] = False
+      tokens[real] = np.fromiter(itertools.chain.from_iterable(ids), dtype, len(tokens) - len(ids))
+      tokens[eos] = EOS_ID
+      parts[side].append(tokens)
+      parts[f"{side}_lengths"].append(lengths)
+  corpus = {}
+  for side in ("source", "target"):
+    corpus[side] = np.concatenate(parts[side]) if parts[side] else np.zeros(0, dtype)
+    lengths = np.concatenate(parts[f"{side}_lengths"]) if parts[side] else np.zeros(0, np.int64)
+    corpus[f"{side}_offsets"] = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+  return corpus
+
+
+def select(corpus: dict, max_source_len: int, max_target_len: int) -> Encoded:
+  """The examples of an `encode_corpus` result that fit the limits (EOS included)."""
+  source_lengths = np.diff(corpus["source_offsets"])
+  target_lengths = np.diff(corpus["target_offsets"])
+  index = np.flatnonzero((source_lengths <= max_source_len) & (target_lengths <= max_target_len))
+  # All kept (the usual case with generous limits): views instead of copies of [n] arrays.
+  kept = slice(None) if len(index) == len(source_lengths) else index
+  return Encoded(source=corpus["source"], source_starts=corpus["source_offsets"][:-1][kept],
+                 source_lengths=source_lengths[kept], target=corpus["target"],
+                 target_starts=corpus["target_offsets"][:-1][kept],
+                 target_lengths=target_lengths[kept], index=index,
+                 dropped=len(source_lengths) - len(index), max_source_len=max_source_len,
                  max_target_len=max_target_len)
+
+
+def encode(pairs, tokenizer: Tokenizer, max_source_len: int, max_target_len: int,
+           chunk_size: int = 50_000) -> Encoded:
+  """Tokenises pairs, appends EOS to both sides, drops pairs that do not fit the limits."""
+  return select(encode_corpus(pairs, tokenizer, chunk_size), max_source_len, max_target_len)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Which examples fill which row of one global batch: row r holds the examples
+  `examples[row_starts[r]:row_starts[r] + row_sizes[r]]`, one after the other."""
+
+  examples: np.ndarray  # [examples] example ids, row by row
+  row_sizes: np.ndarray  # [rows] examples per row (1 unless packed)
+  source_len: int
+  target_len: int
+  packed: bool
+
+  @property
+  def rows(self) -> int:
+    return len(self.row_sizes)
+
+  @property
+  def row_starts(self) -> np.ndarray:
+    return np.cumsum(self.row_sizes) - self.row_sizes
+
+  def tokens(self, examples: Encoded) -> int:
+    """Non-padding tokens of the batch, both sides, without reading any token."""
+    return int(examples.source_lengths[self.examples].sum()
+               + examples.target_lengths[self.examples].sum())
+
+
+def fill(examples: Encoded, plan: Plan, rows=None) -> dict:
+  """The global batch of `plan` (see the module docstring), with only `rows` filled (default:
+  all); the other rows are empty (all 0). Reads the tokens of those rows' examples only.
+
+  Vectorised over every token of the batch: a Python loop per example would cost more than
+  the train step of a small model (the log's `input` share).
+  """
+  keys = ("inputs", "targets") + (PACKED_KEYS if plan.packed else ())
+  batch = {k: np.zeros((plan.rows, plan.source_len if k.startswith("inputs") else plan.target_len),
+                       np.int32) for k in keys}
+  rows = np.arange(plan.rows) if rows is None else np.asarray(rows, np.int64)
+  if plan.packed:
+    sizes = plan.row_sizes[rows]
+    first = np.repeat(np.cumsum(sizes) - sizes, sizes)  # each example's row's first example
+    ids = plan.examples[np.repeat(plan.row_starts[rows], sizes) + np.arange(len(first)) - first]
+    row_of = np.repeat(rows, sizes)
+  else:
+    ids, row_of = plan.examples[rows], rows
+  for side, tokens, starts, lengths in (
+      ("inputs", examples.source, examples.source_starts, examples.source_lengths),
+      ("targets", examples.target, examples.target_starts, examples.target_lengths)):
+    n = lengths[ids]
+    begins = np.cumsum(n) - n  # of each example among all the tokens filled
+    position = np.arange(begins[-1] + n[-1] if len(n) else 0) - np.repeat(begins, n)
+    at = np.repeat(row_of * batch[side].shape[1] + (begins - begins[first] if plan.packed else 0),
+                   n) + position  # flat index into the batch
+    batch[side].flat[at] = tokens[np.repeat(starts[ids], n) + position]
+    if plan.packed:
+      batch[f"{side}_segmentation"].flat[at] = np.repeat(np.arange(len(ids)) - first + 1, n)
+      batch[f"{side}_position"].flat[at] = position
+  return batch
 
 
 def lengths(examples: Encoded) -> np.ndarray:
@@ -170,6 +222,10 @@ class TrainStream:
   multiple of `row_multiple` (the accumulation steps). Trimming is what makes short
   examples cheap. batching="packed": rows of the maximum lengths, packed greedily from a shuffled
   epoch, `tokens_per_batch // max length` rows (rounded the same way). See the module docstring.
+
+  `plan(step)` says which examples fill which row of the global batch, from the examples'
+  lengths alone; every process computes the same plan, and `batch(step, rows)` reads the tokens
+  of the given rows only. Safe to use from several threads.
   """
 
   def __init__(self, examples: Encoded, data_config, seed: int, row_multiple: int = 1):
@@ -177,6 +233,7 @@ class TrainStream:
     self.seed = seed
     d = data_config
     self.batching = d.batching
+    self._lock = threading.Lock()
     if not len(examples):
       raise UserError("no training example fits data.max_source_len / data.max_target_len")
     if d.batching == "fixed":
@@ -214,18 +271,22 @@ class TrainStream:
                   *self._lengths)
       n = self._packed_rows
       return [rows[i:i + n] for i in range(0, len(rows) - n + 1, n)]
+    # The examples of each bucket in epoch order: a stable sort of the order by bucket.
+    by_bucket = order[np.argsort(self._bucket[order], kind="stable")]
+    buckets = self._bucket[by_bucket]
     batches = []
     for b, rows in self._rows.items():
-      members = order[self._bucket[order] == b]
+      members = by_bucket[np.searchsorted(buckets, b):np.searchsorted(buckets, b, side="right")]
       batches += [members[i:i + rows] for i in range(0, len(members) - rows + 1, rows)]
     return [batches[i] for i in rng.permutation(len(batches))]
 
   def _epoch(self, epoch: int) -> list:
-    if epoch not in self._cache:
-      self._cache[epoch] = self._make_epoch(epoch)
-      while len(self._cache) > 2:
-        self._cache.popitem(last=False)
-    return self._cache[epoch]
+    with self._lock:
+      if epoch not in self._cache:
+        self._cache[epoch] = self._make_epoch(epoch)
+        while len(self._cache) > 2:
+          self._cache.popitem(last=False)
+      return self._cache[epoch]
 
   def locate(self, step: int) -> tuple[int, int]:
     """(epoch, batch within the epoch) of a step."""
@@ -234,21 +295,36 @@ class TrainStream:
       if size == 0:
         raise UserError(f"one epoch of {len(self.examples)} training examples does not fill a "
                         f"single batch of data.tokens_per_batch={self._budget}; lower it")
-      self._epoch_sizes.append(size)
-      self._epoch_starts.append(self._epoch_starts[-1] + size)
+      with self._lock:
+        if len(self._epoch_starts) == len(self._epoch_sizes) + 1:  # not done by another thread
+          self._epoch_sizes.append(size)
+          self._epoch_starts.append(self._epoch_starts[-1] + size)
     epoch = int(np.searchsorted(self._epoch_starts, step, side="right")) - 1
     return epoch, step - self._epoch_starts[epoch]
 
-  def __getitem__(self, step: int) -> dict:
+  def plan(self, step: int) -> Plan:
+    """Which examples fill which row of the batch of `step`."""
     if self._fixed is not None:
-      return self.examples.rows(self._fixed[step])
+      ids = np.asarray(self._fixed[step], np.int64)
+      return Plan(ids, np.ones(len(ids), np.int64), self.examples.max_source_len,
+                  self.examples.max_target_len, packed=False)
     epoch, k = self.locate(step)
     members = self._epoch(epoch)[k]
     if self.batching == "packed":
-      return self.examples.packed_rows(members, *self._lengths)
+      sizes = np.fromiter(map(len, members), np.int64, len(members))
+      ids = np.fromiter(itertools.chain.from_iterable(members), np.int64, int(sizes.sum()))
+      return Plan(ids, sizes, *self._lengths, packed=True)
     length = int(self._bucket[members[0]]) * self._width
-    return self.examples.rows(members, min(length, self.examples.max_source_len),
-                              min(length, self.examples.max_target_len))
+    return Plan(np.asarray(members, np.int64), np.ones(len(members), np.int64),
+                min(length, self.examples.max_source_len),
+                min(length, self.examples.max_target_len), packed=False)
+
+  def batch(self, step: int, rows=None) -> dict:
+    """The batch of `step` with only `rows` filled (default: all); see `fill`."""
+    return fill(self.examples, self.plan(step), rows)
+
+  def __getitem__(self, step: int) -> dict:
+    return self.batch(step)
 
 
 def eval_batches(examples: Encoded, batch_size: int):
