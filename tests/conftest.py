@@ -1,4 +1,7 @@
-"""Shared fixtures: a tiny model config, and parameters that cost no compiled initialiser."""
+"""Shared fixtures: a tiny model config, parameters that cost no compiled initialiser, and the
+data cache in a temporary directory."""
+
+import os
 
 import flax.linen as nn
 import jax
@@ -7,9 +10,19 @@ import numpy as np
 import pytest
 
 from transformer_jax.core import platforms
+from transformer_jax.data import cache
 from transformer_jax.model import ModelConfig
 
 platforms.cpu_only_unless_accelerated()  # before JAX starts: no TPU runtime warnings
+
+
+@pytest.fixture(autouse=True, scope="session")
+def data_cache(tmp_path_factory):
+  """The tokenised-data cache of every run in the tests (launch.py subprocesses included, through
+  the environment): one temporary directory per test worker, never the user's home."""
+  directory = tmp_path_factory.mktemp("data_cache")
+  os.environ[cache.ENV] = str(directory)
+  return directory
 
 
 @pytest.fixture

@@ -53,6 +53,8 @@ def default_config() -> ml_collections.ConfigDict:
   c.data.bucket_width = 8  # length buckets of this width (batching=tokens)
   c.data.batch_size = 64  # global, in examples (batching=fixed)
   c.data.shuffle_buffer = 0  # 0 = full random permutation each epoch
+  c.data.cache = True  # keep the tokenised train split (and its tokenizer) for later runs
+  c.data.cache_dir = ""  # "" = $TRANSFORMER_JAX_CACHE, else ~/.cache/transformer_jax (XDG)
   c.data.tokenizer = ml_collections.ConfigDict()
   c.data.tokenizer.model_type = "bpe"  # bpe | unigram | word (SentencePiece)
   c.data.tokenizer.character_coverage = 1.0

@@ -1,12 +1,20 @@
-"""What a training run reads before it writes anything: the splits and the run's tokenizer."""
+"""What a training run reads before it writes anything: the splits and the run's tokenizer.
+
+The tokenised train split and the tokenizer trained for it come from the cache (`cache.py`)
+when an earlier run made them: a second start, a sweep trial or another process of the job
+reads them instead of training a tokenizer and tokenising the corpus again.
+"""
 
 from __future__ import annotations
 
 import collections
+import hashlib
 import os
 
+import numpy as np
+
 from transformer_jax.core.errors import UserError
-from transformer_jax.data import pipeline, sources
+from transformer_jax.data import cache, pipeline, sources
 from transformer_jax.data import tokenizer as tokenizer_lib
 
 # What to do about a damaged WORKDIR/tokenizer.model.
@@ -33,11 +41,14 @@ def _check_word_coverage(words: collections.Counter, vocab_size: int) -> None:
                     "or use data.tokenizer.model_type=bpe")
 
 
-def prepare_tokenizer(config, workdir: str, train_pairs, vocab_size: int):
+def prepare_tokenizer(config, workdir: str, train_pairs, vocab_size: int, cache_dir=None,
+                      source_key=None):
   """(tokenizer, new): the run's tokenizer, and whether WORKDIR/tokenizer.model is still to write.
 
   The workdir's tokenizer wins (a resumed run keeps its ids); else data.tokenizer.model_path;
-  else one trained on a sample of the train split. Nothing is written here.
+  else the one trained for this split and these settings, from the cache (`cache_dir`, with the
+  split's `source_key`) or trained now on a sample of `train_pairs`. Nothing is written in the
+  workdir here.
   """
   t = config.data.tokenizer
   path = os.path.join(workdir, tokenizer_lib.FILENAME)
@@ -50,14 +61,23 @@ def prepare_tokenizer(config, workdir: str, train_pairs, vocab_size: int):
   elif t.model_path:
     tokenizer = tokenizer_lib.load(t.model_path)
   else:
-    texts = tokenizer_lib.training_texts(train_pairs, t.sample_size, config.seed)
-    words = collections.Counter()
-    if t.model_type == "word":
-      texts = _counting(texts, words)
-    tokenizer = tokenizer_lib.train(texts, vocab_size, t.model_type, t.character_coverage,
+    def train():
+      texts = tokenizer_lib.training_texts(train_pairs, t.sample_size, config.seed)
+      words = collections.Counter()
+      if t.model_type == "word":
+        texts = _counting(texts, words)
+      trained = tokenizer_lib.train(texts, vocab_size, t.model_type, t.character_coverage,
                                     t.sample_size)
-    if t.model_type == "word":
-      _check_word_coverage(words, vocab_size)
+      if t.model_type == "word":
+        _check_word_coverage(words, vocab_size)
+      return {"model": np.frombuffer(trained.model_proto, np.uint8)}
+
+    key = {"data": source_key, "vocab_size": vocab_size, "model_type": t.model_type,
+           "character_coverage": t.character_coverage, "sample_size": t.sample_size,
+           "seed": config.seed}
+    stored = (cache.fetch(cache_dir, "tokenizers", key, train, describe="training the tokenizer")
+              if source_key is not None else train())
+    tokenizer = tokenizer_lib.Tokenizer(np.asarray(stored["model"]).tobytes())
   if tokenizer.vocab_size > vocab_size:
     raise UserError(f"the tokenizer has {tokenizer.vocab_size} pieces but model.vocab_size is "
                     f"{vocab_size}; raise model.vocab_size")
@@ -65,16 +85,22 @@ def prepare_tokenizer(config, workdir: str, train_pairs, vocab_size: int):
 
 
 def prepare_data(config, workdir: str, vocab_size: int):
-  """Loads the splits and the tokenizer, and encodes the train split. Writes nothing.
+  """Loads the splits and the tokenizer, and the tokenised train split. Writes nothing in the
+  workdir (the cache may gain entries).
 
   Returns (tokenizer, new_tokenizer, train_set, eval_pairs).
   """
-  train_pairs = sources.load_split(config.data, config.data.train_split)
-  if not len(train_pairs):
-    raise UserError(f"the {config.data.train_split!r} split is empty; check the data config")
-  tokenizer, new = prepare_tokenizer(config, workdir, train_pairs, vocab_size)
   d = config.data
-  train_set = pipeline.encode(train_pairs, tokenizer, d.max_source_len, d.max_target_len)
+  cache_dir = cache.root(d)
+  source_key = sources.split_key(d, d.train_split)
+  train_pairs = sources.LazyPairs(d, d.train_split)  # read only if the cache lacks something
+  tokenizer, new = prepare_tokenizer(config, workdir, train_pairs, vocab_size, cache_dir,
+                                     source_key)
+  key = {"data": source_key, "tokenizer": hashlib.sha256(tokenizer.model_proto).hexdigest()}
+  corpus = cache.fetch(cache_dir, "encoded", key,
+                       lambda: pipeline.encode_corpus(train_pairs, tokenizer),
+                       describe=f"tokenising the {d.train_split!r} split")
+  train_set = pipeline.select(corpus, d.max_source_len, d.max_target_len)
   if not len(train_set):
     raise UserError("every training example is longer than data.max_source_len / "
                     "data.max_target_len; raise them")

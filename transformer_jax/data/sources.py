@@ -14,6 +14,7 @@ The direction is data.source_lang -> data.target_lang for parallel files and TFD
 from __future__ import annotations
 
 import collections.abc
+import hashlib
 import os
 from typing import Sequence
 
@@ -37,6 +38,61 @@ def load_split(data_config, split: str) -> Pairs:
   if data_config.source == "tfds":
     return load_tfds(data_config, split)
   raise UserError(f"data.source must be one of scan, files, tfds; got {data_config.source!r}")
+
+
+def split_key(data_config, split: str) -> dict:
+  """What the pairs of a split are, as a JSON object that changes when they do (the cache key,
+  `data/cache.py`): the files' sha256 (computed here, ~1 s per GB), or the TFDS dataset's full
+  name (name/config/version) and split, or the SCAN split; and the direction."""
+  d = data_config
+  if d.source == "scan":
+    return {"source": "scan", "scan_split": d.scan_split, "split": split}
+  direction = {"source_lang": d.source_lang, "target_lang": d.target_lang}
+  if d.source == "files":
+    files = [[os.path.basename(path), file_sha256(path)] for path in split_paths(d, split)]
+    return {"source": "files", "format": d.format, "files": files,
+            **(direction if d.format == "parallel" else {})}
+  if d.source == "tfds":
+    return {"source": "tfds", "name": prepared_builder(d).info.full_name, "split": split,
+            **direction}
+  raise UserError(f"data.source must be one of scan, files, tfds; got {d.source!r}")
+
+
+def file_sha256(path: str, block: int = 1 << 24) -> str:
+  digest = hashlib.sha256()
+  try:
+    with open(path, "rb") as f:
+      while chunk := f.read(block):
+        digest.update(chunk)
+  except OSError as e:
+    raise UserError(f"cannot read {path}: {e.strerror}; fix data.path or the file") from None
+  return digest.hexdigest()
+
+
+class LazyPairs(collections.abc.Sequence):
+  """The pairs of a split, loaded on first use: a run whose tokenised split comes from the
+  cache never reads (or checks) the text."""
+
+  def __init__(self, data_config, split: str):
+    self.data_config, self.split = data_config, split
+    self._pairs = None
+
+  @property
+  def pairs(self) -> Pairs:
+    if self._pairs is None:
+      self._pairs = load_split(self.data_config, self.split)
+      if not len(self._pairs):
+        raise UserError(f"the {self.split!r} split is empty; check the data config")
+    return self._pairs
+
+  def __len__(self):
+    return len(self.pairs)
+
+  def __getitem__(self, index):
+    return self.pairs[index]
+
+  def gather(self, indices):
+    return gather(self.pairs, indices)
 
 
 def gather(pairs: Pairs, indices) -> list[tuple[str, str]]:
@@ -179,7 +235,8 @@ def _split_files(directory: str, suffixes: list[str]) -> list[str]:
                  and all(n[:-len(suffixes[0])] + x in names for x in suffixes)})
 
 
-def load_files(data_config, split: str) -> Pairs:
+def split_paths(data_config, split: str) -> list[str]:
+  """The files of one split: [SPLIT.tsv] or [SPLIT.SRC, SPLIT.TGT]; UserError if one is missing."""
   d = data_config
   directory = resolve_path(d.path)
   if d.format == "tsv":
@@ -196,7 +253,12 @@ def load_files(data_config, split: str) -> Pairs:
                          f"for split {split!r} (splits found in {directory}: {found}); fix "
                          "data.path or the split name (data.train_split / data.eval_split / "
                          "data.test_split)")
-  return TsvFile(paths[0]) if d.format == "tsv" else ParallelFiles(*paths)
+  return paths
+
+
+def load_files(data_config, split: str) -> Pairs:
+  paths = split_paths(data_config, split)
+  return TsvFile(paths[0]) if data_config.format == "tsv" else ParallelFiles(*paths)
 
 
 # ----------------------------------------------------------------------------- TFDS
@@ -295,7 +357,8 @@ def _languages(builder):
   return None
 
 
-def load_tfds(data_config, split: str) -> Pairs:
+def prepared_builder(data_config):
+  """The builder of data.tfds_name, downloaded and prepared first if need be."""
   d = data_config
   builder = tfds_builder(d)
   if not builder.is_prepared():
@@ -311,6 +374,12 @@ def load_tfds(data_config, split: str) -> Pairs:
       raise UserError(f"downloading the TFDS dataset {d.tfds_name!r} failed "
                       f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); check "
                       "the network, or point data.tfds_data_dir at a prepared copy") from None
+  return builder
+
+
+def load_tfds(data_config, split: str) -> Pairs:
+  d = data_config
+  builder = prepared_builder(d)
   try:
     records = builder.as_data_source(split=split)
   except NotImplementedError:

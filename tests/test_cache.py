@@ -1,0 +1,243 @@
+"""The tokenised-data cache: written once, read back verified, rebuilt when damaged, safe with
+several writers; and a run's second start reads neither the text nor trains a tokenizer."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from transformer_jax.data import cache, pipeline, prepare, sources
+from transformer_jax.data import tokenizer as tokenizer_lib
+from transformer_jax.experiments import tiny
+
+KEY = {"data": {"source": "test", "n": 3}, "tokenizer": "abc"}
+VOCAB = 48  # the word vocabulary of the text below: 40 words and 4 special ids
+
+
+def arrays(seed=0):
+  rng = np.random.default_rng(seed)
+  return {"tokens": rng.integers(0, 60000, 1000).astype(np.uint16),
+          "offsets": np.cumsum(rng.integers(1, 9, 101)).astype(np.int64),
+          "empty": np.zeros(0, np.int32)}
+
+
+class Builds:
+  """build() for cache.fetch that counts its calls."""
+
+  def __init__(self, seed=0, seconds=0.0):
+    self.calls, self.seed, self.seconds = 0, seed, seconds
+
+  def __call__(self):
+    self.calls += 1
+    time.sleep(self.seconds)  # long enough for other writers to start meanwhile
+    return arrays(self.seed)
+
+
+def assert_same(a, b):
+  assert a.keys() == b.keys()
+  for name in a:
+    assert a[name].dtype == b[name].dtype
+    np.testing.assert_array_equal(a[name], b[name])
+
+
+def entry_of(root, key=KEY, kind="encoded"):
+  return os.path.join(root, kind, cache.key_hash(key))
+
+
+def test_an_entry_is_built_once_then_read_back_memory_mapped(tmp_path):
+  build = Builds()
+  first = cache.fetch(str(tmp_path), "encoded", KEY, build)
+  again = cache.fetch(str(tmp_path), "encoded", KEY, build)
+  assert build.calls == 1
+  assert_same(first, arrays())
+  assert_same(again, arrays())
+  assert isinstance(again["tokens"], np.memmap)  # read from the file, not copied into memory
+  other = cache.fetch(str(tmp_path), "encoded", {**KEY, "tokenizer": "xyz"}, Builds(seed=1))
+  assert_same(other, arrays(seed=1))  # another key, another entry
+  assert sorted(os.listdir(tmp_path / "encoded")) == sorted(
+      [cache.key_hash(KEY), cache.key_hash({**KEY, "tokenizer": "xyz"})]
+      + [cache.key_hash(KEY) + ".lock", cache.key_hash({**KEY, "tokenizer": "xyz"}) + ".lock"])
+  assert cache.fetch(None, "encoded", KEY, build) is not None and build.calls == 2  # no cache
+
+
+def _flip_a_byte(entry):
+  path = os.path.join(entry, "tokens.npy")
+  data = bytearray(open(path, "rb").read())
+  data[-7] ^= 0x10
+  open(path, "wb").write(bytes(data))
+
+
+def _truncate(entry):
+  path = os.path.join(entry, "offsets.npy")
+  os.truncate(path, os.path.getsize(path) - 8)
+
+
+def _remove_a_file(entry):
+  os.remove(os.path.join(entry, "tokens.npy"))
+
+
+def _garbage_meta(entry):
+  open(os.path.join(entry, cache.META), "w").write('{"version": 1, "ke')
+
+
+def _other_key(entry):
+  meta = json.load(open(os.path.join(entry, cache.META)))
+  meta["key"]["tokenizer"] = "someone else's"
+  json.dump(meta, open(os.path.join(entry, cache.META), "w"))
+
+
+@pytest.mark.parametrize("damage", [_flip_a_byte, _truncate, _remove_a_file, _garbage_meta,
+                                    _other_key])
+def test_a_damaged_entry_is_reported_and_built_again(tmp_path, capsys, damage):
+  cache.fetch(str(tmp_path), "encoded", KEY, Builds())
+  damage(entry_of(tmp_path))
+  build = Builds()
+  fetched = cache.fetch(str(tmp_path), "encoded", KEY, build)
+  assert build.calls == 1
+  assert_same(fetched, arrays())
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and err.startswith("warning: the cache entry") and "damaged" in err
+  build = Builds()
+  assert_same(cache.fetch(str(tmp_path), "encoded", KEY, build), arrays())
+  assert build.calls == 0  # the rebuilt entry is whole
+  assert not [n for n in os.listdir(tmp_path / "encoded") if n.startswith(".")]  # no debris
+
+
+def test_a_write_cut_off_midway_is_never_read(tmp_path, monkeypatch):
+  """A writer killed mid-write leaves a temporary directory, never a half entry."""
+  def dies(*args, **kwargs):
+    raise KeyboardInterrupt  # as if killed while saving the second array
+
+  calls = []
+  save = np.save
+  monkeypatch.setattr(np, "save", lambda *a, **k: (calls.append(1), save(*a, **k))
+                      if not calls else dies())
+  with pytest.raises(KeyboardInterrupt):
+    cache.fetch(str(tmp_path), "encoded", KEY, Builds())
+  monkeypatch.setattr(np, "save", save)
+  assert not os.path.exists(entry_of(tmp_path))
+  # What a SIGKILL leaves (no `finally` runs): a temporary directory beside the entry.
+  debris = tmp_path / "encoded" / f".{cache.key_hash(KEY)}.killed"
+  debris.mkdir()
+  (debris / "tokens.npy").write_bytes(b"\x93NUMPY half")
+  build = Builds()
+  assert_same(cache.fetch(str(tmp_path), "encoded", KEY, build), arrays())
+  assert build.calls == 1
+  assert not debris.exists()  # cleared by the next writer, holding the lock
+
+
+def test_an_unwritable_cache_costs_a_warning_only(tmp_path, capsys, monkeypatch):
+  def full_disk(*args, **kwargs):
+    raise OSError(28, "No space left on device")
+
+  monkeypatch.setattr(cache.os, "fsync", full_disk)
+  build = Builds()
+  assert_same(cache.fetch(str(tmp_path), "encoded", KEY, build), arrays())
+  err = capsys.readouterr().err
+  assert "cannot write the cache entry" in err and "No space left on device" in err
+  assert not os.path.exists(entry_of(tmp_path))
+  blocked = tmp_path / "file"
+  blocked.write_text("not a directory")
+  assert_same(cache.fetch(str(blocked), "encoded", KEY, build), arrays())
+  assert "cannot create the cache directory" in capsys.readouterr().err
+
+
+CHILD = """
+import contextlib, json, sys, time
+import numpy as np
+from transformer_jax.data import cache
+root, locks, key = sys.argv[1], sys.argv[2] == "1", json.loads(sys.argv[3])
+if not locks:  # a file system without working locks: every writer builds and renames
+  cache._locked = lambda path: contextlib.nullcontext(False)
+calls = []
+def build():
+  calls.append(1)
+  time.sleep(0.5)  # long enough for the other writers to start meanwhile
+  content = json.loads(sys.argv[4]).items()
+  return {name: np.asarray(value, dtype) for name, (value, dtype) in content}
+fetched = cache.fetch(root, "encoded", key, build)
+print(json.dumps([len(calls), {k: v.tolist() for k, v in fetched.items()}]))
+"""
+
+
+@pytest.mark.parametrize("locks", [True, False])
+def test_concurrent_writers_all_get_the_same_whole_entry(tmp_path, locks):
+  expected = {k: v.tolist() for k, v in arrays().items()}
+  content = json.dumps({k: (v.tolist(), str(v.dtype)) for k, v in arrays().items()})
+  children = [subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path), str(int(locks)),
+                                json.dumps(KEY), content], stdout=subprocess.PIPE, text=True)
+              for _ in range(4)]
+  results = []
+  for child in children:
+    out = child.communicate(timeout=120)[0]
+    assert child.returncode == 0
+    results.append(json.loads(out.strip().splitlines()[-1]))
+  assert all(result == expected for _, result in results)
+  builds = sum(calls for calls, _ in results)
+  assert builds == 1 if locks else builds > 1  # with locks, the others wait and read
+  assert_same(cache.read(entry_of(tmp_path), KEY), arrays())
+  assert not [n for n in os.listdir(tmp_path / "encoded") if n.startswith(".")]
+
+
+# ----------------------------------------------------------------------------- a run's data
+
+
+def files_config(path, cache_dir):
+  c = tiny.get_config()
+  c.data.update(source="files", path=str(path), format="parallel", source_lang="en",
+                target_lang="de", eval_split="train", cache_dir=str(cache_dir),
+                max_source_len=12, max_target_len=12)
+  c.data.tokenizer.update(model_type="word", sample_size=1000)
+  return c
+
+
+def test_a_second_start_reads_neither_text_nor_trains_a_tokenizer(tmp_path, monkeypatch):
+  data = tmp_path / "data"
+  data.mkdir()
+  rng = np.random.default_rng(0)
+  words = [f"w{i}" for i in range(20)]
+  lines = [" ".join(rng.choice(words, rng.integers(1, 15))) for _ in range(200)]
+  (data / "train.en").write_text("\n".join(lines) + "\n")
+  (data / "train.de").write_text("\n".join(line.upper() for line in lines) + "\n")
+  c = files_config(data, tmp_path / "cache")
+  tokenizer, new, train_set, _ = prepare.prepare_data(c, str(tmp_path / "run1"), VOCAB)
+  assert new and 0 < len(train_set) < 200  # some lines are longer than 11 words
+
+  def forbidden(*args, **kwargs):
+    raise AssertionError("the second start tokenised or read the text")
+
+  with monkeypatch.context() as patch:
+    for module, name in ((pipeline, "encode_corpus"), (tokenizer_lib, "train"),
+                         (sources.LazyPairs, "pairs")):
+      patch.setattr(module, name, property(forbidden) if name == "pairs" else forbidden)
+    again, _, cached, _ = prepare.prepare_data(c, str(tmp_path / "run2"), VOCAB)
+    c.data.update(max_source_len=20, max_target_len=20)  # other limits: the same entry
+    _, _, longer, _ = prepare.prepare_data(c, str(tmp_path / "run3"), VOCAB)
+  assert again.model_proto == tokenizer.model_proto
+  expected = pipeline.encode(sources.load_split(c.data, "train"), tokenizer, 12, 12)
+  for examples in (train_set, cached):
+    np.testing.assert_array_equal(examples.index, expected.index)
+    assert_same(examples.rows(np.arange(len(examples))),
+                expected.rows(np.arange(len(expected))))
+  assert len(longer) == 200
+
+  # Changed text is another key: tokenised again (and the tokenizer trained again).
+  (data / "train.de").write_text("\n".join(lines[::-1]) + "\n")
+  c.data.update(max_source_len=12, max_target_len=12)
+  _, _, changed, _ = prepare.prepare_data(c, str(tmp_path / "run4"), VOCAB)
+  assert not np.array_equal(changed.target_lengths, cached.target_lengths)
+  assert len(os.listdir(tmp_path / "cache" / "encoded")) == 4  # two entries and their locks
+
+
+def test_the_cache_can_be_turned_off(tmp_path):
+  c = tiny.get_config()
+  c.data.update(cache=False, cache_dir=str(tmp_path / "cache"))
+  prepare.prepare_data(c, str(tmp_path / "run"), VOCAB)
+  assert not (tmp_path / "cache").exists()
+  assert cache.root(c.data) is None
+  c.data.update(cache=True, cache_dir="")
+  assert cache.root(c.data) == os.environ[cache.ENV]  # the tests' own (conftest.py)
