@@ -1,8 +1,11 @@
 """Data sources (local files, TFDS), the tokenizer, and batching: token budgets and packing."""
 
+import contextlib
 import json
 import os
 import sys
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -237,6 +240,54 @@ def test_each_process_reads_only_its_rows_of_one_global_batch(batching):
           assert set(read.tolist()) == set(allowed.tolist())
       for key, value in whole.items():
         np.testing.assert_array_equal(together[key], value, err_msg=f"{processes} {key}")
+
+
+def test_batches_prefetch_the_stream_in_order_and_stop_cleanly():
+  examples, stream = stream_for("tokens", synthetic(300), tokens=128)
+  grain_threads = lambda: [t for t in threading.enumerate() if "grain" in t.name]  # noqa: E731
+  placed = []
+  for prefetch in (0, 3):
+    with contextlib.closing(pipeline.batches(
+        stream, 5, 25, rows_for=lambda rows: np.arange(0, rows, 2),
+        place=lambda batch: placed.append(1) or batch, prefetch=prefetch)) as batches:
+      got = list(batches)
+    assert [b.step for b in got] == list(range(5, 25))
+    for batch in got:
+      expected = stream.batch(batch.step, np.arange(0, len(stream[batch.step]["inputs"]), 2))
+      assert batch.shape == (len(expected["inputs"]), *(v.shape[1] for v in expected.values()))
+      assert batch.tokens == stream.plan(batch.step).tokens(examples)
+      for key, value in expected.items():
+        np.testing.assert_array_equal(batch.data[key], value)
+    assert not grain_threads()
+  assert len(placed) == 40
+
+  # Closed early (a preemption): the thread stops although its buffer is full.
+  batches = pipeline.batches(stream, 0, 1000, prefetch=4)
+  next(batches)
+  time.sleep(0.2)
+  assert grain_threads()
+  batches.close()
+  assert not grain_threads()
+
+
+def test_an_error_making_a_batch_is_raised_by_next_and_stops_the_thread():
+  _, stream = stream_for("tokens", synthetic(300), tokens=128)
+  failure = UserError("the data went away")
+
+  def place(batch):
+    if place.calls == 2:
+      raise failure
+    place.calls += 1
+    return batch
+
+  place.calls = 0
+  batches = pipeline.batches(stream, 0, 100, place=place, prefetch=2)
+  next(batches), next(batches)
+  with pytest.raises(UserError) as raised:
+    next(batches)
+  assert raised.value is failure  # the producer's own exception, in the main thread
+  assert not [t for t in threading.enumerate() if "grain" in t.name]
+  batches.close()
 
 
 def test_packed_rows_are_well_formed_and_cover_each_example_once_per_epoch():

@@ -53,6 +53,7 @@ def default_config() -> ml_collections.ConfigDict:
   c.data.bucket_width = 8  # length buckets of this width (batching=tokens)
   c.data.batch_size = 64  # global, in examples (batching=fixed)
   c.data.shuffle_buffer = 0  # 0 = full random permutation each epoch
+  c.data.prefetch = 2  # batches made ahead in a background thread; 0 = on the main thread
   c.data.cache = True  # keep the tokenised train split (and its tokenizer) for later runs
   c.data.cache_dir = ""  # "" = $TRANSFORMER_JAX_CACHE, else ~/.cache/transformer_jax (XDG)
   c.data.tokenizer = ml_collections.ConfigDict()
@@ -197,7 +198,7 @@ def validate(config: ml_collections.ConfigDict, platform: str = "cpu") -> ModelC
               "compile.decode_batch"):
     if _get(config, key) <= 0:
       raise UserError(f"{key} must be positive, got {_get(config, key)}")
-  for key in ("train.warmup_steps", "train.eval_every", "eval.max_decode_len",
+  for key in ("train.warmup_steps", "train.eval_every", "eval.max_decode_len", "data.prefetch",
               "eval.max_examples", "train.grad_clip_norm", "train.weight_decay",
               "eval.length_penalty", "eval.top_k", "eval.average_last", "train.keep_best",
               "compile.batch_size", "compile.source_len", "compile.target_len"):

@@ -5,7 +5,8 @@ seed derived from (seed, epoch) and the stream is indexed by step, so the step i
 iterator state and a resumed run gets exactly the batch that would have come next. Nor does it
 depend on the number of processes or devices: the plan of a batch (which examples fill which
 row, `TrainStream.plan`) comes from the examples' lengths alone and is the same on every
-process, and each process reads the tokens of its own rows only (`fill`).
+process, and each process reads the tokens of its own rows only (`fill`). `batches` makes them
+ahead of the train step in a background thread.
 
 Three ways to batch (data.batching):
   fixed   `batch_size` examples per batch, padded to the configured maximum lengths.
@@ -27,6 +28,7 @@ import collections
 import dataclasses
 import itertools
 import threading
+from typing import Any, Callable, Optional
 
 import grain
 import numpy as np
@@ -325,6 +327,45 @@ class TrainStream:
 
   def __getitem__(self, step: int) -> dict:
     return self.batch(step)
+
+
+@dataclasses.dataclass
+class Batch:
+  """One step's batch as `batches` delivers it."""
+
+  step: int
+  data: Any  # the arrays, as `place` made them
+  tokens: int  # non-padding tokens of the whole global batch, both sides
+  shape: tuple  # (rows, source length, target length) of the global batch
+
+
+def batches(stream: TrainStream, start: int, stop: int,
+            rows_for: Optional[Callable[[int], np.ndarray]] = None,
+            place: Optional[Callable[[dict], Any]] = None, prefetch: int = 2):
+  """An iterator of `Batch`es for the steps start, ..., stop - 1, made ahead in the background.
+
+  Each step's batch is `stream.batch(step, rows_for(rows))` (rows_for: this process's rows of a
+  global batch of `rows` rows; None: all), passed through `place` (e.g. onto the devices). A
+  background thread (grain's) makes up to `prefetch` batches ahead (0: each one when asked, on
+  the calling thread). An exception raised making a batch is raised by `next()` for that step.
+  `close()` the iterator when done (`contextlib.closing`): it stops and joins the thread.
+  Prefetching changes nothing but timing: batch k is still `stream`'s batch of step k.
+  """
+
+  def make(step: int) -> Batch:
+    plan = stream.plan(step)
+    rows = None if rows_for is None else rows_for(plan.rows)
+    data = fill(stream.examples, plan, rows)
+    return Batch(step=step, data=place(data) if place else data,
+                 tokens=plan.tokens(stream.examples),
+                 shape=(plan.rows, plan.source_len, plan.target_len))
+
+  dataset = grain.MapDataset.range(start, stop).map(make).to_iter_dataset(
+      grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))  # in order, on the caller
+  if prefetch:
+    dataset = grain.experimental.ThreadPrefetchIterDataset(dataset,
+                                                           prefetch_buffer_size=prefetch)
+  return iter(dataset)
 
 
 def eval_batches(examples: Encoded, batch_size: int):

@@ -53,7 +53,7 @@ class Periodic:
 class Throughput:
   """Tokens, model FLOPs and host input time since the last log line, and tokens in all.
 
-  Counted on the host batch, so no device value is waited for.
+  Counted from the batch plan on the host, so no device value is waited for.
   """
 
   def __init__(self, model_config: ModelConfig):
@@ -72,12 +72,12 @@ class Throughput:
     yield
     self.input_seconds += time.perf_counter() - start
 
-  def count(self, host_batch: dict) -> None:
-    inputs, targets = host_batch["inputs"], host_batch["targets"]
-    tokens = int((inputs > 0).sum() + (targets > 0).sum())
+  def count(self, tokens: int, shape: tuple) -> None:
+    """tokens: non-padding tokens of a global batch, both sides; shape: its (rows, source
+    length, target length)."""
     self.tokens_seen += tokens
     self.tokens += tokens
-    self.flops += train_flops_per_step(self.model_config, *inputs.shape, targets.shape[1])
+    self.flops += train_flops_per_step(self.model_config, *shape)
 
   def take(self) -> dict:
     """The interval's counts (the keyword arguments of `MetricLogger.train`); starts a new one."""

@@ -6,7 +6,9 @@ this layer never imports the one above it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import os
 from typing import Any, Callable, Optional
 
@@ -65,6 +67,21 @@ def _announce(model_config, train_set, eval_pairs, tokenizer, mesh, restored, st
     print(f"resuming from step {start}{changed}{moved}", flush=True)
 
 
+def _process_rows(mesh, multiple: int):
+  """rows_for of `pipeline.batches`: the real rows of a global batch that this process's devices
+  hold (`shard_batch` pads the batch to a multiple of `multiple` x the batch shards first);
+  None with one process, which holds them all."""
+  if jax.process_count() == 1:
+    return None
+
+  @functools.lru_cache(maxsize=None)  # a few distinct row counts: one per length bucket
+  def rows_for(rows: int):
+    padded = sharding.padded_rows(rows, multiple * sharding.batch_shards(mesh))
+    indices = sharding.process_row_indices(padded, mesh)
+    return indices[indices < rows]
+  return rows_for
+
+
 def train(config, workdir: str, evaluate_fn: EvaluateFn) -> Result:
   """Trains `config` in `workdir` (resuming from its newest readable checkpoint), then evaluates.
 
@@ -96,6 +113,7 @@ def train(config, workdir: str, evaluate_fn: EvaluateFn) -> Result:
     raise UserError(f"the newest checkpoint of {workdir} is at step {restored.step}, past "
                     f"train.steps={t.steps}; raise train.steps to continue, or evaluate it with "
                     "--mode=evaluate")
+  stream.plan(restored.step if restored else 0)  # a batching that fits no batch fails here
 
   # Every check passed: from here on the workdir changes. With several processes, the first
   # writes the files; checkpoints are written by all of them together (orbax).
@@ -131,13 +149,17 @@ def train(config, workdir: str, evaluate_fn: EvaluateFn) -> Result:
   def evaluate(params) -> dict:
     return evaluate_fn(params, model_config, config, tokenizer, eval_pairs, mesh)
 
-  with lock, checkpoint.Preemption() as preemption:
+  # Batches are made ahead in a background thread, each process filling only its own rows.
+  batches = pipeline.batches(
+      stream, start, t.steps, rows_for=_process_rows(mesh, t.grad_accum_steps),
+      place=lambda host: sharding.shard_batch(host, mesh, multiple=t.grad_accum_steps),
+      prefetch=config.data.prefetch)
+  with lock, contextlib.closing(batches), checkpoint.Preemption() as preemption:
     for step in range(start, t.steps):
       with throughput.input():
-        host_batch = stream[step]
-        batch = sharding.shard_batch(host_batch, mesh, multiple=t.grad_accum_steps)
-      state, metrics = train_step(state, batch, rng)
-      throughput.count(host_batch)
+        batch = next(batches)
+      state, metrics = train_step(state, batch.data, rng)
+      throughput.count(batch.tokens, batch.shape)
       done = step + 1
       pending.push(done, metrics)
       due = periodic.due(done, stop=preemption.reached(done))
@@ -154,6 +176,7 @@ def train(config, workdir: str, evaluate_fn: EvaluateFn) -> Result:
         manager.save(done, state, eval_metrics)  # the metrics rank checkpoints for keep_best
       if due.stop:
         break
+    batches.close()  # its thread ends before the final evaluation
     manager.wait()
     wall_time = throughput.wall_time  # of training; the final evaluation is not counted
     final_metrics = {}
