@@ -67,3 +67,24 @@ def test_benchmark_mode_prints_its_numbers_as_json():
     assert numbers[key] > 0, key
   assert numbers["target_tokens_per_s"] == pytest.approx(4 * 5 / (numbers["step_ms"] / 1e3))
   assert numbers["mfu"] is None  # no peak is known for a CPU
+
+
+@pytest.mark.parametrize("batching", ["tokens", "packed"])
+def test_input_benchmark_times_the_input_path_alone(batching, capsys):
+  """--config.benchmark.input=True: a first start from raw text and a second from its cache."""
+  from transformer_jax.experiments import tiny
+  c = tiny.get_config()
+  c.data.batching = batching
+  c.benchmark.update(input=True, input_steps=7)
+  numbers = benchmark.run_benchmark(c)
+  assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == numbers
+  assert numbers["warm_steps"] == 7 and numbers["batching"] == batching
+  assert numbers["train_examples"] == 16728  # SCAN simple's train split, all within the limits
+  for key in ("raw_first_batch_s", "warm_first_batch_s", "raw_target_tokens_per_s",
+              "warm_target_tokens_per_s", "warm_source_tokens_per_s", "warm_batches_per_s"):
+    assert numbers[key] > 0, key
+  assert numbers["first_batch_speedup"] == pytest.approx(
+      numbers["raw_first_batch_s"] / numbers["warm_first_batch_s"])
+  # The target share of the tokens delivered is SCAN's: actions are longer than commands.
+  assert numbers["warm_target_tokens_per_s"] > numbers["warm_source_tokens_per_s"]
+  assert 0 < numbers["padding"] < 1

@@ -111,6 +111,8 @@ def default_config() -> ml_collections.ConfigDict:
   c.benchmark.torch = False  # also time torch.nn.Transformer (needs the [torch] extra)
   c.benchmark.torch_autocast = False  # torch side: bf16 autocast (float32 parameters)
   c.benchmark.torch_compile = ""  # torch side: a torch.compile backend (e.g. inductor); "" = eager
+  c.benchmark.input = False  # time the input path alone (data.*), not the train step
+  c.benchmark.input_steps = 200  # batches timed after the first one (benchmark.input)
   return c
 
 

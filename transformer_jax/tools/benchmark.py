@@ -5,9 +5,12 @@ The FLOP formula and the devices' peak FLOP/s live with the model (`model/flops.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
 import statistics
+import tempfile
 import time
 
 import jax
@@ -15,7 +18,7 @@ import numpy as np
 
 from transformer_jax import config as config_lib
 from transformer_jax.core.errors import UserError
-from transformer_jax.data import pipeline
+from transformer_jax.data import cache, pipeline, prepare
 from transformer_jax.data import sources as sources_lib
 from transformer_jax.eval import load, search
 from transformer_jax.model import ModelConfig, count_params, init_params
@@ -197,11 +200,82 @@ def benchmark_decode(config, model_config: ModelConfig, params) -> dict:
   return results
 
 
+def benchmark_input(config, model_config: ModelConfig) -> dict:
+  """The input path alone on config.data (`--config.benchmark.input=True`): no train step.
+
+  - tokenizer_s: the run's tokenizer, from data.tokenizer.model_path, the cache or trained now;
+  - a first start, from raw text: the data files hashed (the cache key), the train split
+    tokenised and written to an empty cache in a temporary directory, the batch plan, the first
+    batch placed on the mesh: raw_first_batch_s; raw_target_tokens_per_s: target tokens
+    tokenised (and written) per second;
+  - a second start, from that warm cache: the same steps, reading the entry back:
+    warm_first_batch_s; then benchmark.input_steps more batches as the training loop takes them
+    from `pipeline.batches` (prefetching thread, placement on the mesh): warm_*_tokens_per_s.
+  """
+  d, b = config.data, config.benchmark
+  mesh = sharding.make_mesh(config.mesh.to_dict())
+  multiple = config.train.grad_accum_steps
+  start = time.perf_counter()
+  source_key = sources_lib.split_key(d, d.train_split)
+  pairs = sources_lib.LazyPairs(d, d.train_split)
+  with tempfile.TemporaryDirectory() as workdir:  # a tokenizer is never taken from a workdir
+    tokenizer, _ = prepare.prepare_tokenizer(config, workdir, pairs, model_config.vocab_size,
+                                             cache.root(d), source_key)
+  result = {"tokenizer_s": time.perf_counter() - start, "batching": d.batching}
+  key = {"data": source_key, "tokenizer": hashlib.sha256(tokenizer.model_proto).hexdigest()}
+
+  def start_up(cache_dir: str, steps: int) -> dict:
+    start = time.perf_counter()
+    sources_lib.split_key(d, d.train_split)
+    corpus = cache.fetch(cache_dir, "encoded", key,
+                         lambda: pipeline.encode_corpus(pairs, tokenizer))
+    fetch_s = time.perf_counter() - start
+    examples = pipeline.select(corpus, d.max_source_len, d.max_target_len)
+    stream = pipeline.TrainStream(examples, d, config.seed, row_multiple=multiple)
+    place = lambda host: sharding.shard_batch(host, mesh, multiple=multiple)  # noqa: E731
+    with contextlib.closing(pipeline.batches(stream, 0, steps + 1, place=place,
+                                             prefetch=d.prefetch)) as batches:
+      jax.block_until_ready(next(batches).data)
+      first_s = time.perf_counter() - start
+      start = time.perf_counter()
+      after = list(batches)
+      jax.block_until_ready([batch.data for batch in after])
+    seconds = time.perf_counter() - start
+    target = sum(int(examples.target_lengths[stream.plan(x.step).examples].sum()) for x in after)
+    tokens, slots = (sum(x.tokens for x in after),
+                     sum(x.shape[0] * (x.shape[1] + x.shape[2]) for x in after))
+    return {"first_s": first_s, "fetch_s": fetch_s, "examples": len(examples),
+            "corpus_target_tokens": int(corpus["target"].size), "steps": len(after),
+            "target_tokens_per_s": target / seconds if after else 0.0,
+            "source_tokens_per_s": (tokens - target) / seconds if after else 0.0,
+            "batches_per_s": len(after) / seconds if after else 0.0,
+            "padding": 1.0 - tokens / slots if after else 0.0}
+
+  with tempfile.TemporaryDirectory() as cache_dir:
+    raw = start_up(cache_dir, 0)
+    warm = start_up(cache_dir, b.input_steps)
+  result.update({
+      "train_examples": raw["examples"], "corpus_target_tokens": raw["corpus_target_tokens"],
+      "raw_first_batch_s": raw["first_s"],
+      "raw_target_tokens_per_s": raw["corpus_target_tokens"] / raw["fetch_s"],
+      "warm_first_batch_s": warm["first_s"], "warm_cache_read_s": warm["fetch_s"],
+      "first_batch_speedup": raw["first_s"] / warm["first_s"], "warm_steps": warm["steps"],
+      **{f"warm_{k}": warm[k] for k in ("target_tokens_per_s", "source_tokens_per_s",
+                                        "batches_per_s")},
+      "padding": warm["padding"],
+  })
+  return result
+
+
 def run_benchmark(config) -> dict:
   """Everything `--mode=benchmark` prints; the last stdout line is the JSON object."""
   model_config = config_lib.validate(config, jax.default_backend())
   config_lib.validate_benchmark(config, model_config)
   b = config.benchmark
+  if b.input:
+    print(f"benchmark: the input path of {config.data.source} {config.data.train_split!r}, "
+          f"batching={config.data.batching}, prefetch {config.data.prefetch}", flush=True)
+    return _report(benchmark_input(config, model_config))
   print(f"benchmark: batch {b.batch_size} x (source {b.source_len} + target {b.target_len}), "
         f"{b.steps} timed steps after {b.warmup} warm-up, {jax.device_count()} device(s) "
         f"({jax.devices()[0].device_kind})", flush=True)
@@ -218,6 +292,10 @@ def run_benchmark(config) -> dict:
   if b.decode_steps:
     params = init_params(model_config, jax.random.PRNGKey(config.seed))
     result.update(benchmark_decode(config, model_config, params))
+  return _report(result)
+
+
+def _report(result: dict) -> dict:
   for key, value in result.items():
     shown = f"{value:,.4g}" if isinstance(value, float) else value
     print(f"  {key:24s} {shown}", flush=True)
