@@ -88,3 +88,7 @@ def test_input_benchmark_times_the_input_path_alone(batching, capsys):
   # The target share of the tokens delivered is SCAN's: actions are longer than commands.
   assert numbers["warm_target_tokens_per_s"] > numbers["warm_source_tokens_per_s"]
   assert 0 < numbers["padding"] < 1
+  c.benchmark.input_raw = False  # the warm start alone, from the cache of the runs
+  warm = benchmark.run_benchmark(c)
+  assert "raw_first_batch_s" not in warm and warm["warm_steps"] == 7
+  assert warm["corpus_target_tokens"] == numbers["corpus_target_tokens"]

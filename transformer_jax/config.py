@@ -113,6 +113,7 @@ def default_config() -> ml_collections.ConfigDict:
   c.benchmark.torch_compile = ""  # torch side: a torch.compile backend (e.g. inductor); "" = eager
   c.benchmark.input = False  # time the input path alone (data.*), not the train step
   c.benchmark.input_steps = 200  # batches timed after the first one (benchmark.input)
+  c.benchmark.input_raw = True  # benchmark.input: also time a first start from raw text
   return c
 
 
