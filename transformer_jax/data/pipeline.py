@@ -192,18 +192,19 @@ def pack(source_lengths, target_lengths, order, source_len: int, target_len: int
   A window instead of one open row roughly halves the padding (e.g. 16% -> 7% on Multi30k with
   rows of 64) at a small constant cost. Returns the example ids of each row.
   """
-  rows, open_ = [], collections.deque()  # open_: [source used, target used, row]
+  rows, open_ = [], collections.deque()  # open_: [source room, target room, row]
   for i, s, t in zip(order.tolist(), source_lengths[order].tolist(),
                      target_lengths[order].tolist()):
     for row in open_:
-      if row[0] + s <= source_len and row[1] + t <= target_len:
-        row[0] += s
-        row[1] += t
+      if s <= row[0] and t <= row[1]:
+        row[0] -= s
+        row[1] -= t
         row[2].append(i)
         break
     else:
-      rows.append([i])
-      open_.append([s, t, rows[-1]])
+      row = [i]
+      rows.append(row)
+      open_.append([source_len - s, target_len - t, row])
       if len(open_) > open_rows:
         open_.popleft()
   return rows
