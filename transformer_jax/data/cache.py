@@ -165,6 +165,7 @@ def write(entry: str, key: dict, arrays: dict) -> None:
       f.flush()
       os.fsync(f.fileno())
     _fsync_directory(temporary)
+    os.chmod(temporary, 0o755)  # mkdtemp's 0o700 would hide a shared cache from other users
     try:
       os.rename(temporary, entry)
     except OSError as e:
