@@ -102,6 +102,8 @@ def encode_corpus(pairs, tokenizer: Tokenizer, chunk_size: int = 50_000) -> dict
 
 def select(corpus: dict, max_source_len: int, max_target_len: int) -> Encoded:
   """The examples of an `encode_corpus` result that fit the limits (EOS included)."""
+  # Plain arrays over the same memory: indexing an np.memmap goes through Python code each time.
+  corpus = {name: np.asarray(array) for name, array in corpus.items()}
   source_lengths = np.diff(corpus["source_offsets"])
   target_lengths = np.diff(corpus["target_offsets"])
   index = np.flatnonzero((source_lengths <= max_source_len) & (target_lengths <= max_target_len))
