@@ -135,3 +135,60 @@ def test_only_pre_layer_norm_has_final_norms(tiny_config, norm):
     assert ("final_norm" in params[stack]) == (norm == "pre")
     if norm == "pre":
       assert params[stack]["final_norm"]["scale"].shape == (tiny_config.d_model,)
+
+
+# ----------------------------------------------------------------------------- RMSNorm, gated FFN
+
+
+def test_rms_norm_is_x_over_its_root_mean_square_times_the_scale(random_params):
+  cfg = small_config(d_model=8, num_heads=2, norm_type="rmsnorm")
+  x = random_inputs(2, (2, 3, 8)) * 3.0 + 1.0
+  module = layers.norm_layer(cfg, "norm")
+  params = random_params(lambda rng: module.init(rng, x))
+  assert jax.tree_util.tree_map(lambda p: p.shape, params) == {"scale": (8,)}  # no bias
+  x64 = np.asarray(x, np.float64)
+  expected = x64 / np.sqrt((x64**2).mean(-1, keepdims=True) + 1e-6) * np.asarray(params["scale"])
+  np.testing.assert_allclose(np.asarray(module.apply({"params": params}, x)), expected,
+                             rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("activation, nonlinearity", [
+    ("swiglu", lambda z: z / (1.0 + np.exp(-z))),  # swish = SiLU
+    ("geglu", lambda z: 0.5 * z * (1.0 + np.tanh(np.sqrt(2 / np.pi) * (z + 0.044715 * z**3))))])
+def test_gated_feed_forward_matches_numpy_reference(random_params, activation, nonlinearity):
+  cfg = small_config(d_model=8, num_heads=2, d_ff=16, activation=activation)
+  x = random_inputs(1, (2, 3, 8))
+  module = layers.FeedForward(cfg)
+  params = random_params(lambda rng: module.init(rng, x, True))
+  dense = {"kernel": (8, 16), "bias": (16,)}
+  assert jax.tree_util.tree_map(lambda p: p.shape, params) == {
+      "wi_gate": dense, "wi": dense, "wo": {"kernel": (16, 8), "bias": (8,)}}
+  p = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float64), params)
+  x64 = np.asarray(x, np.float64)
+  gate = nonlinearity(x64 @ p["wi_gate"]["kernel"] + p["wi_gate"]["bias"])
+  expected = (gate * (x64 @ p["wi"]["kernel"] + p["wi"]["bias"])) @ p["wo"]["kernel"] + p["wo"][
+      "bias"]
+  np.testing.assert_allclose(np.asarray(module.apply({"params": params}, x, True)), expected,
+                             rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_parallel_block_sums_attention_and_ffn_of_the_same_input(random_params, norm):
+  cfg = small_config(d_model=8, num_heads=2, d_ff=16, norm=norm, parallel_block=True)
+  x = random_inputs(3, (2, 4, 8))
+  valid = jnp.array([[True] * 4, [True] * 2 + [False] * 2])
+  mask = attention.padding_mask(valid, valid)
+  params = random_params(lambda rng: layers.EncoderLayer(cfg).init(rng, x, mask, True))
+  assert set(params) == {"self_attention", "ffn", "parallel_block"}  # one norm for both
+  out = np.asarray(layers.EncoderLayer(cfg).apply({"params": params}, x, mask, True))
+  norm_module = layers.norm_layer(cfg, "norm")
+  normed = norm_module.apply({"params": params["parallel_block"]["norm"]}, x)
+  attend = lambda h: layers.attention(cfg, "a").apply({"params": params["self_attention"]}, h,
+                                                      None, mask)
+  ffn = lambda h: layers.FeedForward(cfg).apply({"params": params["ffn"]}, h, True)
+  if norm == "pre":  # x + Attention(LN(x)) + FFN(LN(x))
+    expected = x + attend(normed) + ffn(normed)
+  else:  # LN(x + Attention(x) + FFN(x))
+    expected = norm_module.apply({"params": params["parallel_block"]["norm"]},
+                                 x + attend(x) + ffn(x))
+  np.testing.assert_allclose(out, np.asarray(expected), rtol=1e-5, atol=1e-5)

@@ -296,3 +296,23 @@ def test_remat_gives_the_same_parameters_and_gradients(tiny_config, remat):
   for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(recomputed)):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
   assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(plain)) > 0
+
+
+def test_default_parameter_tree_is_the_encoder_decoders_of_before():
+  """New options default to today's model: a checkpoint of the default config keeps its tree."""
+  shapes = param_shapes(ModelConfig(vocab_size=8, d_model=4, num_heads=2, num_encoder_layers=1,
+                                    num_decoder_layers=1, d_ff=8, max_len=8))
+  paths = sorted("/".join(p.key for p in path)
+                 for path, _ in jax.tree_util.tree_leaves_with_path(shapes))
+  attention = [f"{name}/{leaf}" for name in ("key", "out", "query", "value")
+               for leaf in ("bias", "kernel")]
+  ffn = ["ffn/wi/bias", "ffn/wi/kernel", "ffn/wo/bias", "ffn/wo/kernel"]
+  norm = lambda block: [f"{block}/norm/bias", f"{block}/norm/scale"]
+  encoder = ([f"self_attention/{a}" for a in attention] + norm("attention_block") + ffn
+             + norm("ffn_block"))
+  decoder = ([f"{kind}_attention/{a}" for kind in ("self", "cross") for a in attention]
+             + norm("self_attention_block") + norm("cross_attention_block") + ffn
+             + norm("ffn_block"))
+  expected = (["shared_embedding/embedding"] + [f"encoder/layer_0/{p}" for p in encoder]
+              + [f"decoder/layer_0/{p}" for p in decoder])
+  assert paths == sorted(expected)

@@ -15,8 +15,10 @@ from transformer_jax.core.errors import UserError
 # The allowed values of every string option; `transformer_jax.config` extends this table with the
 # experiment's other options, so all choices are listed in one place.
 CHOICES = {
-    "activation": ("relu", "gelu"),
+    # swiglu / geglu: the gated FFN (Shazeer, 2020): (act(x W_gate) * x W1) W2.
+    "activation": ("relu", "gelu", "swiglu", "geglu"),
     "norm": ("post", "pre"),
+    "norm_type": ("layernorm", "rmsnorm"),
     "positional": ("sinusoidal", "learned"),
     "init": ("xavier", "normal"),
     "attention_impl": ("plain", "jax"),  # see attention.dot_product_attention
@@ -46,6 +48,10 @@ class ModelConfig:
   attention_dropout_rate: float = 0.0  # on attention weights
   activation: str = "relu"
   norm: str = "post"  # "post" = the paper's LayerNorm(x + Sublayer(x)); "pre" = x + Sublayer(LN(x))
+  norm_type: str = "layernorm"
+  # True: the sublayers of a layer read the same input and their outputs are summed
+  # (GPT-J, PaLM): x + Attention(LN(x)) + FFN(LN(x)) pre-LN, LN(x + Attention(x) + FFN(x)) post-LN.
+  parallel_block: bool = False
   positional: str = "sinusoidal"
   position_base: float = 10000.0
   max_len: int = 256
@@ -68,6 +74,10 @@ class ModelConfig:
   @property
   def head_dim(self) -> int:
     return self.d_model // self.num_heads
+
+  @property
+  def gated(self) -> bool:
+    return self.activation in ("swiglu", "geglu")
 
   def replace(self, **changes) -> "ModelConfig":
     return dataclasses.replace(self, **changes)

@@ -18,7 +18,7 @@ from transformer_jax.model.layers import (
   EncoderLayer,
   embedding_init,
   kernel_init,
-  layer_norm,
+  norm_layer,
 )
 from transformer_jax.model.positions import AddPositions
 
@@ -122,7 +122,7 @@ class Encoder(nn.Module):
     for i in range(cfg.num_encoder_layers):
       x = layer(cfg, name=f"layer_{i}")(x, mask, deterministic)
     if cfg.norm == "pre":
-      x = layer_norm(cfg, "final_norm")(x)
+      x = norm_layer(cfg, "final_norm")(x)
     return x
 
 
@@ -170,7 +170,7 @@ class Decoder(nn.Module):
       y = layer(cfg, decode=cfg.decode, name=f"layer_{i}")(
           y, encoded, self_mask, cross_mask, deterministic)
     if cfg.norm == "pre":
-      y = layer_norm(cfg, "final_norm")(y)
+      y = norm_layer(cfg, "final_norm")(y)
     if cfg.tie_output:
       embedding = jnp.asarray(self.embed.embedding, cfg.compute_dtype)
       logits = output_projection(y.astype(cfg.compute_dtype), embedding)
