@@ -289,6 +289,26 @@ def test_fused_self_attention_params(init_mha):
   assert module.apply({"params": params}, x).shape == x.shape
 
 
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_grouped_query_attention_shares_each_key_value_head_within_its_group(init_mha, kv_heads):
+  x = random_inputs(0, 2, 5)
+  valid = valid_lengths_mask([5, 3], 5)
+  mask = attention.padding_mask(valid, valid)
+  module, params = init_mha(x, num_kv_heads=kv_heads)
+  kv = {"kernel": (D_MODEL, kv_heads, HEAD_DIM), "bias": (kv_heads, HEAD_DIM)}
+  assert shapes_of(params)["key"] == shapes_of(params)["value"] == kv
+  p = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float64), params)
+  x64 = np.asarray(x, np.float64)
+  project = lambda name: np.einsum("bld,dhk->blhk", x64, p[name]["kernel"]) + p[name]["bias"]
+  group = HEADS // kv_heads  # query head h reads key/value head h // group
+  expected, _ = reference_attention(project("query"), np.repeat(project("key"), group, axis=2),
+                                    np.repeat(project("value"), group, axis=2), mask)
+  expected = np.einsum("blhk,hkd->bld", expected, p["out"]["kernel"]) + p["out"]["bias"]
+  out = module.apply({"params": params}, x, None, mask)
+  real = np.asarray(valid)
+  np.testing.assert_allclose(np.asarray(out)[real], expected[real], rtol=1e-5, atol=1e-5)
+
+
 def test_fused_cross_attention_params(init_mha):
   x, memory = random_inputs(0, 2, 5), random_inputs(1, 2, 7)
   module, params = init_mha(x, memory, fused_qkv=True)

@@ -223,6 +223,8 @@ def test_learned_positions_add_two_tables_counted_as_embeddings(tiny_config):
     (dict(num_heads=0), "num_heads"),
     (dict(d_model=9, num_heads=3, positional="sinusoidal"), "even"),
     (dict(attention_impl="jax", attention_dropout_rate=0.1), "attention_dropout_rate"),
+    (dict(num_kv_heads=3), "num_kv_heads"),
+    (dict(num_kv_heads=2, fused_qkv=True), "fused_qkv"),
 ])
 def test_validate_rejects_impossible_configs(tiny_config, changes, message):
   with pytest.raises(UserError, match=message):

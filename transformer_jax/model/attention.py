@@ -190,13 +190,18 @@ def _stacked_init(init: Callable, n: int) -> Callable:
 class MultiHeadAttention(nn.Module):
   """Multi-head attention: self-attention (`inputs_kv=None`) or cross-attention.
 
+  With `num_kv_heads` < `num_heads` (grouped-query attention, Ainslie et al. 2023), each key/value
+  head serves num_heads / num_kv_heads query heads; 1 is multi-query attention.
+
   With `decode=True` it keeps a `cache` collection for incremental decoding: self-attention
   appends one step's key/value per call; cross-attention projects the encoder output once and
   reuses it. The first call with `decode=True` (full-length inputs) only creates the cache.
+  The cache holds the key/value heads only: grouped-query attention shrinks it.
   """
 
   num_heads: int
   d_model: int
+  num_kv_heads: int = 0  # 0 = num_heads
   dropout_rate: float = 0.0  # on attention weights
   output_dropout_rate: float = 0.0  # on the output projection
   fused_qkv: bool = False
@@ -212,27 +217,29 @@ class MultiHeadAttention(nn.Module):
     """inputs_q `[batch, q_len, d_model]`, inputs_kv `[batch, kv_len, d_model]` or None (self-
     attention) -> `[batch, q_len, d_model]`."""
     head_dim = self.d_model // self.num_heads
+    kv_heads = self.num_kv_heads or self.num_heads
     bias_init = nn.initializers.zeros_init()
 
-    def dense(n=None, name=None):
+    def dense(n=None, name=None, heads=self.num_heads, head_name="heads"):
       """Projection d_model -> [n,] heads, head_dim (n fused projections stacked)."""
-      features = (self.num_heads, head_dim) if n is None else (n, self.num_heads, head_dim)
-      names = ("heads", "kv") if n is None else ("stack", "heads", "kv")
+      features = (heads, head_dim) if n is None else (n, heads, head_dim)
+      names = (head_name, "kv") if n is None else ("stack", head_name, "kv")
       init = self.kernel_init if n is None else _stacked_init(self.kernel_init, n)
       return nn.DenseGeneral(features=features, axis=-1, use_bias=self.use_bias,
                              dtype=self.dtype, kernel_init=param_init(init, "embed", *names),
                              bias_init=param_init(bias_init, *names), name=name)
 
-    def heads(x):
-      return constrain(x, "batch", "length", "heads", "kv")
+    def heads(x, name="heads"):
+      return constrain(x, "batch", "length", name, "kv")
 
     self_attention = inputs_kv is None
 
     def project_kv(x):
       if self.fused_qkv:
-        kv = dense(2, name="kv")(x)
-        return heads(kv[:, :, 0]), heads(kv[:, :, 1])
-      return heads(dense(name="key")(x)), heads(dense(name="value")(x))
+        kv = dense(2, name="kv", heads=kv_heads, head_name="kv_heads")(x)
+        return heads(kv[:, :, 0], "kv_heads"), heads(kv[:, :, 1], "kv_heads")
+      return (heads(dense(name="key", heads=kv_heads, head_name="kv_heads")(x), "kv_heads"),
+              heads(dense(name="value", heads=kv_heads, head_name="kv_heads")(x), "kv_heads"))
 
     if self_attention and self.fused_qkv:
       qkv = dense(3, name="qkv")(inputs_q)
@@ -255,6 +262,9 @@ class MultiHeadAttention(nn.Module):
 
     if self.decode and self_attention:
       key, value, mask = self._extend_cache(key, value, mask)
+    if kv_heads != self.num_heads:  # each key/value head serves a group of query heads
+      key = heads(jnp.repeat(key, self.num_heads // kv_heads, axis=2))
+      value = heads(jnp.repeat(value, self.num_heads // kv_heads, axis=2))
 
     dropout_rng = None
     if self.dropout_rate > 0.0 and not deterministic:

@@ -9,7 +9,8 @@ The names:
   batch     examples (activations only)
   length    positions of a sequence (activations only)
   embed     d_model
-  heads     attention heads
+  heads     attention heads (of the queries)
+  kv_heads  heads of the keys and values (fewer than `heads` with grouped-query attention)
   kv        head_dim (d_k = d_v)
   mlp       the feed-forward hidden dimension d_ff
   vocab     the vocabulary

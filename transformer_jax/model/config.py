@@ -41,6 +41,7 @@ class ModelConfig:
   vocab_size: int
   d_model: int = 512
   num_heads: int = 8
+  num_kv_heads: int = 0  # key/value heads (grouped-query attention); 0 = num_heads
   num_encoder_layers: int = 6
   num_decoder_layers: int = 6
   d_ff: int = 2048
@@ -76,6 +77,11 @@ class ModelConfig:
     return self.d_model // self.num_heads
 
   @property
+  def kv_heads(self) -> int:
+    """Heads of the keys and values: num_kv_heads, or num_heads (multi-head attention)."""
+    return self.num_kv_heads or self.num_heads
+
+  @property
   def gated(self) -> bool:
     return self.activation in ("swiglu", "geglu")
 
@@ -107,7 +113,17 @@ class ModelConfig:
     check_attention_dropout(self.attention_impl, self.attention_dropout_rate)
     if self.position_base <= 1.0:
       raise UserError(f"model.position_base must be > 1, got {self.position_base}")
+    self._validate_options()
     return self
+
+  def _validate_options(self) -> None:
+    """The attention options and the pairs of them that clash."""
+    if self.num_kv_heads < 0 or (self.num_kv_heads and self.num_heads % self.num_kv_heads):
+      raise UserError(f"model.num_kv_heads ({self.num_kv_heads}) must divide model.num_heads "
+                      f"({self.num_heads}) (0 = as many as num_heads)")
+    if self.fused_qkv and self.kv_heads != self.num_heads:
+      raise UserError("model.fused_qkv stacks queries, keys and values of as many heads; with "
+                      "model.num_kv_heads set, use model.fused_qkv=False")
 
   @classmethod
   def from_dict(cls, values: Mapping[str, Any]) -> "ModelConfig":

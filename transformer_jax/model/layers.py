@@ -60,8 +60,9 @@ class FeedForward(nn.Module):
 
 def attention(cfg: ModelConfig, name: str, decode: bool = False) -> MultiHeadAttention:
   return MultiHeadAttention(
-      num_heads=cfg.num_heads, d_model=cfg.d_model, dropout_rate=cfg.attention_dropout_rate,
-      output_dropout_rate=cfg.dropout_rate, fused_qkv=cfg.fused_qkv, use_bias=cfg.qkv_bias,
+      num_heads=cfg.num_heads, d_model=cfg.d_model, num_kv_heads=cfg.num_kv_heads,
+      dropout_rate=cfg.attention_dropout_rate, output_dropout_rate=cfg.dropout_rate,
+      fused_qkv=cfg.fused_qkv, use_bias=cfg.qkv_bias,
       implementation=cfg.attention_impl, decode=decode, dtype=cfg.compute_dtype,
       kernel_init=kernel_init(cfg), name=name)
 

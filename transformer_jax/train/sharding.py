@@ -44,6 +44,7 @@ RULES = (
     ("batch", BATCH_AXES),
     ("embed", "fsdp"),
     ("heads", "tensor"),
+    ("kv_heads", "tensor"),  # grouped-query attention: split like the heads when they divide
     ("mlp", "tensor"),
     ("vocab", "tensor"),
 )
