@@ -150,6 +150,20 @@ def test_cached_steps_match_full_decoder(norm, fused_qkv, positional, tie_output
     np.testing.assert_allclose(layer["cross_attention"]["cross_key"], expected, atol=1e-5)
 
 
+@pytest.mark.parametrize("changes", [dict(positional="rotary", num_kv_heads=1),
+                                     dict(positional="relative_bias", parallel_block=True)])
+def test_cached_steps_match_full_decoder_with_relative_positions(changes):
+  config = make_config(**changes)
+  params = random_params(config, 0)
+  batch, steps = 3, 6
+  source = random_sources(seed=1, batch=batch, length=7)
+  targets = np.random.default_rng(2).integers(3, VOCAB, size=(batch, steps))
+  decoder_inputs = jnp.asarray(np.concatenate([np.full((batch, 1), BOS), targets[:, :-1]], 1),
+                               jnp.int32)
+  full, cached, _, _ = cached_and_full(config, params, source, decoder_inputs)
+  np.testing.assert_allclose(cached, full, atol=2e-5, rtol=2e-5)
+
+
 def test_decode_length_beyond_max_len_is_a_user_error():
   config = make_config()
   params = random_params(config, 0)

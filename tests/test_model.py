@@ -216,7 +216,7 @@ def test_learned_positions_add_two_tables_counted_as_embeddings(tiny_config):
     (dict(attention_dropout_rate=1.5), "attention_dropout_rate"),
     (dict(norm="middle"), "model.norm"),
     (dict(activation="swish"), "model.activation"),
-    (dict(positional="rotary"), "model.positional"),
+    (dict(positional="alibi"), "model.positional"),
     (dict(init="he"), "model.init"),
     (dict(attention_impl="flash"), "model.attention_impl"),
     (dict(dtype="float16"), "model.dtype"),
@@ -225,6 +225,8 @@ def test_learned_positions_add_two_tables_counted_as_embeddings(tiny_config):
     (dict(attention_impl="jax", attention_dropout_rate=0.1), "attention_dropout_rate"),
     (dict(num_kv_heads=3), "num_kv_heads"),
     (dict(num_kv_heads=2, fused_qkv=True), "fused_qkv"),
+    (dict(d_model=36, num_heads=4, positional="rotary"), "even head_dim"),
+    (dict(relative_buckets=64, relative_max_distance=32), "relative_buckets"),
 ])
 def test_validate_rejects_impossible_configs(tiny_config, changes, message):
   with pytest.raises(UserError, match=message):
@@ -233,6 +235,7 @@ def test_validate_rejects_impossible_configs(tiny_config, changes, message):
 
 def test_validate_accepts_every_choice(tiny_config):
   for changes in (dict(norm="pre"), dict(activation="gelu"), dict(positional="learned"),
+                  dict(positional="rotary"), dict(positional="relative_bias"),
                   dict(init="normal"), dict(attention_impl="jax"), dict(dtype="bfloat16"),
                   dict(dropout_rate=0.0), dict(attention_dropout_rate=0.99)):
     cfg = tiny_config.replace(**changes)

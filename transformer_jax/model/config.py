@@ -19,7 +19,9 @@ CHOICES = {
     "activation": ("relu", "gelu", "swiglu", "geglu"),
     "norm": ("post", "pre"),
     "norm_type": ("layernorm", "rmsnorm"),
-    "positional": ("sinusoidal", "learned"),
+    # rotary: RoPE (Su et al., 2021) on queries and keys; relative_bias: T5's learned per-head
+    # bias of bucketed relative distances; both leave the embeddings without positions.
+    "positional": ("sinusoidal", "learned", "rotary", "relative_bias"),
     "init": ("xavier", "normal"),
     "attention_impl": ("plain", "jax"),  # see attention.dot_product_attention
     "dtype": ("float32", "bfloat16"),
@@ -54,7 +56,9 @@ class ModelConfig:
   # (GPT-J, PaLM): x + Attention(LN(x)) + FFN(LN(x)) pre-LN, LN(x + Attention(x) + FFN(x)) post-LN.
   parallel_block: bool = False
   positional: str = "sinusoidal"
-  position_base: float = 10000.0
+  position_base: float = 10000.0  # sinusoidal and rotary: the base of the wavelengths
+  relative_buckets: int = 32  # relative_bias: buckets of the relative distance (per direction
+  relative_max_distance: int = 128  # in an encoder); beyond max_distance all share the last one
   max_len: int = 256
   share_embeddings: bool = True  # one table for source and target tokens
   tie_output: bool = True  # the output projection is the (target) embedding table transposed
@@ -117,13 +121,19 @@ class ModelConfig:
     return self
 
   def _validate_options(self) -> None:
-    """The attention options and the pairs of them that clash."""
+    """The attention and position options and the pairs of them that clash."""
     if self.num_kv_heads < 0 or (self.num_kv_heads and self.num_heads % self.num_kv_heads):
       raise UserError(f"model.num_kv_heads ({self.num_kv_heads}) must divide model.num_heads "
                       f"({self.num_heads}) (0 = as many as num_heads)")
     if self.fused_qkv and self.kv_heads != self.num_heads:
       raise UserError("model.fused_qkv stacks queries, keys and values of as many heads; with "
                       "model.num_kv_heads set, use model.fused_qkv=False")
+    if self.positional == "rotary" and self.head_dim % 2:
+      raise UserError(f"rotary positions need an even head_dim, got {self.head_dim} "
+                      "(model.d_model / model.num_heads)")
+    if self.relative_buckets < 2 or self.relative_max_distance < self.relative_buckets:
+      raise UserError(f"model.relative_buckets ({self.relative_buckets}) must be >= 2 and at "
+                      f"most model.relative_max_distance ({self.relative_max_distance})")
 
   @classmethod
   def from_dict(cls, values: Mapping[str, Any]) -> "ModelConfig":

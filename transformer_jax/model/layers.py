@@ -58,11 +58,13 @@ class FeedForward(nn.Module):
     return Dropout(rate=cfg.dropout_rate)(h, deterministic)
 
 
-def attention(cfg: ModelConfig, name: str, decode: bool = False) -> MultiHeadAttention:
+def attention(cfg: ModelConfig, name: str, decode: bool = False,
+              rotary: bool = False) -> MultiHeadAttention:
   return MultiHeadAttention(
       num_heads=cfg.num_heads, d_model=cfg.d_model, num_kv_heads=cfg.num_kv_heads,
       dropout_rate=cfg.attention_dropout_rate, output_dropout_rate=cfg.dropout_rate,
       fused_qkv=cfg.fused_qkv, use_bias=cfg.qkv_bias,
+      rotary_base=cfg.position_base if rotary and cfg.positional == "rotary" else 0.0,
       implementation=cfg.attention_impl, decode=decode, dtype=cfg.compute_dtype,
       kernel_init=kernel_init(cfg), name=name)
 
@@ -114,34 +116,42 @@ class EncoderLayer(nn.Module):
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, x: Array, mask: Optional[Array], deterministic: bool) -> Array:
-    """x `[batch, src_len, d_model]`, mask bool `[batch, 1, src_len, src_len]`."""
+  def __call__(self, x: Array, mask: Optional[Array], deterministic: bool,
+               bias: Optional[Array] = None, positions: Optional[Array] = None) -> Array:
+    """x `[batch, src_len, d_model]`, mask bool `[batch, 1, src_len, src_len]`; bias (relative
+    positions) `[batch, heads, src_len, src_len]`; positions (rotary) int `[batch, src_len]`."""
     cfg = self.config
-    self_attention = attention(cfg, "self_attention")
+    self_attention = attention(cfg, "self_attention", rotary=True)
     ffn = FeedForward(cfg, name="ffn")
     return residual_blocks(cfg, x, [
-        ("attention_block", lambda h: self_attention(h, None, mask, deterministic)),
+        ("attention_block", lambda h: self_attention(h, None, mask, deterministic, bias=bias,
+                                                     positions=positions)),
         ("ffn_block", lambda h: ffn(h, deterministic))])
 
 
 class DecoderLayer(nn.Module):
+  """Masked self-attention, cross-attention to the encoder output, feed-forward."""
+
   config: ModelConfig
   decode: bool = False
 
   @nn.compact
   def __call__(self, y: Array, encoded: Array, self_mask: Optional[Array],
-               cross_mask: Optional[Array], deterministic: bool) -> Array:
+               cross_mask: Optional[Array], deterministic: bool, bias: Optional[Array] = None,
+               positions: Optional[Array] = None) -> Array:
     """y `[batch, tgt_len, d_model]`, encoded `[batch, src_len, d_model]`.
 
     self_mask `[batch, 1, tgt_len, tgt_len]` (causal and padding), cross_mask
-    `[batch, 1, tgt_len, src_len]`.
+    `[batch, 1, tgt_len, src_len]`; bias (relative positions) `[batch, heads, tgt_len, tgt_len]`;
+    positions (rotary) int `[batch, tgt_len]`.
     """
     cfg = self.config
-    self_attention = attention(cfg, "self_attention", self.decode)
+    self_attention = attention(cfg, "self_attention", self.decode, rotary=True)
     cross_attention = attention(cfg, "cross_attention", self.decode)
     ffn = FeedForward(cfg, name="ffn")
     return residual_blocks(cfg, y, [
-        ("self_attention_block", lambda h: self_attention(h, None, self_mask, deterministic)),
+        ("self_attention_block", lambda h: self_attention(
+            h, None, self_mask, deterministic, bias=bias, positions=positions)),
         ("cross_attention_block", lambda h: cross_attention(h, encoded, cross_mask,
                                                             deterministic)),
         ("ffn_block", lambda h: ffn(h, deterministic))])

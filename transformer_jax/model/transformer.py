@@ -20,7 +20,7 @@ from transformer_jax.model.layers import (
   kernel_init,
   norm_layer,
 )
-from transformer_jax.model.positions import AddPositions
+from transformer_jax.model.positions import AddPositions, RelativePositionBias
 
 Array = jax.Array
 
@@ -60,6 +60,21 @@ def _default_positions(tokens: Array) -> Array:
   return jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
 
 
+def _segments(tokens: Array, segments: Optional[Array]) -> Array:
+  """Example ids of packed rows, or 1 at every real token of an unpacked row (0 = padding)."""
+  return (tokens > 0).astype(jnp.int32) if segments is None else segments
+
+
+def _position_bias(cfg: ModelConfig, bidirectional: bool, query_positions: Array,
+                   key_positions: Array) -> Optional[Array]:
+  """The stack's relative position bias `[batch, heads, q_len, kv_len]`, or None when the model
+  has none. Called in a module's compact scope: the table is that stack's "relative_bias"."""
+  if cfg.positional != "relative_bias":
+    return None
+  return RelativePositionBias(cfg, bidirectional, name="relative_bias")(query_positions,
+                                                                         key_positions)
+
+
 @jax.custom_vjp
 def output_projection(x: Array, embedding: Array) -> Array:
   """Logits of the tied output layer: x `[batch, length, d]` times the `[vocab, d]` table^T.
@@ -86,6 +101,20 @@ def _output_projection_bwd(residuals, d_logits):
 output_projection.defvjp(_output_projection_fwd, _output_projection_bwd)
 
 
+def _logits(cfg: ModelConfig, embed: nn.Embed, y: Array) -> Array:
+  """float32 logits `[batch, length, vocab]` of the outputs y: the embedding table transposed
+  (tied) or a Dense layer named "logits"."""
+  if cfg.tie_output:
+    embedding = jnp.asarray(embed.embedding, cfg.compute_dtype)
+    logits = output_projection(y.astype(cfg.compute_dtype), embedding)
+  else:
+    logits = nn.Dense(cfg.vocab_size, dtype=cfg.compute_dtype,
+                      kernel_init=param_init(kernel_init(cfg), "embed", "vocab"),
+                      bias_init=param_init(nn.initializers.zeros_init(), "vocab"),
+                      name="logits")(y)
+  return constrain(logits.astype(jnp.float32), "batch", "length", "vocab")
+
+
 def _maybe_remat(layer_class, cfg: ModelConfig, deterministic_argnum: int):
   """The layer class, wrapped in `nn.remat` when training with model.remat set.
 
@@ -98,7 +127,25 @@ def _maybe_remat(layer_class, cfg: ModelConfig, deterministic_argnum: int):
                   policy=REMAT_POLICIES[cfg.remat])
 
 
+def _cached_key_positions(module: nn.Module, positions: Array) -> Optional[Array]:
+  """Decode mode: the position of every cache slot once this call's `positions` (int
+  `[batch, n]`) are written at the cache index, int `[batch, cache_len]`, -1 where nothing was
+  written; None on the cache-creating call, which writes nothing."""
+  initialized = module.has_variable("cache", "key_positions")
+  slots = module.variable("cache", "key_positions",
+                          lambda: jnp.full(positions.shape, -1, jnp.int32))
+  index = module.variable("cache", "index", lambda: jnp.array(0, jnp.int32))
+  if not initialized:
+    return None
+  slots.value = jax.lax.dynamic_update_slice(slots.value, positions.astype(jnp.int32),
+                                             (0, index.value))
+  index.value = index.value + positions.shape[1]
+  return slots.value
+
+
 class Encoder(nn.Module):
+  """The bidirectional stack: embeddings, layers of self-attention and FFN, final norm."""
+
   config: ModelConfig
   embed: nn.Module
 
@@ -118,68 +165,57 @@ class Encoder(nn.Module):
       mask = attention.combine_masks(mask, attention.segment_mask(segments, segments))
     x = _embed_tokens(cfg, self.embed, AddPositions(cfg, name="positions"), tokens, positions,
                       deterministic)
+    bias = _position_bias(cfg, True, positions, positions)
     layer = _maybe_remat(EncoderLayer, cfg, deterministic_argnum=3)
     for i in range(cfg.num_encoder_layers):
-      x = layer(cfg, name=f"layer_{i}")(x, mask, deterministic)
+      x = layer(cfg, name=f"layer_{i}")(x, mask, deterministic, bias, positions)
     if cfg.norm == "pre":
       x = norm_layer(cfg, "final_norm")(x)
     return x
 
 
 class Decoder(nn.Module):
+  """The causal stack: embeddings, layers of masked self-attention and cross-attention to the
+  encoder output, final norm, output projection."""
+
   config: ModelConfig
   embed: nn.Module
 
   @nn.compact
-  def __call__(self, encoded: Array, source_tokens: Array, decoder_inputs: Array,
-               positions: Optional[Array] = None, source_segments: Optional[Array] = None,
-               target_segments: Optional[Array] = None) -> Array:
-    """Returns logits `[batch, tgt_len, vocab]` in float32.
+  def __call__(self, tokens: Array, positions: Array, segments: Array,
+               encoded: Array, cross_mask: Array) -> Array:
+    """Returns logits `[batch, length, vocab]` in float32.
 
     Args:
+      tokens: int `[batch, length]` (0 = padding).
+      positions: int `[batch, length]`, each token's position within its example; a query
+        attends to the keys of its example at positions up to its own. In decode mode, the
+        positions of this call's tokens.
+      segments: int `[batch, length]`, example ids (0 = padding).
       encoded: `[batch, src_len, d_model]` from the encoder.
-      source_tokens: int `[batch, src_len]`, for the cross-attention padding mask.
-      decoder_inputs: int `[batch, tgt_len]`, the targets shifted right (BOS first).
-      positions: int `[batch, tgt_len]`; in decode mode, the position of the single step.
-      source_segments, target_segments: example ids for packed rows.
+      cross_mask: bool `[batch, 1, length, src_len]`.
     """
     cfg = self.config
     deterministic = cfg.deterministic
-    positions = _default_positions(decoder_inputs) if positions is None else positions
-    source_valid = source_tokens > 0
-    if cfg.decode:
-      # One step at a time: the cache masks positions not yet written; queries are never padding.
-      query_valid = jnp.ones(decoder_inputs.shape, dtype=bool)
-      self_mask = None
+    key_positions = _cached_key_positions(self, positions) if cfg.decode else None
+    if key_positions is not None:
+      # A decoding step: the cache says which slots hold keys of real positions.
+      self_mask = (key_positions >= 0)[:, None, None, :]
     else:
-      query_valid = decoder_inputs > 0
+      key_positions = positions
       self_mask = attention.combine_masks(
-          attention.padding_mask(query_valid, query_valid),
-          attention.causal_mask(decoder_inputs.shape[1]))
-    cross_mask = attention.padding_mask(query_valid, source_valid)
-    if target_segments is not None:
-      self_mask = attention.combine_masks(
-          self_mask, attention.segment_mask(target_segments, target_segments))
-      cross_mask = attention.combine_masks(
-          cross_mask, attention.segment_mask(target_segments, source_segments))
-
-    y = _embed_tokens(cfg, self.embed, AddPositions(cfg, name="positions"), decoder_inputs,
-                      positions, deterministic)
+          attention.segment_mask(segments, segments), (segments > 0)[:, None, None, :],
+          positions[:, None, None, :] <= positions[:, None, :, None])
+    y = _embed_tokens(cfg, self.embed, AddPositions(cfg, name="positions"), tokens, positions,
+                      deterministic)
+    bias = _position_bias(cfg, False, positions, key_positions)
     layer = _maybe_remat(DecoderLayer, cfg, deterministic_argnum=5)
     for i in range(cfg.num_decoder_layers):
       y = layer(cfg, decode=cfg.decode, name=f"layer_{i}")(
-          y, encoded, self_mask, cross_mask, deterministic)
+          y, encoded, self_mask, cross_mask, deterministic, bias, positions)
     if cfg.norm == "pre":
       y = norm_layer(cfg, "final_norm")(y)
-    if cfg.tie_output:
-      embedding = jnp.asarray(self.embed.embedding, cfg.compute_dtype)
-      logits = output_projection(y.astype(cfg.compute_dtype), embedding)
-    else:
-      logits = nn.Dense(cfg.vocab_size, dtype=cfg.compute_dtype,
-                        kernel_init=param_init(kernel_init(cfg), "embed", "vocab"),
-                        bias_init=param_init(nn.initializers.zeros_init(), "vocab"),
-                        name="logits")(y)
-    return constrain(logits.astype(jnp.float32), "batch", "length", "vocab")
+    return _logits(cfg, self.embed, y)
 
 
 class Transformer(nn.Module):
@@ -201,8 +237,26 @@ class Transformer(nn.Module):
   def decode(self, encoded: Array, source_tokens: Array, decoder_inputs: Array,
              target_positions: Optional[Array] = None, source_segments: Optional[Array] = None,
              target_segments: Optional[Array] = None) -> Array:
-    return self.decoder(encoded, source_tokens, decoder_inputs, target_positions,
-                        source_segments, target_segments)
+    """Logits `[batch, tgt_len, vocab]` (float32) of the targets.
+
+    Args:
+      encoded: `[batch, src_len, d_model]` from the encoder.
+      source_tokens: int `[batch, src_len]`, for the cross-attention padding mask.
+      decoder_inputs: int `[batch, tgt_len]`, the targets shifted right (BOS first).
+      target_positions: int `[batch, tgt_len]`; in decode mode, the position of the step.
+      source_segments, target_segments: example ids for packed rows.
+    """
+    positions = (_default_positions(decoder_inputs) if target_positions is None
+                 else target_positions)
+    # In decode mode the queries are the steps being decoded, never padding.
+    query_valid = (jnp.ones(decoder_inputs.shape, bool) if self.config.decode
+                   else decoder_inputs > 0)
+    cross_mask = attention.padding_mask(query_valid, source_tokens > 0)
+    if target_segments is not None:
+      cross_mask = attention.combine_masks(
+          cross_mask, attention.segment_mask(target_segments, source_segments))
+    return self.decoder(decoder_inputs, positions, _segments(decoder_inputs, target_segments),
+                        encoded, cross_mask)
 
   def __call__(self, source_tokens: Array, decoder_inputs: Array,
                source_positions: Optional[Array] = None, target_positions: Optional[Array] = None,
@@ -252,12 +306,15 @@ def count_params(params) -> dict:
 def describe(config: ModelConfig) -> str:
   """A short human-readable summary: the config and parameter counts."""
   counts = count_params(param_shapes(config))
+  c = config
+  kv = f", {c.kv_heads} key/value heads" if c.kv_heads != c.num_heads else ""
+  block = f"{c.norm}-{c.norm_type}, {c.activation}" + (", parallel blocks" if c.parallel_block
+                                                       else "")
   lines = [
-      f"Transformer: {config.num_encoder_layers}+{config.num_decoder_layers} layers, "
-      f"d_model {config.d_model}, d_ff {config.d_ff}, {config.num_heads} heads "
-      f"(head_dim {config.head_dim}), vocab {config.vocab_size}, {config.norm}-LN, "
-      f"{config.positional} positions, dtype {config.dtype}",
+      f"Transformer: {c.num_encoder_layers}+{c.num_decoder_layers} layers, d_model {c.d_model}, "
+      f"d_ff {c.d_ff}, {c.num_heads} heads (head_dim {c.head_dim}{kv}), vocab {c.vocab_size}, "
+      f"{block}, {c.positional} positions, dtype {c.dtype}",
       f"parameters: {counts['total']:,} total, {counts['non_embedding']:,} without embeddings "
-      f"({counts['embedding']:,} in embedding tables)",
+      f"({counts['embedding']:,} in embedding and position tables)",
   ]
   return "\n".join(lines)
