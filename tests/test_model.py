@@ -11,7 +11,14 @@ import pytest
 
 from transformer_jax import config as config_lib
 from transformer_jax.core.errors import UserError
-from transformer_jax.model import ModelConfig, Transformer, count_params, init_params, param_shapes
+from transformer_jax.model import (
+  ModelConfig,
+  Transformer,
+  count_params,
+  init_params,
+  make_model,
+  param_shapes,
+)
 from transformer_jax.model.transformer import output_projection
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -37,13 +44,13 @@ def model_params(cfg, random_params, seed=0):
 
 @functools.lru_cache(maxsize=None)
 def logits_fn(cfg: ModelConfig):
-  """A jitted (params, source, decoder_inputs, **packing) -> logits, one per config.
+  """A jitted (params, source, [decoder_inputs,] **packing) -> logits, one per config.
 
   Compiled at XLA's lowest optimisation level: compiling is most of these tests' run time, -O0
   halves it, and none of the properties tested depends on it.
   """
   return jax.jit(
-      lambda params, *args, **kwargs: Transformer(cfg).apply({"params": params}, *args, **kwargs),
+      lambda params, *args, **kwargs: make_model(cfg).apply({"params": params}, *args, **kwargs),
       compiler_options={"xla_backend_optimization_level": 0})
 
 
@@ -301,6 +308,79 @@ def test_remat_gives_the_same_parameters_and_gradients(tiny_config, remat):
   for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(recomputed)):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
   assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(plain)) > 0
+
+
+# ----------------------------------------------------------------------------- architectures
+
+
+def arch_config(arch, **changes):
+  """A tiny model of the architecture: 2 layers, d_model 32, 4 heads, vocab 50."""
+  values = dict(vocab_size=50, arch=arch, d_model=32, num_heads=4, num_encoder_layers=2,
+                num_decoder_layers=2, d_ff=64, max_len=32, deterministic=True)
+  values.update(changes)
+  return ModelConfig(**values).validate()
+
+
+@pytest.mark.parametrize("changes", [
+    dict(positional="learned", norm="pre"),
+    dict(positional="rotary", num_kv_heads=2, norm_type="rmsnorm", activation="swiglu"),
+    dict(positional="relative_bias", parallel_block=True, norm="pre", tie_output=False)])
+def test_decoder_only_is_causal_reads_its_source_and_ignores_padding(random_params, changes):
+  cfg = arch_config("decoder_only", **changes)
+  params = model_params(cfg, random_params)
+  apply = logits_fn(cfg)
+  source = np.array(random_tokens(0, (2, 5), cfg.vocab_size))
+  source[1, 3:] = 0
+  targets = random_tokens(1, (2, 6), cfg.vocab_size)
+  base = np.asarray(apply(params, jnp.asarray(source), targets))
+  assert base.shape == (2, 6, cfg.vocab_size)  # the target's logits only
+
+  t = 2  # every target token after t changed: the logits up to t stay
+  changed = targets.at[:, t + 1:].set(targets[:, t + 1:] % (cfg.vocab_size - 1) + 1)
+  logits = np.asarray(apply(params, jnp.asarray(source), changed))
+  np.testing.assert_allclose(logits[:, :t + 1], base[:, :t + 1], rtol=0, atol=1e-5)
+  assert not np.allclose(logits[:, t + 1:], base[:, t + 1:], atol=1e-3)
+  # More padding after the source changes nothing: positions count real tokens only.
+  padded = np.pad(source, ((0, 0), (0, 3)))
+  np.testing.assert_allclose(np.asarray(apply(params, jnp.asarray(padded), targets)), base,
+                             rtol=1e-5, atol=1e-5)
+  # A source token reaches every target logit.
+  source[1, 0] = source[1, 0] % (cfg.vocab_size - 1) + 1
+  other = np.asarray(apply(params, jnp.asarray(source), targets))
+  assert not np.allclose(other[1, 0], base[1, 0], atol=1e-3)
+  np.testing.assert_allclose(other[0], base[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch, changes", [
+    ("decoder_only", dict(positional="relative_bias", num_kv_heads=1)),
+    ("decoder_only", dict(positional="rotary", norm="pre"))])
+def test_packed_rows_equal_their_examples_run_separately(random_params, arch, changes):
+  cfg = arch_config(arch, **changes)
+  params = model_params(cfg, random_params)
+  apply = logits_fn(cfg)
+  vocab = cfg.vocab_size
+  src_a, tgt_a = random_tokens(0, (3,), vocab), random_tokens(1, (2,), vocab)
+  src_b, tgt_b = random_tokens(2, (2,), vocab), random_tokens(3, (3,), vocab)
+
+  def row(*parts, length=6):
+    return jnp.pad(jnp.concatenate(parts), (0, length - sum(len(p) for p in parts)))[None]
+
+  packing = dict(source_positions=jnp.array([[0, 1, 2, 0, 1, 0]]),
+                 source_segments=jnp.array([[1, 1, 1, 2, 2, 0]]))
+  if arch == "encoder_only":
+    separate = np.asarray(apply(params, jnp.concatenate([row(src_a), row(src_b)])))
+    packed = np.asarray(apply(params, row(src_a, src_b), packing["source_positions"],
+                              packing["source_segments"]))
+    np.testing.assert_allclose(packed[0, :3], separate[0, :3], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(packed[0, 3:5], separate[1, :2], rtol=1e-5, atol=1e-5)
+    return
+  separate = np.asarray(apply(params, jnp.concatenate([row(src_a), row(src_b)]),
+                              jnp.concatenate([row(tgt_a), row(tgt_b)])))
+  packed = np.asarray(apply(params, row(src_a, src_b), row(tgt_a, tgt_b),
+                            target_positions=jnp.array([[0, 1, 0, 1, 2, 0]]),
+                            target_segments=jnp.array([[1, 1, 2, 2, 2, 0]]), **packing))
+  np.testing.assert_allclose(packed[0, :2], separate[0, :2], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(packed[0, 2:5], separate[1, :3], rtol=1e-5, atol=1e-5)
 
 
 def test_default_parameter_tree_is_the_encoder_decoders_of_before():

@@ -206,7 +206,8 @@ class MultiHeadAttention(nn.Module):
   `rotary_base` > 0, self-attention queries and keys are rotated by their positions (RoPE).
 
   With `decode=True` it keeps a `cache` collection for incremental decoding: self-attention
-  appends one step's key/value per call; cross-attention projects the encoder output once and
+  appends each call's keys/values (one step, or a whole prompt) at the cache index, and a query
+  sees the positions written up to its own; cross-attention projects the encoder output once and
   reuses it. The first call with `decode=True` (full-length inputs) only creates the cache.
   The cache holds the key/value heads only: grouped-query attention shrinks it.
   """
@@ -304,21 +305,20 @@ class MultiHeadAttention(nn.Module):
     return Dropout(rate=self.output_dropout_rate)(out, deterministic)
 
   def _extend_cache(self, key, value, mask):
-    """Writes this step's key/value at the cache index; masks out positions not yet written."""
+    """Writes this call's keys/values at the cache index; a query sees the cache positions
+    written before it and its own (never those not yet written)."""
     initialized = self.has_variable("cache", "cached_key")
     cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
     cached_value = self.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
     cache_index = self.variable("cache", "cache_index", lambda: jnp.array(0, dtype=jnp.int32))
     if not initialized:
       return key, value, mask  # cache-creating call: a plain full-length pass
-    batch, steps, _, _ = key.shape
-    if steps != 1:
-      raise ValueError(f"incremental decoding takes one position per call, got {steps}")
+    steps = key.shape[1]
     max_length = cached_key.value.shape[1]
     index = cache_index.value
     key = jax.lax.dynamic_update_slice(cached_key.value, key, (0, index, 0, 0))
     value = jax.lax.dynamic_update_slice(cached_value.value, value, (0, index, 0, 0))
     cached_key.value, cached_value.value = key, value
-    cache_index.value = index + 1
-    written = (jnp.arange(max_length) <= index)[None, None, None, :]
-    return key, value, combine_masks(mask, jnp.broadcast_to(written, (batch, 1, 1, max_length)))
+    cache_index.value = index + steps
+    written = jnp.arange(max_length)[None, :] <= index + jnp.arange(steps)[:, None]
+    return key, value, combine_masks(mask, written[None, None])

@@ -15,6 +15,8 @@ from transformer_jax.core.errors import UserError
 # The allowed values of every string option; `transformer_jax.config` extends this table with the
 # experiment's other options, so all choices are listed in one place.
 CHOICES = {
+    # encoder_decoder: the paper's; decoder_only: one causal stack (GPT).
+    "arch": ("encoder_decoder", "decoder_only"),
     # swiglu / geglu: the gated FFN (Shazeer, 2020): (act(x W_gate) * x W1) W2.
     "activation": ("relu", "gelu", "swiglu", "geglu"),
     "norm": ("post", "pre"),
@@ -41,6 +43,7 @@ class ModelConfig:
   """Everything that fixes the model's shape and arithmetic. Immutable; vary with `.replace()`."""
 
   vocab_size: int
+  arch: str = "encoder_decoder"
   d_model: int = 512
   num_heads: int = 8
   num_kv_heads: int = 0  # key/value heads (grouped-query attention); 0 = num_heads
@@ -121,7 +124,7 @@ class ModelConfig:
     return self
 
   def _validate_options(self) -> None:
-    """The attention and position options and the pairs of them that clash."""
+    """The architecture, attention and position options and the pairs of them that clash."""
     if self.num_kv_heads < 0 or (self.num_kv_heads and self.num_heads % self.num_kv_heads):
       raise UserError(f"model.num_kv_heads ({self.num_kv_heads}) must divide model.num_heads "
                       f"({self.num_heads}) (0 = as many as num_heads)")
@@ -134,6 +137,8 @@ class ModelConfig:
     if self.relative_buckets < 2 or self.relative_max_distance < self.relative_buckets:
       raise UserError(f"model.relative_buckets ({self.relative_buckets}) must be >= 2 and at "
                       f"most model.relative_max_distance ({self.relative_max_distance})")
+    if self.arch == "decoder_only" and self.num_decoder_layers == 0:
+      raise UserError("model.arch=decoder_only needs model.num_decoder_layers > 0")
 
   @classmethod
   def from_dict(cls, values: Mapping[str, Any]) -> "ModelConfig":

@@ -130,16 +130,17 @@ class EncoderLayer(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-  """Masked self-attention, cross-attention to the encoder output, feed-forward."""
+  """Masked self-attention, cross-attention to the encoder output (none in a decoder-only
+  model: `encoded` None), feed-forward."""
 
   config: ModelConfig
   decode: bool = False
 
   @nn.compact
-  def __call__(self, y: Array, encoded: Array, self_mask: Optional[Array],
+  def __call__(self, y: Array, encoded: Optional[Array], self_mask: Optional[Array],
                cross_mask: Optional[Array], deterministic: bool, bias: Optional[Array] = None,
                positions: Optional[Array] = None) -> Array:
-    """y `[batch, tgt_len, d_model]`, encoded `[batch, src_len, d_model]`.
+    """y `[batch, tgt_len, d_model]`, encoded `[batch, src_len, d_model]` or None.
 
     self_mask `[batch, 1, tgt_len, tgt_len]` (causal and padding), cross_mask
     `[batch, 1, tgt_len, src_len]`; bias (relative positions) `[batch, heads, tgt_len, tgt_len]`;
@@ -147,11 +148,12 @@ class DecoderLayer(nn.Module):
     """
     cfg = self.config
     self_attention = attention(cfg, "self_attention", self.decode, rotary=True)
-    cross_attention = attention(cfg, "cross_attention", self.decode)
+    blocks = [("self_attention_block", lambda h: self_attention(
+        h, None, self_mask, deterministic, bias=bias, positions=positions))]
+    if encoded is not None:
+      cross_attention = attention(cfg, "cross_attention", self.decode)
+      blocks.append(("cross_attention_block",
+                     lambda h: cross_attention(h, encoded, cross_mask, deterministic)))
     ffn = FeedForward(cfg, name="ffn")
-    return residual_blocks(cfg, y, [
-        ("self_attention_block", lambda h: self_attention(
-            h, None, self_mask, deterministic, bias=bias, positions=positions)),
-        ("cross_attention_block", lambda h: cross_attention(h, encoded, cross_mask,
-                                                            deterministic)),
-        ("ffn_block", lambda h: ffn(h, deterministic))])
+    blocks.append(("ffn_block", lambda h: ffn(h, deterministic)))
+    return residual_blocks(cfg, y, blocks)

@@ -1,4 +1,5 @@
-"""Encoder, Decoder and the Transformer with `encode` / `decode` methods; sizes and `describe`."""
+"""The stacks (Encoder, Decoder) and the models built from them: the encoder-decoder
+Transformer (with `encode` / `decode`) and DecoderOnly; sizes and `describe`."""
 
 from __future__ import annotations
 
@@ -129,8 +130,8 @@ def _maybe_remat(layer_class, cfg: ModelConfig, deterministic_argnum: int):
 
 def _cached_key_positions(module: nn.Module, positions: Array) -> Optional[Array]:
   """Decode mode: the position of every cache slot once this call's `positions` (int
-  `[batch, n]`) are written at the cache index, int `[batch, cache_len]`, -1 where nothing was
-  written; None on the cache-creating call, which writes nothing."""
+  `[batch, n]`) are written at the cache index, int `[batch, cache_len]`, -1 where nothing (or
+  padding) was written; None on the cache-creating call, which writes nothing."""
   initialized = module.has_variable("cache", "key_positions")
   slots = module.variable("cache", "key_positions",
                           lambda: jnp.full(positions.shape, -1, jnp.int32))
@@ -175,31 +176,35 @@ class Encoder(nn.Module):
 
 
 class Decoder(nn.Module):
-  """The causal stack: embeddings, layers of masked self-attention and cross-attention to the
-  encoder output, final norm, output projection."""
+  """The causal stack: embeddings, layers of masked self-attention (and cross-attention to an
+  encoder output), final norm, output projection. Used by the encoder-decoder and, without
+  cross-attention, by the decoder-only model."""
 
   config: ModelConfig
   embed: nn.Module
 
   @nn.compact
   def __call__(self, tokens: Array, positions: Array, segments: Array,
-               encoded: Array, cross_mask: Array) -> Array:
-    """Returns logits `[batch, length, vocab]` in float32.
+               encoded: Optional[Array] = None, cross_mask: Optional[Array] = None,
+               output_from: int = 0) -> Array:
+    """Returns logits `[batch, length - output_from, vocab]` in float32.
 
     Args:
       tokens: int `[batch, length]` (0 = padding).
       positions: int `[batch, length]`, each token's position within its example; a query
         attends to the keys of its example at positions up to its own. In decode mode, the
-        positions of this call's tokens.
+        positions of this call's tokens (-1: padding of a prompt).
       segments: int `[batch, length]`, example ids (0 = padding).
-      encoded: `[batch, src_len, d_model]` from the encoder.
+      encoded: `[batch, src_len, d_model]` from the encoder, or None (decoder-only).
       cross_mask: bool `[batch, 1, length, src_len]`.
+      output_from: the logits of positions output_from, ... only (decoder-only: the target).
     """
     cfg = self.config
     deterministic = cfg.deterministic
     key_positions = _cached_key_positions(self, positions) if cfg.decode else None
     if key_positions is not None:
-      # A decoding step: the cache says which slots hold keys of real positions.
+      # A decoding step (or prompt): the cache says which slots hold keys of real positions;
+      # the attention's cache index keeps each query from the slots after its own.
       self_mask = (key_positions >= 0)[:, None, None, :]
     else:
       key_positions = positions
@@ -213,6 +218,7 @@ class Decoder(nn.Module):
     for i in range(cfg.num_decoder_layers):
       y = layer(cfg, decode=cfg.decode, name=f"layer_{i}")(
           y, encoded, self_mask, cross_mask, deterministic, bias, positions)
+    y = y[:, output_from:]
     if cfg.norm == "pre":
       y = norm_layer(cfg, "final_norm")(y)
     return _logits(cfg, self.embed, y)
@@ -269,6 +275,59 @@ class Transformer(nn.Module):
                        source_segments, target_segments)
 
 
+class DecoderOnly(nn.Module):
+  """A decoder-only (GPT-style) language model over one sequence: the source, if any, then the
+  target, each example in one causal stream ("source EOS BOS target EOS"; a language model's
+  examples have no source). Called like the encoder-decoder, it returns the target's logits
+  only, so the loss falls on the target (a prefix LM for sequence-to-sequence tasks)."""
+
+  config: ModelConfig
+
+  def setup(self):
+    self.decoder = Decoder(self.config, _embed(self.config, "token_embedding"), name="decoder")
+
+  def __call__(self, source_tokens: Array, decoder_inputs: Array,
+               source_positions: Optional[Array] = None, target_positions: Optional[Array] = None,
+               source_segments: Optional[Array] = None,
+               target_segments: Optional[Array] = None) -> Array:
+    """Logits `[batch, tgt_len, vocab]` of the targets.
+
+    Args:
+      source_tokens: int `[batch, src_len]` (0 = padding; src_len may be 0).
+      decoder_inputs: int `[batch, tgt_len]`, the targets shifted right (BOS first).
+      source_positions, target_positions, source_segments, target_segments: packed rows, where
+        source example k and target example k are one sequence.
+    """
+    source_segments = _segments(source_tokens, source_segments)
+    target_segments = _segments(decoder_inputs, target_segments)
+    source_positions = (_default_positions(source_tokens) if source_positions is None
+                        else source_positions)
+    target_positions = (_default_positions(decoder_inputs) if target_positions is None
+                        else target_positions)
+    # Each target continues its own example's source: its positions start at that length.
+    source_length = jnp.sum((source_segments[:, None, :] == target_segments[:, :, None])
+                            & (source_tokens > 0)[:, None, :], axis=-1, dtype=jnp.int32)
+    return self.decoder(
+        jnp.concatenate([source_tokens, decoder_inputs], axis=1),
+        jnp.concatenate([source_positions, target_positions + source_length], axis=1),
+        jnp.concatenate([source_segments, target_segments], axis=1),
+        output_from=source_tokens.shape[1])
+
+  def extend(self, tokens: Array, positions: Array) -> Array:
+    """Decode mode: writes `tokens` (int `[batch, n]`, a prompt or one step) at `positions`
+    (int `[batch, n]`, -1 for padding) into the cache; returns their logits `[batch, n, vocab]`.
+    """
+    return self.decoder(tokens, positions, (positions >= 0).astype(jnp.int32))
+
+
+MODELS = {"encoder_decoder": Transformer, "decoder_only": DecoderOnly}
+
+
+def make_model(config: ModelConfig) -> nn.Module:
+  """The module of config.arch."""
+  return MODELS[config.arch](config)
+
+
 # ----------------------------------------------------------------------------- sizes
 
 
@@ -276,7 +335,7 @@ def init_boxed_params(config: ModelConfig, rng: Array):
   """Initial float32 parameters, each wrapped with the logical names of its dimensions
   (`nn.LogicallyPartitioned`; see `axes.py`). `nn.get_partition_spec` reads the names,
   `nn.unbox` the arrays."""
-  model = Transformer(config.replace(deterministic=True, decode=False))
+  model = make_model(config.replace(deterministic=True, decode=False))
   tokens = jnp.ones((1, 8), jnp.int32)  # the shapes depend on the config only, not on lengths
   return model.init(rng, tokens, tokens)["params"]
 
@@ -307,13 +366,16 @@ def describe(config: ModelConfig) -> str:
   """A short human-readable summary: the config and parameter counts."""
   counts = count_params(param_shapes(config))
   c = config
+  stacks = {"encoder_decoder": f"encoder-decoder, {c.num_encoder_layers}+{c.num_decoder_layers} "
+                               "layers",
+            "decoder_only": f"decoder-only, {c.num_decoder_layers} layers"}[c.arch]
   kv = f", {c.kv_heads} key/value heads" if c.kv_heads != c.num_heads else ""
   block = f"{c.norm}-{c.norm_type}, {c.activation}" + (", parallel blocks" if c.parallel_block
                                                        else "")
   lines = [
-      f"Transformer: {c.num_encoder_layers}+{c.num_decoder_layers} layers, d_model {c.d_model}, "
-      f"d_ff {c.d_ff}, {c.num_heads} heads (head_dim {c.head_dim}{kv}), vocab {c.vocab_size}, "
-      f"{block}, {c.positional} positions, dtype {c.dtype}",
+      f"Transformer: {stacks}, d_model {c.d_model}, d_ff {c.d_ff}, {c.num_heads} heads "
+      f"(head_dim {c.head_dim}{kv}), vocab {c.vocab_size}, {block}, {c.positional} positions, "
+      f"dtype {c.dtype}",
       f"parameters: {counts['total']:,} total, {counts['non_embedding']:,} without embeddings "
       f"({counts['embedding']:,} in embedding and position tables)",
   ]
