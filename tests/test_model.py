@@ -234,6 +234,9 @@ def test_learned_positions_add_two_tables_counted_as_embeddings(tiny_config):
     (dict(num_kv_heads=2, fused_qkv=True), "fused_qkv"),
     (dict(d_model=36, num_heads=4, positional="rotary"), "even head_dim"),
     (dict(relative_buckets=64, relative_max_distance=32), "relative_buckets"),
+    (dict(arch="gpt"), "model.arch"),
+    (dict(arch="decoder_only", num_decoder_layers=0), "num_decoder_layers"),
+    (dict(num_labels=2), "num_labels"),
 ])
 def test_validate_rejects_impossible_configs(tiny_config, changes, message):
   with pytest.raises(UserError, match=message):
@@ -243,6 +246,7 @@ def test_validate_rejects_impossible_configs(tiny_config, changes, message):
 def test_validate_accepts_every_choice(tiny_config):
   for changes in (dict(norm="pre"), dict(activation="gelu"), dict(positional="learned"),
                   dict(positional="rotary"), dict(positional="relative_bias"),
+                  dict(arch="decoder_only"), dict(arch="encoder_only", num_labels=2),
                   dict(init="normal"), dict(attention_impl="jax"), dict(dtype="bfloat16"),
                   dict(dropout_rate=0.0), dict(attention_dropout_rate=0.99)):
     cfg = tiny_config.replace(**changes)
@@ -353,7 +357,9 @@ def test_decoder_only_is_causal_reads_its_source_and_ignores_padding(random_para
 
 @pytest.mark.parametrize("arch, changes", [
     ("decoder_only", dict(positional="relative_bias", num_kv_heads=1)),
-    ("decoder_only", dict(positional="rotary", norm="pre"))])
+    ("decoder_only", dict(positional="rotary", norm="pre")),
+    ("encoder_only", dict(positional="relative_bias")),
+    ("encoder_only", dict(positional="rotary", num_kv_heads=2))])
 def test_packed_rows_equal_their_examples_run_separately(random_params, arch, changes):
   cfg = arch_config(arch, **changes)
   params = model_params(cfg, random_params)
@@ -381,6 +387,43 @@ def test_packed_rows_equal_their_examples_run_separately(random_params, arch, ch
                             target_segments=jnp.array([[1, 1, 2, 2, 2, 0]]), **packing))
   np.testing.assert_allclose(packed[0, :2], separate[0, :2], rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(packed[0, 2:5], separate[1, :3], rtol=1e-5, atol=1e-5)
+
+
+def test_encoder_only_heads_ignore_padding(random_params):
+  mlm = arch_config("encoder_only", positional="learned")
+  classifier = mlm.replace(num_labels=3)
+  tokens = np.array(random_tokens(0, (2, 6), 50))
+  tokens[1, 4:] = 0
+  padded = jnp.asarray(np.pad(tokens, ((0, 0), (0, 3))))
+  for cfg, shape in ((mlm, (2, 6, 50)), (classifier, (2, 1, 3))):
+    params = model_params(cfg, random_params)
+    logits = np.asarray(logits_fn(cfg)(params, jnp.asarray(tokens)))
+    assert logits.shape == shape
+    padded_logits = np.asarray(logits_fn(cfg)(params, padded))[:, :shape[1]]
+    real = (tokens > 0) if cfg is mlm else np.ones((2, 1), bool)
+    np.testing.assert_allclose(padded_logits[real], logits[real], rtol=1e-5, atol=1e-5)
+
+
+def test_published_sizes_of_gpt2_small_and_bert_base():
+  """GPT-2 small: 124,439,808 (tied, 1024 learned positions); BERT-base: 109,482,240 with its
+  pooler, "110M" (here: a mean-pooling classification head, or BERT's MLM head)."""
+  d, ff, layers = 768, 3072, 12
+  layer = 4 * (d * d + d) + (d * ff + ff + ff * d + d) + 2 * 2 * d  # attention, FFN, 2 norms
+  gpt2 = arch_config("decoder_only", vocab_size=50257, d_model=d, num_heads=12, d_ff=ff,
+                     num_decoder_layers=layers, max_len=1024, positional="learned", norm="pre",
+                     activation="gelu")
+  counts = count_params(param_shapes(gpt2))
+  assert counts["total"] == 50257 * d + 1024 * d + layers * layer + 2 * d == 124_439_808
+  bert = arch_config("encoder_only", vocab_size=30522, d_model=d, num_heads=12, d_ff=ff,
+                     num_encoder_layers=layers, max_len=512, positional="learned",
+                     activation="gelu")
+  base = 30522 * d + 512 * d + layers * layer
+  mlm = count_params(param_shapes(bert))["total"]
+  assert mlm == base + (d * d + d) + 2 * d + 30522  # dense, norm, output bias
+  classifier = count_params(param_shapes(bert.replace(num_labels=2)))["total"]
+  assert classifier == base + (d * d + d) + (d * 2 + 2)  # pooler, classes
+  for total in (mlm, classifier):
+    assert abs(total - 109_482_240) <= 0.01 * 109_482_240
 
 
 def test_default_parameter_tree_is_the_encoder_decoders_of_before():

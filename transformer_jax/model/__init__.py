@@ -1,5 +1,5 @@
-"""The model: its config, positions, attention and masks, layers, the architectures (the
-encoder-decoder Transformer, DecoderOnly), FLOP counts.
+"""The model: its config, positions, attention and masks, layers, the three architectures (the
+encoder-decoder Transformer, DecoderOnly, EncoderOnly), FLOP counts.
 
 Imports flow one way inside: config <- positions <- attention <- layers <- transformer; flops
 needs only the config.
@@ -8,6 +8,7 @@ needs only the config.
 from transformer_jax.model.config import CHOICES, ModelConfig
 from transformer_jax.model.transformer import (
                                                DecoderOnly,
+                                               EncoderOnly,
                                                Transformer,
                                                count_params,
                                                describe,
@@ -18,6 +19,6 @@ from transformer_jax.model.transformer import (
                                                shift_right,
 )
 
-__all__ = ["CHOICES", "DecoderOnly", "ModelConfig", "Transformer", "count_params",
+__all__ = ["CHOICES", "DecoderOnly", "EncoderOnly", "ModelConfig", "Transformer", "count_params",
            "describe", "init_boxed_params", "init_params", "make_model", "param_shapes",
            "shift_right"]

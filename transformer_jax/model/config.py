@@ -15,8 +15,9 @@ from transformer_jax.core.errors import UserError
 # The allowed values of every string option; `transformer_jax.config` extends this table with the
 # experiment's other options, so all choices are listed in one place.
 CHOICES = {
-    # encoder_decoder: the paper's; decoder_only: one causal stack (GPT).
-    "arch": ("encoder_decoder", "decoder_only"),
+    # encoder_decoder: the paper's; decoder_only: one causal stack (GPT); encoder_only: one
+    # bidirectional stack (BERT).
+    "arch": ("encoder_decoder", "decoder_only", "encoder_only"),
     # swiglu / geglu: the gated FFN (Shazeer, 2020): (act(x W_gate) * x W1) W2.
     "activation": ("relu", "gelu", "swiglu", "geglu"),
     "norm": ("post", "pre"),
@@ -72,6 +73,7 @@ class ModelConfig:
   layer_norm_eps: float = 1e-6
   dtype: str = "float32"  # compute dtype; parameters stay float32
   remat: str = "none"  # recompute layer activations in the backward pass: none | full | dots
+  num_labels: int = 0  # encoder_only: > 0 adds a sequence-classification head of that many classes
   deterministic: bool = False  # True disables dropout (evaluation, decoding)
   decode: bool = False  # True: incremental decoding with a KV cache
 
@@ -137,8 +139,12 @@ class ModelConfig:
     if self.relative_buckets < 2 or self.relative_max_distance < self.relative_buckets:
       raise UserError(f"model.relative_buckets ({self.relative_buckets}) must be >= 2 and at "
                       f"most model.relative_max_distance ({self.relative_max_distance})")
-    if self.arch == "decoder_only" and self.num_decoder_layers == 0:
-      raise UserError("model.arch=decoder_only needs model.num_decoder_layers > 0")
+    if self.num_labels < 0 or (self.num_labels and self.arch != "encoder_only"):
+      raise UserError(f"model.num_labels ({self.num_labels}) is for model.arch=encoder_only "
+                      "(a classification head); leave it 0 otherwise")
+    stack = {"decoder_only": "num_decoder_layers", "encoder_only": "num_encoder_layers"}
+    if self.arch in stack and getattr(self, stack[self.arch]) == 0:
+      raise UserError(f"model.arch={self.arch} needs model.{stack[self.arch]} > 0")
 
   @classmethod
   def from_dict(cls, values: Mapping[str, Any]) -> "ModelConfig":

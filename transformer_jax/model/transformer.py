@@ -1,5 +1,5 @@
-"""The stacks (Encoder, Decoder) and the models built from them: the encoder-decoder
-Transformer (with `encode` / `decode`) and DecoderOnly; sizes and `describe`."""
+"""The stacks (Encoder, Decoder) and the three models built from them: the encoder-decoder
+Transformer (with `encode` / `decode`), DecoderOnly and EncoderOnly; sizes and `describe`."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from transformer_jax.model import attention
 from transformer_jax.model.axes import constrain, param_init
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.layers import (
+  ACTIVATIONS,
   DecoderLayer,
   EncoderLayer,
   embedding_init,
@@ -320,7 +321,45 @@ class DecoderOnly(nn.Module):
     return self.decoder(tokens, positions, (positions >= 0).astype(jnp.int32))
 
 
-MODELS = {"encoder_decoder": Transformer, "decoder_only": DecoderOnly}
+class EncoderOnly(nn.Module):
+  """An encoder-only (BERT-style) model: the bidirectional stack with a masked-language-model
+  head (a dense layer, the activation and a norm, then the output projection with a bias, as
+  BERT's), or, with model.num_labels > 0, a sequence-classification head (the mean of the
+  outputs over the real tokens, a tanh dense layer, then the classes)."""
+
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, tokens: Array, positions: Optional[Array] = None,
+               segments: Optional[Array] = None) -> Array:
+    """tokens int `[batch, length]` -> float32 logits: `[batch, length, vocab]` (masked LM) or
+    `[batch, 1, num_labels]` (classification)."""
+    cfg = self.config
+    embed = _embed(cfg, "token_embedding")
+    x = Encoder(cfg, embed, name="encoder")(tokens, positions, segments)
+
+    def dense(features, names, name):
+      return nn.Dense(features, dtype=cfg.compute_dtype,
+                      kernel_init=param_init(kernel_init(cfg), *names),
+                      bias_init=param_init(nn.initializers.zeros_init(), names[-1]), name=name)
+
+    if cfg.num_labels:
+      valid = (tokens > 0)[:, :, None].astype(x.dtype)
+      pooled = jnp.sum(x * valid, axis=1) / jnp.maximum(jnp.sum(valid, axis=1), 1.0)
+      pooled = jnp.tanh(dense(cfg.d_model, ("embed", "mlp"), "pooler")(pooled))
+      logits = dense(cfg.num_labels, ("mlp", None), "classifier")(pooled)
+      return logits[:, None, :].astype(jnp.float32)
+    h = ACTIVATIONS[cfg.activation](dense(cfg.d_model, ("embed", "mlp"), "mlm_dense")(x))
+    h = norm_layer(cfg, "mlm_norm")(h)
+    if not cfg.tie_output:
+      return _logits(cfg, embed, h)
+    bias = self.param("mlm_bias", param_init(nn.initializers.zeros_init(), "vocab"),
+                      (cfg.vocab_size,))
+    return _logits(cfg, embed, h) + bias
+
+
+MODELS = {"encoder_decoder": Transformer, "decoder_only": DecoderOnly,
+          "encoder_only": EncoderOnly}
 
 
 def make_model(config: ModelConfig) -> nn.Module:
@@ -337,6 +376,8 @@ def init_boxed_params(config: ModelConfig, rng: Array):
   `nn.unbox` the arrays."""
   model = make_model(config.replace(deterministic=True, decode=False))
   tokens = jnp.ones((1, 8), jnp.int32)  # the shapes depend on the config only, not on lengths
+  if config.arch == "encoder_only":
+    return model.init(rng, tokens)["params"]
   return model.init(rng, tokens, tokens)["params"]
 
 
@@ -368,12 +409,14 @@ def describe(config: ModelConfig) -> str:
   c = config
   stacks = {"encoder_decoder": f"encoder-decoder, {c.num_encoder_layers}+{c.num_decoder_layers} "
                                "layers",
-            "decoder_only": f"decoder-only, {c.num_decoder_layers} layers"}[c.arch]
+            "decoder_only": f"decoder-only, {c.num_decoder_layers} layers",
+            "encoder_only": f"encoder-only, {c.num_encoder_layers} layers"}[c.arch]
+  head = f" ({c.num_labels} classes)" if c.num_labels else ""
   kv = f", {c.kv_heads} key/value heads" if c.kv_heads != c.num_heads else ""
   block = f"{c.norm}-{c.norm_type}, {c.activation}" + (", parallel blocks" if c.parallel_block
                                                        else "")
   lines = [
-      f"Transformer: {stacks}, d_model {c.d_model}, d_ff {c.d_ff}, {c.num_heads} heads "
+      f"Transformer{head}: {stacks}, d_model {c.d_model}, d_ff {c.d_ff}, {c.num_heads} heads "
       f"(head_dim {c.head_dim}{kv}), vocab {c.vocab_size}, {block}, {c.positional} positions, "
       f"dtype {c.dtype}",
       f"parameters: {counts['total']:,} total, {counts['non_embedding']:,} without embeddings "
