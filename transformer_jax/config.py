@@ -13,6 +13,7 @@ import ml_collections
 
 from transformer_jax.core import metric_names, trees
 from transformer_jax.core.errors import UserError
+from transformer_jax.data import tasks as data_tasks
 from transformer_jax.model import config as model_config_lib
 from transformer_jax.model.config import ModelConfig
 
@@ -34,15 +35,24 @@ def default_config() -> ml_collections.ConfigDict:
   c.mesh = ml_collections.ConfigDict({"data": -1, "fsdp": 1, "tensor": 1})
 
   c.data = ml_collections.ConfigDict()
+  # What an example is (data/tasks.py): seq2seq (source -> target) | lm (texts; decoder_only)
+  # | mlm (masked texts; encoder_only) | classify (text<TAB>label; encoder_only)
+  c.data.task = "seq2seq"
   c.data.source = "scan"  # scan | tfds | files
   c.data.scan_split = "simple"  # simple | length
   c.data.tfds_name = ""  # source=tfds: a TFDS translation dataset, e.g. wmt14_translate/de-en
   c.data.tfds_data_dir = ""  # source=tfds: "" = $TFDS_DATA_DIR or ~/tensorflow_datasets
   c.data.tfds_download = True  # source=tfds: download and prepare the dataset if it is not there
   c.data.path = ""  # source=files: the directory holding the split files
-  c.data.format = "parallel"  # source=files: parallel (SPLIT.SRC + SPLIT.TGT) | tsv (SPLIT.tsv)
+  # source=files: parallel (SPLIT.SRC + SPLIT.TGT) | tsv (SPLIT.tsv) | text (SPLIT.txt: a text
+  # a line)
+  c.data.format = "parallel"
   c.data.source_lang = "en"  # the direction, for tfds and parallel files
   c.data.target_lang = "de"
+  c.data.text_field = "text"  # source=tfds, task lm / mlm / classify: the record's text field
+  c.data.label_field = "label"  # source=tfds, task classify: the record's label field
+  c.data.labels = ""  # task classify: the classes, comma-separated; "" = the train split's, sorted
+  c.data.mask_rate = 0.15  # task mlm: share of tokens the step masks (BERT: 80% <mask>, 10% random)
   c.data.train_split = "train"
   c.data.eval_split = "test"  # evaluated during and after training
   c.data.test_split = "test"  # the held-out test set (e.g. newstest2014)
@@ -117,9 +127,19 @@ def model_config(config: ml_collections.ConfigDict, platform: str = "cpu") -> Mo
   if values.get("dtype") == "auto":
     values["dtype"] = "float32" if platform == "cpu" else "bfloat16"
   model = ModelConfig.from_dict(values)
-  if model.max_len < max(config.data.max_source_len, config.data.max_target_len) + 1:
+  d = config.data
+  if model.arch == "encoder_decoder" and model.max_len < max(d.max_source_len,
+                                                             d.max_target_len) + 1:
     raise UserError(f"model.max_len ({model.max_len}) must exceed data.max_source_len and "
                     f"data.max_target_len; raise model.max_len")
+  # The decoder-only model reads a source and its target as one sequence.
+  longest = {"seq2seq": d.max_source_len + d.max_target_len, "lm": d.max_target_len,
+             "mlm": d.max_source_len, "classify": d.max_source_len}.get(d.task, 0)
+  if model.arch != "encoder_decoder" and model.max_len < longest:
+    what = {"seq2seq": "data.max_source_len + data.max_target_len", "lm": "data.max_target_len"
+            }.get(d.task, "data.max_source_len")
+    raise UserError(f"model.max_len ({model.max_len}) must be at least {what} ({longest}) for "
+                    f"model.arch={model.arch}; raise model.max_len")
   return model
 
 
@@ -128,10 +148,11 @@ def model_config(config: ml_collections.ConfigDict, platform: str = "cpu") -> Mo
 CHOICES = {
     **{f"model.{key}": values for key, values in model_config_lib.CHOICES.items()},
     "model.dtype": ("auto", *model_config_lib.CHOICES["dtype"]),  # auto: by platform
+    "data.task": data_tasks.TASKS,
     "data.source": ("scan", "tfds", "files"),
     "data.scan_split": ("simple", "length"),
     "data.batching": ("tokens", "packed", "fixed"),
-    "data.format": ("parallel", "tsv"),
+    "data.format": ("parallel", "tsv", "text"),
     "train.schedule": ("rsqrt", "constant", "cosine"),
     "train.best_metric": metric_names.EVAL_METRICS,
     "train.on_nonfinite": ("stop", "skip"),
@@ -220,6 +241,11 @@ def validate(config: ml_collections.ConfigDict, platform: str = "cpu") -> ModelC
     if _get(config, key) not in choices:
       raise UserError(f"{key} must be one of {', '.join(choices)}; got {_get(config, key)!r}")
   _validate_data(config.data)
+  data_tasks.check(model.arch, config.data)
+  if config.data.task == "classify" and not model.num_labels:
+    raise UserError("data.task=classify needs model.num_labels, the number of classes")
+  if config.data.task == "mlm" and not 0.0 < config.data.mask_rate < 1.0:
+    raise UserError(f"data.mask_rate must be in (0, 1), got {config.data.mask_rate}")
   return model
 
 
@@ -231,7 +257,8 @@ def _validate_data(d) -> None:
   if d.source == "files" and not d.path:
     raise UserError("data.source=files needs data.path, the directory holding the split files, "
                     "e.g. --config.data.path=../shared/data/multi30k")
-  if d.source == "tfds" or (d.source == "files" and d.format == "parallel"):
+  if (d.source == "tfds" and d.task == "seq2seq") or (d.source == "files"
+                                                       and d.format == "parallel"):
     if not d.source_lang or not d.target_lang or d.source_lang == d.target_lang:
       raise UserError(f"data.source_lang ({d.source_lang!r}) and data.target_lang "
                       f"({d.target_lang!r}) must be two different languages, e.g. en and de")

@@ -6,7 +6,7 @@ import collections
 import os
 
 from transformer_jax.core.errors import UserError
-from transformer_jax.data import pipeline, sources
+from transformer_jax.data import sources, tasks
 from transformer_jax.data import tokenizer as tokenizer_lib
 
 # What to do about a damaged WORKDIR/tokenizer.model.
@@ -50,14 +50,21 @@ def prepare_tokenizer(config, workdir: str, train_pairs, vocab_size: int):
   elif t.model_path:
     tokenizer = tokenizer_lib.load(t.model_path)
   else:
-    texts = tokenizer_lib.training_texts(train_pairs, t.sample_size, config.seed)
+    mask = config.data.task in tasks.MASK_TASKS
+    texts = tokenizer_lib.training_texts(tasks.tokenizer_texts(config.data, train_pairs),
+                                         t.sample_size, config.seed)
     words = collections.Counter()
     if t.model_type == "word":
       texts = _counting(texts, words)
     tokenizer = tokenizer_lib.train(texts, vocab_size, t.model_type, t.character_coverage,
-                                    t.sample_size)
-    if t.model_type == "word":
-      _check_word_coverage(words, vocab_size)
+                                    t.sample_size, mask=mask)
+    if t.model_type == "word":  # <mask> takes two pieces of a word vocabulary
+      _check_word_coverage(words, vocab_size - 2 * mask)
+  if config.data.task in tasks.MASK_TASKS and not tokenizer.has_mask():
+    raise UserError(f"data.task={config.data.task} needs a tokenizer whose piece "
+                    f"{tokenizer_lib.MASK_ID} is {tokenizer_lib.MASK_PIECE}, as this project "
+                    "trains for encoder-only tasks; use the tokenizer.model of such a run "
+                    "(data.tokenizer.model_path) or let the run train one")
   if tokenizer.vocab_size > vocab_size:
     raise UserError(f"the tokenizer has {tokenizer.vocab_size} pieces but model.vocab_size is "
                     f"{vocab_size}; raise model.vocab_size")
@@ -74,7 +81,7 @@ def prepare_data(config, workdir: str, vocab_size: int):
     raise UserError(f"the {config.data.train_split!r} split is empty; check the data config")
   tokenizer, new = prepare_tokenizer(config, workdir, train_pairs, vocab_size)
   d = config.data
-  train_set = pipeline.encode(train_pairs, tokenizer, d.max_source_len, d.max_target_len)
+  train_set = tasks.examples(d, train_pairs, tokenizer)
   if not len(train_set):
     raise UserError("every training example is longer than data.max_source_len / "
                     "data.max_target_len; raise them")

@@ -3,12 +3,16 @@
 
   data.source=scan   SCAN, generated from its grammar (splits train, test).
   data.source=files  local text in data.path: aligned `SPLIT.SRC` / `SPLIT.TGT` files
-                     (data.format=parallel, e.g. train.en + train.de) or `SPLIT.tsv` files of
-                     `source<TAB>target` lines (data.format=tsv).
-  data.source=tfds   a TFDS translation dataset by name (data.tfds_name, e.g.
-                     wmt14_translate/de-en), read TF-free through tfds.data_source (array_record).
+                     (data.format=parallel, e.g. train.en + train.de), `SPLIT.tsv` files of
+                     `source<TAB>target` lines (data.format=tsv; `text<TAB>label` to classify),
+                     or `SPLIT.txt` files of one text a line (data.format=text: (text, "")
+                     pairs; blank lines are skipped).
+  data.source=tfds   a TFDS dataset by name (data.tfds_name, e.g. wmt14_translate/de-en, lm1b,
+                     imdb_reviews), read TF-free through tfds.data_source (array_record).
 
-The direction is data.source_lang -> data.target_lang for parallel files and TFDS.
+The direction is data.source_lang -> data.target_lang for parallel files and TFDS translation
+datasets; a TFDS text dataset gives (data.text_field, "") pairs, or (text, label) with
+data.label_field to classify (see `data/tasks.py`).
 """
 
 from __future__ import annotations
@@ -172,6 +176,22 @@ class TsvFile(_PairSequence):
     return [tuple(self.lines.line(i).split("\t")) for i in indices]
 
 
+class TextFile(_PairSequence):
+  """(line, "") for each line of a text file that is not blank."""
+
+  def __init__(self, path: str):
+    self.lines = _Lines(path)
+    data = np.frombuffer(self.lines.data, np.uint8)
+    visible = np.concatenate([[0], np.cumsum(~np.isin(data, list(b" \t\r\f\v")))])
+    self.kept = np.flatnonzero(visible[self.lines.ends] > visible[self.lines.starts])
+
+  def __len__(self):
+    return len(self.kept)
+
+  def gather(self, indices):
+    return [(self.lines.line(self.kept[i]), "") for i in indices]
+
+
 def _split_files(directory: str, suffixes: list[str]) -> list[str]:
   """The split names for which `directory` has a file with every suffix (`train.en` -> `train`)."""
   names = set(os.listdir(directory))
@@ -182,12 +202,12 @@ def _split_files(directory: str, suffixes: list[str]) -> list[str]:
 def load_files(data_config, split: str) -> Pairs:
   d = data_config
   directory = resolve_path(d.path)
-  if d.format == "tsv":
-    suffixes = [".tsv"]
+  if d.format in ("tsv", "text"):
+    suffixes = [".tsv" if d.format == "tsv" else ".txt"]
   elif d.format == "parallel":
     suffixes = [f".{d.source_lang}", f".{d.target_lang}"]
   else:
-    raise UserError(f"data.format must be one of parallel, tsv; got {d.format!r}")
+    raise UserError(f"data.format must be one of parallel, tsv, text; got {d.format!r}")
   names = [split + x for x in suffixes]
   paths = [os.path.join(directory, n) for n in names]
   for path in paths:
@@ -196,6 +216,8 @@ def load_files(data_config, split: str) -> Pairs:
                          f"for split {split!r} (splits found in {directory}: {found}); fix "
                          "data.path or the split name (data.train_split / data.eval_split / "
                          "data.test_split)")
+  if d.format == "text":
+    return TextFile(paths[0])
   return TsvFile(paths[0]) if d.format == "tsv" else ParallelFiles(*paths)
 
 
@@ -205,10 +227,11 @@ TF_EXTRA = "pip install -e '.[tf]'"
 
 
 class TfdsPairs(_PairSequence):
-  """(source, target) strings from a TFDS random-access source of {lang: text} records."""
+  """(source, target) strings from a TFDS random-access source of records: the fields
+  `source_field` and `target_field` (translation: the languages), or "" without a target."""
 
-  def __init__(self, records, source_lang: str, target_lang: str):
-    self.records, self.source_lang, self.target_lang = records, source_lang, target_lang
+  def __init__(self, records, source_field: str, target_field: str | None):
+    self.records, self.source_field, self.target_field = records, source_field, target_field
 
   def __len__(self):
     return len(self.records)
@@ -219,7 +242,8 @@ class TfdsPairs(_PairSequence):
       records = self.records.__getitems__(indices)
     except (AttributeError, TypeError):  # no batched read (tfds.testing.mock_data's is broken)
       records = [self.records[i] for i in indices]
-    return [(_text(r[self.source_lang]), _text(r[self.target_lang])) for r in records]
+    return [(_text(r[self.source_field]),
+             _text(r[self.target_field]) if self.target_field else "") for r in records]
 
 
 def _text(value) -> str:
@@ -233,9 +257,19 @@ def _import_tfds():
     raise UserError(f"data.source=tfds needs tensorflow-datasets ({e}); install it with "
                     "pip install -e .") from None
   # TFDS imports its dataset modules lazily; this registers the translation builders (wmt*,
-  # ted_*, opus, ...), which `tfds.builder` does not find by name without TensorFlow otherwise.
-  import tensorflow_datasets.translate  # registers the builders
+  # ted_*, opus, ...) and the text ones (lm1b, imdb_reviews, glue, ...), which `tfds.builder`
+  # does not find by name without TensorFlow otherwise.
+  import tensorflow_datasets.text  # noqa: F401 (registers the builders)
+  import tensorflow_datasets.translate  # noqa: F401
   return tfds
+
+
+def tfds_fields(data_config) -> tuple:
+  """The record fields that make a pair: (source, target), target None for text tasks."""
+  d = data_config
+  if d.task == "seq2seq":
+    return d.source_lang, d.target_lang
+  return d.text_field, d.label_field if d.task == "classify" else None
 
 
 def _needs(e: ImportError) -> str:
@@ -252,7 +286,7 @@ def tfds_builder(data_config):
   d = data_config
   tfds = _import_tfds()
   if not d.tfds_name:
-    raise UserError("data.tfds_name is empty; name a TFDS translation dataset, e.g. "
+    raise UserError("data.tfds_name is empty; name a TFDS dataset, e.g. "
                     "--config.data.tfds_name=wmt14_translate/de-en")
   kwargs = {"file_format": "array_record"}  # the random-access, TF-free format
   if d.tfds_data_dir:
@@ -271,11 +305,14 @@ def tfds_builder(data_config):
     known = f" (its configs: {', '.join(configs[:20])})" if configs else ""
     raise UserError(f"cannot build TFDS dataset {d.tfds_name!r}{known}: "
                     f"{str(e).splitlines()[0]}; fix data.tfds_name") from None
-  languages = _languages(builder)
-  for key, lang in (("data.source_lang", d.source_lang), ("data.target_lang", d.target_lang)):
-    if languages is not None and lang not in languages:
-      raise UserError(f"the TFDS dataset {d.tfds_name!r} has the languages "
-                      f"{', '.join(languages)}, not {key}={lang!r}; fix {key}")
+  fields = _languages(builder)
+  keys = (("data.source_lang", "data.target_lang") if d.task == "seq2seq"
+          else ("data.text_field", "data.label_field"))
+  for key, field in zip(keys, tfds_fields(d)):
+    if fields is not None and field is not None and field not in fields:
+      kind = "languages" if d.task == "seq2seq" else "fields"
+      raise UserError(f"the TFDS dataset {d.tfds_name!r} has the {kind} "
+                      f"{', '.join(fields)}, not {key}={field!r}; fix {key}")
   return builder
 
 
@@ -322,4 +359,4 @@ def load_tfds(data_config, split: str) -> Pairs:
     raise UserError(f"the TFDS dataset {d.tfds_name!r} has no split {split!r} "
                     f"({str(e).splitlines()[0]}); its splits: {splits or 'unknown'}; fix "
                     "data.train_split / data.eval_split / data.test_split") from None
-  return TfdsPairs(records, d.source_lang, d.target_lang)
+  return TfdsPairs(records, *tfds_fields(d))
