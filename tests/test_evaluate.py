@@ -18,7 +18,7 @@ from transformer_jax.data import scan
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.eval import load, search
 from transformer_jax.eval import translate as translate_lib
-from transformer_jax.eval.metrics import text_metrics
+from transformer_jax.eval.metrics import classification_metrics, text_metrics
 from transformer_jax.experiments import tiny
 from transformer_jax.model import param_shapes
 from transformer_jax.tools import benchmark
@@ -44,6 +44,16 @@ def test_bleu_of_references_against_themselves_is_100():
     assert metrics[key] == pytest.approx(100.0), key
   assert metrics["exact_match"] == 1.0
   assert "case:mixed" in metrics["bleu_signature"]
+
+
+def test_classification_accuracy_and_macro_f1_by_hand():
+  gold = ["a", "a", "a", "b", "b", "c"]
+  predicted = ["a", "a", "b", "b", "c", "c"]
+  # F1 = 2TP / (2TP + FP + FN): a: 4 / (4 + 0 + 1); b: 2 / (2 + 1 + 1); c: 2 / (2 + 1 + 0).
+  metrics = classification_metrics(predicted, gold, ["a", "b", "c", "d"])
+  assert metrics["accuracy"] == pytest.approx(4 / 6)
+  assert metrics["macro_f1"] == pytest.approx((4 / 5 + 2 / 4 + 2 / 3 + 0.0) / 4)
+  assert classification_metrics(gold, gold, ["a", "b", "c"]) == {"accuracy": 1.0, "macro_f1": 1.0}
 
 
 def test_cased_bleu_sees_case_lowercased_bleu_does_not():

@@ -7,7 +7,7 @@ import pytest
 from transformer_jax import config as config_lib
 from transformer_jax.core.errors import UserError
 from transformer_jax.core.tokens import EOS_ID
-from transformer_jax.data import pipeline, sources, tasks
+from transformer_jax.data import pipeline, scan, sources, tasks
 from transformer_jax.experiments import tiny
 
 
@@ -117,3 +117,24 @@ def test_tfds_text_datasets_give_texts_and_labels(tmp_path):
     c.data.label_field = "stars"
     with pytest.raises(UserError, match="has the fields.*not data.label_field='stars'"):
       sources.load_split(c.data, "test")
+
+
+@pytest.mark.parametrize("arch, task", [("decoder_only", "seq2seq"), ("decoder_only", "lm"),
+                                        ("encoder_only", "mlm"), ("encoder_only", "classify")])
+def test_every_architecture_trains_and_evaluates_its_tasks(tmp_path, arch, task):
+  from transformer_jax import run
+  commands = [command for command, _ in scan.load("simple", "train")[::40]]
+  (tmp_path / "train.txt").write_text("\n".join(commands) + "\n")
+  (tmp_path / "train.tsv").write_text("".join(f"{c}\t{'twice' in c}\n" for c in commands))
+  c = text_config(tmp_path, task, arch, eval_split="train")
+  if task == "seq2seq":
+    c.data.update(source="scan", eval_split="test")
+  c.model.update(num_labels=2 if task == "classify" else 0, max_len=64)
+  c.train.update(steps=4, log_every=2, checkpoint_every=4)
+  c.eval.update(max_examples=16, batch_size=16)
+  metrics = run.train_and_evaluate(c, str(tmp_path / "run"))
+  expected = {"seq2seq": ("exact_match", "bleu", "perplexity"), "lm": ("perplexity",),
+              "mlm": ("perplexity", "token_accuracy"), "classify": ("accuracy", "macro_f1")}
+  for key in expected[task] + ("loss",):
+    assert np.isfinite(metrics[key]), key
+  assert metrics["examples"] == 16 or task == "lm"

@@ -100,6 +100,29 @@ def test_shift_right_starts_with_bos_and_keeps_padding():
   np.testing.assert_array_equal(shift_right(targets), [[1, 5, 6, 0], [1, 7, 0, 0]])
 
 
+def test_masked_lm_corruption_is_berts():
+  rng = np.random.default_rng(0)
+  inputs = rng.integers(5, 100, size=(64, 512))
+  inputs[:, 400:] = 0  # padding is never chosen
+  corrupted, targets = step_lib.mask_tokens(jnp.asarray(inputs), jax.random.key(3), 0.15, 100)
+  corrupted, targets = np.asarray(corrupted), np.asarray(targets)
+  chosen = targets > 0
+  np.testing.assert_array_equal(targets[chosen], inputs[chosen])
+  assert not chosen[:, 400:].any() and (corrupted[:, 400:] == 0).all()
+  np.testing.assert_array_equal(corrupted[~chosen], inputs[~chosen])
+  n = chosen.sum()  # ~3900: the shares below are within 4 standard errors
+  assert abs(n / (64 * 400) - 0.15) < 0.01
+  masked = corrupted[chosen] == tokenizer_lib.MASK_ID
+  kept = corrupted[chosen] == inputs[chosen]
+  random = ~masked & ~kept
+  # Random tokens come from the 95 ids 5..99, so one in 95 equals the original.
+  assert abs(masked.mean() - 0.8) < 0.03 and abs(kept.mean() - (0.1 + 0.1 / 95)) < 0.02
+  assert abs(random.mean() - 0.1 * 94 / 95) < 0.02
+  assert corrupted[chosen][random].min() > tokenizer_lib.MASK_ID
+  again, _ = step_lib.mask_tokens(jnp.asarray(inputs), jax.random.key(3), 0.15, 100)
+  np.testing.assert_array_equal(again, corrupted)  # a function of the key
+
+
 def _setup(config, pairs, devices=None):
   model_config = config_lib.validate(config)
   texts = [t for p in pairs for t in p]

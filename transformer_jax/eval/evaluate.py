@@ -1,5 +1,6 @@
 """Metrics of a model over a split: loss, perplexity and token accuracy by teacher forcing;
-BLEU, chrF and exact match of the decoded, detokenized text."""
+BLEU, chrF and exact match of the decoded, detokenized text; accuracy and macro-F1 of a
+classifier."""
 
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ import jax.numpy as jnp
 
 from transformer_jax.core import files
 from transformer_jax.core.errors import UserError
-from transformer_jax.data import pipeline, sources
+from transformer_jax.data import pipeline, sources, tasks
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.eval.load import load_trained
-from transformer_jax.eval.metrics import text_metrics
+from transformer_jax.eval.metrics import classification_metrics, text_metrics
 from transformer_jax.eval.search import (
   batch_rng,
   decode_batch,
@@ -23,23 +24,28 @@ from transformer_jax.eval.search import (
   detokenize,
   max_decode_length,
 )
-from transformer_jax.model import ModelConfig, Transformer, shift_right
+from transformer_jax.model import ModelConfig, make_model
 from transformer_jax.train import sharding
+from transformer_jax.train import step as step_lib
 from transformer_jax.train.losses import label_smoothed_cross_entropy
 
 
 @functools.lru_cache(maxsize=None)
-def _eval_step(model_config: ModelConfig, mesh):
-  """Sums of the loss, correct tokens and tokens of a batch, by teacher forcing, on `mesh`."""
-  model = Transformer(model_config.replace(deterministic=True, decode=False))
+def _eval_step(model_config: ModelConfig, task: str, mask_rate: float, mesh):
+  """Sums of the loss, correct labels and labels of a batch, by teacher forcing, on `mesh`; the
+  predicted class of each row for classification. The masked-LM's corruption is drawn from
+  `rng`, so an evaluation masks the same tokens every time."""
+  model = make_model(model_config.replace(deterministic=True, decode=False))
 
-  def step(params, batch):
-    targets = batch["targets"]
-    logits = model.apply({"params": params}, batch["inputs"], shift_right(targets))
-    _, nll, correct = label_smoothed_cross_entropy(logits, targets, 0.0)
-    weights = (targets > 0).astype(jnp.float32)
-    correct = correct * weights
-    return {"nll": (nll * weights).sum(), "correct": correct.sum(), "tokens": weights.sum()}
+  def step(params, batch, rng):
+    batch = step_lib.prepare_batch(batch, rng, task, mask_rate, model_config.vocab_size)
+    logits, labels, weights = step_lib.forward(model, params, batch)
+    _, nll, correct = label_smoothed_cross_entropy(logits, labels, 0.0)
+    sums = {"nll": (nll * weights).sum(), "correct": (correct * weights).sum(),
+            "tokens": weights.sum()}
+    if task == "classify":
+      sums["predicted"] = jnp.argmax(logits[:, 0], axis=-1)
+    return sums
 
   return sharding.jit(step, mesh, out_shardings=sharding.replicated(mesh))
 
@@ -49,41 +55,57 @@ SAMPLES = 5  # translations shown in TensorBoard and kept in eval/STEP.json
 
 def evaluate(params, model_config: ModelConfig, config, tokenizer: tokenizer_lib.Tokenizer,
              pairs, mesh=None) -> dict:
-  """Metrics of `params` on (source, reference) `pairs`, and the decode settings used.
+  """Metrics of `params` on the (source, reference) `pairs` of a split, and the decode settings.
 
-  `params` live on `mesh` (default: the mesh of config.mesh), sharded as in training or not;
-  batches are split over its data x fsdp devices. With several processes every process calls
-  this with the same pairs and gets the same metrics.
+  Every task: loss and perplexity (per target token, or per masked token, or per example) and
+  accuracy by teacher forcing; seq2seq also decodes (BLEU, chrF, exact match); classify reports
+  accuracy and macro-F1 over the classes. `params` live on `mesh` (default: the mesh of
+  config.mesh), sharded as in training or not; batches are split over its data x fsdp devices.
+  With several processes every process calls this with the same pairs and gets the same metrics.
   """
   mesh = sharding.make_mesh(config.mesh.to_dict()) if mesh is None else mesh
   d, e = config.data, config.eval
   if e.max_examples:
     pairs = pairs[: e.max_examples]
-  examples = pipeline.encode(pairs, tokenizer, d.max_source_len, d.max_target_len)
+  examples = tasks.examples(d, pairs, tokenizer)
   if not len(examples):
     raise UserError("no evaluation example fits data.max_source_len / data.max_target_len")
   max_length = max_decode_length(config)
-  step = _eval_step(model_config, mesh)
+  step = _eval_step(model_config, d.task, d.mask_rate, mesh)
   sums = {"nll": 0.0, "correct": 0.0, "tokens": 0.0}
-  hypotheses = []
+  hypotheses, predicted = [], []
   for index, (batch, n_real) in enumerate(pipeline.eval_batches(examples, e.batch_size)):
-    for k, v in sharding.to_host(step(params, sharding.shard_batch(batch, mesh))).items():
+    out = sharding.to_host(step(params, sharding.shard_batch(batch, mesh),
+                                batch_rng(config, index)))
+    predicted += out.pop("predicted", [])[:n_real].tolist() if d.task == "classify" else []
+    for k, v in out.items():
       sums[k] += float(v)
-    outputs = decode_batch(params, model_config, e, batch["inputs"], max_length,
-                           batch_rng(config, index), mesh=mesh)
-    hypotheses += [detokenize(tokenizer, row) for row in outputs[:n_real]]
+    if d.task == "seq2seq":
+      outputs = decode_batch(params, model_config, e, batch["inputs"], max_length,
+                             batch_rng(config, index), mesh=mesh)
+      hypotheses += [detokenize(tokenizer, row) for row in outputs[:n_real]]
+  nll = sums["nll"] / sums["tokens"]
+  metrics = {"loss": nll, "perplexity": math.exp(min(nll, 50.0)),
+             "token_accuracy": sums["correct"] / sums["tokens"]}
+  counts = {"examples": len(examples), "skipped_too_long": examples.dropped}
+  if d.task == "classify":
+    names = tasks.label_names(d)
+    gold = [name for _, name in sources.gather(pairs, examples.index)]
+    guesses = [names[i] for i in predicted]
+    return {"loss": nll, **classification_metrics(guesses, gold, names), **counts,
+            "samples": [{"source": source, "hypothesis": guess, "reference": label}
+                        for (source, label), guess in zip(
+                            sources.gather(pairs, examples.index[:SAMPLES]), guesses)]}
+  if d.task != "seq2seq":
+    return {**metrics, **counts}
   kept = sources.gather(pairs, examples.index)
   references = [target for _, target in kept]
-  nll = sums["nll"] / sums["tokens"]
   text = text_metrics(hypotheses, references)
   signature = text.pop("bleu_signature")
   return {
-      "loss": nll,
-      "perplexity": math.exp(min(nll, 50.0)),
-      "token_accuracy": sums["correct"] / sums["tokens"],
+      **metrics,
       **text,
-      "examples": len(examples),
-      "skipped_too_long": examples.dropped,
+      **counts,
       "bleu_signature": signature,
       "decoding": decode_settings(e),
       "samples": [{"source": source, "hypothesis": hypothesis, "reference": reference}

@@ -40,11 +40,14 @@ def decode_batch(params, model_config: ModelConfig, eval_config, inputs, max_len
 
   Rows of `inputs` that are all padding come back as zeros at no cost. `rng` (a PRNG key) is
   used by decode=sample only. With a `mesh` (that `params` live on), the rows are split over
-  its data x fsdp devices and every process gets all outputs.
+  its data x fsdp devices and every process gets all outputs. A decoder-only model continues
+  the prompt "source EOS BOS", as it was trained.
   """
   cfg = model_config.replace(deterministic=True)
   e = eval_config
   rows = len(inputs)
+  if cfg.arch == "decoder_only":
+    inputs = np.asarray(decode.seq2seq_prompt(np.asarray(inputs)))
   context = contextlib.nullcontext()
   if mesh is not None:
     inputs = sharding.shard_batch({"inputs": np.asarray(inputs)}, mesh)["inputs"]
