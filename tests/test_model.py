@@ -246,6 +246,7 @@ def test_validate_rejects_impossible_configs(tiny_config, changes, message):
 def test_validate_accepts_every_choice(tiny_config):
   for changes in (dict(norm="pre"), dict(activation="gelu"), dict(positional="learned"),
                   dict(positional="rotary"), dict(positional="relative_bias"),
+                  dict(positional="none"),
                   dict(arch="decoder_only"), dict(arch="encoder_only", num_labels=2),
                   dict(init="normal"), dict(attention_impl="jax"), dict(dtype="bfloat16"),
                   dict(dropout_rate=0.0), dict(attention_dropout_rate=0.99)):

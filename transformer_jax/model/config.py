@@ -23,8 +23,9 @@ CHOICES = {
     "norm": ("post", "pre"),
     "norm_type": ("layernorm", "rmsnorm"),
     # rotary: RoPE (Su et al., 2021) on queries and keys; relative_bias: T5's learned per-head
-    # bias of bucketed relative distances; both leave the embeddings without positions.
-    "positional": ("sinusoidal", "learned", "rotary", "relative_bias"),
+    # bias of bucketed relative distances; both leave the embeddings without positions. none:
+    # no position information at all (NoPE; a causal stack still tells positions apart).
+    "positional": ("sinusoidal", "learned", "rotary", "relative_bias", "none"),
     "init": ("xavier", "normal"),
     "attention_impl": ("plain", "jax"),  # see attention.dot_product_attention
     "dtype": ("float32", "bfloat16"),

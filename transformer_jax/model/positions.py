@@ -14,7 +14,7 @@ from transformer_jax.model.config import ModelConfig
 
 Array = jax.Array
 
-# Positions added to the embeddings; the other two choices act inside attention.
+# Positions added to the embeddings; rotary and relative_bias act inside attention, none nowhere.
 ADDITIVE = ("sinusoidal", "learned")
 
 
@@ -33,8 +33,8 @@ def sinusoidal_positions(length: int, d_model: int, base: float = 10000.0) -> np
 
 
 class AddPositions(nn.Module):
-  """Adds sinusoidal or learned position encodings at the given integer positions; with rotary
-  or relative-bias positions the embeddings pass unchanged."""
+  """Adds sinusoidal or learned position encodings at the given integer positions; with rotary,
+  relative-bias or no positions the embeddings pass unchanged."""
 
   config: ModelConfig
 
