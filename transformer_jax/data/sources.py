@@ -33,8 +33,10 @@ Pairs = Sequence[tuple[str, str]]
 def load_split(data_config, split: str) -> Pairs:
   """The pairs of one split of the configured source."""
   if data_config.source == "scan":
-    if split not in ("train", "test"):
-      raise UserError(f"SCAN has the splits train and test, not {split!r}")
+    parts = scan.PARTS.get(data_config.scan_split, ("train", "test"))
+    if split not in parts:
+      raise UserError(f"SCAN's {data_config.scan_split} split has the parts "
+                      f"{', '.join(parts)}, not {split!r}")
     return scan.load(data_config.scan_split, split)
   if data_config.source == "files":
     return load_files(data_config, split)
