@@ -217,6 +217,31 @@ def test_decoder_only_searches_agree_with_the_full_model():
   np.testing.assert_array_equal(sampled, greedy)
 
 
+def test_a_language_model_continues_its_prompt():
+  """A decoder-only LM's prompt is "BOS text" (rows of different lengths, one empty); greedy
+  continuation equals the full model's argmax, step by step, on prompt + output so far."""
+  config = make_config(arch="decoder_only", positional="relative_bias")
+  params = random_params(config, 5, 1.0)
+  prompts = np.zeros((3, 4), np.int32)
+  prompts[0, :4], prompts[1, :2], prompts[2, :1] = [BOS, 5, 6, 7], [BOS, 9], [BOS]
+  max_length = 6
+  tokens = np.asarray(decode.greedy_decode(params, config, jnp.asarray(prompts), max_length))
+  assert_well_formed(tokens)
+  no_source = jnp.zeros((3, 0), jnp.int32)
+  for row, length in enumerate([4, 2, 1]):
+    sequence = list(prompts[row, :length])
+    for t in range(max_length):
+      inputs = np.zeros((1, 4 + max_length), np.int32)
+      inputs[0, :len(sequence)] = sequence
+      logits = np.array(full_logits(params, config, no_source[:1], jnp.asarray(inputs)))
+      logits = logits[0, len(sequence) - 1]
+      logits[[PAD, BOS]] = -np.inf
+      assert tokens[row, t] == np.argmax(logits), (row, t)
+      if tokens[row, t] == EOS:
+        break
+      sequence.append(tokens[row, t])
+
+
 def test_decode_length_beyond_max_len_is_a_user_error():
   config = make_config()
   params = random_params(config, 0)

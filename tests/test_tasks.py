@@ -1,6 +1,8 @@
 """The tasks: text files and TFDS text datasets, language-model and masked-LM examples with one
 side, classification labels, and which task trains which architecture."""
 
+import io
+
 import numpy as np
 import pytest
 
@@ -8,6 +10,7 @@ from transformer_jax import config as config_lib
 from transformer_jax.core.errors import UserError
 from transformer_jax.core.tokens import EOS_ID
 from transformer_jax.data import pipeline, scan, sources, tasks
+from transformer_jax.eval import generate
 from transformer_jax.experiments import tiny
 
 
@@ -138,3 +141,12 @@ def test_every_architecture_trains_and_evaluates_its_tasks(tmp_path, arch, task)
   for key in expected[task] + ("loss",):
     assert np.isfinite(metrics[key]), key
   assert metrics["examples"] == 16 or task == "lm"
+  if task == "lm":  # --mode=generate: a continuation per prompt line, a blank line included
+    out, err = io.StringIO(), io.StringIO()
+    c.eval.update(max_decode_len=8, max_examples=0)
+    assert generate.generate_from_workdir(c, str(tmp_path / "run"), ["walk", "", "jump twice"],
+                                          out, err) == 3
+    assert len(out.getvalue().splitlines()) == 3 and not err.getvalue()
+  elif task != "seq2seq":
+    with pytest.raises(UserError, match="decoder-only language model"):
+      generate.generate_from_workdir(c, str(tmp_path / "run"), ["walk"])

@@ -5,6 +5,7 @@ checkout's `launch.py`:
 
   transformer-jax --config=experiments/scan_simple.py --workdir=runs/scan --mode=train
   transformer-jax --config=scan_simple --workdir=runs/scan --mode=translate < in.txt
+  transformer-jax --config=gpt_demo --workdir=runs/gpt --mode=generate < prompts.txt
   transformer-jax --config=base --config.model.d_model=256 --mode=describe
 
 `--config` takes an experiment file, or the name of an experiment installed with the package
@@ -28,7 +29,8 @@ from ml_collections import config_flags
 from transformer_jax import experiments
 from transformer_jax.core.errors import UserError
 
-MODES = ("describe", "train", "evaluate", "translate", "export", "plot", "benchmark", "compile")
+MODES = ("describe", "train", "evaluate", "translate", "generate", "export", "plot", "benchmark",
+         "compile")
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment config: a file (experiments/*.py) or an installed experiment's "
@@ -58,7 +60,7 @@ _KEEP_HOST_MEMORY = flags.DEFINE_enum(
     "(for small steps the shared malloc lock costs more than it saves).")
 _CHECKPOINT_STEP = flags.DEFINE_integer(
     "checkpoint_step", None,
-    "Checkpoint to evaluate or translate with (default: the latest).")
+    "Checkpoint to evaluate, translate or generate with (default: the latest).")
 
 
 def _fail(message: str) -> None:
@@ -241,6 +243,10 @@ def run(argv) -> None:
     # Bytes, decoded by translate: a line that is not UTF-8 must not lose its whole batch.
     translate.translate_from_workdir(config, _WORKDIR.value, sys.stdin.buffer, sys.stdout,
                                     step=_CHECKPOINT_STEP.value)
+  elif mode == "generate":  # stdin prompts -> stdout continuations, in order
+    from transformer_jax.eval import generate
+    generate.generate_from_workdir(config, _WORKDIR.value, sys.stdin, sys.stdout,
+                                   step=_CHECKPOINT_STEP.value)
 
 
 def _stdout_file():
