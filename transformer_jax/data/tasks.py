@@ -55,6 +55,14 @@ def check(arch: str, data_config) -> None:
     raise UserError("data.task=classify classifies whole rows; use data.batching=tokens or fixed")
 
 
+def batch_lengths(data_config) -> tuple[int, int]:
+  """The widest (inputs, targets) columns a batch of the task has: a missing side has none, a
+  class label one."""
+  d = data_config
+  return {"seq2seq": (d.max_source_len, d.max_target_len), "lm": (0, d.max_target_len),
+          "mlm": (d.max_source_len, 0), "classify": (d.max_source_len, 1)}[d.task]
+
+
 def tokenizer_texts(data_config, pairs):
   """The pairs whose sides train the tokenizer: both sides, without the labels of classify."""
   if data_config.task != "classify":
