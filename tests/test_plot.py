@@ -107,3 +107,33 @@ def test_summary_lists_config_differences_and_metrics():
   assert "best exact_match: 0.5 at step 10\n" in text
   assert "best loss: 0.8 at step 20" in text
   assert "200 tokens/s" in text
+
+
+@pytest.mark.parametrize("arch, positional", [("decoder_only", "relative_bias"),
+                                              ("encoder_only", "rotary")])
+def test_one_stack_models_have_their_attention_maps_and_positions(tmp_path, random_params, arch,
+                                                                  positional):
+  from transformer_jax.data import scan
+  from transformer_jax.data import tokenizer as tokenizer_lib
+  from transformer_jax.model import ModelConfig, init_params
+  tokenizer = tokenizer_lib.train([t for p in scan.load("simple", "train") for t in p], 32,
+                                  "word")
+  cfg = ModelConfig(vocab_size=32, arch=arch, d_model=16, num_heads=2, num_encoder_layers=2,
+                    num_decoder_layers=2, d_ff=32, max_len=32, positional=positional)
+  params = random_params(lambda rng: {"params": init_params(cfg, rng)})
+  maps, keys, queries, output = plot.attention_maps(params, cfg, tokenizer, TEXT, 8)
+  words = len(TEXT.split()) + 1  # and EOS
+  if arch == "decoder_only":  # one sequence: "source EOS BOS output", causal
+    (kind,) = maps
+    assert kind == "decoder_self_attention" and keys == queries and keys[:words + 1] == (
+        tokenizer.pieces(tokenizer.encode([TEXT])[0]) + ["</s>", "<s>"])
+    upper = np.triu(np.ones(maps[kind].shape[-2:], bool), k=1)
+    assert (maps[kind][..., upper] == 0.0).all() and maps[kind][..., ~upper].min() > 0.0
+  else:
+    assert list(maps) == ["encoder_self_attention"] and output == ""
+    assert maps["encoder_self_attention"].shape == (2, 2, words, words)
+    assert maps["encoder_self_attention"].min() > 0.0  # nothing masked
+  np.testing.assert_allclose(next(iter(maps.values())).sum(-1), 1.0, rtol=1e-5)
+  table, title = plot.position_picture(cfg, params)
+  assert table.shape == ((2, 32) if positional == "relative_bias" else (32, 4)), title
+  assert_real_picture(plot.plot_positional_encoding(table, str(tmp_path / "p.png"), title))

@@ -1,4 +1,4 @@
-"""Pictures of a run: training curves, the positional-encoding matrix, and attention maps.
+"""Pictures of a run: training curves, the model's positions, and attention maps.
 
 Everything renders headless into PNG files: figures are made with matplotlib's object API
 (`Figure`), never pyplot, so no GUI backend or global figure state is involved.
@@ -19,10 +19,10 @@ from matplotlib.figure import Figure
 from transformer_jax import config as config_lib
 from transformer_jax.core import files
 from transformer_jax.core.errors import UserError
-from transformer_jax.core.tokens import EOS_ID
-from transformer_jax.eval import decode, load
-from transformer_jax.model import Transformer, shift_right
-from transformer_jax.model.positions import sinusoidal_positions
+from transformer_jax.core.tokens import BOS_ID, EOS_ID, UNK_ID
+from transformer_jax.eval import decode, load, search
+from transformer_jax.model import make_model, shift_right
+from transformer_jax.model.positions import relative_position_bucket, sinusoidal_positions
 from transformer_jax.train import logger
 
 ATTENTION_KINDS = ("encoder_self_attention", "decoder_self_attention", "cross_attention")
@@ -111,35 +111,103 @@ def plot_attention(weights: np.ndarray, query_tokens: list[str], key_tokens: lis
   return _save(fig, path, dpi=100)
 
 
-def attention_maps(params, model_config, tokenizer, text: str, max_length: int):
-  """Attention weights of every layer and head for one input sentence and its greedy translation.
+def _stacked(inter, stack: str, count: int, module: str) -> np.ndarray:
+  """`[layers, heads, q_len, kv_len]`: the sown weights of `module` in each layer of a stack."""
+  return np.stack([inter[stack][f"layer_{i}"][module]["attention_weights"][0][0]
+                   for i in range(count)])
 
-  Returns (maps, source_pieces, target_pieces, translation): maps[kind] is
-  `[layers, heads, q_len, kv_len]`; the decoder attends over BOS + the translation.
-  """
-  source = tokenizer.encode([text])[0][: model_config.max_len - 1] + [EOS_ID]
-  source = jnp.asarray([source], jnp.int32)
-  cfg = model_config.replace(deterministic=True, decode=False)
-  output = np.asarray(decode.greedy_decode(params, cfg, source, max_length))[0]
+
+def _pieces(tokenizer, ids) -> list[str]:
+  """The pieces of `ids`; ids past the tokenizer's vocabulary (model.vocab_size may be larger)
+  read as unknown."""
+  ids = np.asarray(ids)
+  return tokenizer.pieces(np.where(ids < tokenizer.vocab_size, ids, UNK_ID))
+
+
+def _greedy_output(params, cfg, prompt, max_length: int) -> np.ndarray:
+  """The greedy output up to and with its EOS, int `[length]`."""
+  output = np.asarray(decode.greedy_decode(params, cfg, prompt, max_length))[0]
   length = int(np.argmax(output == EOS_ID)) + 1 if (output == EOS_ID).any() else len(output)
-  output = output[:length]
-  decoder_inputs = shift_right(jnp.asarray(output[None], jnp.int32))  # no padding up to EOS
-  _, state = Transformer(cfg).apply({"params": params}, source, decoder_inputs,
-                                    mutable=["intermediates"])
+  return output[:length]
+
+
+def attention_maps(params, model_config, tokenizer, text: str, max_length: int, task: str =
+                   "seq2seq"):
+  """Attention weights of every layer and head for one input and what the model makes of it.
+
+  encoder-decoder: the source sentence and its greedy translation (the decoder attends over
+  BOS + the translation); decoder-only: the sequence "source EOS BOS translation" (task
+  seq2seq) or "BOS text continuation" (lm), all of it in one self-attention; encoder-only: the
+  text.
+
+  Returns (maps, key_pieces, query_pieces, output): maps[kind] is `[layers, heads, q_len,
+  kv_len]` for each of `ATTENTION_KINDS` the architecture has; the pieces label the source (or
+  the whole sequence) and the decoder's inputs; output is the decoded text ("" if none).
+  """
+  cfg = model_config.replace(deterministic=True, decode=False)
+  model = make_model(cfg)
+  ids = tokenizer.encode([text])[0][: cfg.max_len - 1]
+  if cfg.arch == "encoder_only":
+    source = jnp.asarray([ids + [EOS_ID]], jnp.int32)
+    _, state = model.apply({"params": params}, source, mutable=["intermediates"])
+    pieces = _pieces(tokenizer, source[0])
+    maps = {"encoder_self_attention": _stacked(jax.device_get(state["intermediates"]),
+                                               "encoder", cfg.num_encoder_layers,
+                                               "self_attention")}
+    return maps, pieces, pieces, ""
+  if cfg.arch == "decoder_only" and task == "lm":
+    prompt = [BOS_ID] + ids[-(cfg.max_len - max_length):]
+    output = _greedy_output(params, cfg, jnp.asarray([prompt], jnp.int32), max_length)
+    source = jnp.zeros((1, 0), jnp.int32)
+    decoder_inputs = jnp.asarray([prompt + output.tolist()], jnp.int32)
+  else:
+    source = jnp.asarray([ids + [EOS_ID]], jnp.int32)
+    prompt = decode.seq2seq_prompt(source) if cfg.arch == "decoder_only" else source
+    output = _greedy_output(params, cfg, prompt, max_length)
+    decoder_inputs = shift_right(jnp.asarray(output[None], jnp.int32))  # no padding up to EOS
+  _, state = model.apply({"params": params}, source, decoder_inputs, mutable=["intermediates"])
   inter = jax.device_get(state["intermediates"])
+  source_pieces = _pieces(tokenizer, source[0])
+  target_pieces = _pieces(tokenizer, decoder_inputs[0])
+  maps = {"decoder_self_attention": _stacked(inter, "decoder", cfg.num_decoder_layers,
+                                             "self_attention")}
+  if cfg.arch == "decoder_only":
+    sequence = source_pieces + target_pieces
+    return maps, sequence, sequence, search.detokenize(tokenizer, output)
+  maps["encoder_self_attention"] = _stacked(inter, "encoder", cfg.num_encoder_layers,
+                                            "self_attention")
+  maps["cross_attention"] = _stacked(inter, "decoder", cfg.num_decoder_layers, "cross_attention")
+  return maps, source_pieces, target_pieces, search.detokenize(tokenizer, output)
 
-  def stack(stack_name, count, module):
-    return np.stack([inter[stack_name][f"layer_{i}"][module]["attention_weights"][0][0]
-                     for i in range(count)])
 
-  maps = {
-      "encoder_self_attention": stack("encoder", cfg.num_encoder_layers, "self_attention"),
-      "decoder_self_attention": stack("decoder", cfg.num_decoder_layers, "self_attention"),
-      "cross_attention": stack("decoder", cfg.num_decoder_layers, "cross_attention"),
-  }
-  source_pieces = tokenizer.pieces(np.asarray(source[0]))
-  target_pieces = tokenizer.pieces(np.asarray(decoder_inputs[0]))
-  return maps, source_pieces, target_pieces, tokenizer.decode(output)
+def position_picture(model_config, params) -> Optional[tuple[np.ndarray, str]]:
+  """(table, title) of the model's positions: the sinusoidal or learned table `[positions,
+  d_model]`, the rotary angles' cosines `[positions, head_dim / 2]`, or the relative bias of each
+  head by distance `[heads, distances]`; None without positions."""
+  cfg = model_config
+  length = min(cfg.max_len, 100)
+  stack = "decoder" if cfg.arch == "decoder_only" else "encoder"
+  if cfg.positional == "learned":
+    return (np.asarray(params[stack]["positions"]["table"])[:length],
+            f"learned positions ({stack}), {length} x {cfg.d_model}")
+  if cfg.positional == "sinusoidal":
+    return (sinusoidal_positions(length, cfg.d_model, cfg.position_base),
+            f"sinusoidal positional encoding, {length} positions x d_model {cfg.d_model}, "
+            f"base {cfg.position_base:g}")
+  if cfg.positional == "rotary":
+    half = cfg.head_dim // 2
+    angles = np.arange(length)[:, None] * cfg.position_base ** (-np.arange(half) / half)
+    return (np.cos(angles), f"rotary positions: cos(position x wavelength^-1), {length} "
+                            f"positions x {half} pairs of each head's {cfg.head_dim} features")
+  if cfg.positional == "relative_bias":
+    distances = np.arange(-length + 1, length) if stack == "encoder" else np.arange(length)
+    buckets = relative_position_bucket(jnp.asarray(-distances), stack == "encoder",
+                                       cfg.relative_buckets, cfg.relative_max_distance)
+    bias = np.asarray(params[stack]["relative_bias"]["table"])[np.asarray(buckets)].T
+    scale = max(float(np.abs(bias).max()), 1e-6)
+    return (bias / scale, f"relative position bias ({stack}) by head and distance query - key "
+                          f"({distances[0]} .. {distances[-1]}), divided by {scale:.3g}")
+  return None
 
 
 def plot_workdir(config, workdir: str, text: Optional[str] = None,
@@ -152,7 +220,7 @@ def plot_workdir(config, workdir: str, text: Optional[str] = None,
   if os.path.lexists(out) and not os.path.isdir(out):
     raise UserError(f"{out} is not a directory, where plots are written; move it away")
   params = tokenizer = None  # loaded (and checked) before anything is written
-  if text is not None or model_config.positional == "learned":
+  if text is not None or model_config.positional in ("learned", "relative_bias"):
     model_config, params, tokenizer = load.load_trained(config, workdir, step)[:3]
   try:
     os.makedirs(out, exist_ok=True)
@@ -160,26 +228,23 @@ def plot_workdir(config, workdir: str, text: Optional[str] = None,
     raise files.write_error(out, e) from None
   paths = [plot_curves(records, os.path.join(out, "curves.png"))]
 
-  length = min(model_config.max_len, 100)
-  if model_config.positional == "learned":
-    table = np.asarray(params["encoder"]["positions"]["table"])[:length]
-    title = f"learned positions (encoder), {length} x {model_config.d_model}"
-  else:
-    table = sinusoidal_positions(length, model_config.d_model, model_config.position_base)
-    title = (f"sinusoidal positional encoding, {length} positions x d_model "
-             f"{model_config.d_model}, base {model_config.position_base:g}")
-  paths.append(plot_positional_encoding(table, os.path.join(out, "positional_encoding.png"),
-                                        title))
+  picture = position_picture(model_config, params)
+  if picture is not None:
+    table, title = picture
+    paths.append(plot_positional_encoding(table, os.path.join(out, "positional_encoding.png"),
+                                          title))
 
   if text is not None:
     max_length = config.eval.max_decode_len or config.data.max_target_len
-    maps, source_pieces, target_pieces, translation = attention_maps(
-        params, model_config, tokenizer, text, max_length)
+    maps, source_pieces, target_pieces, output = attention_maps(
+        params, model_config, tokenizer, text, max_length, config.data.task)
     axes = {"encoder_self_attention": (source_pieces, source_pieces),
             "decoder_self_attention": (target_pieces, target_pieces),
             "cross_attention": (target_pieces, source_pieces)}
     for kind in ATTENTION_KINDS:
+      if kind not in maps:
+        continue
       queries, keys = axes[kind]
       paths.append(plot_attention(maps[kind], queries, keys, os.path.join(out, f"{kind}.png"),
-                                  f"{kind.replace('_', ' ')}: {text!r} -> {translation!r}"))
+                                  f"{kind.replace('_', ' ')}: {text!r} -> {output!r}"))
   return paths
