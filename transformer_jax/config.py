@@ -44,8 +44,9 @@ def default_config() -> ml_collections.ConfigDict:
   c.data.tfds_data_dir = ""  # source=tfds: "" = $TFDS_DATA_DIR or ~/tensorflow_datasets
   c.data.tfds_download = True  # source=tfds: download and prepare the dataset if it is not there
   c.data.path = ""  # source=files: the directory holding the split files
+  c.data.text_suffix = "txt"  # source=files, format=text: the split's file is SPLIT.text_suffix
   # source=files: parallel (SPLIT.SRC + SPLIT.TGT) | tsv (SPLIT.tsv) | text (SPLIT.txt: a text
-  # a line)
+  # a line; data.text_suffix names another suffix, e.g. en for train.en)
   c.data.format = "parallel"
   c.data.source_lang = "en"  # the direction, for tfds and parallel files
   c.data.target_lang = "de"
@@ -88,6 +89,9 @@ def default_config() -> ml_collections.ConfigDict:
   c.train.keep_best = 1  # also keep the N best by train.best_metric (at eval_every steps); 0 = off
   c.train.best_metric = "loss"  # loss | perplexity (lower is better) | token_accuracy | bleu | ...
   c.train.on_nonfinite = "stop"  # NaN/inf loss or gradients: stop, keeping good checkpoints | skip
+  # A workdir whose latest parameters start a new run (fine-tuning, e.g. a classifier from a
+  # masked-LM run): those of the same name and shape are copied, and its tokenizer is used.
+  c.train.init_from = ""
 
   c.eval = ml_collections.ConfigDict()
   c.eval.batch_size = 256

@@ -6,7 +6,7 @@
                      (data.format=parallel, e.g. train.en + train.de), `SPLIT.tsv` files of
                      `source<TAB>target` lines (data.format=tsv; `text<TAB>label` to classify),
                      or `SPLIT.txt` files of one text a line (data.format=text: (text, "")
-                     pairs; blank lines are skipped).
+                     pairs; blank lines are skipped; data.text_suffix for other names).
   data.source=tfds   a TFDS dataset by name (data.tfds_name, e.g. wmt14_translate/de-en, lm1b,
                      imdb_reviews), read TF-free through tfds.data_source (array_record).
 
@@ -205,7 +205,7 @@ def load_files(data_config, split: str) -> Pairs:
   d = data_config
   directory = resolve_path(d.path)
   if d.format in ("tsv", "text"):
-    suffixes = [".tsv" if d.format == "tsv" else ".txt"]
+    suffixes = [".tsv" if d.format == "tsv" else f".{d.text_suffix}"]
   elif d.format == "parallel":
     suffixes = [f".{d.source_lang}", f".{d.target_lang}"]
   else:
