@@ -37,18 +37,23 @@ def prepare_tokenizer(config, workdir: str, train_pairs, vocab_size: int):
   """(tokenizer, new): the run's tokenizer, and whether WORKDIR/tokenizer.model is still to write.
 
   The workdir's tokenizer wins (a resumed run keeps its ids); else data.tokenizer.model_path;
-  else one trained on a sample of the train split. Nothing is written here.
+  else that of the run in train.init_from; else one trained on a sample of the train split.
+  Nothing is written here.
   """
   t = config.data.tokenizer
   path = os.path.join(workdir, tokenizer_lib.FILENAME)
   new = not os.path.lexists(path)
+  model_path = t.model_path or (os.path.join(os.path.expanduser(config.train.init_from),
+                                             tokenizer_lib.FILENAME)
+                                if config.train.init_from else "")
   if not new:
     tokenizer = tokenizer_lib.load(path, WORKDIR_TOKENIZER_FIX)
-    if t.model_path and tokenizer_lib.load(t.model_path).model_proto != tokenizer.model_proto:
-      raise UserError(f"data.tokenizer.model_path {t.model_path} is not {path}, the vocabulary "
-                      "this workdir was trained with; drop the override or start a new --workdir")
-  elif t.model_path:
-    tokenizer = tokenizer_lib.load(t.model_path)
+    if model_path and tokenizer_lib.load(model_path).model_proto != tokenizer.model_proto:
+      raise UserError(f"the tokenizer {model_path} is not {path}, the vocabulary this workdir "
+                      "was trained with; drop data.tokenizer.model_path / train.init_from or "
+                      "start a new --workdir")
+  elif model_path:
+    tokenizer = tokenizer_lib.load(model_path)
   else:
     mask = config.data.task in tasks.MASK_TASKS
     texts = tokenizer_lib.training_texts(tasks.tokenizer_texts(config.data, train_pairs),

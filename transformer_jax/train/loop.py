@@ -20,7 +20,7 @@ from transformer_jax.data import pipeline, prepare
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.model import ModelConfig, count_params, describe
 from transformer_jax.model.flops import peak_flops
-from transformer_jax.train import actions, checkpoint, sharding
+from transformer_jax.train import actions, checkpoint, pretrained, sharding
 from transformer_jax.train import state as state_lib
 from transformer_jax.train import step as step_lib
 from transformer_jax.train.logger import MetricLogger
@@ -77,6 +77,8 @@ def train(config, workdir: str, evaluate_fn: EvaluateFn) -> Result:
   workdir = checkpoint.check_workdir(workdir)
   if jax.process_count() == 1:  # a second run in this workdir is refused before any work
     DirectoryLock(workdir).check()
+  if t.init_from:
+    pretrained.source_config(t.init_from)  # there is a run to start from
   tokenizer, new_tokenizer, train_set, eval_pairs = prepare.prepare_data(
       config, workdir, model_config.vocab_size)
   mesh = sharding.make_mesh(config.mesh.to_dict())
@@ -109,13 +111,19 @@ def train(config, workdir: str, evaluate_fn: EvaluateFn) -> Result:
     atomic_write(os.path.join(workdir, "config.json"), config_json)
   set_aside = reader.set_aside_unreadable()
   manager = checkpoint.Manager(workdir, config, tokenizer_sha, writable=True)
+  copied = []
   if restored:
     state, start = restored.state, restored.step
   else:
     state, start = state_lib.init_state(model_config, optimizer, config.seed, mesh), 0
+    if t.init_from:
+      state, copied = pretrained.load(t.init_from, state, mesh)
   rng = jax.random.PRNGKey(config.seed)
   if is_main:
     _announce(model_config, train_set, eval_pairs, tokenizer, mesh, restored, start, set_aside)
+    if copied:
+      print(f"initialised {len(copied)} of {len(jax.tree.leaves(state.params))} parameters "
+            f"from {t.init_from}", flush=True)
 
   peak = peak_flops(jax.devices()[0])
   logger = MetricLogger(workdir, total_steps=t.steps, start_step=start, enabled=is_main,
