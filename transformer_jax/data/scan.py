@@ -17,6 +17,11 @@ The grammar admits exactly 20,910 commands. Splits:
     model selection without the test set, `dev` holds the train commands with the longest
     outputs (22 actions, 576 commands) and `train_without_dev` the other 16,414: selecting on
     `dev` rewards extrapolating past the lengths trained on, as the test split asks.
+
+For the tasks other than translation (data/tasks.py) the same parts give texts, "command
+actions" (a language model learns to continue a command with its actions, a masked LM to fill
+in masked actions), or classes: a command is "long" if its actions are more than 22 (the length
+split's rule), else "short".
 """
 
 from __future__ import annotations
@@ -85,3 +90,14 @@ def load(split: str, part: str) -> list[tuple[str, str]]:
           "dev": lambda n: n == LENGTH_SPLIT_MAX_ACTIONS,
           "train_without_dev": lambda n: n < LENGTH_SPLIT_MAX_ACTIONS}[part]
   return [p for p, n in zip(pairs, actions) if keep(n)]
+
+
+def texts(split: str, part: str) -> list[tuple[str, str]]:
+  """(command + " " + actions, "") for each command of the part: text for lm and mlm."""
+  return [(f"{command} {actions}", "") for command, actions in load(split, part)]
+
+
+def lengths_classified(split: str, part: str) -> list[tuple[str, str]]:
+  """(command, "long" or "short"): whether its actions number more than 22."""
+  return [(command, "long" if len(actions.split()) > LENGTH_SPLIT_MAX_ACTIONS else "short")
+          for command, actions in load(split, part)]

@@ -1,7 +1,8 @@
 """Dataset sources behind one interface: a split name -> a random-access sequence of
 (source_text, target_text) pairs (any object with __len__ and __getitem__, as grain expects).
 
-  data.source=scan   SCAN, generated from its grammar (splits train, test).
+  data.source=scan   SCAN, generated from its grammar (splits train, test); texts or classes
+                     of its commands for the other tasks (see data/scan.py).
   data.source=files  local text in data.path: aligned `SPLIT.SRC` / `SPLIT.TGT` files
                      (data.format=parallel, e.g. train.en + train.de), `SPLIT.tsv` files of
                      `source<TAB>target` lines (data.format=tsv; `text<TAB>label` to classify),
@@ -37,7 +38,9 @@ def load_split(data_config, split: str) -> Pairs:
     if split not in parts:
       raise UserError(f"SCAN's {data_config.scan_split} split has the parts "
                       f"{', '.join(parts)}, not {split!r}")
-    return scan.load(data_config.scan_split, split)
+    read = {"seq2seq": scan.load, "classify": scan.lengths_classified}.get(data_config.task,
+                                                                           scan.texts)
+    return read(data_config.scan_split, split)
   if data_config.source == "files":
     return load_files(data_config, split)
   if data_config.source == "tfds":

@@ -48,9 +48,6 @@ def check(arch: str, data_config) -> None:
     if d.format not in formats:
       raise UserError(f"data.task={d.task} reads data.format={' or '.join(formats)} files, not "
                       f"{d.format}")
-  if d.source == "scan" and d.task != "seq2seq":
-    raise UserError(f"SCAN is a sequence-to-sequence data set; data.task={d.task} needs text "
-                    "(data.source=files with data.format=text, or data.source=tfds)")
   if d.task == "classify" and d.batching == "packed":
     raise UserError("data.task=classify classifies whole rows; use data.batching=tokens or fixed")
 
