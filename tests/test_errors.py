@@ -143,6 +143,7 @@ FRESH = TINY + ["--workdir={fresh}"]
 FILES = ["--config.data.source=files"]
 EVALUATE = ["--config=experiments/tiny.py", "--mode=evaluate"]
 TRANSLATE = ["--config=experiments/tiny.py", "--mode=translate"]
+GENERATE = ["--config=experiments/tiny.py", "--mode=generate"]
 PLOT = ["--config=experiments/tiny.py", "--mode=plot"]
 EXPORT = ["--config=experiments/tiny.py", "--mode=export"]
 BENCHMARK = ["--config=experiments/tiny.py", "--mode=benchmark"]
@@ -264,7 +265,8 @@ ROWS = [
                                               "--num_processes=2", "--process_id=0"],
      ["--coordinator_address must be host:port"]),
     ("--checkpoint_step with train", TRAINED + ["--checkpoint_step=10"],
-     ["--checkpoint_step is for --mode=evaluate or translate or plot, not --mode=train",
+     ["--checkpoint_step is for --mode=evaluate or translate or generate or plot, not "
+      "--mode=train",
       "resumes from the newest checkpoint"]),
     ("--split with train", TRAINED + ["--split=test"], ["--split is for --mode=export"]),
     # --- train: numbers that are not finite or out of range
@@ -348,6 +350,10 @@ ROWS = [
                                                          "--config.eval.decode=sample",
                                                          "--config.eval.top_k=33"],
      ["eval.top_k (33) exceeds"]),
+    # --- generate
+    ("generate: not a language model", GENERATE + ["--workdir={trained}"],
+     ["continues text with a decoder-only language model", "--mode=translate"]),
+    ("generate: empty --workdir", GENERATE + ["--workdir="], ["--workdir is empty"]),
     # --- plot
     ("plot: nothing trained", PLOT + ["--workdir={fresh}"], ["has no metrics.jsonl"]),
     ("plot: plots is a file", PLOT + ["--workdir={plots_file}"],

@@ -147,7 +147,8 @@ def _check_flags(mode: str) -> None:
     if flag.value is not None and not flag.value.strip():
       raise UserError(f"--{flag.name} is empty (an unset shell variable?); give a value or "
                       "leave the flag out")
-  for flag, modes in ((_CHECKPOINT_STEP, ("evaluate", "translate", "plot")), (_TEXT, ("plot",)),
+  for flag, modes in ((_CHECKPOINT_STEP, ("evaluate", "translate", "generate", "plot")),
+                      (_TEXT, ("plot",)),
                       (_SPLIT, ("export",))):
     if flags.FLAGS[flag.name].present and mode not in modes:
       raise UserError(f"--{flag.name} is for --mode={' or '.join(modes)}, not --mode={mode}"
@@ -245,7 +246,7 @@ def run(argv) -> None:
                                     step=_CHECKPOINT_STEP.value)
   elif mode == "generate":  # stdin prompts -> stdout continuations, in order
     from transformer_jax.eval import generate
-    generate.generate_from_workdir(config, _WORKDIR.value, sys.stdin, sys.stdout,
+    generate.generate_from_workdir(config, _WORKDIR.value, sys.stdin.buffer, sys.stdout,
                                    step=_CHECKPOINT_STEP.value)
 
 

@@ -14,6 +14,7 @@ from transformer_jax.core.tokens import BOS_ID
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.eval.load import load_trained
 from transformer_jax.eval.search import batch_rng, decode_batch, detokenize, max_decode_length
+from transformer_jax.eval.translate import DecodedLines
 from transformer_jax.model import ModelConfig
 
 
@@ -70,12 +71,14 @@ def generate(params, model_config: ModelConfig, config, tokenizer: tokenizer_lib
       yield " ".join(detokenize(tokenizer, tokens[row]).splitlines()), bool(truncated[row])
 
 
-def generate_from_workdir(config, workdir: str, lines: Iterable[str], out=sys.stdout,
+def generate_from_workdir(config, workdir: str, lines: Iterable, out=sys.stdout,
                           err=sys.stderr, step=None) -> int:
-  """Writes one continuation per line of `lines` to `out`, with checkpoint `step` of `workdir`
-  (default: the latest); returns the line count. Truncated prompts are counted on `err`."""
+  """Writes one continuation per line of `lines` (bytes or text) to `out`, with checkpoint
+  `step` of `workdir` (default: the latest); returns the line count. Truncated prompts and lines
+  that are not UTF-8 are counted on `err`, as translate does."""
   trained = load_trained(config, workdir, step)
   check_generates(trained.model_config, config)
+  lines = DecodedLines(lines)
   count, truncated = 0, 0
   for text, cut in generate(trained.params, trained.model_config, config, trained.tokenizer,
                             lines, trained.mesh):
@@ -85,4 +88,7 @@ def generate_from_workdir(config, workdir: str, lines: Iterable[str], out=sys.st
   if truncated:
     print(f"warning: {truncated} of {count} prompts were longer than model.max_len - "
           "eval.max_decode_len tokens and kept only their end", file=err, flush=True)
+  if lines.bad:
+    print(f"warning: {len(lines.bad)} of {count} prompts were not UTF-8; their undecodable "
+          "bytes were read as U+FFFD", file=err, flush=True)
   return count
