@@ -81,6 +81,11 @@ def test_curves_from_metrics(tmp_path):
   records += [{"split": "eval", "step": s, "loss": 2.0 / s, "token_accuracy": 0.5,
                "exact_match": 0.1 * s, "bleu": 5.0 * s} for s in (10, 20, 30)]
   assert_real_picture(plot.plot_curves(records, str(tmp_path / "curves.png")))
+  assert plot.task_panel(records)[0] == "exact match / BLEU"
+  lm = records[:39] + [{"split": "eval", "step": 10, "loss": 2.0, "perplexity": 7.4}]
+  assert plot.task_panel(lm)[0] == "perplexity"
+  classify = lm + [{"split": "eval", "step": 10, "accuracy": 0.9, "macro_f1": 0.8}]
+  assert plot.task_panel(classify)[0] == "accuracy / macro-F1"
 
 
 def test_plot_without_a_run_is_a_user_error(tmp_path):

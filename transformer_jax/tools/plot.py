@@ -40,12 +40,30 @@ def _series(records, split, key):
   return tuple(zip(*sorted(points))) if points else ((), ())
 
 
+# The task's own evaluation metric, in the first of these groups that the run logged: decoding
+# (seq2seq), classification, else perplexity (a language model's only one).
+TASK_PANELS = (
+    ("exact match / BLEU", (("eval", "exact_match"), ("eval", "bleu"))),
+    ("accuracy / macro-F1", (("eval", "accuracy"), ("eval", "macro_f1"))),
+    ("perplexity", (("eval", "perplexity"),)),
+)
+PERCENT = ("exact_match", "accuracy", "macro_f1")  # fractions, drawn on BLEU's 0-100 scale
+
+
+def task_panel(records: list[dict]) -> tuple[str, tuple]:
+  """(title, ((split, key), ...)) of the task metric panel: the first of TASK_PANELS with data."""
+  for title, lines in TASK_PANELS:
+    if any(_series(records, split, key)[0] for split, key in lines):
+      return title, lines
+  return TASK_PANELS[0]
+
+
 def plot_curves(records: list[dict], path: str) -> str:
-  """Loss, accuracy, exact match / BLEU and learning rate against the step."""
+  """Loss, accuracy, the task's metric and learning rate against the step."""
   panels = [
       ("loss", [("train", "loss"), ("eval", "loss")]),
       ("token accuracy", [("train", "accuracy"), ("eval", "token_accuracy")]),
-      ("exact match / BLEU", [("eval", "exact_match"), ("eval", "bleu")]),
+      task_panel(records),
       ("learning rate", [("train", "learning_rate")]),
   ]
   fig = Figure(figsize=(4.2 * len(panels), 3.4))
@@ -56,8 +74,8 @@ def plot_curves(records: list[dict], path: str) -> str:
       if not steps:
         continue
       values = np.asarray(values, dtype=float)
-      if key == "exact_match":
-        values = values * 100.0  # on BLEU's 0-100 scale
+      if split == "eval" and key in PERCENT:
+        values = values * 100.0
       ax.plot(steps, values, marker="o" if split == "eval" else None, markersize=3,
               label=f"{split} {key}")
     ax.set_title(title)
