@@ -181,6 +181,8 @@ CONFIG_FILES = {
 # (id, flags, what the one line must say); {name} stands for paths[name].
 ROWS = [
     ("unknown config key", TRAINED + ["--config.model.nope=1"], ["nope"]),
+    ("misspelt config key", TRAINED + ["--config.model.nrom=pre"],
+     ["unknown config key model.nrom in --config.model.nrom=pre (did you mean model.norm?)"]),
     ("int given text", TRAINED + ["--config.train.steps=ten"],
      ["--config.train.steps takes an integer", "'ten'"]),
     ("float given text", TRAINED + ["--config.train.learning_rate=fast"],
@@ -370,7 +372,8 @@ ROWS = [
      ["train.adam_eps must be a finite number"]),
     # --- sweep
     ("sweep: unknown key in a trial", ["--config={configs}/sweep_bad_key.py", *SWEEP],
-     ["trial_001 of get_sweep()", "learnin_rate", "no trial was run"]),
+     ["trial_001 of get_sweep()", "unknown config key train.learnin_rate",
+      "(did you mean train.learning_rate?)", "no trial was run"]),
     ("sweep: value of the wrong type", ["--config={configs}/sweep_bad_type.py", *SWEEP],
      ["trial_000 of get_sweep()", "--config.train.steps=many"]),
     ("sweep: impossible value", ["--config={configs}/sweep_bad_value.py", *SWEEP],

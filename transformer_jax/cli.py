@@ -27,7 +27,7 @@ from absl import logging as absl_logging
 from ml_collections import config_flags
 
 from transformer_jax import experiments
-from transformer_jax.core.errors import UserError
+from transformer_jax.core.errors import UserError, unknown_key_message
 
 MODES = ("describe", "train", "evaluate", "translate", "generate", "export", "plot", "benchmark",
          "compile")
@@ -88,12 +88,6 @@ def _last_line(text: str) -> str:
   return lines[-1] if lines else "an error without a message"
 
 
-def _unknown_key(argv: list, e: Exception) -> str:
-  bad = [a for a in argv if a.startswith("--config.")]
-  return (f"unknown config key {str(e).strip(chr(34) + chr(39))!r} in {' '.join(bad)}; "
-          "see the experiment file for the keys that exist")
-
-
 def _resolve_config_flags(argv: list) -> list:
   """`--config=NAME` -> the installed experiment file NAME.py when no file NAME exists."""
   resolved = []
@@ -126,9 +120,9 @@ def _parse_flags(argv):
     if "has no attribute 'get_config'" in str(e):
       _fail("cannot load --config: the file defines no get_config(); an experiment file "
             "defines get_config() returning a ConfigDict (see experiments/tiny.py)")
-    _fail(_unknown_key(argv, e))
+    _fail(unknown_key_message(e, argv))
   except KeyError as e:  # ml_collections: an override names no config key
-    _fail(_unknown_key(argv, e))
+    _fail(unknown_key_message(e, argv))
   except Exception as e:  # a config file that fails to import
     _fail(f"cannot load --config: {type(e).__name__}: {_last_line(str(e))}")
   logging.getLogger("absl").setLevel(logging.NOTSET)

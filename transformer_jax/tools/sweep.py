@@ -35,7 +35,7 @@ from ml_collections import config_flags
 
 from transformer_jax import config as config_lib
 from transformer_jax.core import files, lock, metric_names
-from transformer_jax.core.errors import UserError
+from transformer_jax.core.errors import UserError, unknown_key_message
 from transformer_jax.train import checkpoint, logger
 
 RESULT_FILE = "trial_result.json"
@@ -117,8 +117,7 @@ def trial_config(config_path: str, overrides: dict, base_overrides: dict):
   except flags.Error as e:  # a value of the wrong type: "flag --config.a.b=x: why"
     raise UserError(" ".join(str(e).split())) from None
   except (AttributeError, KeyError) as e:  # ml_collections: a key that does not exist
-    text = str(e.args[0]) if e.args else str(e)
-    raise UserError(f"unknown config key {' '.join(text.split())}") from None
+    raise UserError(unknown_key_message(e, args)) from None
   return flag_values["config"].value
 
 
