@@ -230,7 +230,7 @@ def test_translate_reproduces_evaluate_and_averaging_reads_the_last_checkpoints(
   assert ours["exact_match"] == metrics["exact_match"]
   assert ours["bleu"] == pytest.approx(metrics["bleu"])
   assert ours["chrf"] == pytest.approx(metrics["chrf"])
-  saved = json.loads((workdir / "eval" / "400.json").read_text())
+  saved = json.loads((workdir / "eval" / "400.test.greedy.limit64.json").read_text())
   assert saved["exact_match"] == metrics["exact_match"]
   assert saved["decoding"] == {"decode": "greedy"}
 

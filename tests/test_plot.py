@@ -104,13 +104,20 @@ def test_summary_lists_config_differences_and_metrics():
   assert diff["train.steps"] == (1000, 77)
   assert diff["model.d_model"] == (512, 32)
   assert "train.adam_b1" not in diff  # unchanged keys are not listed
-  records = [{"split": "eval", "step": 10, "exact_match": 0.5, "loss": 1.0},
-             {"split": "eval", "step": 20, "exact_match": 0.25, "loss": 0.8}]
-  text = summary.render(config, {"exact_match": 0.25, "loss": 0.8}, records, wall_time_s=120.0,
-                        tokens_seen=24000, steps_run=77, final_step=77)
+  records = [{"split": "train", "step": 10, "interval_s": 40.0, "interval_tokens": 9000.0},
+             {"split": "eval", "step": 10, "exact_match": 0.5, "loss": 1.0},
+             {"split": "train", "step": 20, "interval_s": 80.0, "interval_tokens": 15000.0},
+             {"split": "eval", "step": 20, "exact_match": 0.25, "loss": 0.8},
+             {"split": "test", "step": 20, "exact_match": 0.75, "loss": 0.5}]
+  text = summary.render(config, {"test": {"exact_match": 0.25, "loss": 0.8},
+                                 "other": {"exact_match": 0.75, "loss": 0.5}}, records,
+                        final_step=77)
   assert "| `train.steps` | 1000 | 77 |" in text
-  assert "best exact_match: 0.5 at step 10\n" in text
+  assert "| metric | test | other |" in text and "| loss | 0.8 | 0.5 |" in text
+  assert "best exact_match: 0.5 at step 10\n" in text  # never chosen on the test split
   assert "best loss: 0.8 at step 20" in text
+  assert "2.0 min for 77 steps" in text and "tokens seen (source + target, no padding): 24,000" \
+      in text
   assert "200 tokens/s" in text
 
 

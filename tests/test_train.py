@@ -260,6 +260,6 @@ def test_train_then_evaluate_end_to_end(tmp_path):
   assert metrics["step"] == 20
   for key in ("loss", "token_accuracy", "exact_match", "bleu", "perplexity"):
     assert key in metrics
-  saved = json.loads((workdir / "eval" / "20.json").read_text())
+  saved = json.loads((workdir / "eval" / "20.test.greedy.limit64.json").read_text())
   assert saved["exact_match"] == metrics["exact_match"]
   assert saved["loss"] == pytest.approx(metrics["loss"])

@@ -38,7 +38,8 @@ _CONFIG = config_flags.DEFINE_config_file(
 _WORKDIR = flags.DEFINE_string("workdir", None,
                                "Directory for checkpoints, logs and the tokenizer.")
 _MODE = flags.DEFINE_string("mode", "train", f"One of: {', '.join(MODES)}.")
-_SPLIT = flags.DEFINE_string("split", "train", "Data split for --mode=export.")
+_SPLIT = flags.DEFINE_string("split", None, "Data split: for --mode=export (default train) and "
+                             "--mode=evaluate (default data.eval_split).")
 _TEXT = flags.DEFINE_string("text", None, "--mode=plot: an input sentence whose attention maps "
                             "(encoder, decoder, cross) are drawn.")
 _SWEEP = flags.DEFINE_bool("sweep", False, "Run every trial of the experiment's get_sweep(), each "
@@ -143,7 +144,7 @@ def _check_flags(mode: str) -> None:
                       "leave the flag out")
   for flag, modes in ((_CHECKPOINT_STEP, ("evaluate", "translate", "generate", "plot")),
                       (_TEXT, ("plot",)),
-                      (_SPLIT, ("export",))):
+                      (_SPLIT, ("export", "evaluate"))):
     if flags.FLAGS[flag.name].present and mode not in modes:
       raise UserError(f"--{flag.name} is for --mode={' or '.join(modes)}, not --mode={mode}"
                       + ("; training always resumes from the newest checkpoint"
@@ -208,7 +209,7 @@ def run(argv) -> None:
   if mode == "export":
     from transformer_jax import data
     config_lib.validate(config)
-    data.export_split(config, _SPLIT.value, sys.stdout)
+    data.export_split(config, _SPLIT.value or "train", sys.stdout)
     return
   if _WORKDIR.value is None:
     raise UserError(f"--workdir is required for --mode={mode}")
@@ -232,7 +233,8 @@ def run(argv) -> None:
       print(path)
   elif mode == "evaluate":
     from transformer_jax.eval import evaluate
-    evaluate.evaluate_from_workdir(config, _WORKDIR.value, step=_CHECKPOINT_STEP.value)
+    evaluate.evaluate_from_workdir(config, _WORKDIR.value, step=_CHECKPOINT_STEP.value,
+                                   split=_SPLIT.value)
   elif mode == "translate":  # stdin lines -> stdout translations, in order
     from transformer_jax.eval import translate
     # Bytes, decoded by translate: a line that is not UTF-8 must not lose its whole batch.

@@ -50,7 +50,7 @@ def _eval_step(model_config: ModelConfig, task: str, mask_rate: float, mesh):
   return sharding.jit(step, mesh, out_shardings=sharding.replicated(mesh))
 
 
-SAMPLES = 5  # translations shown in TensorBoard and kept in eval/STEP.json
+SAMPLES = 5  # translations shown in TensorBoard and kept in each result file of eval/
 
 
 def evaluate(params, model_config: ModelConfig, config, tokenizer: tokenizer_lib.Tokenizer,
@@ -113,29 +113,89 @@ def evaluate(params, model_config: ModelConfig, config, tokenizer: tokenizer_lib
   }
 
 
-def write_results(workdir: str, step: int, metrics: dict, what: str = "") -> str:
-  """Writes WORKDIR/eval/STEP.json; returns its path. `what`: see files.write_error."""
-  directory = os.path.join(workdir, "eval")
-  try:
-    os.makedirs(directory, exist_ok=True)
-  except OSError as e:
-    raise files.write_error(directory, e, what) from None
-  return files.atomic_write(os.path.join(directory, f"{step}.json"),
-                            json.dumps({"step": step, **metrics}, indent=2), what)
+def decode_name(config) -> str:
+  """The search of `config.eval` in a file name: greedy, beam4-lp0.6, sample-t0.8-top40, with
+  -lenK when eval.max_decode_len sets the output length."""
+  e = config.eval
+  if e.decode == "beam":
+    name = f"beam{e.beam_size}-lp{e.length_penalty:g}"
+  elif e.decode == "sample":
+    name = f"sample-t{e.temperature:g}" + (f"-top{e.top_k}" if e.top_k else "")
+  else:
+    name = "greedy"
+  return name + (f"-len{e.max_decode_len}" if e.max_decode_len else "")
 
 
-def evaluate_from_workdir(config, workdir: str, step=None) -> dict:
-  """Evaluates a checkpoint of `workdir` on data.eval_split; prints the metrics as one JSON line.
+def result_name(step: int, split: str, config, averaged: int = 0) -> str:
+  """`STEP.SPLIT.DECODE[.avgN][.limitK].json`: one file per checkpoint, split, search, averaging
+  (N checkpoints) and example limit (eval.max_examples), so that no result replaces another's."""
+  parts = [str(step), split.replace("/", "_").replace(os.sep, "_"), decode_name(config)]
+  if averaged:
+    parts.append(f"avg{averaged}")
+  if config.eval.max_examples:
+    parts.append(f"limit{config.eval.max_examples}")
+  return ".".join(parts) + ".json"
 
-  The metrics then go to WORKDIR/eval/STEP.json: printed first, so that a workdir that cannot
-  be written (read-only, full) loses nothing but the file.
+
+def result_path(workdir: str, step: int, split: str, config, averaged: int = 0) -> str:
+  return os.path.join(workdir, RESULTS, result_name(step, split, config, averaged))
+
+
+RESULTS = "eval"  # WORKDIR/eval holds one JSON file per evaluation
+
+
+def record(step: int, split: str, config, metrics: dict, checkpoints=()) -> dict:
+  """The JSON object of one evaluation: what produced it, then its metrics."""
+  return {"step": step, "split": split, "checkpoints": list(checkpoints) or [step],
+          "max_examples": config.eval.max_examples,
+          "max_decode_len": max_decode_length(config), **metrics}
+
+
+def write_results(workdir: str, result: dict, config, what: str = "") -> str:
+  """Writes `result` (see `record`) to its file in WORKDIR/eval; returns the path.
+
+  `what`: see files.write_error.
   """
+  averaged = len(result["checkpoints"]) if len(result["checkpoints"]) > 1 else 0
+  path = result_path(workdir, result["step"], result["split"], config, averaged)
+  try:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+  except OSError as e:
+    raise files.write_error(os.path.dirname(path), e, what) from None
+  return files.atomic_write(path, json.dumps(result, indent=2), what)
+
+
+def read_results(workdir: str) -> list[dict]:
+  """Every evaluation result of WORKDIR/eval (files that do not parse are skipped), by step."""
+  directory = os.path.join(workdir, RESULTS)
+  results = []
+  for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:
+    if not name.endswith(".json") or not name.split(".")[0].isdigit():
+      continue
+    try:
+      with open(os.path.join(directory, name), encoding="utf-8") as f:
+        result = json.load(f)
+    except (OSError, ValueError):
+      continue
+    if isinstance(result, dict) and isinstance(result.get("step"), int):
+      results.append({**result, "file": name})
+  return sorted(results, key=lambda r: r["step"])
+
+
+def evaluate_from_workdir(config, workdir: str, step=None, split=None) -> dict:
+  """Evaluates a checkpoint of `workdir` on `split` (default data.eval_split); prints the result
+  as one JSON line.
+
+  The result then goes to its file in WORKDIR/eval (see `result_name`): printed first, so that a
+  workdir that cannot be written (read-only, full) loses nothing but the file.
+  """
+  split = split or config.data.eval_split
+  pairs = sources.load_split(config.data, split)  # a bad split is refused before the model loads
   trained = load_trained(config, workdir, step)
-  metrics = evaluate(trained.params, trained.model_config, config, trained.tokenizer,
-                     sources.load_split(config.data, config.data.eval_split), trained.mesh)
-  if trained.averaged_steps:
-    metrics["averaged_steps"] = list(trained.averaged_steps)
-  print(json.dumps({"step": trained.step, **metrics}), flush=True)
-  write_results(os.path.abspath(workdir), trained.step, metrics,
+  metrics = evaluate(trained.params, trained.model_config, config, trained.tokenizer, pairs,
+                     trained.mesh)
+  result = record(trained.step, split, config, metrics, trained.averaged_steps)
+  print(json.dumps(result), flush=True)
+  write_results(os.path.abspath(workdir), result, config,
                 what="the metrics are the JSON line printed above")
   return metrics

@@ -7,7 +7,7 @@ import socket
 import struct
 import time
 
-from transformer_jax.core import files
+from transformer_jax.core import files, progress
 from transformer_jax.core.errors import UserError
 
 
@@ -120,8 +120,8 @@ class MetricLogger:
   def _write(self, record: dict) -> None:
     self._jsonl.append(record)
     self._tb.scalars({f"{record['split']}/{key}": value for key, value in record.items()
-                      if key not in ("step", "split") and isinstance(value, (int, float))},
-                     record["step"])
+                      if key not in ("step", "split", "interval_s", "interval_tokens")
+                      and isinstance(value, (int, float))}, record["step"])
 
   def train(self, step: int, metrics: dict, learning_rate: float, tokens: float = 0.0,
             flops: float = 0.0, input_seconds: float = 0.0) -> None:
@@ -140,7 +140,8 @@ class MetricLogger:
     record = {"split": "train", "step": step, "time": now,
               **{k: float(v) for k, v in metrics.items()},
               "learning_rate": learning_rate, "tokens_per_s": tokens_per_s,
-              "steps_per_s": steps_per_s}
+              "steps_per_s": steps_per_s, "interval_s": elapsed,
+              "interval_tokens": tokens_per_s * elapsed}
     if input_seconds:
       record["input_share"] = input_seconds / elapsed
     if flops:
@@ -160,20 +161,22 @@ class MetricLogger:
           + f"ETA {_duration(eta)}",
           flush=True)
 
-  def eval(self, step: int, metrics: dict) -> None:
+  def eval(self, step: int, metrics: dict, split: str = "eval") -> None:
+    """split: "eval" (data.eval_split, during and after training) or "test" (data.test_split,
+    after the last step)."""
     if not self.enabled:
       return
-    record = {"split": "eval", "step": step, "time": time.time(),
+    record = {"split": split, "step": step, "time": time.time(),
               **{k: v for k, v in metrics.items() if isinstance(v, (int, float))}}
     self._write(record)
     if metrics.get("samples"):
       rows = "\n".join(f"| {s['source']} | {s['hypothesis']} | {s['reference']} |"
                        for s in metrics["samples"])
       header = "| source | translation | reference |\n| --- | --- | --- |\n"
-      self._tb.text("eval/samples", header + rows, step)
+      self._tb.text(f"{split}/samples", header + rows, step)
     shown = " | ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
                        for k, v in record.items() if k not in ("split", "step", "time"))
-    print(f"eval at step {step} | {shown}", flush=True)
+    progress.write(f"{split} at step {step} | {shown}")
 
   def text(self, tag: str, text: str) -> None:
     if self.enabled:

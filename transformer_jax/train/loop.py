@@ -16,7 +16,7 @@ from transformer_jax import config as config_lib
 from transformer_jax.core.errors import UserError
 from transformer_jax.core.files import atomic_write
 from transformer_jax.core.lock import DirectoryLock
-from transformer_jax.data import pipeline, prepare
+from transformer_jax.data import pipeline, prepare, sources
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.model import ModelConfig, count_params, describe
 from transformer_jax.model.flops import peak_flops
@@ -41,6 +41,7 @@ class Result:
   tokenizer: tokenizer_lib.Tokenizer
   start_step: int  # the step this run resumed from (0 for a new run)
   final_metrics: dict  # the evaluation after the last step; {} if stopped early
+  test_metrics: dict  # the same on data.test_split, when it is not data.eval_split; else {}
   stopped_by: Optional[str]  # the signal that stopped the run early, or None
   checkpoint_steps: list
   tokens_seen: int
@@ -81,6 +82,10 @@ def train(config, workdir: str, evaluate_fn: EvaluateFn) -> Result:
     pretrained.source_config(t.init_from)  # there is a run to start from
   tokenizer, new_tokenizer, train_set, eval_pairs = prepare.prepare_data(
       config, workdir, model_config.vocab_size)
+  d = config.data
+  # The test split is evaluated once, after the last step; a missing one is refused now.
+  test_pairs = (sources.load_split(d, d.test_split)
+                if d.test_split and d.test_split != d.eval_split else None)
   mesh = sharding.make_mesh(config.mesh.to_dict())
   optimizer = state_lib.make_optimizer(t, model_config.d_model)
   train_step = step_lib.make_train_step(model_config, config, mesh, optimizer)
@@ -136,8 +141,8 @@ def train(config, workdir: str, evaluate_fn: EvaluateFn) -> Result:
   pending = actions.PendingSteps(DISPATCH_AHEAD)
   nonfinite = actions.NonFinitePolicy(t.on_nonfinite, manager)
 
-  def evaluate(params) -> dict:
-    return evaluate_fn(params, model_config, config, tokenizer, eval_pairs, mesh)
+  def evaluate(params, pairs=eval_pairs) -> dict:
+    return evaluate_fn(params, model_config, config, tokenizer, pairs, mesh)
 
   with lock, checkpoint.Preemption() as preemption:
     for step in range(start, t.steps):
@@ -164,18 +169,25 @@ def train(config, workdir: str, evaluate_fn: EvaluateFn) -> Result:
         break
     manager.wait()
     wall_time = throughput.wall_time  # of training; the final evaluation is not counted
-    final_metrics = {}
+    final_metrics, test_metrics = {}, {}
     if not preemption.signal:
       # The last step's checkpoint is written: a signal now abandons the evaluation (a rerun of
       # the same command evaluates that checkpoint) instead of waiting for it.
       with preemption.abandoning():
         final_metrics = evaluate(state.params)
+        if test_pairs is not None:
+          test_metrics = evaluate(state.params, test_pairs)
       if not preemption.signal:
         logger.eval(int(state.step), final_metrics)
+        if test_metrics:
+          logger.eval(int(state.step), test_metrics, split="test")
+      else:
+        final_metrics, test_metrics = {}, {}
     logger.close()
   checkpoint_steps = manager.all_steps()
   manager.close()
   return Result(workdir=workdir, state=state, model_config=model_config, tokenizer=tokenizer,
-                start_step=start, final_metrics=final_metrics, stopped_by=preemption.signal,
+                start_step=start, final_metrics=final_metrics, test_metrics=test_metrics,
+                stopped_by=preemption.signal,
                 checkpoint_steps=checkpoint_steps, tokens_seen=throughput.tokens_seen,
                 wall_time=wall_time)
