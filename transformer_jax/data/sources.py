@@ -26,7 +26,7 @@ import numpy as np
 
 from transformer_jax.core import files
 from transformer_jax.core.errors import UserError
-from transformer_jax.data import scan
+from transformer_jax.data import scan, tfds_prepare
 
 Pairs = Sequence[tuple[str, str]]
 
@@ -228,9 +228,6 @@ def load_files(data_config, split: str) -> Pairs:
 
 # ----------------------------------------------------------------------------- TFDS
 
-TF_EXTRA = "pip install -e '.[tf]'"
-
-
 class TfdsPairs(_PairSequence):
   """(source, target) strings from a TFDS random-access source of records: the fields
   `source_field` and `target_field` (translation: the languages), or "" without a target."""
@@ -277,15 +274,6 @@ def tfds_fields(data_config) -> tuple:
   return d.text_field, d.label_field if d.task == "classify" else None
 
 
-def _needs(e: ImportError) -> str:
-  name = (getattr(e, "name", "") or "").split(".")[0]
-  if name in ("tensorflow", "tf"):
-    return f"TensorFlow, which this project does not install by default: {TF_EXTRA}"
-  if name == "apache_beam":
-    return "Apache Beam: pip install apache-beam"
-  return f"the module {name or e}: pip install {name or '<it>'}"
-
-
 def tfds_builder(data_config):
   """The TFDS builder of data.tfds_name, checked against data.source_lang / data.target_lang."""
   d = data_config
@@ -303,7 +291,7 @@ def tfds_builder(data_config):
                     "https://www.tensorflow.org/datasets/catalog/overview#translate, e.g. "
                     "wmt14_translate/de-en") from None
   except ImportError as e:
-    raise UserError(f"the TFDS dataset {d.tfds_name!r} needs {_needs(e)}") from None
+    raise UserError(f"the TFDS dataset {d.tfds_name!r} needs {tfds_prepare.needs(e)}") from None
   except ValueError as e:  # an unknown config (language pair) or version
     configs = [c.name for c in getattr(_safe_builder_cls(tfds, d.tfds_name), "BUILDER_CONFIGS",
                                        None) or []]
@@ -344,15 +332,7 @@ def load_tfds(data_config, split: str) -> Pairs:
     if not d.tfds_download:
       raise UserError(f"the TFDS dataset {d.tfds_name!r} is not prepared in {builder.data_dir}; "
                       "set data.tfds_download=True or point data.tfds_data_dir at a prepared copy")
-    try:
-      builder.download_and_prepare()
-    except ImportError as e:
-      raise UserError(f"preparing the TFDS dataset {d.tfds_name!r} needs {_needs(e)} "
-                      "(or prepare it elsewhere and point data.tfds_data_dir at it)") from None
-    except OSError as e:
-      raise UserError(f"downloading the TFDS dataset {d.tfds_name!r} failed "
-                      f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); check "
-                      "the network, or point data.tfds_data_dir at a prepared copy") from None
+    tfds_prepare.download_and_prepare(builder, d.tfds_name)
   try:
     records = builder.as_data_source(split=split)
   except NotImplementedError:
