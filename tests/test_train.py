@@ -254,12 +254,23 @@ def test_train_then_evaluate_end_to_end(tmp_path):
   for key in ("loss", "accuracy", "learning_rate", "grad_norm", "tokens_per_s", "steps_per_s"):
     assert all(math.isfinite(r[key]) for r in train_records), key
   assert os.listdir(workdir / "tensorboard")
-  out = subprocess.run(base + ["--mode=evaluate"], check=True, cwd=ROOT, capture_output=True,
-                       text=True).stdout
+  final = workdir / "eval" / "20.test.greedy.limit64.json"  # train's own final evaluation
+  kept = {name: (workdir / name).read_bytes() for name in ("summary.md", final)}
+  assert json.loads(kept[final])["split"] == "test"
+  # Training a finished workdir again changes nothing.
+  again = subprocess.run(base + ["--mode=train"], check=True, cwd=ROOT, capture_output=True,
+                         text=True).stdout
+  assert "already trained to step 20" in again
+  # Another split and example limit go to a file of their own, beside the final evaluation.
+  out = subprocess.run(base + ["--mode=evaluate", "--split=train",
+                               "--config.eval.max_examples=16"],
+                       check=True, cwd=ROOT, capture_output=True, text=True).stdout
   metrics = json.loads(out.strip().splitlines()[-1])
-  assert metrics["step"] == 20
+  assert (metrics["step"], metrics["split"], metrics["examples"]) == (20, "train", 16)
+  assert metrics["checkpoints"] == [20] and metrics["bleu_signature"].startswith("nrefs:1")
   for key in ("loss", "token_accuracy", "exact_match", "bleu", "perplexity"):
     assert key in metrics
-  saved = json.loads((workdir / "eval" / "20.test.greedy.limit64.json").read_text())
+  saved = json.loads((workdir / "eval" / "20.train.greedy.limit16.json").read_text())
   assert saved["exact_match"] == metrics["exact_match"]
   assert saved["loss"] == pytest.approx(metrics["loss"])
+  assert {name: (workdir / name).read_bytes() for name in kept} == kept
