@@ -72,6 +72,8 @@ def paths(tmp_path_factory):
       os.remove(w / "metrics.jsonl"), (w / "metrics.jsonl").mkdir()))
   plots_file = variant("plots_file", lambda w: (w / "plots").write_text(""))
   locked = variant("locked", lambda w: None)
+  configured = variant("configured", lambda w: (w / "config.json").write_text(
+      config.to_json_best_effort()))  # as training writes it: --config may be left out
   holder = lock.DirectoryLock(str(locked))  # another run, alive: this test process
   holder.acquire()
 
@@ -117,6 +119,7 @@ def paths(tmp_path_factory):
       "metrics_dir": metrics_dir,
       "plots_file": plots_file,
       "locked": locked,
+      "configured": configured,
       "fifo": data_dir("fifo", {"train.en": good, **test}, special=os.mkfifo),
       "dir": data_dir("dir", {"train.en": good, **test}, special=os.mkdir),
       "null": data_dir("null", {"train.en": good, **test},
@@ -342,6 +345,18 @@ ROWS = [
     ("evaluate: learning rate nan", EVALUATE + ["--workdir={trained}",
                                                 "--config.train.learning_rate=nan"],
      ["train.learning_rate must be a finite number"]),
+    ("evaluate: no --config, no config.json", ["--mode=evaluate", "--workdir={trained}"],
+     ["--config is required", "may leave it out"]),
+    ("evaluate: the workdir's config.json, a step it lacks",  # reached the checkpoints
+     ["--mode=evaluate", "--workdir={configured}", "--checkpoint_step=7"],
+     ["no checkpoint at step 7", "available: [10]"]),
+    ("evaluate: the workdir's config.json, overridden off its model",
+     ["--mode=evaluate", "--workdir={configured}", "--config.model.d_model=64"],
+     ["the config given does not fit", "model.d_model 32 -> 64", "leave --config out"]),
+    ("evaluate: another experiment than the workdir's", ["--config=experiments/scan_simple.py",
+                                                         "--mode=evaluate",
+                                                         "--workdir={configured}"],
+     ["the config given does not fit", "configured (its config.json)", "model.d_model 32 ->"]),
     # --- translate
     ("translate: another tokenizer", TRANSLATE + ["--workdir={swapped}"],
      ["was trained with another vocabulary"]),
@@ -363,6 +378,9 @@ ROWS = [
     ("plot: empty --text", PLOT + ["--workdir={trained}", "--text="], ["--text is empty"]),
     ("plot: another tokenizer", PLOT + ["--workdir={swapped}", "--text=jump twice"],
      ["was trained with another vocabulary"]),
+    ("plot: another experiment than the workdir's", ["--config=experiments/scan_simple.py",
+                                                     "--mode=plot", "--workdir={configured}"],
+     ["the config given does not fit", "model.d_model 32 ->"]),
     # --- export
     ("export: unknown split", EXPORT + ["--split=dev"], ["SCAN has the splits train and test"]),
     ("export: empty --split", EXPORT + ["--split="], ["--split is empty"]),

@@ -258,11 +258,13 @@ def test_train_then_evaluate_end_to_end(tmp_path):
   kept = {name: (workdir / name).read_bytes() for name in ("summary.md", final)}
   assert json.loads(kept[final])["split"] == "test"
   # Training a finished workdir again changes nothing.
-  again = subprocess.run(base + ["--mode=train"], check=True, cwd=ROOT, capture_output=True,
+  # The workdir's config.json is its config: --config may be left out.
+  saved = [sys.executable, "launch.py", f"--workdir={workdir}"]
+  again = subprocess.run(saved + ["--mode=train"], check=True, cwd=ROOT, capture_output=True,
                          text=True).stdout
   assert "already trained to step 20" in again
   # Another split and example limit go to a file of their own, beside the final evaluation.
-  out = subprocess.run(base + ["--mode=evaluate", "--split=train",
+  out = subprocess.run(saved + ["--mode=evaluate", "--split=train",
                                "--config.eval.max_examples=16"],
                        check=True, cwd=ROOT, capture_output=True, text=True).stdout
   metrics = json.loads(out.strip().splitlines()[-1])

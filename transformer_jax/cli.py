@@ -16,6 +16,7 @@ The library is imported only once the flags are parsed, so `--help` and flag err
 without loading JAX.
 """
 
+import json
 import logging
 import os
 import re
@@ -100,13 +101,44 @@ def _resolve_config_flags(argv: list) -> list:
   return resolved
 
 
+# Modes that read a workdir: without --config they load the config it was trained with.
+WORKDIR_MODES = ("train", "evaluate", "translate", "plot")
+
+
+def _flag_value(argv: list, name: str):
+  """The value of --name=V or --name V in argv (the last one), or None."""
+  value = None
+  for i, arg in enumerate(argv):
+    if arg.startswith(f"--{name}="):
+      value = arg.split("=", 1)[1]
+    elif arg == f"--{name}" and i + 1 < len(argv):
+      value = argv[i + 1]
+  return value
+
+
+def _workdir_config_flags(argv: list) -> list:
+  """Without --config, a mode that reads a workdir holding config.json gets
+  `--config=experiments/_workdir.py:WORKDIR`: the workdir's config, which `--config.key=value`
+  overrides as usual."""
+  if any(arg == "--config" or arg.startswith("--config=") for arg in argv):
+    return argv
+  workdir = _flag_value(argv, "workdir")
+  if (_flag_value(argv, "mode") or "train") not in WORKDIR_MODES or not workdir:
+    return argv
+  if not os.path.isfile(os.path.join(workdir, "config.json")):
+    return argv
+  loader = os.path.join(experiments.DIRECTORY, "_workdir.py")
+  return argv[:1] + [f"--config={loader}:{os.path.abspath(workdir)}"] + argv[1:]
+
+
 def _parse_flags(argv):
   """absl parsing, with every flag error turned into one line and exit code 2."""
   if "--config=" in argv:
     _fail("--config is empty (an unset shell variable?); give an experiment file or name, e.g. "
           "--config=experiments/scan_simple.py")
-  argv = _resolve_config_flags(argv)
-  sys.argv[:] = _resolve_config_flags(sys.argv)  # ml_collections reads overrides from sys.argv
+  argv = _workdir_config_flags(_resolve_config_flags(argv))
+  # ml_collections reads overrides from sys.argv
+  sys.argv[:] = _workdir_config_flags(_resolve_config_flags(sys.argv))
   # ml_collections logs a warning when get_config() returns None; run() reports that as an error.
   logging.getLogger("absl").setLevel(logging.ERROR)
   try:
@@ -166,6 +198,34 @@ def _check_flags(mode: str) -> None:
     raise UserError(f"--coordinator_address must be host:port, got {_COORDINATOR.value!r}")
 
 
+# Keys besides the model's that make a config another experiment than the workdir's.
+_DATA_KEYS = ("data.source", "data.scan_split", "data.tfds_name", "data.path",
+              "data.source_lang", "data.target_lang")
+
+
+def _check_workdir_config(config, workdir: str) -> None:
+  """A --config that describes another model or data than the workdir was trained with is
+  refused by name (the workdir's own config.json is what --config left out loads)."""
+  from transformer_jax.core import trees
+  from transformer_jax.train import checkpoint
+  path = os.path.join(workdir, "config.json")
+  try:
+    with open(path, encoding="utf-8") as f:
+      saved = json.load(f)
+  except (OSError, ValueError):
+    return  # no config.json (or a damaged one): loading the checkpoint decides
+  incompatible, _ = checkpoint.compare_configs(saved, config)
+  old, new = trees.flatten(saved), trees.flatten(checkpoint.config_json(config))
+  incompatible += [f"{key} {old[key]} -> {new[key]}" for key in _DATA_KEYS
+                   if key in old and key in new and old[key] != new[key]]
+  if incompatible:
+    shown = ", ".join(incompatible[:4]) + (f" and {len(incompatible) - 4} more"
+                                           if len(incompatible) > 4 else "")
+    raise UserError(f"the config given does not fit {workdir} (its config.json): {shown}; leave "
+                    "--config out to use the workdir's own config (--config.key=value still "
+                    "overrides), or pick another --workdir")
+
+
 def run(argv) -> None:
   if len(argv) > 1:
     raise UserError(f"unexpected arguments {' '.join(argv[1:])}; flags look like --name=value")
@@ -173,7 +233,8 @@ def run(argv) -> None:
     if flags.FLAGS["config"].present:  # a file was given, and its get_config() returned None
       raise UserError("the experiment's get_config() returned None; return a ConfigDict "
                       "(see experiments/tiny.py)")
-    raise UserError("--config is required, e.g. --config=experiments/scan_simple.py")
+    raise UserError("--config is required, e.g. --config=experiments/scan_simple.py (a mode "
+                    "that reads a --workdir holding config.json may leave it out)")
   mode = _MODE.value
   if mode not in MODES:
     raise UserError(f"--mode must be one of {', '.join(MODES)}; got {mode!r}")
@@ -182,6 +243,8 @@ def run(argv) -> None:
   if not isinstance(config, ml_collections.ConfigDict):
     raise UserError(f"the experiment's get_config() returned {type(config).__name__}, not an "
                     "ml_collections.ConfigDict (see experiments/tiny.py)")
+  if mode in ("evaluate", "translate", "plot") and _WORKDIR.value:
+    _check_workdir_config(config, _WORKDIR.value)
 
   from transformer_jax.core import hostmem, platforms
   platforms.cpu_only_unless_accelerated()  # before JAX starts a backend

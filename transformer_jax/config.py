@@ -7,7 +7,9 @@ needs, so every key exists in every experiment and `--config.key=value` can reac
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
 
 import ml_collections
 
@@ -122,6 +124,39 @@ def default_config() -> ml_collections.ConfigDict:
   c.benchmark.torch = False  # also time torch.nn.Transformer (needs the [torch] extra)
   c.benchmark.torch_autocast = False  # torch side: bf16 autocast (float32 parameters)
   c.benchmark.torch_compile = ""  # torch side: a torch.compile backend (e.g. inductor); "" = eager
+  return c
+
+
+SAVED = "config.json"  # WORKDIR/config.json: the full config of the run that trained it
+
+
+def from_workdir(workdir: str) -> ml_collections.ConfigDict:
+  """The config a workdir was trained with (WORKDIR/config.json), over `default_config()`: the
+  source of truth for every mode that reads a workdir when --config is left out.
+
+  Keys that this version no longer has are ignored; keys it added keep their defaults.
+  """
+  path = os.path.join(workdir, SAVED)
+  try:
+    with open(path, encoding="utf-8") as f:
+      saved = json.load(f)
+  except FileNotFoundError:
+    raise UserError(f"{workdir} holds no {SAVED} (not a trained workdir?); give --config, e.g. "
+                    "--config=experiments/scan_simple.py") from None
+  except (OSError, ValueError) as e:
+    raise UserError(f"cannot read {path}: {e}; give --config instead") from None
+  c = default_config()
+  for key, value in trees.flatten(saved).items():
+    *parents, name = key.split(".")
+    node = c
+    for part in parents:
+      node = node.get(part) if isinstance(node, ml_collections.ConfigDict) else None
+    if not isinstance(node, ml_collections.ConfigDict):
+      continue
+    if name not in node and parents != ["mesh"]:
+      continue
+    current = node.get(name)
+    node[name] = tuple(value) if isinstance(current, tuple) and isinstance(value, list) else value
   return c
 
 
