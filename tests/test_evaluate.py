@@ -4,6 +4,7 @@ line handling, and --mode=translate reproducing --mode=evaluate on a briefly tra
 import io
 import json
 import os
+import pty
 import subprocess
 import sys
 
@@ -154,6 +155,33 @@ def test_translate_keeps_order_and_blank_lines_and_truncates(model):
   assert translate_lib.write_translations(model[2], model[1], c, model[3], LINES, out, err) == 7
   assert out.getvalue().split("\n") == outputs + [""]
   assert len(err.getvalue().splitlines()) == 1 and "1 of 7" in err.getvalue()
+
+
+def test_translate_answers_each_line_before_reading_the_next_with_a_buffer_of_one(model):
+  c, model_config, params, tokenizer = model
+  c.eval.batch_size = 4
+  read = []
+
+  def typed():  # a person at a terminal: the next line exists only once the last is answered
+    for line in LINES:
+      read.append(line)
+      yield line
+
+  answers = translate_lib.translate(params, model_config, c, tokenizer, typed(), buffer_size=1)
+  streamed = []
+  for count, answer in enumerate(answers, 1):
+    assert len(read) == count  # answered before the next line was read
+    streamed.append(answer)
+  assert streamed == translations(model, LINES, 4)  # the same as in batches
+  # eval.buffer_size = 0 chooses by the input: 1 for a terminal, eval.batch_size otherwise.
+  leader, follower = pty.openpty()
+  with os.fdopen(follower, "rb") as terminal:
+    assert translate_lib.buffer_size(c, terminal) == 1
+  os.close(leader)
+  assert translate_lib.buffer_size(c, io.BytesIO(b"jump\n")) == 4
+  c.eval.buffer_size = 2
+  assert translate_lib.buffer_size(c, io.BytesIO(b"jump\n")) == 2
+  c.eval.buffer_size = 0
 
 
 def test_translate_reads_bytes_that_are_not_utf8_with_replacement_characters(model):

@@ -98,6 +98,9 @@ def default_config() -> ml_collections.ConfigDict:
   c.eval = ml_collections.ConfigDict()
   c.eval.batch_size = 256
   c.eval.max_decode_len = 0  # 0 = data.max_target_len
+  # --mode=translate: source lines read before translating them; 0 = 1 when stdin is a terminal
+  # (each line is answered as it is typed), else eval.batch_size (files and pipes).
+  c.eval.buffer_size = 0
   c.eval.decode = "greedy"  # greedy | beam | sample
   c.eval.beam_size = 4  # decode=beam
   c.eval.length_penalty = 0.6  # decode=beam: GNMT alpha; 0 = rank by log-probability
@@ -256,7 +259,7 @@ def validate(config: ml_collections.ConfigDict, platform: str = "cpu") -> ModelC
     if _get(config, key) <= 0:
       raise UserError(f"{key} must be positive, got {_get(config, key)}")
   for key in ("train.warmup_steps", "train.eval_every", "eval.max_decode_len",
-              "eval.max_examples", "train.grad_clip_norm", "train.weight_decay",
+              "eval.max_examples", "eval.buffer_size", "train.grad_clip_norm", "train.weight_decay",
               "eval.length_penalty", "eval.top_k", "eval.average_last", "train.keep_best",
               "compile.batch_size", "compile.source_len", "compile.target_len"):
     if _get(config, key) < 0:
