@@ -242,6 +242,42 @@ def test_data_parallel_step_equals_single_device_step():
   assert max(moved) > 1e-4
 
 
+# Run after the README's example (which defines `model`): score() is log p(target | source) as
+# the cached, step-by-step decoder computes it; the module applies without a dropout RNG.
+API_CHECK = """
+import jax, jax.numpy as jnp, numpy as np
+import transformer_jax
+from transformer_jax.core.tokens import EOS_ID
+from transformer_jax.eval import decode
+from transformer_jax.eval.translate import encode_sources
+
+sources = ["jump twice", "walk left after run"]
+targets = model.translate(sources)
+scores = model.score(sources, targets)
+inputs, _ = encode_sources(model.tokenizer, sources, model.config.data.max_source_len, 2)
+mc = model.model_config
+step_fn = jax.jit(decode.decode_step, static_argnums=1)
+for i, ids in enumerate(model.tokenizer.encode(targets)):
+  ids = ids + [EOS_ID]
+  source = jnp.asarray(inputs[i:i + 1])
+  encoded = decode.encode(model.params, mc, source)
+  cache = decode.init_cache(model.params, mc, encoded, source, len(ids))
+  total, token = 0.0, 1  # BOS
+  for step, y in enumerate(ids):
+    logits, cache = step_fn(model.params, mc, cache, encoded, source, jnp.asarray([token]),
+                            jnp.int32(step))
+    logits = np.asarray(logits[0], np.float64)
+    total += logits[y] - np.log(np.exp(logits - logits.max()).sum()) - logits.max()
+    token = y
+  assert abs(total - scores[i]) < 1e-3 * max(1.0, abs(total)), (total, scores[i])
+assert model.score(sources, ["I_JUMP I_JUMP"] * 2)[0] < 0
+noisy = transformer_jax.load(model_dir, overrides={"model.dropout_rate": 0.5})
+x, y = jnp.asarray(inputs), jnp.ones((2, 3), jnp.int32)
+first = noisy.module.apply({"params": noisy.params}, x, y)
+np.testing.assert_array_equal(first, noisy.module.apply({"params": noisy.params}, x, y))
+"""
+
+
 def test_train_then_evaluate_end_to_end(tmp_path):
   workdir = tmp_path / "run"
   base = [sys.executable, "launch.py", "--config=experiments/tiny.py", f"--workdir={workdir}"]
@@ -276,3 +312,15 @@ def test_train_then_evaluate_end_to_end(tmp_path):
   assert saved["exact_match"] == metrics["exact_match"]
   assert saved["loss"] == pytest.approx(metrics["loss"])
   assert {name: (workdir / name).read_bytes() for name in kept} == kept
+
+  # The README's Python API example on this workdir, then its scores against the cached decoder.
+  with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+    readme = f.read()
+  example = readme.split("## Python API")[1].split("```python\n")[1].split("```")[0]
+  assert "transformer_jax.load(" in example
+  script = (f"model_dir = {str(workdir)!r}\n"
+            + example.replace('"runs/scan_simple"', "model_dir") + API_CHECK)
+  result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
+                          text=True)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "32 20" in result.stdout  # model.config.model.d_model, model.step
