@@ -12,7 +12,6 @@ import contextlib
 import os
 import sys
 import threading
-import time
 
 ENV = "TRANSFORMER_JAX_PROGRESS"
 
@@ -28,14 +27,16 @@ def enabled(stdout_is_output: bool = False) -> bool:
     return False
 
 
-def bar(total=None, desc: str = "", unit: str = "it", initial: int = 0,
+def bar(iterable=None, total=None, desc: str = "", unit: str = "it", initial: int = 0,
         stdout_is_output: bool = False, **kwargs):
-  """A tqdm bar on stderr (disabled, and then free, when `enabled()` is false); close it, or use
-  it as a context manager. total None: a count with its rate and no ETA."""
+  """A tqdm bar on stderr (disabled, and then free, when `enabled()` is false) over `iterable`,
+  or updated by hand; close it, or use it as a context manager. total None: a count with its
+  rate and no ETA."""
   from tqdm import tqdm  # imported here: most commands draw no bar
-  return tqdm(total=total, desc=desc, unit=unit, initial=initial, file=sys.stderr, leave=False,
-              dynamic_ncols=True, mininterval=0.5, smoothing=0.1,
-              disable=not enabled(stdout_is_output), **kwargs)
+  options = {"dynamic_ncols": True, "mininterval": 0.5, "smoothing": 0.1, **kwargs}
+  options.setdefault("disable", not enabled(stdout_is_output))
+  return tqdm(iterable, total=total, desc=desc, unit=unit, initial=initial, file=sys.stderr,
+              leave=False, **options)
 
 
 @contextlib.contextmanager
@@ -71,12 +72,9 @@ def write(line: str) -> None:
     print(line, flush=True)
 
 
-class Timer:
-  """Seconds since it was made, for messages."""
-
-  def __init__(self):
-    self.start = time.perf_counter()
-
-  @property
-  def seconds(self) -> float:
-    return time.perf_counter() - self.start
+def duration(seconds: float) -> str:
+  """3m20s, 1h02m00s."""
+  seconds = int(max(seconds, 0))
+  h, rem = divmod(seconds, 3600)
+  m, s = divmod(rem, 60)
+  return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import os
 
+from transformer_jax.core import progress
 from transformer_jax.core.errors import UserError
 from transformer_jax.data import sources, tasks
 from transformer_jax.data import tokenizer as tokenizer_lib
@@ -61,8 +62,9 @@ def prepare_tokenizer(config, workdir: str, train_pairs, vocab_size: int):
     words = collections.Counter()
     if t.model_type == "word":
       texts = _counting(texts, words)
-    tokenizer = tokenizer_lib.train(texts, vocab_size, t.model_type, t.character_coverage,
-                                    t.sample_size, mask=mask)
+    with progress.waiting(f"training the {t.model_type} tokenizer ({vocab_size:,} pieces)"):
+      tokenizer = tokenizer_lib.train(texts, vocab_size, t.model_type, t.character_coverage,
+                                      t.sample_size, mask=mask)
     if t.model_type == "word":  # <mask> takes two pieces of a word vocabulary
       _check_word_coverage(words, vocab_size - 2 * mask)
   if config.data.task in tasks.MASK_TASKS and not tokenizer.has_mask():
@@ -86,7 +88,8 @@ def prepare_data(config, workdir: str, vocab_size: int):
     raise UserError(f"the {config.data.train_split!r} split is empty; check the data config")
   tokenizer, new = prepare_tokenizer(config, workdir, train_pairs, vocab_size)
   d = config.data
-  train_set = tasks.examples(d, train_pairs, tokenizer)
+  with progress.waiting(f"encoding {len(train_pairs):,} training examples"):
+    train_set = tasks.examples(d, train_pairs, tokenizer)
   if not len(train_set):
     raise UserError("every training example is longer than data.max_source_len / "
                     "data.max_target_len; raise them")

@@ -11,7 +11,7 @@ import os
 
 import jax.numpy as jnp
 
-from transformer_jax.core import files
+from transformer_jax.core import files, progress
 from transformer_jax.core.errors import UserError
 from transformer_jax.data import pipeline, sources, tasks
 from transformer_jax.data import tokenizer as tokenizer_lib
@@ -74,7 +74,10 @@ def evaluate(params, model_config: ModelConfig, config, tokenizer: tokenizer_lib
   step = _eval_step(model_config, d.task, d.mask_rate, mesh)
   sums = {"nll": 0.0, "correct": 0.0, "tokens": 0.0}
   hypotheses, predicted = [], []
-  for index, (batch, n_real) in enumerate(pipeline.eval_batches(examples, e.batch_size)):
+  batches = progress.bar(pipeline.eval_batches(examples, e.batch_size),
+                         total=math.ceil(len(examples) / e.batch_size),
+                         desc=f"evaluating ({decode_name(config)})", unit="batch")
+  for index, (batch, n_real) in enumerate(batches):
     out = sharding.to_host(step(params, sharding.shard_batch(batch, mesh),
                                 batch_rng(config, index)))
     predicted += out.pop("predicted", [])[:n_real].tolist() if d.task == "classify" else []

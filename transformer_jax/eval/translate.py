@@ -8,6 +8,7 @@ from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
+from transformer_jax.core import progress
 from transformer_jax.core.tokens import EOS_ID
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.eval.load import load_trained
@@ -116,12 +117,17 @@ def write_translations(params, model_config: ModelConfig, config,
   size = buffer_size(config, lines)
   lines = DecodedLines(lines)
   count, truncated = 0, []
-  for count, (translation, cut) in enumerate(
-      translate(params, model_config, config, tokenizer, lines, mesh, size), 1):
-    out.write(translation + "\n")
-    out.flush()
-    if cut:
-      truncated.append(count)
+  # A count of lines with their rate on a terminal's stderr, for a file being translated (a
+  # person typing sees each answer instead).
+  with progress.bar(desc="translating", unit="line", stdout_is_output=True,
+                    disable=size == 1 or not progress.enabled(stdout_is_output=True)) as shown:
+    for count, (translation, cut) in enumerate(
+        translate(params, model_config, config, tokenizer, lines, mesh, size), 1):
+      out.write(translation + "\n")
+      out.flush()
+      shown.update()
+      if cut:
+        truncated.append(count)
   if truncated:
     print(f"warning: {len(truncated)} of {count} source lines (line {_lines(truncated)}) had "
           f"more than data.max_source_len - 1 = {config.data.max_source_len - 1} tokens and were "

@@ -10,14 +10,6 @@ import time
 from transformer_jax.core import files, progress
 from transformer_jax.core.errors import UserError
 
-
-def _duration(seconds: float) -> str:
-  seconds = int(max(seconds, 0))
-  h, rem = divmod(seconds, 3600)
-  m, s = divmod(rem, 60)
-  return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
-
-
 METRICS_FILE = "metrics.jsonl"
 
 
@@ -151,15 +143,14 @@ class MetricLogger:
     if not self.enabled:
       return
     self._write(record)
-    print(f"step {step}/{self.total_steps} | loss {record['loss']:.4f} | acc "
+    progress.write(f"step {step}/{self.total_steps} | loss {record['loss']:.4f} | acc "
           f"{record['accuracy']:.4f} | lr {learning_rate:.3g} | gnorm {record['grad_norm']:.3f} | "
           + (f"pad {record['padding']:.1%} | " if "padding" in record else "")
           + f"{tokens_per_s:,.0f} tok/s | {steps_per_s:.2f} steps/s | "
           + (f"{record['tflops_per_s'] * 1e3:,.1f} GFLOP/s | " if "tflops_per_s" in record else "")
           + (f"MFU {record['mfu']:.1%} | " if "mfu" in record else "")
           + (f"input {record['input_share']:.0%} | " if "input_share" in record else "")
-          + f"ETA {_duration(eta)}",
-          flush=True)
+          + f"ETA {progress.duration(eta)}")
 
   def eval(self, step: int, metrics: dict, split: str = "eval") -> None:
     """split: "eval" (data.eval_split, during and after training) or "test" (data.test_split,

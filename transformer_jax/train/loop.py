@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from contextlib import nullcontext
 from typing import Any, Callable, Optional
 
 import jax
 
 from transformer_jax import config as config_lib
+from transformer_jax.core import progress
 from transformer_jax.core.errors import UserError
 from transformer_jax.core.files import atomic_write
 from transformer_jax.core.lock import DirectoryLock
@@ -144,14 +146,22 @@ def train(config, workdir: str, evaluate_fn: EvaluateFn) -> Result:
   def evaluate(params, pairs=eval_pairs) -> dict:
     return evaluate_fn(params, model_config, config, tokenizer, pairs, mesh)
 
-  with lock, checkpoint.Preemption() as preemption:
+  early = actions.EarlyProgress(start, t.steps, t.log_every)
+  bar = progress.bar(total=t.steps, initial=start, desc="training", unit="step")
+  with lock, checkpoint.Preemption() as preemption, bar:
     for step in range(start, t.steps):
       with throughput.input():
         host_batch = stream[step]
         batch = sharding.shard_batch(host_batch, mesh, multiple=t.grad_accum_steps)
-      state, metrics = train_step(state, batch, rng)
+      with progress.waiting("compiling the train step") if step == start else nullcontext():
+        state, metrics = train_step(state, batch, rng)
+        if step == start:
+          jax.block_until_ready(metrics)  # the wait above is the compilation's
       throughput.count(host_batch)
       done = step + 1
+      bar.update()
+      if is_main and (line := early.line(done, metrics)):
+        progress.write(line)
       pending.push(done, metrics)
       due = periodic.due(done, stop=preemption.reached(done))
       if due.sync:
