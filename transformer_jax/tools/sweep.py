@@ -187,6 +187,8 @@ def _finish_trial(directory: str, overrides: dict, wall_time_s: float, metric: s
   best_step = best["step"] if best else None
   result = {"overrides": overrides, "metrics": final, "best_step": best_step,
             "wall_time_s": wall_time_s, "status": "done"}
+  logger.write_hparams(directory, overrides, final, final["step"])  # before the result: a
+  # trial with its result file is finished and never revisited
   files.atomic_write(os.path.join(directory, RESULT_FILE), json.dumps(result, indent=2))
   return result
 

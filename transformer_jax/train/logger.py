@@ -79,8 +79,28 @@ class _Events:
   def text(self, tag: str, text: str, step: int) -> None:
     self.write([self._summary.text(tag, text)], step)
 
+  def hparams(self, hparams: dict, metrics: dict, step: int) -> None:
+    """TensorBoard's HParams view: the run's hyperparameters and its metrics (also written as
+    scalars, where the view reads their values)."""
+    self.write(list(self._summary.hparams(hparams, metrics)), step)
+    self.scalars(metrics, step)
+
   def close(self) -> None:
     self._file.close()
+
+
+def write_hparams(workdir: str, hparams: dict, metrics: dict, step: int) -> None:
+  """Adds a sweep trial's overrides and final metrics (as final/NAME) to WORKDIR/tensorboard,
+  for the HParams view of the sweep's directory."""
+  values = {k: v if isinstance(v, (bool, int, float, str)) else str(v) for k, v in hparams.items()}
+  numbers = {f"final/{k}": float(v) for k, v in metrics.items()
+             if isinstance(v, (int, float)) and not isinstance(v, bool)
+             and k not in ("step", "max_examples", "max_decode_len")}
+  events = _Events(os.path.join(workdir, "tensorboard"))
+  try:
+    events.hparams(values, numbers, step)
+  finally:
+    events.close()
 
 
 class MetricLogger:
