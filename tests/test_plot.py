@@ -149,3 +149,26 @@ def test_one_stack_models_have_their_attention_maps_and_positions(tmp_path, rand
   table, title = plot.position_picture(cfg, params)
   assert table.shape == ((2, 32) if positional == "relative_bias" else (32, 4)), title
   assert_real_picture(plot.plot_positional_encoding(table, str(tmp_path / "p.png"), title))
+
+
+def test_attention_figure_has_a_colour_bar_and_keeps_its_labels_inside():
+  from matplotlib.backends.backend_agg import FigureCanvasAgg
+  layers, heads = 2, 3
+  keys = ["▁a", "▁Donaudampfschifffahrtsgesellschaft", "</s>"]
+  queries = ["<s>", "▁quite_a_long_piece", "."]
+  weights = np.random.default_rng(0).dirichlet(np.ones(3), size=(layers, heads, 3))
+  fig = plot.attention_figure(weights, queries, keys, "a title")
+  canvas = FigureCanvasAgg(fig)
+  canvas.draw()
+  renderer = canvas.get_renderer()
+  assert len(fig.axes) == layers * heads + 1  # the maps and one shared colour bar
+  assert fig.axes[-1].get_ylim() == (0.0, 1.0)
+  box = fig.bbox
+  for ax in fig.axes[:-1]:
+    for label in ax.get_xticklabels() + ax.get_yticklabels():
+      extent = label.get_window_extent(renderer)
+      assert box.x0 - 1 <= extent.x0 and extent.x1 <= box.x1 + 1, label.get_text()
+      assert box.y0 - 1 <= extent.y0 and extent.y1 <= box.y1 + 1, label.get_text()
+  # Glyphs no installed font has are named (DejaVu, matplotlib's own font, has no CJK).
+  assert plot.missing_glyphs(["Haus", "Straße"], ["DejaVu Sans"]) == ""
+  assert set(plot.missing_glyphs(["猫が 好き"], ["DejaVu Sans"])) == set("猫が好き")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import os
+import sys
 import textwrap
 from typing import Optional
 
@@ -100,33 +101,76 @@ def plot_positional_encoding(table: np.ndarray, path: str, title: str) -> str:
   return _save(fig, path, dpi=110)
 
 
+# Tried in order for each glyph (matplotlib >= 3.6 falls back per glyph): DejaVu has Latin,
+# Greek and Cyrillic; the CJK families draw Chinese, Japanese and Korean where installed.
+FONT_FAMILIES = ("DejaVu Sans", "Noto Sans CJK JP", "Noto Sans CJK SC", "Source Han Sans",
+                 "WenQuanYi Zen Hei", "Droid Sans Fallback", "Noto Sans")
+
+
+def font_families() -> list:
+  """The FONT_FAMILIES installed here, in order."""
+  from matplotlib import font_manager  # with matplotlib's own import, not at ours
+  installed = {font.name for font in font_manager.fontManager.ttflist}
+  return [family for family in FONT_FAMILIES if family in installed] or ["sans-serif"]
+
+
+def missing_glyphs(texts, families) -> str:
+  """The characters of `texts` that no font of `families` draws (they would show as boxes)."""
+  from matplotlib import font_manager
+  from matplotlib.ft2font import FT2Font
+  covered = set()
+  for family in families:
+    path = font_manager.findfont(font_manager.FontProperties(family=family),
+                                 fallback_to_default=False)
+    covered |= set(FT2Font(path).get_charmap())
+  wanted = {c for text in texts for c in text if not c.isspace()}
+  return "".join(sorted(c for c in wanted if ord(c) not in covered))
+
+
 def plot_attention(weights: np.ndarray, query_tokens: list[str], key_tokens: list[str],
                    path: str, title: str) -> str:
-  """One grid of heat maps: rows = layers, columns = heads.
+  """Writes `attention_figure` to `path`; a warning names the characters no font draws."""
+  import matplotlib  # see font_families
+  families = font_families()
+  missing = missing_glyphs([*query_tokens, *key_tokens, title], families)
+  if missing:
+    print(f"warning: no installed font draws {missing[:20]!r}, shown as boxes in {path}; "
+          "install a font that has them (e.g. Noto Sans CJK: fonts-noto-cjk) and plot again",
+          file=sys.stderr, flush=True)
+  with matplotlib.rc_context({"font.family": families}):
+    return _save(attention_figure(weights, query_tokens, key_tokens, title), path, dpi=100)
+
+
+def attention_figure(weights: np.ndarray, query_tokens: list[str], key_tokens: list[str],
+                     title: str) -> Figure:
+  """One grid of heat maps (rows = layers, columns = heads) sharing one colour bar.
 
   Args:
     weights: `[layers, heads, q_len, kv_len]` attention weights of one example.
   """
   layers, heads = weights.shape[:2]
-  # One square per token pair; room for the token labels on the left and below.
-  width = 0.22 * len(key_tokens) + 1.4
-  height = 0.22 * len(query_tokens) + 1.4
-  fig = Figure(figsize=(width * heads, height * layers + 0.5))
+  # One square per token pair; room for the longest token labels on the left and below, and
+  # for the colour bar on the right. The constrained layout keeps every label inside.
+  label = 0.075 * max(map(len, [*query_tokens, *key_tokens, "x"]))
+  width = 0.22 * len(key_tokens) + 0.9 + label
+  height = 0.22 * len(query_tokens) + 0.9 + label
+  fig = Figure(figsize=(width * heads + 1.0, height * layers + 0.6), layout="constrained")
   axes = fig.subplots(layers, heads, squeeze=False)
+  image = None
   for layer in range(layers):
     for head in range(heads):
       ax = axes[layer, head]
-      ax.imshow(weights[layer, head], cmap="viridis", vmin=0.0, vmax=1.0,
-                interpolation="nearest")
+      image = ax.imshow(weights[layer, head], cmap="viridis", vmin=0.0, vmax=1.0,
+                        interpolation="nearest")
       ax.set_xticks(range(len(key_tokens)))
       ax.set_xticklabels(key_tokens, rotation=90, fontsize=7)
       ax.set_yticks(range(len(query_tokens)))
       ax.set_yticklabels(query_tokens, fontsize=7)
       ax.set_title(f"layer {layer} head {head}", fontsize=8)
+  fig.colorbar(image, ax=axes, shrink=min(1.0, 3.0 / layers + 0.2), label="attention weight")
   title = title if len(title) <= 160 else title[:157] + "..."
   fig.suptitle(textwrap.fill(title, max(30, int(width * heads * 9))), fontsize=9)
-  fig.tight_layout()
-  return _save(fig, path, dpi=100)
+  return fig
 
 
 def _stacked(inter, stack: str, count: int, module: str) -> np.ndarray:
@@ -238,7 +282,10 @@ def plot_workdir(config, workdir: str, text: Optional[str] = None,
   if os.path.lexists(out) and not os.path.isdir(out):
     raise UserError(f"{out} is not a directory, where plots are written; move it away")
   params = tokenizer = None  # loaded (and checked) before anything is written
-  if text is not None or model_config.positional in ("learned", "relative_bias"):
+  # A --checkpoint_step is checked even where no picture needs the parameters: a step that
+  # does not exist must not redraw the pictures of another.
+  if (text is not None or model_config.positional in ("learned", "relative_bias")
+      or step is not None):
     model_config, params, tokenizer = load.load_trained(config, workdir, step)[:3]
   try:
     os.makedirs(out, exist_ok=True)
