@@ -102,7 +102,7 @@ def _resolve_config_flags(argv: list) -> list:
 
 
 # Modes that read a workdir: without --config they load the config it was trained with.
-WORKDIR_MODES = ("train", "evaluate", "translate", "plot")
+WORKDIR_MODES = ("train", "evaluate", "translate", "generate", "plot")
 
 
 def _flag_value(argv: list, name: str):
@@ -243,7 +243,7 @@ def run(argv) -> None:
   if not isinstance(config, ml_collections.ConfigDict):
     raise UserError(f"the experiment's get_config() returned {type(config).__name__}, not an "
                     "ml_collections.ConfigDict (see experiments/tiny.py)")
-  if mode in ("evaluate", "translate", "plot") and _WORKDIR.value:
+  if mode in ("evaluate", "translate", "generate", "plot") and _WORKDIR.value:
     _check_workdir_config(config, _WORKDIR.value)
 
   from transformer_jax.core import hostmem, platforms
