@@ -10,8 +10,10 @@ vocabulary; packed rows of 64 tokens, 2,048 tokens per step: about 17 GFLOP a st
 1,200 steps take about 12 minutes on two shared cores (8,192 tokens a step took ~3 s a step).
 Generation samples at temperature 0.8 among the 40 most probable pieces (eval.decode=greedy for
 the most probable continuation).
-Reads ../shared/data/multi30k/{train,val}.en (see multi30k_ende.py) or --config.data.path=DIR;
-any directory of SPLIT.txt files of one text a line works with --config.data.text_suffix=txt.
+Reads ../shared/data/multi30k/{train,val,test_2016_flickr}.en (see multi30k_ende.py) or
+--config.data.path=DIR; any directory of SPLIT.txt files of one text a line works with
+--config.data.text_suffix=txt (and --config.data.test_split=NAME). After training, the
+perplexity of val and of test_2016_flickr is evaluated.
 """
 
 from transformer_jax.config import default_config
@@ -23,7 +25,8 @@ def get_config():
                  activation="swiglu", norm="pre", norm_type="rmsnorm", positional="rotary",
                  dropout_rate=0.1, vocab_size=4000, max_len=64, init="normal")
   c.data.update(task="lm", source="files", path="../shared/data/multi30k", format="text",
-                text_suffix="en", train_split="train", eval_split="val", max_target_len=64,
+                text_suffix="en", train_split="train", eval_split="val",
+                test_split="test_2016_flickr", max_target_len=64,
                 batching="packed", tokens_per_batch=2048)
   c.data.tokenizer.update(model_type="bpe")
   c.train.update(steps=1200, schedule="cosine", learning_rate=3e-3, warmup_steps=100,
