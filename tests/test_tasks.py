@@ -129,9 +129,10 @@ def test_every_architecture_trains_and_evaluates_its_tasks(tmp_path, arch, task)
   commands = [command for command, _ in scan.load("simple", "train")[::40]]
   (tmp_path / "train.txt").write_text("\n".join(commands) + "\n")
   (tmp_path / "train.tsv").write_text("".join(f"{c}\t{'twice' in c}\n" for c in commands))
-  c = text_config(tmp_path, task, arch, eval_split="train")
+  # The final evaluation reads data.eval_split and data.test_split: these files have train only.
+  c = text_config(tmp_path, task, arch, eval_split="train", test_split="train")
   if task == "seq2seq":
-    c.data.update(source="scan", eval_split="test")
+    c.data.update(source="scan", eval_split="test", test_split="test")
   c.model.update(num_labels=2 if task == "classify" else 0, max_len=64)
   c.train.update(steps=4, log_every=2, checkpoint_every=4)
   c.eval.update(max_examples=16, batch_size=16)

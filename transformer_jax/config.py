@@ -58,7 +58,8 @@ def default_config() -> ml_collections.ConfigDict:
   c.data.mask_rate = 0.15  # task mlm: share of tokens the step masks (BERT: 80% <mask>, 10% random)
   c.data.train_split = "train"
   c.data.eval_split = "test"  # evaluated during and after training
-  c.data.test_split = "test"  # the held-out test set (e.g. newstest2014)
+  # The held-out test set (e.g. newstest2014): evaluated once, after the last step; "" = none.
+  c.data.test_split = "test"
   c.data.max_source_len = 64  # longer examples are dropped (EOS included)
   c.data.max_target_len = 64
   c.data.batching = "tokens"  # tokens (length buckets under a token budget) | packed | fixed
