@@ -260,15 +260,15 @@ step_fn = jax.jit(decode.decode_step, static_argnums=1)
 for i, ids in enumerate(model.tokenizer.encode(targets)):
   ids = ids + [EOS_ID]
   source = jnp.asarray(inputs[i:i + 1])
-  encoded = decode.encode(model.params, mc, source)
-  cache = decode.init_cache(model.params, mc, encoded, source, len(ids))
-  total, token = 0.0, 1  # BOS
+  start = decode.start(model.params, mc, source, len(ids))
+  cache, tokens = start.cache, start.first_tokens  # BOS
+  total = 0.0
   for step, y in enumerate(ids):
-    logits, cache = step_fn(model.params, mc, cache, encoded, source, jnp.asarray([token]),
-                            jnp.int32(step))
+    logits, cache = step_fn(model.params, mc, cache, start.context, tokens,
+                            start.first_positions + step)
     logits = np.asarray(logits[0], np.float64)
     total += logits[y] - np.log(np.exp(logits - logits.max()).sum()) - logits.max()
-    token = y
+    tokens = jnp.asarray([y], jnp.int32)
   assert abs(total - scores[i]) < 1e-3 * max(1.0, abs(total)), (total, scores[i])
 assert model.score(sources, ["I_JUMP I_JUMP"] * 2)[0] < 0
 noisy = transformer_jax.load(model_dir, overrides={"model.dropout_rate": 0.5})
