@@ -76,8 +76,10 @@ def generate_from_workdir(config, workdir: str, lines: Iterable, out=sys.stdout,
   """Writes one continuation per line of `lines` (bytes or text) to `out`, with checkpoint
   `step` of `workdir` (default: the latest); returns the line count. Truncated prompts and lines
   that are not UTF-8 are counted on `err`, as translate does."""
+  # Checked on the config before any checkpoint is read: restoring another architecture's
+  # checkpoint into this one would fail first, with a message about the tree, not the mode.
+  check_generates(config.model, config)
   trained = load_trained(config, workdir, step)
-  check_generates(trained.model_config, config)
   lines = DecodedLines(lines)
   count, truncated = 0, 0
   for text, cut in generate(trained.params, trained.model_config, config, trained.tokenizer,
