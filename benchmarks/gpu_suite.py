@@ -306,11 +306,20 @@ def _error_line(output: str) -> str:
 
 
 def latest_eval(workdir: pathlib.Path) -> Optional[dict]:
-  """WORKDIR/eval/STEP.json of the highest step: what the last evaluation wrote."""
-  steps = [p for p in (workdir / "eval").glob("*.json") if p.stem.isdigit()]
-  if not steps:
+  """The result of the workdir's last evaluation on its data.eval_split (config.json): the file
+  eval/STEP.SPLIT.DECODE[...].json of the highest step."""
+  try:
+    split = json.loads((workdir / "config.json").read_text())["data"]["eval_split"]
+  except (OSError, ValueError, KeyError):
     return None
-  return json.loads(max(steps, key=lambda p: int(p.stem)).read_text())
+  results = []
+  for path in sorted((workdir / "eval").glob("*.json")):
+    step, _, rest = path.name.partition(".")
+    if step.isdigit() and rest.startswith(f"{split}."):
+      results.append((int(step), path))
+  if not results:
+    return None
+  return json.loads(max(results, key=lambda r: r[0])[1].read_text())
 
 
 def derive(row: dict) -> None:
@@ -343,7 +352,7 @@ def run_case(case: Case, outdir: pathlib.Path, python: str, base_env: dict, dry_
     row["wall_s"] += seconds
     row[f"{command.mode}_wall_s"] = seconds
     if command.mode == "train":
-      # The final validation; read now, before evaluate writes its own STEP.json over it.
+      # The final validation (train also evaluates data.test_split, in a file of its own).
       if command.workdir and latest_eval(outdir / command.workdir):
         row["val_metrics"] = latest_eval(outdir / command.workdir)
     else:
@@ -414,7 +423,7 @@ TABLES = {
         ("test BLEU (lc, tok)", lambda c, r: _num(_m(r, "bleu_lowercase_tokenized"), 4)),
         ("vs published", lambda c, r: _num(r.get("bleu_minus_published"), 2)),
         ("sacreBLEU (cased)", lambda c, r: _num(_m(r, "bleu"), 4)),
-        ("averaged checkpoints", lambda c, r: str(len(_m(r, "averaged_steps") or [])) or "-"),
+        ("averaged checkpoints", lambda c, r: str(len(_m(r, "checkpoints") or [])) or "-"),
         ("val BLEU (lc, tok; last checkpoint)",
          lambda c, r: _num((r.get("val_metrics") or {}).get("bleu_lowercase_tokenized"), 4)),
         ("train min", lambda c, r: _num((r.get("train_wall_s") or 0) / 60 or None)),

@@ -12,17 +12,19 @@ from transformer_jax.core.errors import UserError
 from transformer_jax.model import attention
 
 
-def reference_attention(query, key, value, mask=None):
-  """softmax(Q K^T / sqrt(d_k) + mask) V in float64, masked logits set to -inf.
+def reference_attention(query, key, value, mask=None, bias=None):
+  """softmax(Q K^T / sqrt(d_k) + bias + mask) V in float64, masked logits set to -inf.
 
   query `[batch, q_len, heads, head_dim]`, key/value `[batch, kv_len, heads, head_dim]`,
-  mask broadcastable to `[batch, heads, q_len, kv_len]` (True = attend).
+  mask and bias broadcastable to `[batch, heads, q_len, kv_len]` (mask: True = attend).
   Returns (output `[batch, q_len, heads, head_dim]`, weights `[batch, heads, q_len, kv_len]`).
   """
   q = np.asarray(query, np.float64).transpose(0, 2, 1, 3)  # [b, h, q, d]
   k = np.asarray(key, np.float64).transpose(0, 2, 3, 1)  # [b, h, d, k]
   v = np.asarray(value, np.float64).transpose(0, 2, 1, 3)  # [b, h, k, d]
   logits = (q @ k) / math.sqrt(q.shape[-1])
+  if bias is not None:
+    logits = logits + np.asarray(bias, np.float64)
   if mask is not None:
     logits = np.where(np.broadcast_to(np.asarray(mask), logits.shape), logits, -np.inf)
   with np.errstate(invalid="ignore"):  # a row with no key to attend to becomes NaN
@@ -118,6 +120,20 @@ def test_jax_implementation_matches_plain_under_padding_and_causal_masks(shape):
   np.testing.assert_allclose(np.asarray(fused)[real], np.asarray(plain)[real], rtol=1e-5, atol=1e-6)
   expected, _ = reference_attention(query, key, value, mask)
   np.testing.assert_allclose(np.asarray(fused)[real], expected[real], rtol=1e-5, atol=1e-5)
+
+
+def test_bias_is_added_to_the_logits_in_both_implementations():
+  rng = np.random.default_rng(3)
+  query, key, value = random_qkv(rng, 2, 5, 5, 2, 8)
+  bias = jnp.asarray(rng.normal(size=(2, 2, 5, 5)) * 2.0, jnp.float32)
+  mask = attention.causal_mask(5)
+  expected, expected_weights = reference_attention(query, key, value, mask, bias)
+  weights = attention.dot_product_attention_weights(query, key, mask, bias)
+  np.testing.assert_allclose(np.asarray(weights), expected_weights, rtol=1e-5, atol=1e-6)
+  for implementation in attention.IMPLEMENTATIONS:
+    out = attention.dot_product_attention(query, key, value, mask, bias=bias,
+                                          implementation=implementation)
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_jax_implementation_refuses_attention_dropout():
@@ -287,6 +303,26 @@ def test_fused_self_attention_params(init_mha):
   assert shapes_of(params) == {
       "qkv": {"kernel": (D_MODEL, 3, HEADS, HEAD_DIM), "bias": (3, HEADS, HEAD_DIM)}, "out": OUT}
   assert module.apply({"params": params}, x).shape == x.shape
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_grouped_query_attention_shares_each_key_value_head_within_its_group(init_mha, kv_heads):
+  x = random_inputs(0, 2, 5)
+  valid = valid_lengths_mask([5, 3], 5)
+  mask = attention.padding_mask(valid, valid)
+  module, params = init_mha(x, num_kv_heads=kv_heads)
+  kv = {"kernel": (D_MODEL, kv_heads, HEAD_DIM), "bias": (kv_heads, HEAD_DIM)}
+  assert shapes_of(params)["key"] == shapes_of(params)["value"] == kv
+  p = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float64), params)
+  x64 = np.asarray(x, np.float64)
+  project = lambda name: np.einsum("bld,dhk->blhk", x64, p[name]["kernel"]) + p[name]["bias"]
+  group = HEADS // kv_heads  # query head h reads key/value head h // group
+  expected, _ = reference_attention(project("query"), np.repeat(project("key"), group, axis=2),
+                                    np.repeat(project("value"), group, axis=2), mask)
+  expected = np.einsum("blhk,hkd->bld", expected, p["out"]["kernel"]) + p["out"]["bias"]
+  out = module.apply({"params": params}, x, None, mask)
+  real = np.asarray(valid)
+  np.testing.assert_allclose(np.asarray(out)[real], expected[real], rtol=1e-5, atol=1e-5)
 
 
 def test_fused_cross_attention_params(init_mha):

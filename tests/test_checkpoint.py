@@ -186,7 +186,8 @@ def test_sigterm_checkpoints_the_current_step_or_abandons_the_final_evaluation(t
 
   code, out = train_run(launcher, workdir, *resume)  # the same command evaluates it
   assert code == 0, out
-  assert json.loads((workdir / "eval" / f"{step + 2}.json").read_text())["step"] == step + 2
+  result = workdir / "eval" / f"{step + 2}.test.greedy.limit2000.json"
+  assert json.loads(result.read_text())["step"] == step + 2
   code, out = train_run(launcher, workdir, f"--config.train.steps={step + 1}")
   assert code == 2 and f"at step {step + 2}, past train.steps={step + 1}" in out, out
 

@@ -64,3 +64,16 @@ def test_compile_mode_reports_memory_flops_and_estimates_for_a_slice():
   assert 0.9 < train["compiled_flops"] / train["model_flops"] < 1.6
   assert train["step_s"] > 0 and 0 < train["mfu"] < 1 and train["target_tokens_per_s"] > 0
   assert report["decode"]["fits"] and report["decode"]["tokens_per_s"] > 0
+
+
+def test_compile_mode_compiles_a_decoder_only_model_with_its_prompt_cache():
+  pytest.importorskip("libtpu")
+  result = launch(*TINY, "--config.compile.topology=v5e:2x2", "--config.compile.batch_size=16",
+                  "--config.model.arch=decoder_only", "--config.model.num_kv_heads=2",
+                  "--config.model.positional=relative_bias")
+  assert result.returncode == 0, result.stderr
+  report = json.loads(result.stdout.strip().splitlines()[-1])
+  train = report["train"]
+  assert train["batch"] == "16 rows x (source 12 + target 50)"  # one sequence of both
+  assert 0.9 < train["compiled_flops"] / train["model_flops"] < 1.6
+  assert report["decode"]["fits"] and report["decode"]["tokens_per_s"] > 0

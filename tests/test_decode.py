@@ -10,7 +10,7 @@ import pytest
 
 from transformer_jax.core.errors import UserError
 from transformer_jax.eval import decode
-from transformer_jax.model import ModelConfig, Transformer, param_shapes
+from transformer_jax.model import ModelConfig, make_model, param_shapes
 
 VOCAB, PAD, BOS, EOS = 20, 0, 1, 2
 ALPHA = 0.6
@@ -56,7 +56,7 @@ def random_sources(seed: int, batch: int, length: int) -> jnp.ndarray:
 @functools.partial(jax.jit, static_argnums=1)
 def full_logits(params, config, source, decoder_inputs):
   """The uncached model: logits `[batch, tgt_len, vocab]`."""
-  model = Transformer(config.replace(decode=False, deterministic=True))
+  model = make_model(config.replace(decode=False, deterministic=True))
   return model.apply({"params": params}, source, decoder_inputs)
 
 
@@ -114,8 +114,9 @@ def cached_and_full(config, params, source, decoder_inputs):
   cache = decode.init_cache(params, config, encoded, source, config.max_len)
 
   def step(cache, t):
-    logits, cache = decode.decode_step(params, config, cache, encoded, source,
-                                       decoder_inputs[:, t], t)
+    positions = jnp.full((source.shape[0],), t)
+    logits, cache = decode.decode_step(params, config, cache, (encoded, source),
+                                       decoder_inputs[:, t], positions)
     return cache, logits
 
   _, cached = jax.lax.scan(step, cache, jnp.arange(decoder_inputs.shape[1]))
@@ -148,6 +149,97 @@ def test_cached_steps_match_full_decoder(norm, fused_qkv, positional, tie_output
     key = params["decoder"]["layer_1"]["cross_attention"]["key"]
     expected = jnp.einsum("bsd,dhk->bshk", encoded, key["kernel"]) + key["bias"]
     np.testing.assert_allclose(layer["cross_attention"]["cross_key"], expected, atol=1e-5)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def cached_and_full_decoder_only(config, params, source, decoder_inputs):
+  """As `cached_and_full` for a decoder-only model: the prompt "source EOS BOS" written into
+  the cache in one call (rows of different lengths), then one cached step per target position."""
+  full = full_logits(params, config, source, decoder_inputs)
+  begin = decode.start(params, config, decode.seq2seq_prompt(source), decoder_inputs.shape[1])
+
+  def step(cache, t):
+    tokens = jnp.where(t == 0, begin.first_tokens, decoder_inputs[:, t])
+    logits, cache = decode.decode_step(params, config, cache, begin.context, tokens,
+                                       begin.first_positions + t)
+    return cache, logits
+
+  _, cached = jax.lax.scan(step, begin.cache, jnp.arange(decoder_inputs.shape[1]))
+  return full, cached.transpose(1, 0, 2), begin
+
+
+# Each position option, grouped-query attention and the block options, in both architectures.
+@pytest.mark.parametrize("arch, changes", [
+    ("encoder_decoder", dict(positional="rotary", num_kv_heads=1)),
+    ("encoder_decoder", dict(positional="relative_bias", parallel_block=True)),
+    ("decoder_only", dict(positional="learned", norm="post", tie_output=True)),
+    ("decoder_only", dict(positional="none")),
+    ("decoder_only", dict(positional="rotary", num_kv_heads=1, norm_type="rmsnorm",
+                          activation="swiglu")),
+    ("decoder_only", dict(positional="relative_bias", num_heads=4, num_kv_heads=2,
+                          parallel_block=True))])
+def test_cached_steps_match_the_full_model_for_every_option(arch, changes):
+  config = make_config(arch=arch, **changes)
+  params = random_params(config, 0)
+  batch, steps = 3, 6
+  source = random_sources(seed=1, batch=batch, length=7)
+  targets = np.random.default_rng(2).integers(3, VOCAB, size=(batch, steps))
+  decoder_inputs = jnp.asarray(np.concatenate([np.full((batch, 1), BOS), targets[:, :-1]], 1),
+                               jnp.int32)
+  if arch == "encoder_decoder":
+    full, cached, _, cache = cached_and_full(config, params, source, decoder_inputs)
+    kv_cache = cache["decoder"]["layer_0"]["self_attention"]["cached_key"]
+  else:
+    full, cached, begin = cached_and_full_decoder_only(config, params, source, decoder_inputs)
+    lengths = np.sum(np.asarray(source) != 0, axis=1)
+    # The prompt "source EOS BOS" minus its last token is in the cache: lengths + 1 - 1 slots.
+    np.testing.assert_array_equal(begin.first_positions, lengths)
+    np.testing.assert_array_equal(begin.first_tokens, np.full(batch, BOS))
+    kv_cache = begin.cache["decoder"]["layer_0"]["self_attention"]["cached_key"]
+  np.testing.assert_allclose(cached, full, atol=2e-5, rtol=2e-5)
+  assert kv_cache.shape[2:] == (config.kv_heads, config.head_dim)  # the key/value heads only
+
+
+def test_decoder_only_searches_agree_with_the_full_model():
+  config = make_config(arch="decoder_only", positional="rotary", num_kv_heads=1)
+  params = random_params(config, 13, 1.0)
+  source = random_sources(seed=8, batch=6, length=6)
+  prompt = decode.seq2seq_prompt(source)
+  max_length = 8
+  greedy = np.asarray(decode.greedy_decode(params, config, prompt, max_length))
+  np.testing.assert_array_equal(greedy, reference_greedy(params, config, source, max_length))
+  assert_well_formed(greedy)
+  tokens, scores = decode.beam_search(params, config, prompt, max_length, beam_size=3,
+                                      alpha=ALPHA)
+  np.testing.assert_allclose(scores, penalised_scores(params, config, source, tokens), atol=1e-4)
+  assert np.all(np.asarray(scores) >= penalised_scores(params, config, source, greedy) - 1e-5)
+  sampled = decode.sample(params, config, prompt, max_length, jax.random.key(0), top_k=1)
+  np.testing.assert_array_equal(sampled, greedy)
+
+
+def test_a_language_model_continues_its_prompt():
+  """A decoder-only LM's prompt is "BOS text" (rows of different lengths, one empty); greedy
+  continuation equals the full model's argmax, step by step, on prompt + output so far."""
+  config = make_config(arch="decoder_only", positional="relative_bias")
+  params = random_params(config, 5, 1.0)
+  prompts = np.zeros((3, 4), np.int32)
+  prompts[0, :4], prompts[1, :2], prompts[2, :1] = [BOS, 5, 6, 7], [BOS, 9], [BOS]
+  max_length = 6
+  tokens = np.asarray(decode.greedy_decode(params, config, jnp.asarray(prompts), max_length))
+  assert_well_formed(tokens)
+  no_source = jnp.zeros((3, 0), jnp.int32)
+  for row, length in enumerate([4, 2, 1]):
+    sequence = list(prompts[row, :length])
+    for t in range(max_length):
+      inputs = np.zeros((1, 4 + max_length), np.int32)
+      inputs[0, :len(sequence)] = sequence
+      logits = np.array(full_logits(params, config, no_source[:1], jnp.asarray(inputs)))
+      logits = logits[0, len(sequence) - 1]
+      logits[[PAD, BOS]] = -np.inf
+      assert tokens[row, t] == np.argmax(logits), (row, t)
+      if tokens[row, t] == EOS:
+        break
+      sequence.append(tokens[row, t])
 
 
 def test_decode_length_beyond_max_len_is_a_user_error():

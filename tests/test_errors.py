@@ -72,6 +72,8 @@ def paths(tmp_path_factory):
       os.remove(w / "metrics.jsonl"), (w / "metrics.jsonl").mkdir()))
   plots_file = variant("plots_file", lambda w: (w / "plots").write_text(""))
   locked = variant("locked", lambda w: None)
+  configured = variant("configured", lambda w: (w / "config.json").write_text(
+      config.to_json_best_effort()))  # as training writes it: --config may be left out
   holder = lock.DirectoryLock(str(locked))  # another run, alive: this test process
   holder.acquire()
 
@@ -117,6 +119,7 @@ def paths(tmp_path_factory):
       "metrics_dir": metrics_dir,
       "plots_file": plots_file,
       "locked": locked,
+      "configured": configured,
       "fifo": data_dir("fifo", {"train.en": good, **test}, special=os.mkfifo),
       "dir": data_dir("dir", {"train.en": good, **test}, special=os.mkdir),
       "null": data_dir("null", {"train.en": good, **test},
@@ -143,6 +146,7 @@ FRESH = TINY + ["--workdir={fresh}"]
 FILES = ["--config.data.source=files"]
 EVALUATE = ["--config=experiments/tiny.py", "--mode=evaluate"]
 TRANSLATE = ["--config=experiments/tiny.py", "--mode=translate"]
+GENERATE = ["--config=experiments/tiny.py", "--mode=generate"]
 PLOT = ["--config=experiments/tiny.py", "--mode=plot"]
 EXPORT = ["--config=experiments/tiny.py", "--mode=export"]
 BENCHMARK = ["--config=experiments/tiny.py", "--mode=benchmark"]
@@ -180,6 +184,8 @@ CONFIG_FILES = {
 # (id, flags, what the one line must say); {name} stands for paths[name].
 ROWS = [
     ("unknown config key", TRAINED + ["--config.model.nope=1"], ["nope"]),
+    ("misspelt config key", TRAINED + ["--config.model.nrom=pre"],
+     ["unknown config key model.nrom in --config.model.nrom=pre (did you mean model.norm?)"]),
     ("int given text", TRAINED + ["--config.train.steps=ten"],
      ["--config.train.steps takes an integer", "'ten'"]),
     ("float given text", TRAINED + ["--config.train.learning_rate=fast"],
@@ -264,7 +270,8 @@ ROWS = [
                                               "--num_processes=2", "--process_id=0"],
      ["--coordinator_address must be host:port"]),
     ("--checkpoint_step with train", TRAINED + ["--checkpoint_step=10"],
-     ["--checkpoint_step is for --mode=evaluate or translate or plot, not --mode=train",
+     ["--checkpoint_step is for --mode=evaluate or translate or generate or plot, not "
+      "--mode=train",
       "resumes from the newest checkpoint"]),
     ("--split with train", TRAINED + ["--split=test"], ["--split is for --mode=export"]),
     # --- train: numbers that are not finite or out of range
@@ -338,6 +345,18 @@ ROWS = [
     ("evaluate: learning rate nan", EVALUATE + ["--workdir={trained}",
                                                 "--config.train.learning_rate=nan"],
      ["train.learning_rate must be a finite number"]),
+    ("evaluate: no --config, no config.json", ["--mode=evaluate", "--workdir={trained}"],
+     ["--config is required", "may leave it out"]),
+    ("evaluate: the workdir's config.json, a step it lacks",  # reached the checkpoints
+     ["--mode=evaluate", "--workdir={configured}", "--checkpoint_step=7"],
+     ["no checkpoint at step 7", "available: [10]"]),
+    ("evaluate: the workdir's config.json, overridden off its model",
+     ["--mode=evaluate", "--workdir={configured}", "--config.model.d_model=64"],
+     ["the config given does not fit", "model.d_model 32 -> 64", "leave --config out"]),
+    ("evaluate: another experiment than the workdir's", ["--config=experiments/scan_simple.py",
+                                                         "--mode=evaluate",
+                                                         "--workdir={configured}"],
+     ["the config given does not fit", "configured (its config.json)", "model.d_model 32 ->"]),
     # --- translate
     ("translate: another tokenizer", TRANSLATE + ["--workdir={swapped}"],
      ["was trained with another vocabulary"]),
@@ -348,6 +367,10 @@ ROWS = [
                                                          "--config.eval.decode=sample",
                                                          "--config.eval.top_k=33"],
      ["eval.top_k (33) exceeds"]),
+    # --- generate
+    ("generate: not a language model", GENERATE + ["--workdir={trained}"],
+     ["continues text with a decoder-only language model", "--mode=translate"]),
+    ("generate: empty --workdir", GENERATE + ["--workdir="], ["--workdir is empty"]),
     # --- plot
     ("plot: nothing trained", PLOT + ["--workdir={fresh}"], ["has no metrics.jsonl"]),
     ("plot: plots is a file", PLOT + ["--workdir={plots_file}"],
@@ -355,8 +378,14 @@ ROWS = [
     ("plot: empty --text", PLOT + ["--workdir={trained}", "--text="], ["--text is empty"]),
     ("plot: another tokenizer", PLOT + ["--workdir={swapped}", "--text=jump twice"],
      ["was trained with another vocabulary"]),
+    ("plot: no such step (the pictures of another stay)", PLOT + ["--workdir={trained}",
+                                                                  "--checkpoint_step=7"],
+     ["no checkpoint at step 7"]),
+    ("plot: another experiment than the workdir's", ["--config=experiments/scan_simple.py",
+                                                     "--mode=plot", "--workdir={configured}"],
+     ["the config given does not fit", "model.d_model 32 ->"]),
     # --- export
-    ("export: unknown split", EXPORT + ["--split=dev"], ["SCAN has the splits train and test"]),
+    ("export: unknown split", EXPORT + ["--split=dev"], ["SCAN's simple split has the parts train, test, not 'dev'"]),
     ("export: empty --split", EXPORT + ["--split="], ["--split is empty"]),
     ("export: data file a FIFO", EXPORT + FILES + ["--config.data.path={fifo}"],
      ["train.de is a named pipe"]),
@@ -364,7 +393,8 @@ ROWS = [
      ["train.adam_eps must be a finite number"]),
     # --- sweep
     ("sweep: unknown key in a trial", ["--config={configs}/sweep_bad_key.py", *SWEEP],
-     ["trial_001 of get_sweep()", "learnin_rate", "no trial was run"]),
+     ["trial_001 of get_sweep()", "unknown config key train.learnin_rate",
+      "(did you mean train.learning_rate?)", "no trial was run"]),
     ("sweep: value of the wrong type", ["--config={configs}/sweep_bad_type.py", *SWEEP],
      ["trial_000 of get_sweep()", "--config.train.steps=many"]),
     ("sweep: impossible value", ["--config={configs}/sweep_bad_value.py", *SWEEP],

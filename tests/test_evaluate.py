@@ -4,6 +4,7 @@ line handling, and --mode=translate reproducing --mode=evaluate on a briefly tra
 import io
 import json
 import os
+import pty
 import subprocess
 import sys
 
@@ -18,7 +19,7 @@ from transformer_jax.data import scan
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.eval import load, search
 from transformer_jax.eval import translate as translate_lib
-from transformer_jax.eval.metrics import text_metrics
+from transformer_jax.eval.metrics import classification_metrics, text_metrics
 from transformer_jax.experiments import tiny
 from transformer_jax.model import param_shapes
 from transformer_jax.tools import benchmark
@@ -44,6 +45,16 @@ def test_bleu_of_references_against_themselves_is_100():
     assert metrics[key] == pytest.approx(100.0), key
   assert metrics["exact_match"] == 1.0
   assert "case:mixed" in metrics["bleu_signature"]
+
+
+def test_classification_accuracy_and_macro_f1_by_hand():
+  gold = ["a", "a", "a", "b", "b", "c"]
+  predicted = ["a", "a", "b", "b", "c", "c"]
+  # F1 = 2TP / (2TP + FP + FN): a: 4 / (4 + 0 + 1); b: 2 / (2 + 1 + 1); c: 2 / (2 + 1 + 0).
+  metrics = classification_metrics(predicted, gold, ["a", "b", "c", "d"])
+  assert metrics["accuracy"] == pytest.approx(4 / 6)
+  assert metrics["macro_f1"] == pytest.approx((4 / 5 + 2 / 4 + 2 / 3 + 0.0) / 4)
+  assert classification_metrics(gold, gold, ["a", "b", "c"]) == {"accuracy": 1.0, "macro_f1": 1.0}
 
 
 def test_cased_bleu_sees_case_lowercased_bleu_does_not():
@@ -146,6 +157,33 @@ def test_translate_keeps_order_and_blank_lines_and_truncates(model):
   assert len(err.getvalue().splitlines()) == 1 and "1 of 7" in err.getvalue()
 
 
+def test_translate_answers_each_line_before_reading_the_next_with_a_buffer_of_one(model):
+  c, model_config, params, tokenizer = model
+  c.eval.batch_size = 4
+  read = []
+
+  def typed():  # a person at a terminal: the next line exists only once the last is answered
+    for line in LINES:
+      read.append(line)
+      yield line
+
+  answers = translate_lib.translate(params, model_config, c, tokenizer, typed(), buffer_size=1)
+  streamed = []
+  for count, answer in enumerate(answers, 1):
+    assert len(read) == count  # answered before the next line was read
+    streamed.append(answer)
+  assert streamed == translations(model, LINES, 4)  # the same as in batches
+  # eval.buffer_size = 0 chooses by the input: 1 for a terminal, eval.batch_size otherwise.
+  leader, follower = pty.openpty()
+  with os.fdopen(follower, "rb") as terminal:
+    assert translate_lib.buffer_size(c, terminal) == 1
+  os.close(leader)
+  assert translate_lib.buffer_size(c, io.BytesIO(b"jump\n")) == 4
+  c.eval.buffer_size = 2
+  assert translate_lib.buffer_size(c, io.BytesIO(b"jump\n")) == 2
+  c.eval.buffer_size = 0
+
+
 def test_translate_reads_bytes_that_are_not_utf8_with_replacement_characters(model):
   c, model_config, params, tokenizer = model
   c.eval.batch_size = 4
@@ -220,7 +258,7 @@ def test_translate_reproduces_evaluate_and_averaging_reads_the_last_checkpoints(
   assert ours["exact_match"] == metrics["exact_match"]
   assert ours["bleu"] == pytest.approx(metrics["bleu"])
   assert ours["chrf"] == pytest.approx(metrics["chrf"])
-  saved = json.loads((workdir / "eval" / "400.json").read_text())
+  saved = json.loads((workdir / "eval" / "400.test.greedy.limit64.json").read_text())
   assert saved["exact_match"] == metrics["exact_match"]
   assert saved["decoding"] == {"decode": "greedy"}
 

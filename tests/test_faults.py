@@ -211,7 +211,7 @@ def test_evaluate_prints_its_metrics_before_a_write_fails_and_export_says_so(tmp
   disk.shell(f"head -c 4096 /dev/zero > {workdir}/eval/filler || true")  # now full
   code, out, err = disk.run(*evaluate)
   assert code == 2, out + err
-  full_disk_error(one_error(err), workdir / "eval" / f"{STEPS}.json")
+  full_disk_error(one_error(err), workdir / "eval" / f"{STEPS}.test.greedy.limit8.json")
   assert "the metrics are the JSON line printed above" in err
   assert json.loads(out.strip().splitlines()[-1])["step"] == STEPS
   # export's stdout on the full disk

@@ -104,8 +104,10 @@ def test_dry_run_fills_a_row_per_case_with_the_parsed_numbers(tmp_path):
     if case.table == "multi30k":
       assert 0 <= m["bleu_lowercase_tokenized"] <= 100
       assert row["bleu_minus_published"] == pytest.approx(m["bleu_lowercase_tokenized"] - 41.02)
-      assert len(m["averaged_steps"]) == 10  # --config.eval.average_last=10 took effect
+      assert len(m["checkpoints"]) == 10  # --config.eval.average_last=10 took effect
+      assert m["split"] == "test_2016_flickr"
       assert row["val_metrics"]["step"] == 10  # the train run's own final validation
+      assert row["val_metrics"]["split"] == "val"
       assert row["train_wall_s"] > 0 and row["evaluate_wall_s"] > 0
       assert "--config.data.eval_split=test_2016_flickr" in row["commands"][1]
       line = next(row for row in markdown.splitlines() if row.startswith("| multi30k |"))

@@ -53,7 +53,7 @@ def test_train_from_outside_the_checkout(installed):
                 "--config.train.checkpoint_every=4", "--config.eval.max_examples=8")
   assert result.returncode == 0, result.stderr[-3000:]
   assert (outside / "run" / "checkpoints" / "4").is_dir()
-  final = json.loads((outside / "run" / "eval" / "4.json").read_text())
+  final = json.loads((outside / "run" / "eval" / "4.test.greedy.limit8.json").read_text())
   assert final["examples"] == 8
 
 

@@ -135,3 +135,121 @@ def test_only_pre_layer_norm_has_final_norms(tiny_config, norm):
     assert ("final_norm" in params[stack]) == (norm == "pre")
     if norm == "pre":
       assert params[stack]["final_norm"]["scale"].shape == (tiny_config.d_model,)
+
+
+# ----------------------------------------------------------------------------- RMSNorm, gated FFN
+
+
+def test_rms_norm_is_x_over_its_root_mean_square_times_the_scale(random_params):
+  cfg = small_config(d_model=8, num_heads=2, norm_type="rmsnorm")
+  x = random_inputs(2, (2, 3, 8)) * 3.0 + 1.0
+  module = layers.norm_layer(cfg, "norm")
+  params = random_params(lambda rng: module.init(rng, x))
+  assert jax.tree_util.tree_map(lambda p: p.shape, params) == {"scale": (8,)}  # no bias
+  x64 = np.asarray(x, np.float64)
+  expected = x64 / np.sqrt((x64**2).mean(-1, keepdims=True) + 1e-6) * np.asarray(params["scale"])
+  np.testing.assert_allclose(np.asarray(module.apply({"params": params}, x)), expected,
+                             rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("activation, nonlinearity", [
+    ("swiglu", lambda z: z / (1.0 + np.exp(-z))),  # swish = SiLU
+    ("geglu", lambda z: 0.5 * z * (1.0 + np.tanh(np.sqrt(2 / np.pi) * (z + 0.044715 * z**3))))])
+def test_gated_feed_forward_matches_numpy_reference(random_params, activation, nonlinearity):
+  cfg = small_config(d_model=8, num_heads=2, d_ff=16, activation=activation)
+  x = random_inputs(1, (2, 3, 8))
+  module = layers.FeedForward(cfg)
+  params = random_params(lambda rng: module.init(rng, x, True))
+  dense = {"kernel": (8, 16), "bias": (16,)}
+  assert jax.tree_util.tree_map(lambda p: p.shape, params) == {
+      "wi_gate": dense, "wi": dense, "wo": {"kernel": (16, 8), "bias": (8,)}}
+  p = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float64), params)
+  x64 = np.asarray(x, np.float64)
+  gate = nonlinearity(x64 @ p["wi_gate"]["kernel"] + p["wi_gate"]["bias"])
+  expected = (gate * (x64 @ p["wi"]["kernel"] + p["wi"]["bias"])) @ p["wo"]["kernel"] + p["wo"][
+      "bias"]
+  np.testing.assert_allclose(np.asarray(module.apply({"params": params}, x, True)), expected,
+                             rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_parallel_block_sums_attention_and_ffn_of_the_same_input(random_params, norm):
+  cfg = small_config(d_model=8, num_heads=2, d_ff=16, norm=norm, parallel_block=True)
+  x = random_inputs(3, (2, 4, 8))
+  valid = jnp.array([[True] * 4, [True] * 2 + [False] * 2])
+  mask = attention.padding_mask(valid, valid)
+  params = random_params(lambda rng: layers.EncoderLayer(cfg).init(rng, x, mask, True))
+  assert set(params) == {"self_attention", "ffn", "parallel_block"}  # one norm for both
+  out = np.asarray(layers.EncoderLayer(cfg).apply({"params": params}, x, mask, True))
+  norm_module = layers.norm_layer(cfg, "norm")
+  normed = norm_module.apply({"params": params["parallel_block"]["norm"]}, x)
+  attend = lambda h: layers.attention(cfg, "a").apply({"params": params["self_attention"]}, h,
+                                                      None, mask)
+  ffn = lambda h: layers.FeedForward(cfg).apply({"params": params["ffn"]}, h, True)
+  if norm == "pre":  # x + Attention(LN(x)) + FFN(LN(x))
+    expected = x + attend(normed) + ffn(normed)
+  else:  # LN(x + Attention(x) + FFN(x))
+    expected = norm_module.apply({"params": params["parallel_block"]["norm"]},
+                                 x + attend(x) + ffn(x))
+  np.testing.assert_allclose(out, np.asarray(expected), rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- rotary, T5 bias
+
+
+def test_rotary_rotates_feature_pairs_by_position_times_wavelength():
+  x = random_inputs(4, (1, 3, 2, 8))
+  positions = jnp.array([[0, 5, 2]])
+  out = np.asarray(positions_lib.apply_rotary(x, positions, base=100.0))
+  x64 = np.asarray(x, np.float64)
+  for t, position in enumerate([0, 5, 2]):
+    for i in range(4):  # pairs (i, i + 4), angle position / 100^(i/4)
+      angle = position / 100.0 ** (i / 4)
+      a, b = x64[0, t, :, i], x64[0, t, :, i + 4]
+      np.testing.assert_allclose(out[0, t, :, i], a * math.cos(angle) - b * math.sin(angle),
+                                 atol=1e-5)
+      np.testing.assert_allclose(out[0, t, :, i + 4], b * math.cos(angle) + a * math.sin(angle),
+                                 atol=1e-5)
+
+
+def test_rotary_scores_depend_on_the_distance_only():
+  q, k = random_inputs(5, (1, 1, 1, 16)), random_inputs(6, (1, 1, 1, 16))
+
+  def score(m, n):
+    rotated_q = positions_lib.apply_rotary(q, jnp.array([[m]]))
+    rotated_k = positions_lib.apply_rotary(k, jnp.array([[n]]))
+    return float(jnp.sum(rotated_q * rotated_k))
+
+  assert score(7, 3) == pytest.approx(score(4, 0), abs=1e-4)
+  assert score(30, 11) == pytest.approx(score(19, 0), abs=1e-4)
+  assert score(7, 3) != pytest.approx(score(7, 4), abs=1e-3)
+
+
+def test_relative_buckets_are_exact_near_and_logarithmic_far():
+  bucket = lambda distance, bidirectional: int(positions_lib.relative_position_bucket(
+      jnp.asarray(-distance), bidirectional, 32, 128))  # distance = query - key position
+  # Bidirectional: 16 buckets per direction, 8 of them exact; keys after the query get 16-31.
+  assert [bucket(d, True) for d in range(8)] == list(range(8))
+  assert [bucket(-d, True) for d in range(1, 8)] == list(range(17, 24))
+  # Beyond: 8 + floor(log(d / 8) / log(128 / 8) * 8); at and past max_distance, the last.
+  assert [bucket(d, True) for d in (8, 16, 32, 127, 128, 10_000)] == [8, 10, 12, 15, 15, 15]
+  assert bucket(-10_000, True) == 31
+  # Causal: all 32 buckets for keys before the query (16 exact: 16 + floor(log(32 / 16) /
+  # log(128 / 16) * 16) = 21), later keys share bucket 0.
+  assert [bucket(d, False) for d in (0, 15, 16, 32, 127, 128)] == [0, 15, 16, 21, 31, 31]
+  assert bucket(-5, False) == 0
+
+
+def test_relative_bias_reads_the_table_at_the_bucket_of_each_pair(random_params):
+  cfg = small_config(d_model=8, num_heads=2, positional="relative_bias", relative_buckets=8,
+                     relative_max_distance=16)
+  module = positions_lib.RelativePositionBias(cfg, bidirectional=True)
+  query_positions, key_positions = jnp.array([[0, 3, 9]]), jnp.array([[0, 1, 2, 3]])
+  params = random_params(lambda rng: module.init(rng, query_positions, key_positions))
+  assert params["table"].shape == (8, 2)  # buckets x heads
+  bias = np.asarray(module.apply({"params": params}, query_positions, key_positions))
+  assert bias.shape == (1, 2, 3, 4)
+  for q, query in enumerate([0, 3, 9]):
+    for k, key in enumerate([0, 1, 2, 3]):
+      b = int(positions_lib.relative_position_bucket(jnp.asarray(key - query), True, 8, 16))
+      np.testing.assert_allclose(bias[0, :, q, k], np.asarray(params["table"])[b])

@@ -19,7 +19,7 @@ LAYERS = (
     ("transformer_jax.train",),
     ("transformer_jax.eval",),
     ("transformer_jax.tools",),
-    ("transformer_jax.run", "transformer_jax.experiments"),
+    ("transformer_jax.run", "transformer_jax.api", "transformer_jax.experiments"),
     ("transformer_jax.cli",),
     ("transformer_jax.__main__",),
 )

@@ -11,7 +11,14 @@ import pytest
 
 from transformer_jax import config as config_lib
 from transformer_jax.core.errors import UserError
-from transformer_jax.model import ModelConfig, Transformer, count_params, init_params, param_shapes
+from transformer_jax.model import (
+  ModelConfig,
+  Transformer,
+  count_params,
+  init_params,
+  make_model,
+  param_shapes,
+)
 from transformer_jax.model.transformer import output_projection
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -37,13 +44,13 @@ def model_params(cfg, random_params, seed=0):
 
 @functools.lru_cache(maxsize=None)
 def logits_fn(cfg: ModelConfig):
-  """A jitted (params, source, decoder_inputs, **packing) -> logits, one per config.
+  """A jitted (params, source, [decoder_inputs,] **packing) -> logits, one per config.
 
   Compiled at XLA's lowest optimisation level: compiling is most of these tests' run time, -O0
   halves it, and none of the properties tested depends on it.
   """
   return jax.jit(
-      lambda params, *args, **kwargs: Transformer(cfg).apply({"params": params}, *args, **kwargs),
+      lambda params, *args, **kwargs: make_model(cfg).apply({"params": params}, *args, **kwargs),
       compiler_options={"xla_backend_optimization_level": 0})
 
 
@@ -216,13 +223,20 @@ def test_learned_positions_add_two_tables_counted_as_embeddings(tiny_config):
     (dict(attention_dropout_rate=1.5), "attention_dropout_rate"),
     (dict(norm="middle"), "model.norm"),
     (dict(activation="swish"), "model.activation"),
-    (dict(positional="rotary"), "model.positional"),
+    (dict(positional="alibi"), "model.positional"),
     (dict(init="he"), "model.init"),
     (dict(attention_impl="flash"), "model.attention_impl"),
     (dict(dtype="float16"), "model.dtype"),
     (dict(num_heads=0), "num_heads"),
     (dict(d_model=9, num_heads=3, positional="sinusoidal"), "even"),
     (dict(attention_impl="jax", attention_dropout_rate=0.1), "attention_dropout_rate"),
+    (dict(num_kv_heads=3), "num_kv_heads"),
+    (dict(num_kv_heads=2, fused_qkv=True), "fused_qkv"),
+    (dict(d_model=36, num_heads=4, positional="rotary"), "even head_dim"),
+    (dict(relative_buckets=64, relative_max_distance=32), "relative_buckets"),
+    (dict(arch="gpt"), "model.arch"),
+    (dict(arch="decoder_only", num_decoder_layers=0), "num_decoder_layers"),
+    (dict(num_labels=2), "num_labels"),
 ])
 def test_validate_rejects_impossible_configs(tiny_config, changes, message):
   with pytest.raises(UserError, match=message):
@@ -231,6 +245,9 @@ def test_validate_rejects_impossible_configs(tiny_config, changes, message):
 
 def test_validate_accepts_every_choice(tiny_config):
   for changes in (dict(norm="pre"), dict(activation="gelu"), dict(positional="learned"),
+                  dict(positional="rotary"), dict(positional="relative_bias"),
+                  dict(positional="none"),
+                  dict(arch="decoder_only"), dict(arch="encoder_only", num_labels=2),
                   dict(init="normal"), dict(attention_impl="jax"), dict(dtype="bfloat16"),
                   dict(dropout_rate=0.0), dict(attention_dropout_rate=0.99)):
     cfg = tiny_config.replace(**changes)
@@ -296,3 +313,135 @@ def test_remat_gives_the_same_parameters_and_gradients(tiny_config, remat):
   for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(recomputed)):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
   assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(plain)) > 0
+
+
+# ----------------------------------------------------------------------------- architectures
+
+
+def arch_config(arch, **changes):
+  """A tiny model of the architecture: 2 layers, d_model 32, 4 heads, vocab 50."""
+  values = dict(vocab_size=50, arch=arch, d_model=32, num_heads=4, num_encoder_layers=2,
+                num_decoder_layers=2, d_ff=64, max_len=32, deterministic=True)
+  values.update(changes)
+  return ModelConfig(**values).validate()
+
+
+@pytest.mark.parametrize("changes", [
+    dict(positional="learned", norm="pre"),
+    dict(positional="rotary", num_kv_heads=2, norm_type="rmsnorm", activation="swiglu"),
+    dict(positional="relative_bias", parallel_block=True, norm="pre", tie_output=False)])
+def test_decoder_only_is_causal_reads_its_source_and_ignores_padding(random_params, changes):
+  cfg = arch_config("decoder_only", **changes)
+  params = model_params(cfg, random_params)
+  apply = logits_fn(cfg)
+  source = np.array(random_tokens(0, (2, 5), cfg.vocab_size))
+  source[1, 3:] = 0
+  targets = random_tokens(1, (2, 6), cfg.vocab_size)
+  base = np.asarray(apply(params, jnp.asarray(source), targets))
+  assert base.shape == (2, 6, cfg.vocab_size)  # the target's logits only
+
+  t = 2  # every target token after t changed: the logits up to t stay
+  changed = targets.at[:, t + 1:].set(targets[:, t + 1:] % (cfg.vocab_size - 1) + 1)
+  logits = np.asarray(apply(params, jnp.asarray(source), changed))
+  np.testing.assert_allclose(logits[:, :t + 1], base[:, :t + 1], rtol=0, atol=1e-5)
+  assert not np.allclose(logits[:, t + 1:], base[:, t + 1:], atol=1e-3)
+  # More padding after the source changes nothing: positions count real tokens only.
+  padded = np.pad(source, ((0, 0), (0, 3)))
+  np.testing.assert_allclose(np.asarray(apply(params, jnp.asarray(padded), targets)), base,
+                             rtol=1e-5, atol=1e-5)
+  # A source token reaches every target logit.
+  source[1, 0] = source[1, 0] % (cfg.vocab_size - 1) + 1
+  other = np.asarray(apply(params, jnp.asarray(source), targets))
+  assert not np.allclose(other[1, 0], base[1, 0], atol=1e-3)
+  np.testing.assert_allclose(other[0], base[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch, changes", [
+    ("decoder_only", dict(positional="relative_bias", num_kv_heads=1)),
+    ("decoder_only", dict(positional="rotary", norm="pre")),
+    ("encoder_only", dict(positional="relative_bias")),
+    ("encoder_only", dict(positional="rotary", num_kv_heads=2))])
+def test_packed_rows_equal_their_examples_run_separately(random_params, arch, changes):
+  cfg = arch_config(arch, **changes)
+  params = model_params(cfg, random_params)
+  apply = logits_fn(cfg)
+  vocab = cfg.vocab_size
+  src_a, tgt_a = random_tokens(0, (3,), vocab), random_tokens(1, (2,), vocab)
+  src_b, tgt_b = random_tokens(2, (2,), vocab), random_tokens(3, (3,), vocab)
+
+  def row(*parts, length=6):
+    return jnp.pad(jnp.concatenate(parts), (0, length - sum(len(p) for p in parts)))[None]
+
+  packing = dict(source_positions=jnp.array([[0, 1, 2, 0, 1, 0]]),
+                 source_segments=jnp.array([[1, 1, 1, 2, 2, 0]]))
+  if arch == "encoder_only":
+    separate = np.asarray(apply(params, jnp.concatenate([row(src_a), row(src_b)])))
+    packed = np.asarray(apply(params, row(src_a, src_b), packing["source_positions"],
+                              packing["source_segments"]))
+    np.testing.assert_allclose(packed[0, :3], separate[0, :3], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(packed[0, 3:5], separate[1, :2], rtol=1e-5, atol=1e-5)
+    return
+  separate = np.asarray(apply(params, jnp.concatenate([row(src_a), row(src_b)]),
+                              jnp.concatenate([row(tgt_a), row(tgt_b)])))
+  packed = np.asarray(apply(params, row(src_a, src_b), row(tgt_a, tgt_b),
+                            target_positions=jnp.array([[0, 1, 0, 1, 2, 0]]),
+                            target_segments=jnp.array([[1, 1, 2, 2, 2, 0]]), **packing))
+  np.testing.assert_allclose(packed[0, :2], separate[0, :2], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(packed[0, 2:5], separate[1, :3], rtol=1e-5, atol=1e-5)
+
+
+def test_encoder_only_heads_ignore_padding(random_params):
+  mlm = arch_config("encoder_only", positional="learned")
+  classifier = mlm.replace(num_labels=3)
+  tokens = np.array(random_tokens(0, (2, 6), 50))
+  tokens[1, 4:] = 0
+  padded = jnp.asarray(np.pad(tokens, ((0, 0), (0, 3))))
+  for cfg, shape in ((mlm, (2, 6, 50)), (classifier, (2, 1, 3))):
+    params = model_params(cfg, random_params)
+    logits = np.asarray(logits_fn(cfg)(params, jnp.asarray(tokens)))
+    assert logits.shape == shape
+    padded_logits = np.asarray(logits_fn(cfg)(params, padded))[:, :shape[1]]
+    real = (tokens > 0) if cfg is mlm else np.ones((2, 1), bool)
+    np.testing.assert_allclose(padded_logits[real], logits[real], rtol=1e-5, atol=1e-5)
+
+
+def test_published_sizes_of_gpt2_small_and_bert_base():
+  """GPT-2 small: 124,439,808 (tied, 1024 learned positions); BERT-base: 109,482,240 with its
+  pooler, "110M" (here: a mean-pooling classification head, or BERT's MLM head)."""
+  d, ff, layers = 768, 3072, 12
+  layer = 4 * (d * d + d) + (d * ff + ff + ff * d + d) + 2 * 2 * d  # attention, FFN, 2 norms
+  gpt2 = arch_config("decoder_only", vocab_size=50257, d_model=d, num_heads=12, d_ff=ff,
+                     num_decoder_layers=layers, max_len=1024, positional="learned", norm="pre",
+                     activation="gelu")
+  counts = count_params(param_shapes(gpt2))
+  assert counts["total"] == 50257 * d + 1024 * d + layers * layer + 2 * d == 124_439_808
+  bert = arch_config("encoder_only", vocab_size=30522, d_model=d, num_heads=12, d_ff=ff,
+                     num_encoder_layers=layers, max_len=512, positional="learned",
+                     activation="gelu")
+  base = 30522 * d + 512 * d + layers * layer
+  mlm = count_params(param_shapes(bert))["total"]
+  assert mlm == base + (d * d + d) + 2 * d + 30522  # dense, norm, output bias
+  classifier = count_params(param_shapes(bert.replace(num_labels=2)))["total"]
+  assert classifier == base + (d * d + d) + (d * 2 + 2)  # pooler, classes
+  for total in (mlm, classifier):
+    assert abs(total - 109_482_240) <= 0.01 * 109_482_240
+
+
+def test_default_parameter_tree_is_the_encoder_decoders_of_before():
+  """New options default to today's model: a checkpoint of the default config keeps its tree."""
+  shapes = param_shapes(ModelConfig(vocab_size=8, d_model=4, num_heads=2, num_encoder_layers=1,
+                                    num_decoder_layers=1, d_ff=8, max_len=8))
+  paths = sorted("/".join(p.key for p in path)
+                 for path, _ in jax.tree_util.tree_leaves_with_path(shapes))
+  attention = [f"{name}/{leaf}" for name in ("key", "out", "query", "value")
+               for leaf in ("bias", "kernel")]
+  ffn = ["ffn/wi/bias", "ffn/wi/kernel", "ffn/wo/bias", "ffn/wo/kernel"]
+  norm = lambda block: [f"{block}/norm/bias", f"{block}/norm/scale"]
+  encoder = ([f"self_attention/{a}" for a in attention] + norm("attention_block") + ffn
+             + norm("ffn_block"))
+  decoder = ([f"{kind}_attention/{a}" for kind in ("self", "cross") for a in attention]
+             + norm("self_attention_block") + norm("cross_attention_block") + ffn
+             + norm("ffn_block"))
+  expected = (["shared_embedding/embedding"] + [f"encoder/layer_0/{p}" for p in encoder]
+              + [f"decoder/layer_0/{p}" for p in decoder])
+  assert paths == sorted(expected)

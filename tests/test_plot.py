@@ -81,6 +81,11 @@ def test_curves_from_metrics(tmp_path):
   records += [{"split": "eval", "step": s, "loss": 2.0 / s, "token_accuracy": 0.5,
                "exact_match": 0.1 * s, "bleu": 5.0 * s} for s in (10, 20, 30)]
   assert_real_picture(plot.plot_curves(records, str(tmp_path / "curves.png")))
+  assert plot.task_panel(records)[0] == "exact match / BLEU"
+  lm = records[:39] + [{"split": "eval", "step": 10, "loss": 2.0, "perplexity": 7.4}]
+  assert plot.task_panel(lm)[0] == "perplexity"
+  classify = lm + [{"split": "eval", "step": 10, "accuracy": 0.9, "macro_f1": 0.8}]
+  assert plot.task_panel(classify)[0] == "accuracy / macro-F1"
 
 
 def test_plot_without_a_run_is_a_user_error(tmp_path):
@@ -99,11 +104,71 @@ def test_summary_lists_config_differences_and_metrics():
   assert diff["train.steps"] == (1000, 77)
   assert diff["model.d_model"] == (512, 32)
   assert "train.adam_b1" not in diff  # unchanged keys are not listed
-  records = [{"split": "eval", "step": 10, "exact_match": 0.5, "loss": 1.0},
-             {"split": "eval", "step": 20, "exact_match": 0.25, "loss": 0.8}]
-  text = summary.render(config, {"exact_match": 0.25, "loss": 0.8}, records, wall_time_s=120.0,
-                        tokens_seen=24000, steps_run=77, final_step=77)
+  records = [{"split": "train", "step": 10, "interval_s": 40.0, "interval_tokens": 9000.0},
+             {"split": "eval", "step": 10, "exact_match": 0.5, "loss": 1.0},
+             {"split": "train", "step": 20, "interval_s": 80.0, "interval_tokens": 15000.0},
+             {"split": "eval", "step": 20, "exact_match": 0.25, "loss": 0.8},
+             {"split": "test", "step": 20, "exact_match": 0.75, "loss": 0.5}]
+  text = summary.render(config, {"test": {"exact_match": 0.25, "loss": 0.8},
+                                 "other": {"exact_match": 0.75, "loss": 0.5}}, records,
+                        final_step=77)
   assert "| `train.steps` | 1000 | 77 |" in text
-  assert "best exact_match: 0.5 at step 10\n" in text
+  assert "| metric | test | other |" in text and "| loss | 0.8 | 0.5 |" in text
+  assert "best exact_match: 0.5 at step 10\n" in text  # never chosen on the test split
   assert "best loss: 0.8 at step 20" in text
+  assert "2.0 min for 77 steps" in text and "tokens seen (source + target, no padding): 24,000" \
+      in text
   assert "200 tokens/s" in text
+
+
+@pytest.mark.parametrize("arch, positional", [("decoder_only", "relative_bias"),
+                                              ("encoder_only", "rotary")])
+def test_one_stack_models_have_their_attention_maps_and_positions(tmp_path, random_params, arch,
+                                                                  positional):
+  from transformer_jax.data import scan
+  from transformer_jax.data import tokenizer as tokenizer_lib
+  from transformer_jax.model import ModelConfig, init_params
+  tokenizer = tokenizer_lib.train([t for p in scan.load("simple", "train") for t in p], 32,
+                                  "word")
+  cfg = ModelConfig(vocab_size=32, arch=arch, d_model=16, num_heads=2, num_encoder_layers=2,
+                    num_decoder_layers=2, d_ff=32, max_len=32, positional=positional)
+  params = random_params(lambda rng: {"params": init_params(cfg, rng)})
+  maps, keys, queries, output = plot.attention_maps(params, cfg, tokenizer, TEXT, 8)
+  words = len(TEXT.split()) + 1  # and EOS
+  if arch == "decoder_only":  # one sequence: "source EOS BOS output", causal
+    (kind,) = maps
+    assert kind == "decoder_self_attention" and keys == queries and keys[:words + 1] == (
+        tokenizer.pieces(tokenizer.encode([TEXT])[0]) + ["</s>", "<s>"])
+    upper = np.triu(np.ones(maps[kind].shape[-2:], bool), k=1)
+    assert (maps[kind][..., upper] == 0.0).all() and maps[kind][..., ~upper].min() > 0.0
+  else:
+    assert list(maps) == ["encoder_self_attention"] and output == ""
+    assert maps["encoder_self_attention"].shape == (2, 2, words, words)
+    assert maps["encoder_self_attention"].min() > 0.0  # nothing masked
+  np.testing.assert_allclose(next(iter(maps.values())).sum(-1), 1.0, rtol=1e-5)
+  table, title = plot.position_picture(cfg, params)
+  assert table.shape == ((2, 32) if positional == "relative_bias" else (32, 4)), title
+  assert_real_picture(plot.plot_positional_encoding(table, str(tmp_path / "p.png"), title))
+
+
+def test_attention_figure_has_a_colour_bar_and_keeps_its_labels_inside():
+  from matplotlib.backends.backend_agg import FigureCanvasAgg
+  layers, heads = 2, 3
+  keys = ["▁a", "▁Donaudampfschifffahrtsgesellschaft", "</s>"]
+  queries = ["<s>", "▁quite_a_long_piece", "."]
+  weights = np.random.default_rng(0).dirichlet(np.ones(3), size=(layers, heads, 3))
+  fig = plot.attention_figure(weights, queries, keys, "a title")
+  canvas = FigureCanvasAgg(fig)
+  canvas.draw()
+  renderer = canvas.get_renderer()
+  assert len(fig.axes) == layers * heads + 1  # the maps and one shared colour bar
+  assert fig.axes[-1].get_ylim() == (0.0, 1.0)
+  box = fig.bbox
+  for ax in fig.axes[:-1]:
+    for label in ax.get_xticklabels() + ax.get_yticklabels():
+      extent = label.get_window_extent(renderer)
+      assert box.x0 - 1 <= extent.x0 and extent.x1 <= box.x1 + 1, label.get_text()
+      assert box.y0 - 1 <= extent.y0 and extent.y1 <= box.y1 + 1, label.get_text()
+  # Glyphs no installed font has are named (DejaVu, matplotlib's own font, has no CJK).
+  assert plot.missing_glyphs(["Haus", "Straße"], ["DejaVu Sans"]) == ""
+  assert set(plot.missing_glyphs(["猫が 好き"], ["DejaVu Sans"])) == set("猫が好き")

@@ -37,6 +37,23 @@ def test_length_split_follows_the_22_action_rule():
   assert min(len(a.split()) for _, a in test) == 24
 
 
+def test_length_split_dev_is_the_longest_train_outputs_held_out():
+  train = scan.load("length", "train")
+  dev, rest = scan.load("length", "dev"), scan.load("length", "train_without_dev")
+  assert (len(dev), len(rest)) == (576, 16414)
+  assert sorted(dev + rest) == sorted(train) and not set(dev) & set(rest)
+  assert {len(a.split()) for _, a in dev} == {22} and max(len(a.split()) for _, a in rest) == 21
+
+
+def test_texts_and_classes_of_the_commands():
+  pairs = scan.load("simple", "test")
+  texts, classes = scan.texts("simple", "test"), scan.lengths_classified("simple", "test")
+  assert len(texts) == len(classes) == len(pairs)
+  assert texts[0] == (f"{pairs[0][0]} {pairs[0][1]}", "")
+  long = {c for c, label in classes if label == "long"}
+  assert long == {c for c, a in pairs if len(a.split()) > 22} and 0 < len(long) < len(pairs)
+
+
 def test_simple_split_is_a_fixed_80_20_partition():
   train, test = scan.load("simple", "train"), scan.load("simple", "test")
   assert (len(train), len(test)) == (16728, 4182)

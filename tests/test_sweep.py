@@ -86,6 +86,25 @@ def test_interrupted_sweep_resumes_without_redoing_finished_trials(tmp_path):
   assert {(float(r["train.learning_rate"]), int(r["model.d_ff"])) for r in rows} == \
       {(lr, d) for lr in (1e-3, 3e-3) for d in (32, 64)}
   assert (workdir / "results.md").read_text().count("| trial_") == 4
+  # Each trial's overrides and final metrics, for TensorBoard's HParams view.
+  from tensorboardX.proto.event_pb2 import Event
+  for i, row in enumerate(sorted(rows, key=lambda r: r["trial"])):
+    plugins, scalars = set(), {}
+    for path in (workdir / f"trial_{i:03d}" / "tensorboard").glob("events.out.tfevents.*"):
+      data, offset = path.read_bytes(), 0
+      while offset < len(data):
+        length = int.from_bytes(data[offset:offset + 8], "little")
+        event = Event.FromString(data[offset + 12:offset + 12 + length])
+        offset += 16 + length
+        for value in event.summary.value:
+          plugins.add(value.metadata.plugin_data.plugin_name)
+          if value.tag.startswith("final/"):
+            scalars[value.tag] = value.simple_value
+          if value.metadata.plugin_data.plugin_name == "hparams" and b"d_ff" in \
+              value.metadata.plugin_data.content:
+            assert b"train.learning_rate" in value.metadata.plugin_data.content
+    assert "hparams" in plugins, i
+    assert scalars["final/loss"] == pytest.approx(float(row["loss"]), rel=1e-5)
 
 
 def test_changed_sweep_in_the_same_workdir_is_refused(tmp_path):

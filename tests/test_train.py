@@ -100,6 +100,29 @@ def test_shift_right_starts_with_bos_and_keeps_padding():
   np.testing.assert_array_equal(shift_right(targets), [[1, 5, 6, 0], [1, 7, 0, 0]])
 
 
+def test_masked_lm_corruption_is_berts():
+  rng = np.random.default_rng(0)
+  inputs = rng.integers(5, 100, size=(64, 512))
+  inputs[:, 400:] = 0  # padding is never chosen
+  corrupted, targets = step_lib.mask_tokens(jnp.asarray(inputs), jax.random.key(3), 0.15, 100)
+  corrupted, targets = np.asarray(corrupted), np.asarray(targets)
+  chosen = targets > 0
+  np.testing.assert_array_equal(targets[chosen], inputs[chosen])
+  assert not chosen[:, 400:].any() and (corrupted[:, 400:] == 0).all()
+  np.testing.assert_array_equal(corrupted[~chosen], inputs[~chosen])
+  n = chosen.sum()  # ~3900: the shares below are within 4 standard errors
+  assert abs(n / (64 * 400) - 0.15) < 0.01
+  masked = corrupted[chosen] == tokenizer_lib.MASK_ID
+  kept = corrupted[chosen] == inputs[chosen]
+  random = ~masked & ~kept
+  # Random tokens come from the 95 ids 5..99, so one in 95 equals the original.
+  assert abs(masked.mean() - 0.8) < 0.03 and abs(kept.mean() - (0.1 + 0.1 / 95)) < 0.02
+  assert abs(random.mean() - 0.1 * 94 / 95) < 0.02
+  assert corrupted[chosen][random].min() > tokenizer_lib.MASK_ID
+  again, _ = step_lib.mask_tokens(jnp.asarray(inputs), jax.random.key(3), 0.15, 100)
+  np.testing.assert_array_equal(again, corrupted)  # a function of the key
+
+
 def _setup(config, pairs, devices=None):
   model_config = config_lib.validate(config)
   texts = [t for p in pairs for t in p]
@@ -219,6 +242,42 @@ def test_data_parallel_step_equals_single_device_step():
   assert max(moved) > 1e-4
 
 
+# Run after the README's example (which defines `model`): score() is log p(target | source) as
+# the cached, step-by-step decoder computes it; the module applies without a dropout RNG.
+API_CHECK = """
+import jax, jax.numpy as jnp, numpy as np
+import transformer_jax
+from transformer_jax.core.tokens import EOS_ID
+from transformer_jax.eval import decode
+from transformer_jax.eval.translate import encode_sources
+
+sources = ["jump twice", "walk left after run"]
+targets = model.translate(sources)
+scores = model.score(sources, targets)
+inputs, _ = encode_sources(model.tokenizer, sources, model.config.data.max_source_len, 2)
+mc = model.model_config
+step_fn = jax.jit(decode.decode_step, static_argnums=1)
+for i, ids in enumerate(model.tokenizer.encode(targets)):
+  ids = ids + [EOS_ID]
+  source = jnp.asarray(inputs[i:i + 1])
+  start = decode.start(model.params, mc, source, len(ids))
+  cache, tokens = start.cache, start.first_tokens  # BOS
+  total = 0.0
+  for step, y in enumerate(ids):
+    logits, cache = step_fn(model.params, mc, cache, start.context, tokens,
+                            start.first_positions + step)
+    logits = np.asarray(logits[0], np.float64)
+    total += logits[y] - np.log(np.exp(logits - logits.max()).sum()) - logits.max()
+    tokens = jnp.asarray([y], jnp.int32)
+  assert abs(total - scores[i]) < 1e-3 * max(1.0, abs(total)), (total, scores[i])
+assert model.score(sources, ["I_JUMP I_JUMP"] * 2)[0] < 0
+noisy = transformer_jax.load(model_dir, overrides={"model.dropout_rate": 0.5})
+x, y = jnp.asarray(inputs), jnp.ones((2, 3), jnp.int32)
+first = noisy.module.apply({"params": noisy.params}, x, y)
+np.testing.assert_array_equal(first, noisy.module.apply({"params": noisy.params}, x, y))
+"""
+
+
 def test_train_then_evaluate_end_to_end(tmp_path):
   workdir = tmp_path / "run"
   base = [sys.executable, "launch.py", "--config=experiments/tiny.py", f"--workdir={workdir}"]
@@ -231,12 +290,37 @@ def test_train_then_evaluate_end_to_end(tmp_path):
   for key in ("loss", "accuracy", "learning_rate", "grad_norm", "tokens_per_s", "steps_per_s"):
     assert all(math.isfinite(r[key]) for r in train_records), key
   assert os.listdir(workdir / "tensorboard")
-  out = subprocess.run(base + ["--mode=evaluate"], check=True, cwd=ROOT, capture_output=True,
-                       text=True).stdout
+  final = workdir / "eval" / "20.test.greedy.limit64.json"  # train's own final evaluation
+  kept = {name: (workdir / name).read_bytes() for name in ("summary.md", final)}
+  assert json.loads(kept[final])["split"] == "test"
+  # Training a finished workdir again changes nothing.
+  # The workdir's config.json is its config: --config may be left out.
+  saved = [sys.executable, "launch.py", f"--workdir={workdir}"]
+  again = subprocess.run(saved + ["--mode=train"], check=True, cwd=ROOT, capture_output=True,
+                         text=True).stdout
+  assert "already trained to step 20" in again
+  # Another split and example limit go to a file of their own, beside the final evaluation.
+  out = subprocess.run(saved + ["--mode=evaluate", "--split=train",
+                               "--config.eval.max_examples=16"],
+                       check=True, cwd=ROOT, capture_output=True, text=True).stdout
   metrics = json.loads(out.strip().splitlines()[-1])
-  assert metrics["step"] == 20
+  assert (metrics["step"], metrics["split"], metrics["examples"]) == (20, "train", 16)
+  assert metrics["checkpoints"] == [20] and metrics["bleu_signature"].startswith("nrefs:1")
   for key in ("loss", "token_accuracy", "exact_match", "bleu", "perplexity"):
     assert key in metrics
-  saved = json.loads((workdir / "eval" / "20.json").read_text())
+  saved = json.loads((workdir / "eval" / "20.train.greedy.limit16.json").read_text())
   assert saved["exact_match"] == metrics["exact_match"]
   assert saved["loss"] == pytest.approx(metrics["loss"])
+  assert {name: (workdir / name).read_bytes() for name in kept} == kept
+
+  # The README's Python API example on this workdir, then its scores against the cached decoder.
+  with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+    readme = f.read()
+  example = readme.split("## Python API")[1].split("```python\n")[1].split("```")[0]
+  assert "transformer_jax.load(" in example
+  script = (f"model_dir = {str(workdir)!r}\n"
+            + example.replace('"runs/scan_simple"', "model_dir") + API_CHECK)
+  result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
+                          text=True)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "32 20" in result.stdout  # model.config.model.d_model, model.step

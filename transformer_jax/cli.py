@@ -5,6 +5,7 @@ checkout's `launch.py`:
 
   transformer-jax --config=experiments/scan_simple.py --workdir=runs/scan --mode=train
   transformer-jax --config=scan_simple --workdir=runs/scan --mode=translate < in.txt
+  transformer-jax --config=gpt_demo --workdir=runs/gpt --mode=generate < prompts.txt
   transformer-jax --config=base --config.model.d_model=256 --mode=describe
 
 `--config` takes an experiment file, or the name of an experiment installed with the package
@@ -15,6 +16,7 @@ The library is imported only once the flags are parsed, so `--help` and flag err
 without loading JAX.
 """
 
+import json
 import logging
 import os
 import re
@@ -26,9 +28,10 @@ from absl import logging as absl_logging
 from ml_collections import config_flags
 
 from transformer_jax import experiments
-from transformer_jax.core.errors import UserError
+from transformer_jax.core.errors import UserError, unknown_key_message
 
-MODES = ("describe", "train", "evaluate", "translate", "export", "plot", "benchmark", "compile")
+MODES = ("describe", "train", "evaluate", "translate", "generate", "export", "plot", "benchmark",
+         "compile")
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment config: a file (experiments/*.py) or an installed experiment's "
@@ -36,7 +39,8 @@ _CONFIG = config_flags.DEFINE_config_file(
 _WORKDIR = flags.DEFINE_string("workdir", None,
                                "Directory for checkpoints, logs and the tokenizer.")
 _MODE = flags.DEFINE_string("mode", "train", f"One of: {', '.join(MODES)}.")
-_SPLIT = flags.DEFINE_string("split", "train", "Data split for --mode=export.")
+_SPLIT = flags.DEFINE_string("split", None, "Data split: for --mode=export (default train) and "
+                             "--mode=evaluate (default data.eval_split).")
 _TEXT = flags.DEFINE_string("text", None, "--mode=plot: an input sentence whose attention maps "
                             "(encoder, decoder, cross) are drawn.")
 _SWEEP = flags.DEFINE_bool("sweep", False, "Run every trial of the experiment's get_sweep(), each "
@@ -58,7 +62,7 @@ _KEEP_HOST_MEMORY = flags.DEFINE_enum(
     "(for small steps the shared malloc lock costs more than it saves).")
 _CHECKPOINT_STEP = flags.DEFINE_integer(
     "checkpoint_step", None,
-    "Checkpoint to evaluate or translate with (default: the latest).")
+    "Checkpoint to evaluate, translate or generate with (default: the latest).")
 
 
 def _fail(message: str) -> None:
@@ -86,12 +90,6 @@ def _last_line(text: str) -> str:
   return lines[-1] if lines else "an error without a message"
 
 
-def _unknown_key(argv: list, e: Exception) -> str:
-  bad = [a for a in argv if a.startswith("--config.")]
-  return (f"unknown config key {str(e).strip(chr(34) + chr(39))!r} in {' '.join(bad)}; "
-          "see the experiment file for the keys that exist")
-
-
 def _resolve_config_flags(argv: list) -> list:
   """`--config=NAME` -> the installed experiment file NAME.py when no file NAME exists."""
   resolved = []
@@ -103,13 +101,44 @@ def _resolve_config_flags(argv: list) -> list:
   return resolved
 
 
+# Modes that read a workdir: without --config they load the config it was trained with.
+WORKDIR_MODES = ("train", "evaluate", "translate", "generate", "plot")
+
+
+def _flag_value(argv: list, name: str):
+  """The value of --name=V or --name V in argv (the last one), or None."""
+  value = None
+  for i, arg in enumerate(argv):
+    if arg.startswith(f"--{name}="):
+      value = arg.split("=", 1)[1]
+    elif arg == f"--{name}" and i + 1 < len(argv):
+      value = argv[i + 1]
+  return value
+
+
+def _workdir_config_flags(argv: list) -> list:
+  """Without --config, a mode that reads a workdir holding config.json gets
+  `--config=experiments/_workdir.py:WORKDIR`: the workdir's config, which `--config.key=value`
+  overrides as usual."""
+  if any(arg == "--config" or arg.startswith("--config=") for arg in argv):
+    return argv
+  workdir = _flag_value(argv, "workdir")
+  if (_flag_value(argv, "mode") or "train") not in WORKDIR_MODES or not workdir:
+    return argv
+  if not os.path.isfile(os.path.join(workdir, "config.json")):
+    return argv
+  loader = os.path.join(experiments.DIRECTORY, "_workdir.py")
+  return argv[:1] + [f"--config={loader}:{os.path.abspath(workdir)}"] + argv[1:]
+
+
 def _parse_flags(argv):
   """absl parsing, with every flag error turned into one line and exit code 2."""
   if "--config=" in argv:
     _fail("--config is empty (an unset shell variable?); give an experiment file or name, e.g. "
           "--config=experiments/scan_simple.py")
-  argv = _resolve_config_flags(argv)
-  sys.argv[:] = _resolve_config_flags(sys.argv)  # ml_collections reads overrides from sys.argv
+  argv = _workdir_config_flags(_resolve_config_flags(argv))
+  # ml_collections reads overrides from sys.argv
+  sys.argv[:] = _workdir_config_flags(_resolve_config_flags(sys.argv))
   # ml_collections logs a warning when get_config() returns None; run() reports that as an error.
   logging.getLogger("absl").setLevel(logging.ERROR)
   try:
@@ -124,9 +153,9 @@ def _parse_flags(argv):
     if "has no attribute 'get_config'" in str(e):
       _fail("cannot load --config: the file defines no get_config(); an experiment file "
             "defines get_config() returning a ConfigDict (see experiments/tiny.py)")
-    _fail(_unknown_key(argv, e))
+    _fail(unknown_key_message(e, argv))
   except KeyError as e:  # ml_collections: an override names no config key
-    _fail(_unknown_key(argv, e))
+    _fail(unknown_key_message(e, argv))
   except Exception as e:  # a config file that fails to import
     _fail(f"cannot load --config: {type(e).__name__}: {_last_line(str(e))}")
   logging.getLogger("absl").setLevel(logging.NOTSET)
@@ -145,8 +174,9 @@ def _check_flags(mode: str) -> None:
     if flag.value is not None and not flag.value.strip():
       raise UserError(f"--{flag.name} is empty (an unset shell variable?); give a value or "
                       "leave the flag out")
-  for flag, modes in ((_CHECKPOINT_STEP, ("evaluate", "translate", "plot")), (_TEXT, ("plot",)),
-                      (_SPLIT, ("export",))):
+  for flag, modes in ((_CHECKPOINT_STEP, ("evaluate", "translate", "generate", "plot")),
+                      (_TEXT, ("plot",)),
+                      (_SPLIT, ("export", "evaluate"))):
     if flags.FLAGS[flag.name].present and mode not in modes:
       raise UserError(f"--{flag.name} is for --mode={' or '.join(modes)}, not --mode={mode}"
                       + ("; training always resumes from the newest checkpoint"
@@ -168,6 +198,34 @@ def _check_flags(mode: str) -> None:
     raise UserError(f"--coordinator_address must be host:port, got {_COORDINATOR.value!r}")
 
 
+# Keys besides the model's that make a config another experiment than the workdir's.
+_DATA_KEYS = ("data.source", "data.scan_split", "data.tfds_name", "data.path",
+              "data.source_lang", "data.target_lang")
+
+
+def _check_workdir_config(config, workdir: str) -> None:
+  """A --config that describes another model or data than the workdir was trained with is
+  refused by name (the workdir's own config.json is what --config left out loads)."""
+  from transformer_jax.core import trees
+  from transformer_jax.train import checkpoint
+  path = os.path.join(workdir, "config.json")
+  try:
+    with open(path, encoding="utf-8") as f:
+      saved = json.load(f)
+  except (OSError, ValueError):
+    return  # no config.json (or a damaged one): loading the checkpoint decides
+  incompatible, _ = checkpoint.compare_configs(saved, config)
+  old, new = trees.flatten(saved), trees.flatten(checkpoint.config_json(config))
+  incompatible += [f"{key} {old[key]} -> {new[key]}" for key in _DATA_KEYS
+                   if key in old and key in new and old[key] != new[key]]
+  if incompatible:
+    shown = ", ".join(incompatible[:4]) + (f" and {len(incompatible) - 4} more"
+                                           if len(incompatible) > 4 else "")
+    raise UserError(f"the config given does not fit {workdir} (its config.json): {shown}; leave "
+                    "--config out to use the workdir's own config (--config.key=value still "
+                    "overrides), or pick another --workdir")
+
+
 def run(argv) -> None:
   if len(argv) > 1:
     raise UserError(f"unexpected arguments {' '.join(argv[1:])}; flags look like --name=value")
@@ -175,7 +233,8 @@ def run(argv) -> None:
     if flags.FLAGS["config"].present:  # a file was given, and its get_config() returned None
       raise UserError("the experiment's get_config() returned None; return a ConfigDict "
                       "(see experiments/tiny.py)")
-    raise UserError("--config is required, e.g. --config=experiments/scan_simple.py")
+    raise UserError("--config is required, e.g. --config=experiments/scan_simple.py (a mode "
+                    "that reads a --workdir holding config.json may leave it out)")
   mode = _MODE.value
   if mode not in MODES:
     raise UserError(f"--mode must be one of {', '.join(MODES)}; got {mode!r}")
@@ -184,6 +243,8 @@ def run(argv) -> None:
   if not isinstance(config, ml_collections.ConfigDict):
     raise UserError(f"the experiment's get_config() returned {type(config).__name__}, not an "
                     "ml_collections.ConfigDict (see experiments/tiny.py)")
+  if mode in ("evaluate", "translate", "generate", "plot") and _WORKDIR.value:
+    _check_workdir_config(config, _WORKDIR.value)
 
   from transformer_jax.core import hostmem, platforms
   platforms.cpu_only_unless_accelerated()  # before JAX starts a backend
@@ -211,7 +272,7 @@ def run(argv) -> None:
   if mode == "export":
     from transformer_jax import data
     config_lib.validate(config)
-    data.export_split(config, _SPLIT.value, sys.stdout)
+    data.export_split(config, _SPLIT.value or "train", sys.stdout)
     return
   if _WORKDIR.value is None:
     raise UserError(f"--workdir is required for --mode={mode}")
@@ -235,12 +296,17 @@ def run(argv) -> None:
       print(path)
   elif mode == "evaluate":
     from transformer_jax.eval import evaluate
-    evaluate.evaluate_from_workdir(config, _WORKDIR.value, step=_CHECKPOINT_STEP.value)
+    evaluate.evaluate_from_workdir(config, _WORKDIR.value, step=_CHECKPOINT_STEP.value,
+                                   split=_SPLIT.value)
   elif mode == "translate":  # stdin lines -> stdout translations, in order
     from transformer_jax.eval import translate
     # Bytes, decoded by translate: a line that is not UTF-8 must not lose its whole batch.
     translate.translate_from_workdir(config, _WORKDIR.value, sys.stdin.buffer, sys.stdout,
                                     step=_CHECKPOINT_STEP.value)
+  elif mode == "generate":  # stdin prompts -> stdout continuations, in order
+    from transformer_jax.eval import generate
+    generate.generate_from_workdir(config, _WORKDIR.value, sys.stdin.buffer, sys.stdout,
+                                   step=_CHECKPOINT_STEP.value)
 
 
 def _stdout_file():

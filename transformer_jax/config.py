@@ -7,12 +7,15 @@ needs, so every key exists in every experiment and `--config.key=value` can reac
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
 
 import ml_collections
 
 from transformer_jax.core import metric_names, trees
 from transformer_jax.core.errors import UserError
+from transformer_jax.data import tasks as data_tasks
 from transformer_jax.model import config as model_config_lib
 from transformer_jax.model.config import ModelConfig
 
@@ -34,18 +37,29 @@ def default_config() -> ml_collections.ConfigDict:
   c.mesh = ml_collections.ConfigDict({"data": -1, "fsdp": 1, "tensor": 1})
 
   c.data = ml_collections.ConfigDict()
+  # What an example is (data/tasks.py): seq2seq (source -> target) | lm (texts; decoder_only)
+  # | mlm (masked texts; encoder_only) | classify (text<TAB>label; encoder_only)
+  c.data.task = "seq2seq"
   c.data.source = "scan"  # scan | tfds | files
   c.data.scan_split = "simple"  # simple | length
   c.data.tfds_name = ""  # source=tfds: a TFDS translation dataset, e.g. wmt14_translate/de-en
   c.data.tfds_data_dir = ""  # source=tfds: "" = $TFDS_DATA_DIR or ~/tensorflow_datasets
   c.data.tfds_download = True  # source=tfds: download and prepare the dataset if it is not there
   c.data.path = ""  # source=files: the directory holding the split files
-  c.data.format = "parallel"  # source=files: parallel (SPLIT.SRC + SPLIT.TGT) | tsv (SPLIT.tsv)
+  c.data.text_suffix = "txt"  # source=files, format=text: the split's file is SPLIT.text_suffix
+  # source=files: parallel (SPLIT.SRC + SPLIT.TGT) | tsv (SPLIT.tsv) | text (SPLIT.txt: a text
+  # a line; data.text_suffix names another suffix, e.g. en for train.en)
+  c.data.format = "parallel"
   c.data.source_lang = "en"  # the direction, for tfds and parallel files
   c.data.target_lang = "de"
+  c.data.text_field = "text"  # source=tfds, task lm / mlm / classify: the record's text field
+  c.data.label_field = "label"  # source=tfds, task classify: the record's label field
+  c.data.labels = ""  # task classify: the classes, comma-separated; "" = the train split's, sorted
+  c.data.mask_rate = 0.15  # task mlm: share of tokens the step masks (BERT: 80% <mask>, 10% random)
   c.data.train_split = "train"
   c.data.eval_split = "test"  # evaluated during and after training
-  c.data.test_split = "test"  # the held-out test set (e.g. newstest2014)
+  # The held-out test set (e.g. newstest2014): evaluated once, after the last step; "" = none.
+  c.data.test_split = "test"
   c.data.max_source_len = 64  # longer examples are dropped (EOS included)
   c.data.max_target_len = 64
   c.data.batching = "tokens"  # tokens (length buckets under a token budget) | packed | fixed
@@ -81,10 +95,16 @@ def default_config() -> ml_collections.ConfigDict:
   c.train.keep_best = 1  # also keep the N best by train.best_metric (at eval_every steps); 0 = off
   c.train.best_metric = "loss"  # loss | perplexity (lower is better) | token_accuracy | bleu | ...
   c.train.on_nonfinite = "stop"  # NaN/inf loss or gradients: stop, keeping good checkpoints | skip
+  # A workdir whose latest parameters start a new run (fine-tuning, e.g. a classifier from a
+  # masked-LM run): those of the same name and shape are copied, and its tokenizer is used.
+  c.train.init_from = ""
 
   c.eval = ml_collections.ConfigDict()
   c.eval.batch_size = 256
   c.eval.max_decode_len = 0  # 0 = data.max_target_len
+  # --mode=translate: source lines read before translating them; 0 = 1 when stdin is a terminal
+  # (each line is answered as it is typed), else eval.batch_size (files and pipes).
+  c.eval.buffer_size = 0
   c.eval.decode = "greedy"  # greedy | beam | sample
   c.eval.beam_size = 4  # decode=beam
   c.eval.length_penalty = 0.6  # decode=beam: GNMT alpha; 0 = rank by log-probability
@@ -117,15 +137,58 @@ def default_config() -> ml_collections.ConfigDict:
   return c
 
 
+SAVED = "config.json"  # WORKDIR/config.json: the full config of the run that trained it
+
+
+def from_workdir(workdir: str) -> ml_collections.ConfigDict:
+  """The config a workdir was trained with (WORKDIR/config.json), over `default_config()`: the
+  source of truth for every mode that reads a workdir when --config is left out.
+
+  Keys that this version no longer has are ignored; keys it added keep their defaults.
+  """
+  path = os.path.join(workdir, SAVED)
+  try:
+    with open(path, encoding="utf-8") as f:
+      saved = json.load(f)
+  except FileNotFoundError:
+    raise UserError(f"{workdir} holds no {SAVED} (not a trained workdir?); give --config, e.g. "
+                    "--config=experiments/scan_simple.py") from None
+  except (OSError, ValueError) as e:
+    raise UserError(f"cannot read {path}: {e}; give --config instead") from None
+  c = default_config()
+  for key, value in trees.flatten(saved).items():
+    *parents, name = key.split(".")
+    node = c
+    for part in parents:
+      node = node.get(part) if isinstance(node, ml_collections.ConfigDict) else None
+    if not isinstance(node, ml_collections.ConfigDict):
+      continue
+    if name not in node and parents != ["mesh"]:
+      continue
+    current = node.get(name)
+    node[name] = tuple(value) if isinstance(current, tuple) and isinstance(value, list) else value
+  return c
+
+
 def model_config(config: ml_collections.ConfigDict, platform: str = "cpu") -> ModelConfig:
   """The validated ModelConfig of an experiment; dtype "auto" resolves by platform."""
   values = config.model.to_dict()
   if values.get("dtype") == "auto":
     values["dtype"] = "float32" if platform == "cpu" else "bfloat16"
   model = ModelConfig.from_dict(values)
-  if model.max_len < max(config.data.max_source_len, config.data.max_target_len) + 1:
+  d = config.data
+  if model.arch == "encoder_decoder" and model.max_len < max(d.max_source_len,
+                                                             d.max_target_len) + 1:
     raise UserError(f"model.max_len ({model.max_len}) must exceed data.max_source_len and "
                     f"data.max_target_len; raise model.max_len")
+  # The decoder-only model reads a source and its target as one sequence.
+  longest = {"seq2seq": d.max_source_len + d.max_target_len, "lm": d.max_target_len,
+             "mlm": d.max_source_len, "classify": d.max_source_len}.get(d.task, 0)
+  if model.arch != "encoder_decoder" and model.max_len < longest:
+    what = {"seq2seq": "data.max_source_len + data.max_target_len", "lm": "data.max_target_len"
+            }.get(d.task, "data.max_source_len")
+    raise UserError(f"model.max_len ({model.max_len}) must be at least {what} ({longest}) for "
+                    f"model.arch={model.arch}; raise model.max_len")
   return model
 
 
@@ -134,10 +197,11 @@ def model_config(config: ml_collections.ConfigDict, platform: str = "cpu") -> Mo
 CHOICES = {
     **{f"model.{key}": values for key, values in model_config_lib.CHOICES.items()},
     "model.dtype": ("auto", *model_config_lib.CHOICES["dtype"]),  # auto: by platform
+    "data.task": data_tasks.TASKS,
     "data.source": ("scan", "tfds", "files"),
     "data.scan_split": ("simple", "length"),
     "data.batching": ("tokens", "packed", "fixed"),
-    "data.format": ("parallel", "tsv"),
+    "data.format": ("parallel", "tsv", "text"),
     "train.schedule": ("rsqrt", "constant", "cosine"),
     "train.best_metric": metric_names.EVAL_METRICS,
     "train.on_nonfinite": ("stop", "skip"),
@@ -202,7 +266,7 @@ def validate(config: ml_collections.ConfigDict, platform: str = "cpu") -> ModelC
     if _get(config, key) <= 0:
       raise UserError(f"{key} must be positive, got {_get(config, key)}")
   for key in ("train.warmup_steps", "train.eval_every", "eval.max_decode_len", "data.prefetch",
-              "eval.max_examples", "train.grad_clip_norm", "train.weight_decay",
+              "eval.max_examples", "eval.buffer_size", "train.grad_clip_norm", "train.weight_decay",
               "eval.length_penalty", "eval.top_k", "eval.average_last", "train.keep_best",
               "compile.batch_size", "compile.source_len", "compile.target_len"):
     if _get(config, key) < 0:
@@ -226,6 +290,11 @@ def validate(config: ml_collections.ConfigDict, platform: str = "cpu") -> ModelC
     if _get(config, key) not in choices:
       raise UserError(f"{key} must be one of {', '.join(choices)}; got {_get(config, key)!r}")
   _validate_data(config.data)
+  data_tasks.check(model.arch, config.data)
+  if config.data.task == "classify" and not model.num_labels:
+    raise UserError("data.task=classify needs model.num_labels, the number of classes")
+  if config.data.task == "mlm" and not 0.0 < config.data.mask_rate < 1.0:
+    raise UserError(f"data.mask_rate must be in (0, 1), got {config.data.mask_rate}")
   return model
 
 
@@ -237,7 +306,8 @@ def _validate_data(d) -> None:
   if d.source == "files" and not d.path:
     raise UserError("data.source=files needs data.path, the directory holding the split files, "
                     "e.g. --config.data.path=../shared/data/multi30k")
-  if d.source == "tfds" or (d.source == "files" and d.format == "parallel"):
+  if (d.source == "tfds" and d.task == "seq2seq") or (d.source == "files"
+                                                       and d.format == "parallel"):
     if not d.source_lang or not d.target_lang or d.source_lang == d.target_lang:
       raise UserError(f"data.source_lang ({d.source_lang!r}) and data.target_lang "
                       f"({d.target_lang!r}) must be two different languages, e.g. en and de")

@@ -3,18 +3,22 @@ the workdir. The one place where training, evaluation and the tools meet."""
 
 from __future__ import annotations
 
+import json
 import os
+from typing import Optional
 
 import jax
 
-from transformer_jax.eval.evaluate import evaluate, write_results
+from transformer_jax import config as config_lib
+from transformer_jax.eval import evaluate as evaluate_lib
 from transformer_jax.tools import summary
-from transformer_jax.train import loop
+from transformer_jax.train import checkpoint, loop
 from transformer_jax.train.logger import read_metrics
 
 
-def _workdir_map(result: loop.Result, results_path: str) -> str:
+def _workdir_map(result: loop.Result, results: list) -> str:
   workdir = result.workdir
+  shown = ", ".join(os.path.relpath(path, workdir) for path in results)
   return (f"workdir {workdir} holds:\n"
           f"  checkpoints/       steps {result.checkpoint_steps} (orbax; a rerun resumes from "
           "the latest)\n"
@@ -24,17 +28,62 @@ def _workdir_map(result: loop.Result, results_path: str) -> str:
           f"  metrics.jsonl      training and evaluation metrics, one JSON object per line\n"
           f"  tensorboard/       event files: tensorboard --logdir "
           f"{os.path.join(workdir, 'tensorboard')}\n"
-          f"  eval/              final metrics: {os.path.relpath(results_path, workdir)}\n"
+          f"  eval/              final results: {shown}\n"
           f"  summary.md         this summary\n"
           f"  lock               held by the run writing the workdir (its host and pid)")
 
 
-def train_and_evaluate(config, workdir: str) -> dict:
-  """Trains `config` in `workdir` (resuming if it holds checkpoints) and evaluates the result.
+def final_splits(config) -> list:
+  """The splits evaluated after the last step: data.eval_split, then data.test_split."""
+  d = config.data
+  return [d.eval_split] + ([d.test_split] if d.test_split and d.test_split != d.eval_split
+                           else [])
 
-  Returns the final evaluation metrics ({} if a signal stopped the run early).
+
+def finished(config, workdir: str) -> Optional[dict]:
+  """The final results of a workdir trained to train.steps whose final evaluation was written
+  ({split: result}), or None if training or its final evaluation is still to run.
+
+  A config that differs from the workdir's in what the checkpoint holds is not finished here:
+  training then refuses it by name.
   """
-  result = loop.train(config, workdir, evaluate_fn=evaluate)
+  workdir = os.path.abspath(workdir)
+  steps = checkpoint.saved_steps(workdir)
+  path = os.path.join(workdir, "config.json")
+  if not steps or steps[-1] != config.train.steps or not os.path.isfile(path):
+    return None
+  try:
+    with open(path, encoding="utf-8") as f:
+      saved = json.load(f)
+    if checkpoint.compare_configs(saved, config)[0]:
+      return None
+    results = {}
+    for split in final_splits(config):
+      with open(evaluate_lib.result_path(workdir, steps[-1], split, config),
+                encoding="utf-8") as f:
+        results[split] = json.load(f)
+  except (OSError, ValueError):
+    return None
+  return results
+
+
+def train_and_evaluate(config, workdir: str) -> dict:
+  """Trains `config` in `workdir` (resuming if it holds checkpoints) and evaluates the result on
+  data.eval_split and data.test_split.
+
+  Returns the final evaluation metrics of data.eval_split ({} if a signal stopped the run
+  early). A workdir already trained to train.steps and evaluated is left as it is.
+  """
+  config_lib.validate(config, jax.default_backend())
+  done = finished(config, workdir)
+  if done is not None:
+    step = config.train.steps
+    names = ", ".join(evaluate_lib.result_name(step, split, config) for split in done)
+    print(f"already trained to step {step} (train.steps) and evaluated: eval/{{{names}}} and "
+          f"summary.md in {os.path.abspath(workdir)} are unchanged; raise train.steps to train "
+          "further, or --mode=evaluate to evaluate otherwise", flush=True)
+    return done[config.data.eval_split]
+  result = loop.train(config, workdir, evaluate_fn=evaluate_lib.evaluate)
   is_main = jax.process_index() == 0
   if result.stopped_by:
     if is_main and result.step >= config.train.steps:
@@ -46,11 +95,12 @@ def train_and_evaluate(config, workdir: str) -> dict:
     return {}
   if not is_main:
     return result.final_metrics
-  results_path = write_results(result.workdir, result.step, result.final_metrics)
-  report = summary.render(config, result.final_metrics, read_metrics(result.workdir),
-                          result.wall_time, result.tokens_seen, result.step - result.start_step,
-                          result.step, result.checkpoint_steps)
+  finals = dict(zip(final_splits(config), (result.final_metrics, result.test_metrics)))
+  paths = [evaluate_lib.write_results(result.workdir, evaluate_lib.record(
+      result.step, split, config, metrics), config) for split, metrics in finals.items()]
+  report = summary.render(config, finals, read_metrics(result.workdir), result.step,
+                          result.checkpoint_steps)
   summary.write(result.workdir, report)
   print("\n" + report, flush=True)
-  print(_workdir_map(result, results_path), flush=True)
+  print(_workdir_map(result, paths), flush=True)
   return result.final_metrics

@@ -13,8 +13,9 @@ import os
 
 import numpy as np
 
+from transformer_jax.core import progress
 from transformer_jax.core.errors import UserError
-from transformer_jax.data import cache, pipeline, sources
+from transformer_jax.data import cache, pipeline, sources, tasks
 from transformer_jax.data import tokenizer as tokenizer_lib
 
 # What to do about a damaged WORKDIR/tokenizer.model.
@@ -46,38 +47,52 @@ def prepare_tokenizer(config, workdir: str, train_pairs, vocab_size: int, cache_
   """(tokenizer, new): the run's tokenizer, and whether WORKDIR/tokenizer.model is still to write.
 
   The workdir's tokenizer wins (a resumed run keeps its ids); else data.tokenizer.model_path;
-  else the one trained for this split and these settings, from the cache (`cache_dir`, with the
-  split's `source_key`) or trained now on a sample of `train_pairs`. Nothing is written in the
-  workdir here.
+  else that of the run in train.init_from; else the one trained for this split, task and these
+  settings, from the cache (`cache_dir`, with the split's `source_key`) or trained now on a
+  sample of `train_pairs`. Nothing is written in the workdir here.
   """
   t = config.data.tokenizer
   path = os.path.join(workdir, tokenizer_lib.FILENAME)
   new = not os.path.lexists(path)
+  model_path = t.model_path or (os.path.join(os.path.expanduser(config.train.init_from),
+                                             tokenizer_lib.FILENAME)
+                                if config.train.init_from else "")
   if not new:
     tokenizer = tokenizer_lib.load(path, WORKDIR_TOKENIZER_FIX)
-    if t.model_path and tokenizer_lib.load(t.model_path).model_proto != tokenizer.model_proto:
-      raise UserError(f"data.tokenizer.model_path {t.model_path} is not {path}, the vocabulary "
-                      "this workdir was trained with; drop the override or start a new --workdir")
-  elif t.model_path:
-    tokenizer = tokenizer_lib.load(t.model_path)
+    if model_path and tokenizer_lib.load(model_path).model_proto != tokenizer.model_proto:
+      raise UserError(f"the tokenizer {model_path} is not {path}, the vocabulary this workdir "
+                      "was trained with; drop data.tokenizer.model_path / train.init_from or "
+                      "start a new --workdir")
+  elif model_path:
+    tokenizer = tokenizer_lib.load(model_path)
   else:
+    mask = config.data.task in tasks.MASK_TASKS
+
     def train():
-      texts = tokenizer_lib.training_texts(train_pairs, t.sample_size, config.seed)
+      texts = tokenizer_lib.training_texts(tasks.tokenizer_texts(config.data, train_pairs),
+                                           t.sample_size, config.seed)
       words = collections.Counter()
       if t.model_type == "word":
         texts = _counting(texts, words)
-      trained = tokenizer_lib.train(texts, vocab_size, t.model_type, t.character_coverage,
-                                    t.sample_size)
-      if t.model_type == "word":
-        _check_word_coverage(words, vocab_size)
+      with progress.waiting(f"training the {t.model_type} tokenizer ({vocab_size:,} pieces)"):
+        trained = tokenizer_lib.train(texts, vocab_size, t.model_type, t.character_coverage,
+                                      t.sample_size, mask=mask)
+      if t.model_type == "word":  # <mask> takes two pieces of a word vocabulary
+        _check_word_coverage(words, vocab_size - 2 * mask)
       return {"model": np.frombuffer(trained.model_proto, np.uint8)}
 
-    key = {"data": source_key, "vocab_size": vocab_size, "model_type": t.model_type,
-           "character_coverage": t.character_coverage, "sample_size": t.sample_size,
-           "seed": config.seed}
+    # The task picks the texts (classify leaves out the labels) and the <mask> piece.
+    key = {"data": source_key, "task": config.data.task, "vocab_size": vocab_size,
+           "model_type": t.model_type, "character_coverage": t.character_coverage,
+           "sample_size": t.sample_size, "seed": config.seed}
     stored = (cache.fetch(cache_dir, "tokenizers", key, train, describe="training the tokenizer")
               if source_key is not None else train())
     tokenizer = tokenizer_lib.Tokenizer(np.asarray(stored["model"]).tobytes())
+  if config.data.task in tasks.MASK_TASKS and not tokenizer.has_mask():
+    raise UserError(f"data.task={config.data.task} needs a tokenizer whose piece "
+                    f"{tokenizer_lib.MASK_ID} is {tokenizer_lib.MASK_PIECE}, as this project "
+                    "trains for encoder-only tasks; use the tokenizer.model of such a run "
+                    "(data.tokenizer.model_path) or let the run train one")
   if tokenizer.vocab_size > vocab_size:
     raise UserError(f"the tokenizer has {tokenizer.vocab_size} pieces but model.vocab_size is "
                     f"{vocab_size}; raise model.vocab_size")
@@ -96,11 +111,17 @@ def prepare_data(config, workdir: str, vocab_size: int):
   train_pairs = sources.LazyPairs(d, d.train_split)  # read only if the cache lacks something
   tokenizer, new = prepare_tokenizer(config, workdir, train_pairs, vocab_size, cache_dir,
                                      source_key)
-  key = {"data": source_key, "tokenizer": hashlib.sha256(tokenizer.model_proto).hexdigest()}
-  corpus = cache.fetch(cache_dir, "encoded", key,
-                       lambda: pipeline.encode_corpus(train_pairs, tokenizer),
-                       describe=f"tokenising the {d.train_split!r} split")
-  train_set = pipeline.select(corpus, d.max_source_len, d.max_target_len)
+  if d.task == "seq2seq":
+    key = {"data": source_key, "tokenizer": hashlib.sha256(tokenizer.model_proto).hexdigest()}
+    corpus = cache.fetch(cache_dir, "encoded", key,
+                         lambda: pipeline.encode_corpus(train_pairs, tokenizer),
+                         describe=f"tokenising the {d.train_split!r} split")
+    train_set = pipeline.select(corpus, d.max_source_len, d.max_target_len)
+  else:
+    # Only seq2seq's examples are the cached corpus filtered by the limits: the other tasks cut
+    # texts into pieces or map labels to ids (tasks.examples), so they are encoded each start.
+    with progress.waiting(f"encoding {len(train_pairs):,} training examples"):
+      train_set = tasks.examples(d, train_pairs, tokenizer)
   if not len(train_set):
     raise UserError("every training example is longer than data.max_source_len / "
                     "data.max_target_len; raise them")

@@ -13,7 +13,15 @@ Grammar (commands) and interpretation (action sequences):
 
 The grammar admits exactly 20,910 commands. Splits:
   simple: a random 80/20 split with a fixed seed;
-  length: train = commands whose action sequence has at most 22 actions, test = the rest.
+  length: train = commands whose action sequence has at most 22 actions, test = the rest. For
+    model selection without the test set, `dev` holds the train commands with the longest
+    outputs (22 actions, 576 commands) and `train_without_dev` the other 16,414: selecting on
+    `dev` rewards extrapolating past the lengths trained on, as the test split asks.
+
+For the tasks other than translation (data/tasks.py) the same parts give texts, "command
+actions" (a language model learns to continue a command with its actions, a masked LM to fill
+in masked actions), or classes: a command is "long" if its actions are more than 22 (the length
+split's rule), else "short".
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import numpy as np
 PRIMITIVES = {"walk": "I_WALK", "look": "I_LOOK", "run": "I_RUN", "jump": "I_JUMP", "turn": None}
 DIRECTIONS = {"left": "I_TURN_LEFT", "right": "I_TURN_RIGHT"}
 SPLITS = ("simple", "length")
+PARTS = {"simple": ("train", "test"), "length": ("train", "test", "dev", "train_without_dev")}
 LENGTH_SPLIT_MAX_ACTIONS = 22
 SIMPLE_SPLIT_SEED = 0
 SIMPLE_SPLIT_TRAIN_FRACTION = 0.8
@@ -64,10 +73,10 @@ def all_pairs() -> tuple[tuple[str, str], ...]:
 
 
 def load(split: str, part: str) -> list[tuple[str, str]]:
-  """The `part` ("train" or "test") of a SCAN `split` ("simple" or "length")."""
+  """The `part` (see PARTS) of a SCAN `split` ("simple" or "length")."""
   if split not in SPLITS:
     raise ValueError(f"unknown SCAN split {split!r}")
-  if part not in ("train", "test"):
+  if part not in PARTS[split]:
     raise ValueError(f"unknown SCAN part {part!r}")
   pairs = all_pairs()
   if split == "simple":
@@ -75,5 +84,20 @@ def load(split: str, part: str) -> list[tuple[str, str]]:
     n_train = int(round(SIMPLE_SPLIT_TRAIN_FRACTION * len(pairs)))
     chosen = order[:n_train] if part == "train" else order[n_train:]
     return [pairs[i] for i in sorted(chosen)]
-  short = [len(a.split()) <= LENGTH_SPLIT_MAX_ACTIONS for _, a in pairs]
-  return [p for p, s in zip(pairs, short) if s == (part == "train")]
+  actions = [len(a.split()) for _, a in pairs]
+  keep = {"train": lambda n: n <= LENGTH_SPLIT_MAX_ACTIONS,
+          "test": lambda n: n > LENGTH_SPLIT_MAX_ACTIONS,
+          "dev": lambda n: n == LENGTH_SPLIT_MAX_ACTIONS,
+          "train_without_dev": lambda n: n < LENGTH_SPLIT_MAX_ACTIONS}[part]
+  return [p for p, n in zip(pairs, actions) if keep(n)]
+
+
+def texts(split: str, part: str) -> list[tuple[str, str]]:
+  """(command + " " + actions, "") for each command of the part: text for lm and mlm."""
+  return [(f"{command} {actions}", "") for command, actions in load(split, part)]
+
+
+def lengths_classified(split: str, part: str) -> list[tuple[str, str]]:
+  """(command, "long" or "short"): whether its actions number more than 22."""
+  return [(command, "long" if len(actions.split()) > LENGTH_SPLIT_MAX_ACTIONS else "short")
+          for command, actions in load(split, part)]

@@ -14,7 +14,14 @@ import sentencepiece as spm
 
 from transformer_jax.core import files
 from transformer_jax.core.errors import UserError
-from transformer_jax.core.tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID  # noqa: F401 (re-exported)
+from transformer_jax.core.tokens import (  # noqa: F401 (re-exported)
+  BOS_ID,
+  EOS_ID,
+  MASK_ID,
+  MASK_PIECE,
+  PAD_ID,
+  UNK_ID,
+)
 from transformer_jax.data import sources
 
 FILENAME = "tokenizer.model"
@@ -59,6 +66,10 @@ class Tokenizer:
   def pieces(self, ids: Iterable[int]) -> list[str]:
     return [self._sp.id_to_piece(int(i)) for i in ids]
 
+  def has_mask(self) -> bool:
+    """Whether MASK_ID is the <mask> piece (the tokenizers of encoder-only tasks)."""
+    return self.vocab_size > MASK_ID and self._sp.id_to_piece(MASK_ID) == MASK_PIECE
+
 
 def training_texts(pairs, sample_size: int, seed: int = 0) -> Iterator[str]:
   """Source and target sentences of a random sample of at most `sample_size` / 2 pairs.
@@ -72,13 +83,13 @@ def training_texts(pairs, sample_size: int, seed: int = 0) -> Iterator[str]:
       np.random.default_rng(seed).choice(n, count, replace=False))
   for start in range(0, len(indices), 10_000):
     for source, target in sources.gather(pairs, indices[start:start + 10_000]):
-      yield source
-      yield target
+      yield from (text for text in (source, target) if text)  # a text dataset has no target
 
 
 def train(texts: Iterable[str], vocab_size: int, model_type: str = "bpe",
-          character_coverage: float = 1.0, sample_size: int = 1_000_000) -> Tokenizer:
-  """Trains a SentencePiece model in memory."""
+          character_coverage: float = 1.0, sample_size: int = 1_000_000,
+          mask: bool = False) -> Tokenizer:
+  """Trains a SentencePiece model in memory; `mask` adds the <mask> piece as MASK_ID."""
   proto = io.BytesIO()
   try:
     spm.SentencePieceTrainer.train(
@@ -86,6 +97,7 @@ def train(texts: Iterable[str], vocab_size: int, model_type: str = "bpe",
         model_type=model_type, character_coverage=character_coverage,
         input_sentence_size=sample_size, shuffle_input_sentence=True,
         pad_id=PAD_ID, bos_id=BOS_ID, eos_id=EOS_ID, unk_id=UNK_ID,
+        user_defined_symbols=[MASK_PIECE] if mask else [],
         hard_vocab_limit=model_type != "word", minloglevel=2)
   except RuntimeError as e:  # e.g. "Vocabulary size is too high (10000). Please set it to <= 4046."
     message = (str(e).strip().splitlines() or [type(e).__name__])[-1].rsplit("] ", 1)[-1]

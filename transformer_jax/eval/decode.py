@@ -1,9 +1,15 @@
 """Autoregressive decoding with the KV cache: greedy, beam search, and sampling.
 
-Data flow: `encode` the source once -> `init_cache` (the decoder's first `decode=True` call, which
-projects the encoder output into cross-attention keys/values and allocates the self-attention
-cache) -> one `decode_step` per output position inside a `lax.while_loop` that stops as soon as
-no row can change any more.
+Data flow: `start` -> one `decode_step` per output position inside a `lax.while_loop` that stops
+as soon as no row can change any more. `start` depends on the architecture:
+  encoder-decoder: `encode` the source once, then `init_cache` (the decoder's first
+    `decode=True` call, which projects the encoder output into cross-attention keys/values and
+    allocates the self-attention cache); step 0 reads BOS at position 0.
+  decoder-only: the source is a prompt, "the tokens before the first output" (a translation's
+    prompt is "source EOS BOS", see `seq2seq_prompt`; a language model's "BOS text"). All but
+    its last token are written into the cache in one call (the prefill; rows of different
+    lengths end at the same cache slot, padding before them masked); step 0 reads the last one
+    at its position.
 
 Conventions: pad = 0, BOS = `bos_id`, EOS = `eos_id`. Outputs are int32 `[batch, max_length]`
 without BOS, with EOS, and zeros after EOS (a row that reaches `max_length` first has no EOS).
@@ -28,7 +34,8 @@ import jax
 import jax.numpy as jnp
 
 from transformer_jax.core.errors import UserError
-from transformer_jax.model import ModelConfig, Transformer, shift_right
+from transformer_jax.core.tokens import BOS_ID
+from transformer_jax.model import DecoderOnly, ModelConfig, Transformer, make_model, shift_right
 
 Array = jax.Array
 Cache = Any  # the flax 'cache' collection: a nested dict of arrays
@@ -45,13 +52,13 @@ _STEP_INVARIANT = ("cross_key", "cross_value")
 # ----------------------------------------------------------------------------- model calls
 
 
-def _model(config: ModelConfig, decode: bool) -> Transformer:
-  return Transformer(config.replace(decode=decode, deterministic=True))
+def _model(config: ModelConfig, decode: bool):
+  return make_model(config.replace(decode=decode, deterministic=True))
 
 
-def _check_length(config: ModelConfig, max_length: int) -> None:
-  if not 1 <= max_length <= config.max_len:
-    raise UserError(f"decode length {max_length} must be in [1, model.max_len={config.max_len}]; "
+def _check_length(config: ModelConfig, length: int, what: str = "decode length") -> None:
+  if not 1 <= length <= config.max_len:
+    raise UserError(f"{what} {length} must be in [1, model.max_len={config.max_len}]; "
                     f"lower the decode length or raise model.max_len")
 
 
@@ -63,7 +70,7 @@ def encode(params, config: ModelConfig, source_tokens: Array) -> Array:
 
 def init_cache(params, config: ModelConfig, encoded: Array, source_tokens: Array,
                max_length: int) -> Cache:
-  """The decoder cache for `max_length` steps, with cross-attention keys/values of `encoded`.
+  """The encoder-decoder's cache for `max_length` steps, with cross-attention keys/values.
 
   Args:
     encoded: `[batch, src_len, d_model]` from `encode`.
@@ -72,8 +79,9 @@ def init_cache(params, config: ModelConfig, encoded: Array, source_tokens: Array
 
   Returns:
     the 'cache' collection: per decoder layer, self-attention `cached_key`/`cached_value`
-    `[batch, max_length, heads, head_dim]` (zeros) and `cache_index` 0, and cross-attention
-    `cross_key`/`cross_value` `[batch, src_len, heads, head_dim]`.
+    `[batch, max_length, kv_heads, head_dim]` (zeros) and `cache_index` 0, and cross-attention
+    `cross_key`/`cross_value` `[batch, src_len, kv_heads, head_dim]`; the decoder's
+    `key_positions` `[batch, max_length]` (-1: nothing written yet) and `index`.
   """
   _check_length(config, max_length)
   dummy = jnp.zeros((source_tokens.shape[0], max_length), jnp.int32)
@@ -84,23 +92,105 @@ def init_cache(params, config: ModelConfig, encoded: Array, source_tokens: Array
   return variables["cache"]
 
 
-def decode_step(params, config: ModelConfig, cache: Cache, encoded: Array, source_tokens: Array,
-                tokens: Array, step: Array) -> tuple[Array, Cache]:
+def prompt_lengths(prompt: Array) -> Array:
+  """int32 `[batch]`: the real tokens of each right-padded prompt row `[batch, length]`."""
+  return jnp.sum(prompt != 0, axis=-1, dtype=jnp.int32)
+
+
+def seq2seq_prompt(source_tokens: Array, bos_id: int = BOS_ID) -> Array:
+  """The decoder-only model's prompt for a source: "source EOS BOS", as in training.
+
+  source_tokens int `[batch, src_len]` (EOS-terminated, right-padded) -> `[batch, src_len + 1]`;
+  a row of padding only stays padding.
+  """
+  lengths = prompt_lengths(source_tokens)
+  prompt = jnp.pad(source_tokens, ((0, 0), (0, 1)))
+  bos = jnp.arange(prompt.shape[1])[None, :] == lengths[:, None]
+  return jnp.where(bos & (lengths[:, None] > 0), bos_id, prompt)
+
+
+def _prefill(params, config: ModelConfig, prompt: Array, max_length: int):
+  """The decoder-only cache with each prompt row but its last token written.
+
+  The rows are right-aligned, so that every row's next token goes to the same cache slot: row
+  r's tokens sit in the last n_r - 1 of the `prompt_len - 1` prefill slots, at positions
+  0 .. n_r - 2, and the slots before them hold padding at position -1, which the mask hides.
+
+  Returns (cache for prompt_len - 1 + max_length slots, last prompt token int `[batch]` (BOS
+  for an empty row), its position int `[batch]`).
+  """
+  batch, width = prompt.shape[0], prompt.shape[1] - 1
+  _check_length(config, width + max_length, "prompt length + decode length")
+  lengths = prompt_lengths(prompt)
+  model = _model(config, decode=True)
+  dummy = jnp.zeros((batch, width + max_length), jnp.int32)
+  _, variables = model.apply({"params": params}, dummy, dummy, method=DecoderOnly.extend,
+                             mutable=["cache"])
+  cache = variables["cache"]
+  if width:
+    index = jnp.arange(width)[None, :] - (width - (lengths[:, None] - 1))  # into the prompt
+    tokens = jnp.where(index >= 0, jnp.take_along_axis(prompt, jnp.maximum(index, 0), axis=1), 0)
+    _, variables = model.apply({"params": params, "cache": cache}, tokens,
+                               jnp.where(index >= 0, index, -1), method=DecoderOnly.extend,
+                               mutable=["cache"])
+    cache = variables["cache"]
+  last = jnp.take_along_axis(prompt, jnp.maximum(lengths - 1, 0)[:, None], axis=1)[:, 0]
+  return cache, jnp.where(lengths > 0, last, BOS_ID), jnp.maximum(lengths - 1, 0)
+
+
+class Start(NamedTuple):
+  """Where decoding starts: the cache, what each step reads besides it, and step 0's input."""
+
+  cache: Cache
+  context: tuple  # encoder-decoder: (encoded, source_tokens); decoder-only: ()
+  first_tokens: Array  # int [batch]: the input of step 0
+  first_positions: Array  # int [batch]: its position; step t reads position first + t
+
+
+def start(params, config: ModelConfig, source_tokens: Array, max_length: int,
+          beam_size: int = 1, bos_id: int = BOS_ID) -> Start:
+  """The decoding state before the first output of each row (see the module docstring).
+
+  Args:
+    source_tokens: int `[batch, src_len]`: the encoder's source, or the decoder-only prompt.
+    max_length: output positions (static).
+    beam_size: rows are repeated beam_size times (after encoding, before a prefill).
+  """
+  batch = source_tokens.shape[0] * beam_size
+  if config.arch == "decoder_only":
+    cache, first, positions = _prefill(params, config, _tile_beams(source_tokens, beam_size),
+                                       max_length)
+    return Start(cache, (), first, positions)
+  encoded = _tile_beams(encode(params, config, source_tokens), beam_size)
+  source_tokens = _tile_beams(source_tokens, beam_size)
+  cache = init_cache(params, config, encoded, source_tokens, max_length)
+  return Start(cache, (encoded, source_tokens), jnp.full((batch,), bos_id, jnp.int32),
+               jnp.zeros((batch,), jnp.int32))
+
+
+def decode_step(params, config: ModelConfig, cache: Cache, context: tuple, tokens: Array,
+                positions: Array) -> tuple[Array, Cache]:
   """One position of incremental decoding.
 
   Args:
-    cache: from `init_cache` or the previous step; it has seen positions `0 .. step-1`.
-    encoded: `[batch, src_len, d_model]`; source_tokens: int `[batch, src_len]`.
-    tokens: int `[batch]`, the decoder input at position `step` (BOS at step 0).
-    step: int scalar, the position.
+    cache: from `start` or the previous step.
+    context: `Start.context`.
+    tokens: int `[batch]`, the input of this step.
+    positions: int `[batch]`, its position.
 
   Returns:
-    (logits float32 `[batch, vocab]` for the token at output position `step`, updated cache).
+    (logits float32 `[batch, vocab]` for the next token, updated cache).
   """
-  positions = jnp.full((tokens.shape[0], 1), step, jnp.int32)
-  logits, variables = _model(config, decode=True).apply(
-      {"params": params, "cache": cache}, encoded, source_tokens, tokens[:, None], positions,
-      method=Transformer.decode, mutable=["cache"])
+  positions = positions[:, None].astype(jnp.int32)
+  if config.arch == "decoder_only":
+    logits, variables = _model(config, decode=True).apply(
+        {"params": params, "cache": cache}, tokens[:, None], positions,
+        method=DecoderOnly.extend, mutable=["cache"])
+  else:
+    encoded, source_tokens = context
+    logits, variables = _model(config, decode=True).apply(
+        {"params": params, "cache": cache}, encoded, source_tokens, tokens[:, None], positions,
+        method=Transformer.decode, mutable=["cache"])
   return logits[:, 0], variables["cache"]
 
 
@@ -115,9 +205,9 @@ def _empty_rows(source_tokens: Array) -> Array:
   return ~jnp.any(source_tokens != 0, axis=-1)
 
 
-def _step_log_probs(params, config, cache, encoded, source_tokens, tokens, step, bos_id):
+def _step_log_probs(params, config, cache, context, tokens, positions, bos_id):
   """decode_step followed by log_softmax and the PAD/BOS mask: `[batch, vocab]`, cache."""
-  logits, cache = decode_step(params, config, cache, encoded, source_tokens, tokens, step)
+  logits, cache = decode_step(params, config, cache, context, tokens, positions)
   return _mask_special(jax.nn.log_softmax(logits, axis=-1), bos_id), cache
 
 
@@ -127,7 +217,8 @@ def sequence_log_prob(params, config: ModelConfig, source_tokens: Array, output_
   """log p(output | source) under the full, uncached model (teacher forcing).
 
   Args:
-    source_tokens: int `[batch, src_len]`.
+    source_tokens: int `[batch, src_len]` (decoder-only: the source, not its prompt: the model
+      reads "source BOS output" as in training).
     output_tokens: int `[batch, length]` as the decoders return them (no BOS; zeros after EOS).
 
   Returns:
@@ -156,8 +247,7 @@ def _left_to_right(params, config: ModelConfig, source_tokens: Array, max_length
   Stops once every row has emitted EOS (or after `max_length` steps); returns `[batch, max_length]`.
   """
   batch = source_tokens.shape[0]
-  encoded = encode(params, config, source_tokens)
-  cache = init_cache(params, config, encoded, source_tokens, max_length)
+  begin = start(params, config, source_tokens, max_length, bos_id=bos_id)
 
   def not_done(state):
     step, _, _, _, finished = state
@@ -165,14 +255,14 @@ def _left_to_right(params, config: ModelConfig, source_tokens: Array, max_length
 
   def advance(state):
     step, last, tokens, cache, finished = state
-    log_probs, cache = _step_log_probs(params, config, cache, encoded, source_tokens, last, step,
-                                       bos_id)
+    log_probs, cache = _step_log_probs(params, config, cache, begin.context, last,
+                                       begin.first_positions + step, bos_id)
     chosen = jnp.where(finished, 0, choose(log_probs, step)).astype(jnp.int32)
     tokens = tokens.at[:, step].set(chosen)
     return step + 1, chosen, tokens, cache, finished | (chosen == eos_id)
 
-  state = (jnp.array(0, jnp.int32), jnp.full((batch,), bos_id, jnp.int32),
-           jnp.zeros((batch, max_length), jnp.int32), cache, _empty_rows(source_tokens))
+  state = (jnp.array(0, jnp.int32), begin.first_tokens,
+           jnp.zeros((batch, max_length), jnp.int32), begin.cache, _empty_rows(source_tokens))
   return jax.lax.while_loop(not_done, advance, state)[2]
 
 
@@ -289,9 +379,8 @@ def beam_search(params, config: ModelConfig, source_tokens: Array, max_length: i
   """
   batch = source_tokens.shape[0]
   empty = _empty_rows(source_tokens)
-  encoded = _tile_beams(encode(params, config, source_tokens), beam_size)
-  source_tokens = _tile_beams(source_tokens, beam_size)
-  cache = init_cache(params, config, encoded, source_tokens, max_length)
+  begin = start(params, config, source_tokens, max_length, beam_size, bos_id)
+  first_tokens = begin.first_tokens.reshape(batch, beam_size)
   vocab = config.vocab_size
   best_possible_penalty = length_penalty(max_length, alpha)
 
@@ -302,9 +391,10 @@ def beam_search(params, config: ModelConfig, source_tokens: Array, max_length: i
 
   def advance(beams: _Beams) -> _Beams:
     step = beams.step
-    last = jnp.where(step == 0, bos_id, beams.alive_tokens[:, :, jnp.maximum(step - 1, 0)])
-    log_probs, cache = _step_log_probs(params, config, beams.cache, encoded, source_tokens,
-                                       last.reshape(-1), step, bos_id)
+    last = jnp.where(step == 0, first_tokens,
+                     beams.alive_tokens[:, :, jnp.maximum(step - 1, 0)])
+    log_probs, cache = _step_log_probs(params, config, beams.cache, begin.context,
+                                       last.reshape(-1), begin.first_positions + step, bos_id)
     scores = beams.alive_log_probs[:, :, None] + log_probs.reshape(batch, beam_size, vocab)
     top_log_probs, top_index = jax.lax.top_k(scores.reshape(batch, -1), 2 * beam_size)
     parents, tokens = top_index // vocab, top_index % vocab
@@ -337,6 +427,6 @@ def beam_search(params, config: ModelConfig, source_tokens: Array, max_length: i
       alive_log_probs=jnp.where(first & ~empty[:, None], 0.0, NEG_INF).astype(jnp.float32),
       finished_tokens=jnp.zeros((batch, beam_size, max_length), jnp.int32),
       finished_scores=jnp.where(first & empty[:, None], 0.0, NEG_INF).astype(jnp.float32),
-      cache=cache)
+      cache=begin.cache)
   beams = jax.lax.while_loop(not_done, advance, beams)
   return beams.finished_tokens[:, 0], beams.finished_scores[:, 0]

@@ -1,4 +1,5 @@
-"""Corpus metrics of decoded text against references: sacreBLEU, chrF, exact match."""
+"""Corpus metrics of decoded text against references (sacreBLEU, chrF, exact match) and of a
+classifier's predictions (accuracy, macro-F1)."""
 
 from __future__ import annotations
 
@@ -31,3 +32,19 @@ def text_metrics(hypotheses: Sequence[str], references: Sequence[str]) -> dict:
                                     for h, r in zip(hypotheses, references[0])])),
       "bleu_signature": str(bleu.get_signature()),
   }
+
+
+def classification_metrics(predicted: Sequence[str], gold: Sequence[str],
+                           classes: Sequence[str]) -> dict:
+  """accuracy, and macro_f1: the unweighted mean over `classes` of each class's F1 =
+  2 TP / (2 TP + FP + FN) (0 for a class never predicted nor present), both in [0, 1].
+
+  Written out rather than taken from scikit-learn, which this project does not otherwise need.
+  """
+  predicted, gold = np.asarray(predicted, object), np.asarray(gold, object)
+  f1 = []
+  for name in classes:
+    true_positive = np.sum((predicted == name) & (gold == name))
+    wrong = np.sum(predicted == name) + np.sum(gold == name) - 2 * true_positive  # FP + FN
+    f1.append(2 * true_positive / (2 * true_positive + wrong) if true_positive + wrong else 0.0)
+  return {"accuracy": float(np.mean(predicted == gold)), "macro_f1": float(np.mean(f1))}

@@ -35,16 +35,20 @@ def max_decode_length(config) -> int:
 
 
 def decode_batch(params, model_config: ModelConfig, eval_config, inputs, max_length: int,
-                 rng=None, mesh=None) -> np.ndarray:
+                 rng=None, mesh=None, prompts: bool = False) -> np.ndarray:
   """Output token ids `[batch, max_length]` of source ids `inputs` by the configured search.
 
   Rows of `inputs` that are all padding come back as zeros at no cost. `rng` (a PRNG key) is
   used by decode=sample only. With a `mesh` (that `params` live on), the rows are split over
-  its data x fsdp devices and every process gets all outputs.
+  its data x fsdp devices and every process gets all outputs. A decoder-only model continues
+  the prompt "source EOS BOS", as it was trained; or, with `prompts`, the rows of `inputs`
+  themselves (`generate.py`).
   """
   cfg = model_config.replace(deterministic=True)
   e = eval_config
   rows = len(inputs)
+  if cfg.arch == "decoder_only" and not prompts:
+    inputs = np.asarray(decode.seq2seq_prompt(np.asarray(inputs)))
   context = contextlib.nullcontext()
   if mesh is not None:
     inputs = sharding.shard_batch({"inputs": np.asarray(inputs)}, mesh)["inputs"]

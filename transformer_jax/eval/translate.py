@@ -8,6 +8,7 @@ from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
+from transformer_jax.core import progress
 from transformer_jax.core.tokens import EOS_ID
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.eval.load import load_trained
@@ -33,29 +34,47 @@ def encode_sources(tokenizer: tokenizer_lib.Tokenizer, texts: Sequence[str], max
 
 
 def translate(params, model_config: ModelConfig, config, tokenizer: tokenizer_lib.Tokenizer,
-              lines: Iterable[str], mesh=None) -> Iterator[tuple[str, bool]]:
-  """Yields (translation, truncated) for each line, in order, decoding eval.batch_size at a time.
+              lines: Iterable[str], mesh=None, buffer_size: int = 0
+              ) -> Iterator[tuple[str, bool]]:
+  """Yields (translation, truncated) for each line, in order.
 
-  Lines are read lazily, one batch at a time. A blank line translates to an empty line without
-  decoding; a source of more than data.max_source_len - 1 tokens (the last place is EOS's) is
-  truncated; a translation never contains a newline. `mesh`: the mesh `params` live on, if any.
+  Lines are read lazily, `buffer_size` at a time (0: eval.batch_size), and each buffer is
+  decoded in batches of at most eval.batch_size rows, so that a buffer of 1 answers every line
+  as soon as it is read. A blank line translates to an empty line without decoding; a source
+  of more than data.max_source_len - 1 tokens (the last place is EOS's) is truncated; a
+  translation never contains a newline. `mesh`: the mesh `params` live on, if any.
   """
   batch_size, max_length = config.eval.batch_size, max_decode_length(config)
+  buffer_size = buffer_size or batch_size
+  rows = min(buffer_size, batch_size)  # one shape for every batch: one compilation
   lines = iter(lines)
   decoded = 0
-  while chunk := [line.rstrip("\r\n") for line in itertools.islice(lines, batch_size)]:
+  while chunk := [line.rstrip("\r\n") for line in itertools.islice(lines, buffer_size)]:
     results = [("", False)] * len(chunk)
     todo = [i for i, line in enumerate(chunk) if line.strip()]
-    if todo:
-      inputs, truncated = encode_sources(tokenizer, [chunk[i] for i in todo],
-                                         config.data.max_source_len, batch_size)
+    for start in range(0, len(todo), rows):
+      batch = todo[start:start + rows]
+      inputs, truncated = encode_sources(tokenizer, [chunk[i] for i in batch],
+                                         config.data.max_source_len, rows)
       tokens = decode_batch(params, model_config, config.eval, inputs, max_length,
                             batch_rng(config, decoded), mesh=mesh)
       decoded += 1
-      for row, i in enumerate(todo):
+      for row, i in enumerate(batch):
         results[i] = (" ".join(detokenize(tokenizer, tokens[row]).splitlines()),
                       bool(truncated[row]))
     yield from results
+
+
+def buffer_size(config, lines) -> int:
+  """Source lines read before translating: eval.buffer_size, or where it is 0, 1 for a
+  terminal (each line is answered as it is typed) and eval.batch_size for a file or a pipe."""
+  if config.eval.buffer_size:
+    return config.eval.buffer_size
+  try:
+    interactive = lines.isatty()
+  except (AttributeError, ValueError):  # not a stream, or a closed one
+    interactive = False
+  return 1 if interactive else config.eval.batch_size
 
 
 class DecodedLines:
@@ -95,14 +114,20 @@ def write_translations(params, model_config: ModelConfig, config,
   How many sources were truncated, and which were not UTF-8, is said once each, on `err`, at
   the end.
   """
+  size = buffer_size(config, lines)
   lines = DecodedLines(lines)
   count, truncated = 0, []
-  for count, (translation, cut) in enumerate(
-      translate(params, model_config, config, tokenizer, lines, mesh), 1):
-    out.write(translation + "\n")
-    out.flush()
-    if cut:
-      truncated.append(count)
+  # A count of lines with their rate on a terminal's stderr, for a file being translated (a
+  # person typing sees each answer instead).
+  with progress.bar(desc="translating", unit="line", stdout_is_output=True,
+                    disable=size == 1 or not progress.enabled(stdout_is_output=True)) as shown:
+    for count, (translation, cut) in enumerate(
+        translate(params, model_config, config, tokenizer, lines, mesh, size), 1):
+      out.write(translation + "\n")
+      out.flush()
+      shown.update()
+      if cut:
+        truncated.append(count)
   if truncated:
     print(f"warning: {len(truncated)} of {count} source lines (line {_lines(truncated)}) had "
           f"more than data.max_source_len - 1 = {config.data.max_source_len - 1} tokens and were "

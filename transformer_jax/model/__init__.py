@@ -1,19 +1,24 @@
-"""The model: its config, attention and masks, positions, layers, the Transformer, FLOP counts.
+"""The model: its config, positions, attention and masks, layers, the three architectures (the
+encoder-decoder Transformer, DecoderOnly, EncoderOnly), FLOP counts.
 
-Imports flow one way inside: config <- attention <- positions, layers <- transformer; flops
+Imports flow one way inside: config <- positions <- attention <- layers <- transformer; flops
 needs only the config.
 """
 
 from transformer_jax.model.config import CHOICES, ModelConfig
 from transformer_jax.model.transformer import (
+                                               DecoderOnly,
+                                               EncoderOnly,
                                                Transformer,
                                                count_params,
                                                describe,
                                                init_boxed_params,
                                                init_params,
+                                               make_model,
                                                param_shapes,
                                                shift_right,
 )
 
-__all__ = ["CHOICES", "ModelConfig", "Transformer", "count_params", "describe",
-           "init_boxed_params", "init_params", "param_shapes", "shift_right"]
+__all__ = ["CHOICES", "DecoderOnly", "EncoderOnly", "ModelConfig", "Transformer", "count_params",
+           "describe", "init_boxed_params", "init_params", "make_model", "param_shapes",
+           "shift_right"]

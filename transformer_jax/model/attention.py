@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from transformer_jax.model.axes import constrain, param_init
 from transformer_jax.model.config import CHOICES, check_attention_dropout
+from transformer_jax.model.positions import apply_rotary
 
 Array = jax.Array
 
@@ -110,13 +111,16 @@ class Dropout(nn.Module):
 # ----------------------------------------------------------------------------- attention
 
 
-def dot_product_attention_weights(query: Array, key: Array, mask: Optional[Array] = None) -> Array:
-  """softmax(Q K^T / sqrt(d_k) + mask), computed in float32.
+def dot_product_attention_weights(query: Array, key: Array, mask: Optional[Array] = None,
+                                  bias: Optional[Array] = None) -> Array:
+  """softmax(Q K^T / sqrt(d_k) + bias + mask), computed in float32.
 
   Args:
     query: `[batch, q_len, heads, head_dim]`.
     key: `[batch, kv_len, heads, head_dim]`.
     mask: bool, broadcastable to `[batch, heads, q_len, kv_len]`.
+    bias: float, broadcastable to `[batch, heads, q_len, kv_len]`, added to the scaled logits
+      (e.g. T5's relative position bias).
 
   Returns:
     float32 `[batch, heads, q_len, kv_len]`; masked positions get exactly zero weight.
@@ -124,6 +128,8 @@ def dot_product_attention_weights(query: Array, key: Array, mask: Optional[Array
   depth = query.shape[-1]
   logits = jnp.einsum("bqhd,bkhd->bhqk", query, key, preferred_element_type=jnp.float32)
   logits = logits / jnp.sqrt(jnp.float32(depth))
+  if bias is not None:
+    logits = logits + bias.astype(jnp.float32)
   if mask is not None:
     # The most negative finite value: exp() underflows to exactly 0 after the max is subtracted,
     # and a row with every key masked (a padding query) stays finite instead of becoming NaN.
@@ -137,18 +143,20 @@ def dot_product_attention(
     value: Array,
     mask: Optional[Array] = None,
     *,
+    bias: Optional[Array] = None,
     dropout_rate: float = 0.0,
     dropout_rng: Optional[Array] = None,
     deterministic: bool = True,
     implementation: str = "plain",
 ) -> Array:
-  """softmax(Q K^T / sqrt(d_k) + mask) V.
+  """softmax(Q K^T / sqrt(d_k) + bias + mask) V.
 
   Args:
     query: `[batch, q_len, heads, head_dim]`.
     key: `[batch, kv_len, heads, head_dim]`.
     value: `[batch, kv_len, heads, head_dim]`.
     mask: bool, broadcastable to `[batch, heads, q_len, kv_len]`, True = attend.
+    bias: float, broadcastable to `[batch, heads, q_len, kv_len]`, added to the logits.
     dropout_rate: dropout on the attention weights ("plain" only).
     dropout_rng: PRNG key for that dropout.
     deterministic: disables dropout.
@@ -160,10 +168,13 @@ def dot_product_attention(
   """
   if implementation == "jax":
     check_attention_dropout(implementation, 0.0 if deterministic else dropout_rate)
-    return jax.nn.dot_product_attention(query, key, value, mask=mask)
+    if bias is not None:
+      bias = jnp.broadcast_to(bias, bias.shape[:2] + (query.shape[1], key.shape[1]))
+      bias = bias.astype(query.dtype)
+    return jax.nn.dot_product_attention(query, key, value, bias=bias, mask=mask)
   if implementation != "plain":
     raise ValueError(f"unknown attention implementation {implementation!r}")
-  weights = dot_product_attention_weights(query, key, mask)
+  weights = dot_product_attention_weights(query, key, mask, bias)
   if dropout_rate > 0.0 and not deterministic:
     weights = dropout(weights, dropout_rate, dropout_rng)
   return jnp.einsum("bhqk,bkhd->bqhd", weights.astype(value.dtype), value)
@@ -190,17 +201,25 @@ def _stacked_init(init: Callable, n: int) -> Callable:
 class MultiHeadAttention(nn.Module):
   """Multi-head attention: self-attention (`inputs_kv=None`) or cross-attention.
 
+  With `num_kv_heads` < `num_heads` (grouped-query attention, Ainslie et al. 2023), each key/value
+  head serves num_heads / num_kv_heads query heads; 1 is multi-query attention. With
+  `rotary_base` > 0, self-attention queries and keys are rotated by their positions (RoPE).
+
   With `decode=True` it keeps a `cache` collection for incremental decoding: self-attention
-  appends one step's key/value per call; cross-attention projects the encoder output once and
+  appends each call's keys/values (one step, or a whole prompt) at the cache index, and a query
+  sees the positions written up to its own; cross-attention projects the encoder output once and
   reuses it. The first call with `decode=True` (full-length inputs) only creates the cache.
+  The cache holds the key/value heads only: grouped-query attention shrinks it.
   """
 
   num_heads: int
   d_model: int
+  num_kv_heads: int = 0  # 0 = num_heads
   dropout_rate: float = 0.0  # on attention weights
   output_dropout_rate: float = 0.0  # on the output projection
   fused_qkv: bool = False
   use_bias: bool = True
+  rotary_base: float = 0.0  # > 0: rotary position embedding of queries and keys (self-attention)
   implementation: str = "plain"
   decode: bool = False
   dtype: jnp.dtype = jnp.float32
@@ -208,31 +227,38 @@ class MultiHeadAttention(nn.Module):
 
   @nn.compact
   def __call__(self, inputs_q: Array, inputs_kv: Optional[Array] = None,
-               mask: Optional[Array] = None, deterministic: bool = True) -> Array:
+               mask: Optional[Array] = None, deterministic: bool = True, *,
+               bias: Optional[Array] = None, positions: Optional[Array] = None) -> Array:
     """inputs_q `[batch, q_len, d_model]`, inputs_kv `[batch, kv_len, d_model]` or None (self-
-    attention) -> `[batch, q_len, d_model]`."""
+    attention) -> `[batch, q_len, d_model]`.
+
+    mask: bool, broadcastable to `[batch, heads, q_len, kv_len]`; bias: float, the same shape,
+    added to the logits; positions: int `[batch, q_len]`, the positions rotary embeddings use.
+    """
     head_dim = self.d_model // self.num_heads
+    kv_heads = self.num_kv_heads or self.num_heads
     bias_init = nn.initializers.zeros_init()
 
-    def dense(n=None, name=None):
+    def dense(n=None, name=None, heads=self.num_heads, head_name="heads"):
       """Projection d_model -> [n,] heads, head_dim (n fused projections stacked)."""
-      features = (self.num_heads, head_dim) if n is None else (n, self.num_heads, head_dim)
-      names = ("heads", "kv") if n is None else ("stack", "heads", "kv")
+      features = (heads, head_dim) if n is None else (n, heads, head_dim)
+      names = (head_name, "kv") if n is None else ("stack", head_name, "kv")
       init = self.kernel_init if n is None else _stacked_init(self.kernel_init, n)
       return nn.DenseGeneral(features=features, axis=-1, use_bias=self.use_bias,
                              dtype=self.dtype, kernel_init=param_init(init, "embed", *names),
                              bias_init=param_init(bias_init, *names), name=name)
 
-    def heads(x):
-      return constrain(x, "batch", "length", "heads", "kv")
+    def heads(x, name="heads"):
+      return constrain(x, "batch", "length", name, "kv")
 
     self_attention = inputs_kv is None
 
     def project_kv(x):
       if self.fused_qkv:
-        kv = dense(2, name="kv")(x)
-        return heads(kv[:, :, 0]), heads(kv[:, :, 1])
-      return heads(dense(name="key")(x)), heads(dense(name="value")(x))
+        kv = dense(2, name="kv", heads=kv_heads, head_name="kv_heads")(x)
+        return heads(kv[:, :, 0], "kv_heads"), heads(kv[:, :, 1], "kv_heads")
+      return (heads(dense(name="key", heads=kv_heads, head_name="kv_heads")(x), "kv_heads"),
+              heads(dense(name="value", heads=kv_heads, head_name="kv_heads")(x), "kv_heads"))
 
     if self_attention and self.fused_qkv:
       qkv = dense(3, name="qkv")(inputs_q)
@@ -253,8 +279,14 @@ class MultiHeadAttention(nn.Module):
       else:
         key, value = project_kv(inputs_kv)
 
+    if self.rotary_base and self_attention:
+      query = apply_rotary(query, positions, self.rotary_base)
+      key = apply_rotary(key, positions, self.rotary_base)
     if self.decode and self_attention:
       key, value, mask = self._extend_cache(key, value, mask)
+    if kv_heads != self.num_heads:  # each key/value head serves a group of query heads
+      key = heads(jnp.repeat(key, self.num_heads // kv_heads, axis=2))
+      value = heads(jnp.repeat(value, self.num_heads // kv_heads, axis=2))
 
     dropout_rng = None
     if self.dropout_rate > 0.0 and not deterministic:
@@ -262,10 +294,10 @@ class MultiHeadAttention(nn.Module):
     if self.is_mutable_collection("intermediates"):
       # Only when a caller asks for attention maps; the training path never computes them twice.
       self.sow("intermediates", "attention_weights",
-               dot_product_attention_weights(query, key, mask))
-    out = dot_product_attention(query, key, value, mask, dropout_rate=self.dropout_rate,
-                                dropout_rng=dropout_rng, deterministic=deterministic,
-                                implementation=self.implementation)
+               dot_product_attention_weights(query, key, mask, bias))
+    out = dot_product_attention(query, key, value, mask, bias=bias,
+                                dropout_rate=self.dropout_rate, dropout_rng=dropout_rng,
+                                deterministic=deterministic, implementation=self.implementation)
     out = nn.DenseGeneral(features=self.d_model, axis=(-2, -1), dtype=self.dtype,
                           kernel_init=param_init(self.kernel_init, "heads", "kv", "embed"),
                           bias_init=param_init(bias_init, "embed"), name="out")(heads(out))
@@ -273,21 +305,20 @@ class MultiHeadAttention(nn.Module):
     return Dropout(rate=self.output_dropout_rate)(out, deterministic)
 
   def _extend_cache(self, key, value, mask):
-    """Writes this step's key/value at the cache index; masks out positions not yet written."""
+    """Writes this call's keys/values at the cache index; a query sees the cache positions
+    written before it and its own (never those not yet written)."""
     initialized = self.has_variable("cache", "cached_key")
     cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
     cached_value = self.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
     cache_index = self.variable("cache", "cache_index", lambda: jnp.array(0, dtype=jnp.int32))
     if not initialized:
       return key, value, mask  # cache-creating call: a plain full-length pass
-    batch, steps, _, _ = key.shape
-    if steps != 1:
-      raise ValueError(f"incremental decoding takes one position per call, got {steps}")
+    steps = key.shape[1]
     max_length = cached_key.value.shape[1]
     index = cache_index.value
     key = jax.lax.dynamic_update_slice(cached_key.value, key, (0, index, 0, 0))
     value = jax.lax.dynamic_update_slice(cached_value.value, value, (0, index, 0, 0))
     cached_key.value, cached_value.value = key, value
-    cache_index.value = index + 1
-    written = (jnp.arange(max_length) <= index)[None, None, None, :]
-    return key, value, combine_masks(mask, jnp.broadcast_to(written, (batch, 1, 1, max_length)))
+    cache_index.value = index + steps
+    written = jnp.arange(max_length)[None, :] <= index + jnp.arange(steps)[:, None]
+    return key, value, combine_masks(mask, written[None, None])

@@ -9,11 +9,13 @@ The names:
   batch     examples (activations only)
   length    positions of a sequence (activations only)
   embed     d_model
-  heads     attention heads
+  heads     attention heads (of the queries)
+  kv_heads  heads of the keys and values (fewer than `heads` with grouped-query attention)
   kv        head_dim (d_k = d_v)
   mlp       the feed-forward hidden dimension d_ff
   vocab     the vocabulary
   position  rows of a learned position table
+  relpos_buckets  buckets of relative distance (T5's relative position bias)
   stack     the q/k/v index of a fused projection
 """
 

@@ -15,9 +15,17 @@ from transformer_jax.core.errors import UserError
 # The allowed values of every string option; `transformer_jax.config` extends this table with the
 # experiment's other options, so all choices are listed in one place.
 CHOICES = {
-    "activation": ("relu", "gelu"),
+    # encoder_decoder: the paper's; decoder_only: one causal stack (GPT); encoder_only: one
+    # bidirectional stack (BERT).
+    "arch": ("encoder_decoder", "decoder_only", "encoder_only"),
+    # swiglu / geglu: the gated FFN (Shazeer, 2020): (act(x W_gate) * x W1) W2.
+    "activation": ("relu", "gelu", "swiglu", "geglu"),
     "norm": ("post", "pre"),
-    "positional": ("sinusoidal", "learned"),
+    "norm_type": ("layernorm", "rmsnorm"),
+    # rotary: RoPE (Su et al., 2021) on queries and keys; relative_bias: T5's learned per-head
+    # bias of bucketed relative distances; both leave the embeddings without positions. none:
+    # no position information at all (NoPE; a causal stack still tells positions apart).
+    "positional": ("sinusoidal", "learned", "rotary", "relative_bias", "none"),
     "init": ("xavier", "normal"),
     "attention_impl": ("plain", "jax"),  # see attention.dot_product_attention
     "dtype": ("float32", "bfloat16"),
@@ -37,8 +45,10 @@ class ModelConfig:
   """Everything that fixes the model's shape and arithmetic. Immutable; vary with `.replace()`."""
 
   vocab_size: int
+  arch: str = "encoder_decoder"
   d_model: int = 512
   num_heads: int = 8
+  num_kv_heads: int = 0  # key/value heads (grouped-query attention); 0 = num_heads
   num_encoder_layers: int = 6
   num_decoder_layers: int = 6
   d_ff: int = 2048
@@ -46,8 +56,14 @@ class ModelConfig:
   attention_dropout_rate: float = 0.0  # on attention weights
   activation: str = "relu"
   norm: str = "post"  # "post" = the paper's LayerNorm(x + Sublayer(x)); "pre" = x + Sublayer(LN(x))
+  norm_type: str = "layernorm"
+  # True: the sublayers of a layer read the same input and their outputs are summed
+  # (GPT-J, PaLM): x + Attention(LN(x)) + FFN(LN(x)) pre-LN, LN(x + Attention(x) + FFN(x)) post-LN.
+  parallel_block: bool = False
   positional: str = "sinusoidal"
-  position_base: float = 10000.0
+  position_base: float = 10000.0  # sinusoidal and rotary: the base of the wavelengths
+  relative_buckets: int = 32  # relative_bias: buckets of the relative distance (per direction
+  relative_max_distance: int = 128  # in an encoder); beyond max_distance all share the last one
   max_len: int = 256
   share_embeddings: bool = True  # one table for source and target tokens
   tie_output: bool = True  # the output projection is the (target) embedding table transposed
@@ -58,6 +74,7 @@ class ModelConfig:
   layer_norm_eps: float = 1e-6
   dtype: str = "float32"  # compute dtype; parameters stay float32
   remat: str = "none"  # recompute layer activations in the backward pass: none | full | dots
+  num_labels: int = 0  # encoder_only: > 0 adds a sequence-classification head of that many classes
   deterministic: bool = False  # True disables dropout (evaluation, decoding)
   decode: bool = False  # True: incremental decoding with a KV cache
 
@@ -68,6 +85,15 @@ class ModelConfig:
   @property
   def head_dim(self) -> int:
     return self.d_model // self.num_heads
+
+  @property
+  def kv_heads(self) -> int:
+    """Heads of the keys and values: num_kv_heads, or num_heads (multi-head attention)."""
+    return self.num_kv_heads or self.num_heads
+
+  @property
+  def gated(self) -> bool:
+    return self.activation in ("swiglu", "geglu")
 
   def replace(self, **changes) -> "ModelConfig":
     return dataclasses.replace(self, **changes)
@@ -97,7 +123,29 @@ class ModelConfig:
     check_attention_dropout(self.attention_impl, self.attention_dropout_rate)
     if self.position_base <= 1.0:
       raise UserError(f"model.position_base must be > 1, got {self.position_base}")
+    self._validate_options()
     return self
+
+  def _validate_options(self) -> None:
+    """The architecture, attention and position options and the pairs of them that clash."""
+    if self.num_kv_heads < 0 or (self.num_kv_heads and self.num_heads % self.num_kv_heads):
+      raise UserError(f"model.num_kv_heads ({self.num_kv_heads}) must divide model.num_heads "
+                      f"({self.num_heads}) (0 = as many as num_heads)")
+    if self.fused_qkv and self.kv_heads != self.num_heads:
+      raise UserError("model.fused_qkv stacks queries, keys and values of as many heads; with "
+                      "model.num_kv_heads set, use model.fused_qkv=False")
+    if self.positional == "rotary" and self.head_dim % 2:
+      raise UserError(f"rotary positions need an even head_dim, got {self.head_dim} "
+                      "(model.d_model / model.num_heads)")
+    if self.relative_buckets < 2 or self.relative_max_distance < self.relative_buckets:
+      raise UserError(f"model.relative_buckets ({self.relative_buckets}) must be >= 2 and at "
+                      f"most model.relative_max_distance ({self.relative_max_distance})")
+    if self.num_labels < 0 or (self.num_labels and self.arch != "encoder_only"):
+      raise UserError(f"model.num_labels ({self.num_labels}) is for model.arch=encoder_only "
+                      "(a classification head); leave it 0 otherwise")
+    stack = {"decoder_only": "num_decoder_layers", "encoder_only": "num_encoder_layers"}
+    if self.arch in stack and getattr(self, stack[self.arch]) == 0:
+      raise UserError(f"model.arch={self.arch} needs model.{stack[self.arch]} > 0")
 
   @classmethod
   def from_dict(cls, values: Mapping[str, Any]) -> "ModelConfig":

@@ -1,18 +1,30 @@
 """Model FLOPs of a training step, and the accelerators' peak FLOP/s, HBM size and bandwidth.
 
 Model FLOPs of one training step (no padding: the benchmark batch is full), counting a
-multiply-add as 2 FLOPs and the backward pass as twice the forward:
+multiply-add as 2 FLOPs and the backward pass as twice the forward. With d_kv = key/value
+heads x head_dim (d with multi-head attention, less with grouped-query attention) and
+F = 2 d d_ff (3 d d_ff for a gated FFN), the matrices one token passes through are
 
-  forward = 2 * (  L_enc * (4 d^2 + 2 d d_ff) * B S            encoder projections and FFN
-                 + L_dec * (4 d^2 + 2 d d_ff + 2 d^2) * B T     decoder self-attn, FFN, cross q/out
-                 + L_dec * 2 d^2 * B S                          cross-attention keys and values
+  A = 2 d^2 + 2 d d_kv        self-attention: queries and output d x d, keys and values d x d_kv
+  layer = A + F
+
+and the encoder-decoder's forward pass is
+
+  forward = 2 * (  L_enc * layer * B S                          encoder
+                 + L_dec * (layer + 2 d^2) * B T                decoder; cross-attention q, out
+                 + L_dec * 2 d d_kv * B S                       cross-attention keys and values
                  + d V * B T )                                  output projection
           + 4 d * B * (L_enc S^2 + L_dec T^2 + L_dec T S)       QK^T and AV of every attention
-  train   = 3 * forward
+
+The decoder-only model runs its L_dec layers over source and target together (B (S + T)
+tokens, attention over (S + T)^2) and projects the target only (d V * B T); the encoder-only
+model runs L_enc layers over B S tokens and its masked-LM head (d^2 + d V per token; a
+classifier's head is per row and left out). train = 3 * forward.
 
 This is the usual "6 x parameters per token" with each weight matrix charged for the tokens it
 actually sees, plus the attention term (the causal mask's zeros are counted, as in most MFU
-reports). MFU = achieved FLOP/s / the device's peak dense bf16 FLOP/s.
+reports). Positions, norms and the parallel block change no matrix product. MFU = achieved
+FLOP/s / the device's peak dense bf16 FLOP/s.
 """
 
 from __future__ import annotations
@@ -62,14 +74,23 @@ def peak_flops(device) -> float | None:
 
 
 def train_flops_per_step(cfg: ModelConfig, batch: int, source_len: int, target_len: int) -> float:
-  """Model FLOPs of one train step on a full `[batch, source_len]` + `[batch, target_len]` batch."""
-  d, f, v = cfg.d_model, cfg.d_ff, cfg.vocab_size
+  """Model FLOPs of one train step on a full `[batch, source_len]` + `[batch, target_len]` batch
+  (the module docstring has the formula)."""
+  d, v = cfg.d_model, cfg.vocab_size
   le, ld = cfg.num_encoder_layers, cfg.num_decoder_layers
+  d_kv = cfg.kv_heads * cfg.head_dim
+  layer = 2 * d * d + 2 * d * d_kv + (3 if cfg.gated else 2) * d * cfg.d_ff
   s_tokens, t_tokens = batch * source_len, batch * target_len
-  matmuls = (le * (4 * d * d + 2 * d * f) * s_tokens
-             + ld * (6 * d * d + 2 * d * f) * t_tokens
-             + ld * 2 * d * d * s_tokens
-             + d * v * t_tokens)
-  attention = 2 * d * batch * (le * source_len**2 + ld * target_len**2
-                               + ld * target_len * source_len)
-  return 3.0 * (2.0 * matmuls + 2.0 * attention)
+  if cfg.arch == "decoder_only":
+    length = source_len + target_len
+    matmuls = ld * layer * batch * length + d * v * t_tokens
+    scores = ld * length**2
+  elif cfg.arch == "encoder_only":
+    head = 0 if cfg.num_labels else d * d + d * v
+    matmuls = le * layer * s_tokens + head * s_tokens
+    scores = le * source_len**2
+  else:
+    matmuls = (le * layer * s_tokens + ld * (layer + 2 * d * d) * t_tokens
+               + ld * 2 * d * d_kv * s_tokens + d * v * t_tokens)
+    scores = le * source_len**2 + ld * target_len**2 + ld * target_len * source_len
+  return 3.0 * (2.0 * matmuls + 4.0 * d * batch * scores)

@@ -1,8 +1,8 @@
-"""Initialisers, the feed-forward network, the residual + LayerNorm wrapper, the two blocks."""
+"""Initialisers, the feed-forward network, normalisation, the residual wiring, the two layers."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
 import flax.linen as nn
 import jax
@@ -12,6 +12,9 @@ from transformer_jax.model.axes import constrain, param_init
 from transformer_jax.model.config import ModelConfig
 
 Array = jax.Array
+
+# The nonlinearity of each FFN activation; the gated ones multiply it by a second projection.
+ACTIVATIONS = {"relu": nn.relu, "gelu": nn.gelu, "swiglu": nn.swish, "geglu": nn.gelu}
 
 
 def kernel_init(config: ModelConfig):
@@ -29,88 +32,128 @@ def embedding_init(config: ModelConfig):
 
 
 class FeedForward(nn.Module):
-  """FFN(x) = act(x W1 + b1) W2 + b2, applied at every position; dropout on the output."""
+  """FFN(x) = act(x W1 + b1) W2 + b2, applied at every position; dropout on the output.
+
+  Gated (swiglu, geglu; Shazeer 2020): FFN(x) = (act(x W_gate + b_gate) * (x W1 + b1)) W2 + b2,
+  a third matrix of the same shape as W1.
+  """
 
   config: ModelConfig
 
   @nn.compact
   def __call__(self, x: Array, deterministic: bool) -> Array:
     cfg = self.config
-    activation = {"relu": nn.relu, "gelu": nn.gelu}[cfg.activation]
-    h = nn.Dense(cfg.d_ff, dtype=cfg.compute_dtype,
-                 kernel_init=param_init(kernel_init(cfg), "embed", "mlp"),
-                 bias_init=param_init(nn.initializers.zeros_init(), "mlp"), name="wi")(x)
-    h = constrain(activation(h), "batch", "length", "mlp")
-    h = nn.Dense(cfg.d_model, dtype=cfg.compute_dtype,
-                 kernel_init=param_init(kernel_init(cfg), "mlp", "embed"),
-                 bias_init=param_init(nn.initializers.zeros_init(), "embed"), name="wo")(h)
-    h = constrain(h, "batch", "length", "embed")
+
+    def dense(features, names, name):
+      return nn.Dense(features, dtype=cfg.compute_dtype,
+                      kernel_init=param_init(kernel_init(cfg), *names),
+                      bias_init=param_init(nn.initializers.zeros_init(), names[-1]), name=name)
+
+    h = ACTIVATIONS[cfg.activation](dense(cfg.d_ff, ("embed", "mlp"),
+                                          "wi_gate" if cfg.gated else "wi")(x))
+    if cfg.gated:
+      h = h * dense(cfg.d_ff, ("embed", "mlp"), "wi")(x)
+    h = constrain(h, "batch", "length", "mlp")
+    h = constrain(dense(cfg.d_model, ("mlp", "embed"), "wo")(h), "batch", "length", "embed")
     return Dropout(rate=cfg.dropout_rate)(h, deterministic)
 
 
-def _attention(cfg: ModelConfig, name: str, decode: bool = False) -> MultiHeadAttention:
+def attention(cfg: ModelConfig, name: str, decode: bool = False,
+              rotary: bool = False) -> MultiHeadAttention:
   return MultiHeadAttention(
-      num_heads=cfg.num_heads, d_model=cfg.d_model, dropout_rate=cfg.attention_dropout_rate,
-      output_dropout_rate=cfg.dropout_rate, fused_qkv=cfg.fused_qkv, use_bias=cfg.qkv_bias,
+      num_heads=cfg.num_heads, d_model=cfg.d_model, num_kv_heads=cfg.num_kv_heads,
+      dropout_rate=cfg.attention_dropout_rate, output_dropout_rate=cfg.dropout_rate,
+      fused_qkv=cfg.fused_qkv, use_bias=cfg.qkv_bias,
+      rotary_base=cfg.position_base if rotary and cfg.positional == "rotary" else 0.0,
       implementation=cfg.attention_impl, decode=decode, dtype=cfg.compute_dtype,
       kernel_init=kernel_init(cfg), name=name)
 
 
-def layer_norm(config: ModelConfig, name: str) -> nn.LayerNorm:
+def norm_layer(config: ModelConfig, name: str) -> nn.Module:
+  """LayerNorm (scale and bias), or RMSNorm (scale only: x / rms(x) * scale; Zhang & Sennrich,
+  2019)."""
+  scale_init = param_init(nn.initializers.ones_init(), "embed")
+  if config.norm_type == "rmsnorm":
+    return nn.RMSNorm(epsilon=config.layer_norm_eps, dtype=config.compute_dtype,
+                      scale_init=scale_init, name=name)
   return nn.LayerNorm(epsilon=config.layer_norm_eps, dtype=config.compute_dtype,
-                      scale_init=param_init(nn.initializers.ones_init(), "embed"),
+                      scale_init=scale_init,
                       bias_init=param_init(nn.initializers.zeros_init(), "embed"), name=name)
 
 
 class Residual(nn.Module):
-  """Wraps a sublayer with the residual connection and LayerNorm, post-LN or pre-LN.
+  """Wraps sublayers with the residual connection and normalisation, post-LN or pre-LN.
 
-  post (the paper): LayerNorm(x + Sublayer(x)); pre: x + Sublayer(LayerNorm(x)).
+  post (the paper): LN(x + Sublayer(x)); pre: x + Sublayer(LN(x)). With several sublayers (a
+  parallel block) they all read the same input and their outputs are summed.
   """
 
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, x: Array, sublayer) -> Array:
-    norm = layer_norm(self.config, "norm")
+  def __call__(self, x: Array, *sublayers: Callable[[Array], Array]) -> Array:
+    norm = norm_layer(self.config, "norm")
     if self.config.norm == "pre":
-      x = x + sublayer(norm(x))
+      h = norm(x)
+      x = x + sum(sublayer(h) for sublayer in sublayers)
     else:
-      x = norm(x + sublayer(x))
+      x = norm(x + sum(sublayer(x) for sublayer in sublayers))
     return constrain(x, "batch", "length", "embed")
+
+
+def residual_blocks(cfg: ModelConfig, x: Array,
+                    blocks: Sequence[tuple[str, Callable[[Array], Array]]]) -> Array:
+  """The blocks (name, sublayer) one after the other, each with its Residual; or, with
+  model.parallel_block, all of them in one Residual named "parallel_block"."""
+  if cfg.parallel_block:
+    return Residual(cfg, name="parallel_block")(x, *(sublayer for _, sublayer in blocks))
+  for name, sublayer in blocks:
+    x = Residual(cfg, name=name)(x, sublayer)
+  return x
 
 
 class EncoderLayer(nn.Module):
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, x: Array, mask: Optional[Array], deterministic: bool) -> Array:
-    """x `[batch, src_len, d_model]`, mask bool `[batch, 1, src_len, src_len]`."""
+  def __call__(self, x: Array, mask: Optional[Array], deterministic: bool,
+               bias: Optional[Array] = None, positions: Optional[Array] = None) -> Array:
+    """x `[batch, src_len, d_model]`, mask bool `[batch, 1, src_len, src_len]`; bias (relative
+    positions) `[batch, heads, src_len, src_len]`; positions (rotary) int `[batch, src_len]`."""
     cfg = self.config
-    attention = _attention(cfg, "self_attention")
-    x = Residual(cfg, name="attention_block")(x, lambda h: attention(h, None, mask, deterministic))
+    self_attention = attention(cfg, "self_attention", rotary=True)
     ffn = FeedForward(cfg, name="ffn")
-    return Residual(cfg, name="ffn_block")(x, lambda h: ffn(h, deterministic))
+    return residual_blocks(cfg, x, [
+        ("attention_block", lambda h: self_attention(h, None, mask, deterministic, bias=bias,
+                                                     positions=positions)),
+        ("ffn_block", lambda h: ffn(h, deterministic))])
 
 
 class DecoderLayer(nn.Module):
+  """Masked self-attention, cross-attention to the encoder output (none in a decoder-only
+  model: `encoded` None), feed-forward."""
+
   config: ModelConfig
   decode: bool = False
 
   @nn.compact
-  def __call__(self, y: Array, encoded: Array, self_mask: Optional[Array],
-               cross_mask: Optional[Array], deterministic: bool) -> Array:
-    """y `[batch, tgt_len, d_model]`, encoded `[batch, src_len, d_model]`.
+  def __call__(self, y: Array, encoded: Optional[Array], self_mask: Optional[Array],
+               cross_mask: Optional[Array], deterministic: bool, bias: Optional[Array] = None,
+               positions: Optional[Array] = None) -> Array:
+    """y `[batch, tgt_len, d_model]`, encoded `[batch, src_len, d_model]` or None.
 
     self_mask `[batch, 1, tgt_len, tgt_len]` (causal and padding), cross_mask
-    `[batch, 1, tgt_len, src_len]`.
+    `[batch, 1, tgt_len, src_len]`; bias (relative positions) `[batch, heads, tgt_len, tgt_len]`;
+    positions (rotary) int `[batch, tgt_len]`.
     """
     cfg = self.config
-    self_attention = _attention(cfg, "self_attention", self.decode)
-    cross_attention = _attention(cfg, "cross_attention", self.decode)
-    y = Residual(cfg, name="self_attention_block")(
-        y, lambda h: self_attention(h, None, self_mask, deterministic))
-    y = Residual(cfg, name="cross_attention_block")(
-        y, lambda h: cross_attention(h, encoded, cross_mask, deterministic))
+    self_attention = attention(cfg, "self_attention", self.decode, rotary=True)
+    blocks = [("self_attention_block", lambda h: self_attention(
+        h, None, self_mask, deterministic, bias=bias, positions=positions))]
+    if encoded is not None:
+      cross_attention = attention(cfg, "cross_attention", self.decode)
+      blocks.append(("cross_attention_block",
+                     lambda h: cross_attention(h, encoded, cross_mask, deterministic)))
     ffn = FeedForward(cfg, name="ffn")
-    return Residual(cfg, name="ffn_block")(y, lambda h: ffn(h, deterministic))
+    blocks.append(("ffn_block", lambda h: ffn(h, deterministic)))
+    return residual_blocks(cfg, y, blocks)

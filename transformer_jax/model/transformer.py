@@ -1,4 +1,5 @@
-"""Encoder, Decoder and the Transformer with `encode` / `decode` methods; sizes and `describe`."""
+"""The stacks (Encoder, Decoder) and the three models built from them: the encoder-decoder
+Transformer (with `encode` / `decode`), DecoderOnly and EncoderOnly; sizes and `describe`."""
 
 from __future__ import annotations
 
@@ -14,13 +15,14 @@ from transformer_jax.model import attention
 from transformer_jax.model.axes import constrain, param_init
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.layers import (
+  ACTIVATIONS,
   DecoderLayer,
   EncoderLayer,
   embedding_init,
   kernel_init,
-  layer_norm,
+  norm_layer,
 )
-from transformer_jax.model.positions import AddPositions
+from transformer_jax.model.positions import AddPositions, RelativePositionBias
 
 Array = jax.Array
 
@@ -60,6 +62,21 @@ def _default_positions(tokens: Array) -> Array:
   return jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
 
 
+def _segments(tokens: Array, segments: Optional[Array]) -> Array:
+  """Example ids of packed rows, or 1 at every real token of an unpacked row (0 = padding)."""
+  return (tokens > 0).astype(jnp.int32) if segments is None else segments
+
+
+def _position_bias(cfg: ModelConfig, bidirectional: bool, query_positions: Array,
+                   key_positions: Array) -> Optional[Array]:
+  """The stack's relative position bias `[batch, heads, q_len, kv_len]`, or None when the model
+  has none. Called in a module's compact scope: the table is that stack's "relative_bias"."""
+  if cfg.positional != "relative_bias":
+    return None
+  return RelativePositionBias(cfg, bidirectional, name="relative_bias")(query_positions,
+                                                                         key_positions)
+
+
 @jax.custom_vjp
 def output_projection(x: Array, embedding: Array) -> Array:
   """Logits of the tied output layer: x `[batch, length, d]` times the `[vocab, d]` table^T.
@@ -86,6 +103,20 @@ def _output_projection_bwd(residuals, d_logits):
 output_projection.defvjp(_output_projection_fwd, _output_projection_bwd)
 
 
+def _logits(cfg: ModelConfig, embed: nn.Embed, y: Array) -> Array:
+  """float32 logits `[batch, length, vocab]` of the outputs y: the embedding table transposed
+  (tied) or a Dense layer named "logits"."""
+  if cfg.tie_output:
+    embedding = jnp.asarray(embed.embedding, cfg.compute_dtype)
+    logits = output_projection(y.astype(cfg.compute_dtype), embedding)
+  else:
+    logits = nn.Dense(cfg.vocab_size, dtype=cfg.compute_dtype,
+                      kernel_init=param_init(kernel_init(cfg), "embed", "vocab"),
+                      bias_init=param_init(nn.initializers.zeros_init(), "vocab"),
+                      name="logits")(y)
+  return constrain(logits.astype(jnp.float32), "batch", "length", "vocab")
+
+
 def _maybe_remat(layer_class, cfg: ModelConfig, deterministic_argnum: int):
   """The layer class, wrapped in `nn.remat` when training with model.remat set.
 
@@ -98,7 +129,25 @@ def _maybe_remat(layer_class, cfg: ModelConfig, deterministic_argnum: int):
                   policy=REMAT_POLICIES[cfg.remat])
 
 
+def _cached_key_positions(module: nn.Module, positions: Array) -> Optional[Array]:
+  """Decode mode: the position of every cache slot once this call's `positions` (int
+  `[batch, n]`) are written at the cache index, int `[batch, cache_len]`, -1 where nothing (or
+  padding) was written; None on the cache-creating call, which writes nothing."""
+  initialized = module.has_variable("cache", "key_positions")
+  slots = module.variable("cache", "key_positions",
+                          lambda: jnp.full(positions.shape, -1, jnp.int32))
+  index = module.variable("cache", "index", lambda: jnp.array(0, jnp.int32))
+  if not initialized:
+    return None
+  slots.value = jax.lax.dynamic_update_slice(slots.value, positions.astype(jnp.int32),
+                                             (0, index.value))
+  index.value = index.value + positions.shape[1]
+  return slots.value
+
+
 class Encoder(nn.Module):
+  """The bidirectional stack: embeddings, layers of self-attention and FFN, final norm."""
+
   config: ModelConfig
   embed: nn.Module
 
@@ -118,68 +167,62 @@ class Encoder(nn.Module):
       mask = attention.combine_masks(mask, attention.segment_mask(segments, segments))
     x = _embed_tokens(cfg, self.embed, AddPositions(cfg, name="positions"), tokens, positions,
                       deterministic)
+    bias = _position_bias(cfg, True, positions, positions)
     layer = _maybe_remat(EncoderLayer, cfg, deterministic_argnum=3)
     for i in range(cfg.num_encoder_layers):
-      x = layer(cfg, name=f"layer_{i}")(x, mask, deterministic)
+      x = layer(cfg, name=f"layer_{i}")(x, mask, deterministic, bias, positions)
     if cfg.norm == "pre":
-      x = layer_norm(cfg, "final_norm")(x)
+      x = norm_layer(cfg, "final_norm")(x)
     return x
 
 
 class Decoder(nn.Module):
+  """The causal stack: embeddings, layers of masked self-attention (and cross-attention to an
+  encoder output), final norm, output projection. Used by the encoder-decoder and, without
+  cross-attention, by the decoder-only model."""
+
   config: ModelConfig
   embed: nn.Module
 
   @nn.compact
-  def __call__(self, encoded: Array, source_tokens: Array, decoder_inputs: Array,
-               positions: Optional[Array] = None, source_segments: Optional[Array] = None,
-               target_segments: Optional[Array] = None) -> Array:
-    """Returns logits `[batch, tgt_len, vocab]` in float32.
+  def __call__(self, tokens: Array, positions: Array, segments: Array,
+               encoded: Optional[Array] = None, cross_mask: Optional[Array] = None,
+               output_from: int = 0) -> Array:
+    """Returns logits `[batch, length - output_from, vocab]` in float32.
 
     Args:
-      encoded: `[batch, src_len, d_model]` from the encoder.
-      source_tokens: int `[batch, src_len]`, for the cross-attention padding mask.
-      decoder_inputs: int `[batch, tgt_len]`, the targets shifted right (BOS first).
-      positions: int `[batch, tgt_len]`; in decode mode, the position of the single step.
-      source_segments, target_segments: example ids for packed rows.
+      tokens: int `[batch, length]` (0 = padding).
+      positions: int `[batch, length]`, each token's position within its example; a query
+        attends to the keys of its example at positions up to its own. In decode mode, the
+        positions of this call's tokens (-1: padding of a prompt).
+      segments: int `[batch, length]`, example ids (0 = padding).
+      encoded: `[batch, src_len, d_model]` from the encoder, or None (decoder-only).
+      cross_mask: bool `[batch, 1, length, src_len]`.
+      output_from: the logits of positions output_from, ... only (decoder-only: the target).
     """
     cfg = self.config
     deterministic = cfg.deterministic
-    positions = _default_positions(decoder_inputs) if positions is None else positions
-    source_valid = source_tokens > 0
-    if cfg.decode:
-      # One step at a time: the cache masks positions not yet written; queries are never padding.
-      query_valid = jnp.ones(decoder_inputs.shape, dtype=bool)
-      self_mask = None
+    key_positions = _cached_key_positions(self, positions) if cfg.decode else None
+    if key_positions is not None:
+      # A decoding step (or prompt): the cache says which slots hold keys of real positions;
+      # the attention's cache index keeps each query from the slots after its own.
+      self_mask = (key_positions >= 0)[:, None, None, :]
     else:
-      query_valid = decoder_inputs > 0
+      key_positions = positions
       self_mask = attention.combine_masks(
-          attention.padding_mask(query_valid, query_valid),
-          attention.causal_mask(decoder_inputs.shape[1]))
-    cross_mask = attention.padding_mask(query_valid, source_valid)
-    if target_segments is not None:
-      self_mask = attention.combine_masks(
-          self_mask, attention.segment_mask(target_segments, target_segments))
-      cross_mask = attention.combine_masks(
-          cross_mask, attention.segment_mask(target_segments, source_segments))
-
-    y = _embed_tokens(cfg, self.embed, AddPositions(cfg, name="positions"), decoder_inputs,
-                      positions, deterministic)
+          attention.segment_mask(segments, segments), (segments > 0)[:, None, None, :],
+          positions[:, None, None, :] <= positions[:, None, :, None])
+    y = _embed_tokens(cfg, self.embed, AddPositions(cfg, name="positions"), tokens, positions,
+                      deterministic)
+    bias = _position_bias(cfg, False, positions, key_positions)
     layer = _maybe_remat(DecoderLayer, cfg, deterministic_argnum=5)
     for i in range(cfg.num_decoder_layers):
       y = layer(cfg, decode=cfg.decode, name=f"layer_{i}")(
-          y, encoded, self_mask, cross_mask, deterministic)
+          y, encoded, self_mask, cross_mask, deterministic, bias, positions)
+    y = y[:, output_from:]
     if cfg.norm == "pre":
-      y = layer_norm(cfg, "final_norm")(y)
-    if cfg.tie_output:
-      embedding = jnp.asarray(self.embed.embedding, cfg.compute_dtype)
-      logits = output_projection(y.astype(cfg.compute_dtype), embedding)
-    else:
-      logits = nn.Dense(cfg.vocab_size, dtype=cfg.compute_dtype,
-                        kernel_init=param_init(kernel_init(cfg), "embed", "vocab"),
-                        bias_init=param_init(nn.initializers.zeros_init(), "vocab"),
-                        name="logits")(y)
-    return constrain(logits.astype(jnp.float32), "batch", "length", "vocab")
+      y = norm_layer(cfg, "final_norm")(y)
+    return _logits(cfg, self.embed, y)
 
 
 class Transformer(nn.Module):
@@ -201,8 +244,26 @@ class Transformer(nn.Module):
   def decode(self, encoded: Array, source_tokens: Array, decoder_inputs: Array,
              target_positions: Optional[Array] = None, source_segments: Optional[Array] = None,
              target_segments: Optional[Array] = None) -> Array:
-    return self.decoder(encoded, source_tokens, decoder_inputs, target_positions,
-                        source_segments, target_segments)
+    """Logits `[batch, tgt_len, vocab]` (float32) of the targets.
+
+    Args:
+      encoded: `[batch, src_len, d_model]` from the encoder.
+      source_tokens: int `[batch, src_len]`, for the cross-attention padding mask.
+      decoder_inputs: int `[batch, tgt_len]`, the targets shifted right (BOS first).
+      target_positions: int `[batch, tgt_len]`; in decode mode, the position of the step.
+      source_segments, target_segments: example ids for packed rows.
+    """
+    positions = (_default_positions(decoder_inputs) if target_positions is None
+                 else target_positions)
+    # In decode mode the queries are the steps being decoded, never padding.
+    query_valid = (jnp.ones(decoder_inputs.shape, bool) if self.config.decode
+                   else decoder_inputs > 0)
+    cross_mask = attention.padding_mask(query_valid, source_tokens > 0)
+    if target_segments is not None:
+      cross_mask = attention.combine_masks(
+          cross_mask, attention.segment_mask(target_segments, source_segments))
+    return self.decoder(decoder_inputs, positions, _segments(decoder_inputs, target_segments),
+                        encoded, cross_mask)
 
   def __call__(self, source_tokens: Array, decoder_inputs: Array,
                source_positions: Optional[Array] = None, target_positions: Optional[Array] = None,
@@ -215,6 +276,97 @@ class Transformer(nn.Module):
                        source_segments, target_segments)
 
 
+class DecoderOnly(nn.Module):
+  """A decoder-only (GPT-style) language model over one sequence: the source, if any, then the
+  target, each example in one causal stream ("source EOS BOS target EOS"; a language model's
+  examples have no source). Called like the encoder-decoder, it returns the target's logits
+  only, so the loss falls on the target (a prefix LM for sequence-to-sequence tasks)."""
+
+  config: ModelConfig
+
+  def setup(self):
+    self.decoder = Decoder(self.config, _embed(self.config, "token_embedding"), name="decoder")
+
+  def __call__(self, source_tokens: Array, decoder_inputs: Array,
+               source_positions: Optional[Array] = None, target_positions: Optional[Array] = None,
+               source_segments: Optional[Array] = None,
+               target_segments: Optional[Array] = None) -> Array:
+    """Logits `[batch, tgt_len, vocab]` of the targets.
+
+    Args:
+      source_tokens: int `[batch, src_len]` (0 = padding; src_len may be 0).
+      decoder_inputs: int `[batch, tgt_len]`, the targets shifted right (BOS first).
+      source_positions, target_positions, source_segments, target_segments: packed rows, where
+        source example k and target example k are one sequence.
+    """
+    source_segments = _segments(source_tokens, source_segments)
+    target_segments = _segments(decoder_inputs, target_segments)
+    source_positions = (_default_positions(source_tokens) if source_positions is None
+                        else source_positions)
+    target_positions = (_default_positions(decoder_inputs) if target_positions is None
+                        else target_positions)
+    # Each target continues its own example's source: its positions start at that length.
+    source_length = jnp.sum((source_segments[:, None, :] == target_segments[:, :, None])
+                            & (source_tokens > 0)[:, None, :], axis=-1, dtype=jnp.int32)
+    return self.decoder(
+        jnp.concatenate([source_tokens, decoder_inputs], axis=1),
+        jnp.concatenate([source_positions, target_positions + source_length], axis=1),
+        jnp.concatenate([source_segments, target_segments], axis=1),
+        output_from=source_tokens.shape[1])
+
+  def extend(self, tokens: Array, positions: Array) -> Array:
+    """Decode mode: writes `tokens` (int `[batch, n]`, a prompt or one step) at `positions`
+    (int `[batch, n]`, -1 for padding) into the cache; returns their logits `[batch, n, vocab]`.
+    """
+    return self.decoder(tokens, positions, (positions >= 0).astype(jnp.int32))
+
+
+class EncoderOnly(nn.Module):
+  """An encoder-only (BERT-style) model: the bidirectional stack with a masked-language-model
+  head (a dense layer, the activation and a norm, then the output projection with a bias, as
+  BERT's), or, with model.num_labels > 0, a sequence-classification head (the mean of the
+  outputs over the real tokens, a tanh dense layer, then the classes)."""
+
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, tokens: Array, positions: Optional[Array] = None,
+               segments: Optional[Array] = None) -> Array:
+    """tokens int `[batch, length]` -> float32 logits: `[batch, length, vocab]` (masked LM) or
+    `[batch, 1, num_labels]` (classification)."""
+    cfg = self.config
+    embed = _embed(cfg, "token_embedding")
+    x = Encoder(cfg, embed, name="encoder")(tokens, positions, segments)
+
+    def dense(features, names, name):
+      return nn.Dense(features, dtype=cfg.compute_dtype,
+                      kernel_init=param_init(kernel_init(cfg), *names),
+                      bias_init=param_init(nn.initializers.zeros_init(), names[-1]), name=name)
+
+    if cfg.num_labels:
+      valid = (tokens > 0)[:, :, None].astype(x.dtype)
+      pooled = jnp.sum(x * valid, axis=1) / jnp.maximum(jnp.sum(valid, axis=1), 1.0)
+      pooled = jnp.tanh(dense(cfg.d_model, ("embed", "mlp"), "pooler")(pooled))
+      logits = dense(cfg.num_labels, ("mlp", None), "classifier")(pooled)
+      return logits[:, None, :].astype(jnp.float32)
+    h = ACTIVATIONS[cfg.activation](dense(cfg.d_model, ("embed", "mlp"), "mlm_dense")(x))
+    h = norm_layer(cfg, "mlm_norm")(h)
+    if not cfg.tie_output:
+      return _logits(cfg, embed, h)
+    bias = self.param("mlm_bias", param_init(nn.initializers.zeros_init(), "vocab"),
+                      (cfg.vocab_size,))
+    return _logits(cfg, embed, h) + bias
+
+
+MODELS = {"encoder_decoder": Transformer, "decoder_only": DecoderOnly,
+          "encoder_only": EncoderOnly}
+
+
+def make_model(config: ModelConfig) -> nn.Module:
+  """The module of config.arch."""
+  return MODELS[config.arch](config)
+
+
 # ----------------------------------------------------------------------------- sizes
 
 
@@ -222,8 +374,10 @@ def init_boxed_params(config: ModelConfig, rng: Array):
   """Initial float32 parameters, each wrapped with the logical names of its dimensions
   (`nn.LogicallyPartitioned`; see `axes.py`). `nn.get_partition_spec` reads the names,
   `nn.unbox` the arrays."""
-  model = Transformer(config.replace(deterministic=True, decode=False))
+  model = make_model(config.replace(deterministic=True, decode=False))
   tokens = jnp.ones((1, 8), jnp.int32)  # the shapes depend on the config only, not on lengths
+  if config.arch == "encoder_only":
+    return model.init(rng, tokens)["params"]
   return model.init(rng, tokens, tokens)["params"]
 
 
@@ -252,12 +406,20 @@ def count_params(params) -> dict:
 def describe(config: ModelConfig) -> str:
   """A short human-readable summary: the config and parameter counts."""
   counts = count_params(param_shapes(config))
+  c = config
+  stacks = {"encoder_decoder": f"encoder-decoder, {c.num_encoder_layers}+{c.num_decoder_layers} "
+                               "layers",
+            "decoder_only": f"decoder-only, {c.num_decoder_layers} layers",
+            "encoder_only": f"encoder-only, {c.num_encoder_layers} layers"}[c.arch]
+  head = f" ({c.num_labels} classes)" if c.num_labels else ""
+  kv = f", {c.kv_heads} key/value heads" if c.kv_heads != c.num_heads else ""
+  block = f"{c.norm}-{c.norm_type}, {c.activation}" + (", parallel blocks" if c.parallel_block
+                                                       else "")
   lines = [
-      f"Transformer: {config.num_encoder_layers}+{config.num_decoder_layers} layers, "
-      f"d_model {config.d_model}, d_ff {config.d_ff}, {config.num_heads} heads "
-      f"(head_dim {config.head_dim}), vocab {config.vocab_size}, {config.norm}-LN, "
-      f"{config.positional} positions, dtype {config.dtype}",
+      f"Transformer{head}: {stacks}, d_model {c.d_model}, d_ff {c.d_ff}, {c.num_heads} heads "
+      f"(head_dim {c.head_dim}{kv}), vocab {c.vocab_size}, {block}, {c.positional} positions, "
+      f"dtype {c.dtype}",
       f"parameters: {counts['total']:,} total, {counts['non_embedding']:,} without embeddings "
-      f"({counts['embedding']:,} in embedding tables)",
+      f"({counts['embedding']:,} in embedding and position tables)",
   ]
   return "\n".join(lines)

@@ -18,7 +18,7 @@ import numpy as np
 
 from transformer_jax import config as config_lib
 from transformer_jax.core.errors import UserError
-from transformer_jax.data import cache, pipeline, prepare
+from transformer_jax.data import cache, pipeline, prepare, tasks
 from transformer_jax.data import sources as sources_lib
 from transformer_jax.eval import load, search
 from transformer_jax.model import ModelConfig, count_params, init_params
@@ -29,10 +29,20 @@ from transformer_jax.train import step as step_lib
 
 
 def synthetic_batch(cfg: ModelConfig, batch: int, source_len: int, target_len: int, seed=0):
-  """Full rows of random real tokens (ids >= 4), EOS-free: every position counts."""
+  """Full rows of random real tokens (ids >= 4), EOS-free: every position counts. A classifier's
+  targets are labels + 1."""
   rng = np.random.default_rng(seed)
+  high = cfg.num_labels + 1 if cfg.num_labels else cfg.vocab_size
   return {"inputs": rng.integers(4, cfg.vocab_size, (batch, source_len), dtype=np.int32),
-          "targets": rng.integers(4, cfg.vocab_size, (batch, target_len), dtype=np.int32)}
+          "targets": rng.integers(min(4, high - 1), high, (batch, target_len), dtype=np.int32)}
+
+
+def batch_lengths(config) -> tuple[int, int]:
+  """The synthetic batch's (source, target) widths: benchmark.source_len and target_len, or none,
+  or one label, as the task's batches have (data/tasks.py)."""
+  b = config.benchmark
+  return {"seq2seq": (b.source_len, b.target_len), "lm": (0, b.target_len),
+          "mlm": (b.source_len, 0), "classify": (b.source_len, 1)}[config.data.task]
 
 
 def interleaved_medians(runs: dict, steps: int, block: int = 5) -> dict:
@@ -66,8 +76,9 @@ def benchmark_train(config, model_config: ModelConfig, references=None) -> dict:
   optimizer = state_lib.make_optimizer(config.train, model_config.d_model)
   step = step_lib.make_train_step(model_config, bench_config, mesh, optimizer)
   state = state_lib.init_state(model_config, optimizer, config.seed, mesh)
-  batch = sharding.shard_batch(synthetic_batch(model_config, b.batch_size, b.source_len,
-                                               b.target_len), mesh,
+  source_len, target_len = batch_lengths(config)
+  batch = sharding.shard_batch(synthetic_batch(model_config, b.batch_size, source_len,
+                                               target_len), mesh,
                                multiple=config.train.grad_accum_steps)
   rng = jax.random.PRNGKey(0)
 
@@ -87,7 +98,7 @@ def benchmark_train(config, model_config: ModelConfig, references=None) -> dict:
     run()
   medians = interleaved_medians({"jax": run, **(references or {})}, b.steps)
   step_s = medians["jax"]
-  flops = train_flops_per_step(model_config, b.batch_size, b.source_len, b.target_len)
+  flops = train_flops_per_step(model_config, b.batch_size, source_len, target_len)
   device = jax.devices()[0]
   peak = peak_flops(device)
   achieved = flops / step_s
@@ -97,8 +108,8 @@ def benchmark_train(config, model_config: ModelConfig, references=None) -> dict:
       "params": count_params(state.params)["total"],
       "compile_s": compile_s,
       "step_ms": step_s * 1e3,
-      "source_tokens_per_s": b.batch_size * b.source_len / step_s,
-      "target_tokens_per_s": b.batch_size * b.target_len / step_s,
+      "source_tokens_per_s": b.batch_size * source_len / step_s,
+      "target_tokens_per_s": b.batch_size * target_len / step_s,
       "flops_per_step": flops,
       "tflops_per_s": achieved / 1e12,
       "mfu": achieved / (peak * mesh.devices.size) if peak else None,
@@ -169,9 +180,10 @@ def benchmark_decoding(config, workdir: str, batch_size: int = 32, beam_size: in
   """
   trained = load.load_trained(config, workdir, step)
   d = config.data
+  if trained.model_config.arch == "encoder_only":
+    raise UserError("an encoder-only model does not decode; there is no decoding to time")
   pairs = sources_lib.load_split(d, d.eval_split)
-  examples = pipeline.encode(pairs[: num_batches * batch_size], trained.tokenizer,
-                             d.max_source_len, d.max_target_len)
+  examples = tasks.examples(d, pairs[: num_batches * batch_size], trained.tokenizer)
   if not len(examples):
     raise UserError("no evaluation example fits data.max_source_len / data.max_target_len")
   sources = examples.rows(np.arange(len(examples)))["inputs"]
@@ -282,13 +294,19 @@ def run_benchmark(config) -> dict:
   config_lib.validate_benchmark(config, model_config)
   b = config.benchmark
   if b.input:
+    if config.data.task != "seq2seq":  # only seq2seq's examples are cached (data/prepare.py)
+      raise UserError(f"benchmark.input times the cached input path of data.task=seq2seq, not "
+                      f"{config.data.task}; set data.task=seq2seq")
     print(f"benchmark: the input path of {config.data.source} {config.data.train_split!r}, "
           f"batching={config.data.batching}, prefetch {config.data.prefetch}", flush=True)
     return _report(benchmark_input(config, model_config))
-  print(f"benchmark: batch {b.batch_size} x (source {b.source_len} + target {b.target_len}), "
+  print(f"benchmark: batch {b.batch_size} x (source, target) {batch_lengths(config)}, "
         f"{b.steps} timed steps after {b.warmup} warm-up, {jax.device_count()} device(s) "
         f"({jax.devices()[0].device_kind})", flush=True)
   references = {}
+  if b.torch and model_config.arch != "encoder_decoder":
+    raise UserError("benchmark.torch times torch.nn.Transformer, an encoder-decoder; set "
+                    "model.arch=encoder_decoder or benchmark.torch=False")
   if b.torch:
     from transformer_jax.tools import torch_reference  # imports torch: optional
     references["torch"], torch_params = torch_reference.make_step(
@@ -298,7 +316,7 @@ def run_benchmark(config) -> dict:
   if b.torch:
     result["torch_params"] = torch_params
     result["speedup_vs_torch"] = result["torch_step_ms"] / result["step_ms"]
-  if b.decode_steps:
+  if b.decode_steps and model_config.arch != "encoder_only":  # an encoder does not decode
     params = init_params(model_config, jax.random.PRNGKey(config.seed))
     result.update(benchmark_decode(config, model_config, params))
   return _report(result)

@@ -22,6 +22,7 @@ import numpy as np
 from transformer_jax import config as config_lib
 from transformer_jax.core import platforms
 from transformer_jax.core.errors import UserError
+from transformer_jax.data import tasks
 from transformer_jax.eval import decode
 from transformer_jax.model import ModelConfig
 from transformer_jax.model.flops import GiB, chip, train_flops_per_step
@@ -74,8 +75,9 @@ def train_shapes(config, mesh) -> Shapes:
   """The batch the train step is compiled for: compile.* where set, else the largest batch the
   data config makes (the longest length bucket, or packed rows), padded for the mesh."""
   c, d = config.compile, config.data
-  source_len = c.source_len or d.max_source_len
-  target_len = c.target_len or d.max_target_len
+  widest = tasks.batch_lengths(d)  # a side the task does not have stays empty
+  source_len = (c.source_len or widest[0]) if widest[0] else 0
+  target_len = (c.target_len or widest[1]) if widest[1] else 0
   if c.batch_size:
     rows = c.batch_size
   elif d.batching == "fixed":
@@ -196,30 +198,33 @@ def compile_train_step(config, model_config: ModelConfig, mesh, spec) -> dict:
   }
 
 
-def compile_decode_step(config, model_config: ModelConfig, mesh, spec) -> dict:
-  """One position of greedy decoding with a full KV cache: memory and tokens/s per chip."""
+def compile_decode_step(config, model_config: ModelConfig, mesh, spec) -> dict | None:
+  """One position of greedy decoding with a full KV cache: memory and tokens/s per chip (None
+  for an encoder-only model, which does not decode). A decoder-only model's cache also holds
+  the prompt, "source EOS BOS"."""
+  if model_config.arch == "encoder_only":
+    return None
   cfg = model_config.replace(deterministic=True)
   optimizer = state_lib.make_optimizer(config.train, model_config.d_model)
   params = state_lib.abstract_state(model_config, optimizer, mesh).params
   rows = sharding.padded_rows(config.compile.decode_batch, sharding.batch_shards(mesh))
-  source_len, length = config.data.max_source_len, config.data.max_target_len
+  source_len, length = tasks.batch_lengths(config.data)[0], config.data.max_target_len
+  if cfg.arch == "decoder_only":
+    source_len += 1  # the prompt's BOS
   batch, replicated = sharding.batch_sharding(mesh), sharding.replicated(mesh)
   source = _abstract((rows, source_len), jnp.int32, batch)
-  encoded = _abstract((rows, source_len, cfg.d_model), cfg.compute_dtype, batch)
-  cache = jax.eval_shape(lambda p, e, s: decode.init_cache(p, cfg, e, s, length), params,
-                         encoded, source)
-  cache = jax.tree.map(lambda x: _abstract(x.shape, x.dtype, batch if x.ndim else replicated),
-                       cache)
+  begin = jax.eval_shape(lambda p, s: decode.start(p, cfg, s, length), params, source)
+  place = lambda x: _abstract(x.shape, x.dtype, batch if x.ndim else replicated)
+  cache, context = jax.tree.map(place, begin.cache), jax.tree.map(place, begin.context)
   tokens = _abstract((rows,), jnp.int32, batch)
-  position = _abstract((), jnp.int32, replicated)
 
-  def one_position(params, cache, encoded, source, tokens, position):
-    logits, cache = decode.decode_step(params, cfg, cache, encoded, source, tokens, position)
+  def one_position(params, cache, context, tokens, positions):
+    logits, cache = decode.decode_step(params, cfg, cache, context, tokens, positions)
     return jnp.argmax(logits, axis=-1), cache
 
   step = sharding.jit(one_position, mesh, donate_argnums=(1,))
-  compiled = _compile(step.lower(params, cache, encoded, source, tokens, position),
-                      "the decode step", spec.name, mesh)
+  compiled = _compile(step.lower(params, cache, context, tokens, tokens), "the decode step",
+                      spec.name, mesh)
   cost, memory = _cost(compiled), _memory(compiled)
   seconds, method = estimate_seconds(cost, spec)
   return {"batch": f"{rows} rows, cache of {length} positions", **memory,
@@ -246,10 +251,13 @@ def report(name: str, mesh, train: dict, decode_: dict, spec) -> str:
       f"{train['model_flops'] / 1e12:.3f} T",
       f"  step time {train['step_s'] * 1e3:.1f} ms ({train['estimate']}): MFU "
       f"{train['mfu']:.1%}, {train['target_tokens_per_s']:,.0f} target tokens/s per chip",
-      f"greedy decode step, {decode_['batch']}: {_gib(decode_['total_bytes'])} per chip, "
-      f"{decode_['step_s'] * 1e3:.2f} ms ({decode_['estimate']}): "
-      f"{decode_['tokens_per_s']:,.0f} tokens/s per chip",
   ]
+  if decode_ is None:
+    lines.append("no decode step: an encoder-only model does not decode")
+  else:
+    lines.append(f"greedy decode step, {decode_['batch']}: {_gib(decode_['total_bytes'])} per "
+                 f"chip, {decode_['step_s'] * 1e3:.2f} ms ({decode_['estimate']}): "
+                 f"{decode_['tokens_per_s']:,.0f} tokens/s per chip")
   return "\n".join(lines)
 
 

@@ -1,4 +1,4 @@
-"""Pictures of a run: training curves, the positional-encoding matrix, and attention maps.
+"""Pictures of a run: training curves, the model's positions, and attention maps.
 
 Everything renders headless into PNG files: figures are made with matplotlib's object API
 (`Figure`), never pyplot, so no GUI backend or global figure state is involved.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import os
+import sys
 import textwrap
 from typing import Optional
 
@@ -19,10 +20,10 @@ from matplotlib.figure import Figure
 from transformer_jax import config as config_lib
 from transformer_jax.core import files
 from transformer_jax.core.errors import UserError
-from transformer_jax.core.tokens import EOS_ID
-from transformer_jax.eval import decode, load
-from transformer_jax.model import Transformer, shift_right
-from transformer_jax.model.positions import sinusoidal_positions
+from transformer_jax.core.tokens import BOS_ID, EOS_ID, UNK_ID
+from transformer_jax.eval import decode, load, search
+from transformer_jax.model import make_model, shift_right
+from transformer_jax.model.positions import relative_position_bucket, sinusoidal_positions
 from transformer_jax.train import logger
 
 ATTENTION_KINDS = ("encoder_self_attention", "decoder_self_attention", "cross_attention")
@@ -40,12 +41,30 @@ def _series(records, split, key):
   return tuple(zip(*sorted(points))) if points else ((), ())
 
 
+# The task's own evaluation metric, in the first of these groups that the run logged: decoding
+# (seq2seq), classification, else perplexity (a language model's only one).
+TASK_PANELS = (
+    ("exact match / BLEU", (("eval", "exact_match"), ("eval", "bleu"))),
+    ("accuracy / macro-F1", (("eval", "accuracy"), ("eval", "macro_f1"))),
+    ("perplexity", (("eval", "perplexity"),)),
+)
+PERCENT = ("exact_match", "accuracy", "macro_f1")  # fractions, drawn on BLEU's 0-100 scale
+
+
+def task_panel(records: list[dict]) -> tuple[str, tuple]:
+  """(title, ((split, key), ...)) of the task metric panel: the first of TASK_PANELS with data."""
+  for title, lines in TASK_PANELS:
+    if any(_series(records, split, key)[0] for split, key in lines):
+      return title, lines
+  return TASK_PANELS[0]
+
+
 def plot_curves(records: list[dict], path: str) -> str:
-  """Loss, accuracy, exact match / BLEU and learning rate against the step."""
+  """Loss, accuracy, the task's metric and learning rate against the step."""
   panels = [
       ("loss", [("train", "loss"), ("eval", "loss")]),
       ("token accuracy", [("train", "accuracy"), ("eval", "token_accuracy")]),
-      ("exact match / BLEU", [("eval", "exact_match"), ("eval", "bleu")]),
+      task_panel(records),
       ("learning rate", [("train", "learning_rate")]),
   ]
   fig = Figure(figsize=(4.2 * len(panels), 3.4))
@@ -56,8 +75,8 @@ def plot_curves(records: list[dict], path: str) -> str:
       if not steps:
         continue
       values = np.asarray(values, dtype=float)
-      if key == "exact_match":
-        values = values * 100.0  # on BLEU's 0-100 scale
+      if split == "eval" and key in PERCENT:
+        values = values * 100.0
       ax.plot(steps, values, marker="o" if split == "eval" else None, markersize=3,
               label=f"{split} {key}")
     ax.set_title(title)
@@ -82,64 +101,175 @@ def plot_positional_encoding(table: np.ndarray, path: str, title: str) -> str:
   return _save(fig, path, dpi=110)
 
 
+# Tried in order for each glyph (matplotlib >= 3.6 falls back per glyph): DejaVu has Latin,
+# Greek and Cyrillic; the CJK families draw Chinese, Japanese and Korean where installed.
+FONT_FAMILIES = ("DejaVu Sans", "Noto Sans CJK JP", "Noto Sans CJK SC", "Source Han Sans",
+                 "WenQuanYi Zen Hei", "Droid Sans Fallback", "Noto Sans")
+
+
+def font_families() -> list:
+  """The FONT_FAMILIES installed here, in order."""
+  from matplotlib import font_manager  # with matplotlib's own import, not at ours
+  installed = {font.name for font in font_manager.fontManager.ttflist}
+  return [family for family in FONT_FAMILIES if family in installed] or ["sans-serif"]
+
+
+def missing_glyphs(texts, families) -> str:
+  """The characters of `texts` that no font of `families` draws (they would show as boxes)."""
+  from matplotlib import font_manager
+  from matplotlib.ft2font import FT2Font
+  covered = set()
+  for family in families:
+    path = font_manager.findfont(font_manager.FontProperties(family=family),
+                                 fallback_to_default=False)
+    covered |= set(FT2Font(path).get_charmap())
+  wanted = {c for text in texts for c in text if not c.isspace()}
+  return "".join(sorted(c for c in wanted if ord(c) not in covered))
+
+
 def plot_attention(weights: np.ndarray, query_tokens: list[str], key_tokens: list[str],
                    path: str, title: str) -> str:
-  """One grid of heat maps: rows = layers, columns = heads.
+  """Writes `attention_figure` to `path`; a warning names the characters no font draws."""
+  import matplotlib  # see font_families
+  families = font_families()
+  missing = missing_glyphs([*query_tokens, *key_tokens, title], families)
+  if missing:
+    print(f"warning: no installed font draws {missing[:20]!r}, shown as boxes in {path}; "
+          "install a font that has them (e.g. Noto Sans CJK: fonts-noto-cjk) and plot again",
+          file=sys.stderr, flush=True)
+  with matplotlib.rc_context({"font.family": families}):
+    return _save(attention_figure(weights, query_tokens, key_tokens, title), path, dpi=100)
+
+
+def attention_figure(weights: np.ndarray, query_tokens: list[str], key_tokens: list[str],
+                     title: str) -> Figure:
+  """One grid of heat maps (rows = layers, columns = heads) sharing one colour bar.
 
   Args:
     weights: `[layers, heads, q_len, kv_len]` attention weights of one example.
   """
   layers, heads = weights.shape[:2]
-  # One square per token pair; room for the token labels on the left and below.
-  width = 0.22 * len(key_tokens) + 1.4
-  height = 0.22 * len(query_tokens) + 1.4
-  fig = Figure(figsize=(width * heads, height * layers + 0.5))
+  # One square per token pair; room for the longest token labels on the left and below, and
+  # for the colour bar on the right. The constrained layout keeps every label inside.
+  label = 0.075 * max(map(len, [*query_tokens, *key_tokens, "x"]))
+  width = 0.22 * len(key_tokens) + 0.9 + label
+  height = 0.22 * len(query_tokens) + 0.9 + label
+  fig = Figure(figsize=(width * heads + 1.0, height * layers + 0.6), layout="constrained")
   axes = fig.subplots(layers, heads, squeeze=False)
+  image = None
   for layer in range(layers):
     for head in range(heads):
       ax = axes[layer, head]
-      ax.imshow(weights[layer, head], cmap="viridis", vmin=0.0, vmax=1.0,
-                interpolation="nearest")
+      image = ax.imshow(weights[layer, head], cmap="viridis", vmin=0.0, vmax=1.0,
+                        interpolation="nearest")
       ax.set_xticks(range(len(key_tokens)))
       ax.set_xticklabels(key_tokens, rotation=90, fontsize=7)
       ax.set_yticks(range(len(query_tokens)))
       ax.set_yticklabels(query_tokens, fontsize=7)
       ax.set_title(f"layer {layer} head {head}", fontsize=8)
+  fig.colorbar(image, ax=axes, shrink=min(1.0, 3.0 / layers + 0.2), label="attention weight")
   title = title if len(title) <= 160 else title[:157] + "..."
   fig.suptitle(textwrap.fill(title, max(30, int(width * heads * 9))), fontsize=9)
-  fig.tight_layout()
-  return _save(fig, path, dpi=100)
+  return fig
 
 
-def attention_maps(params, model_config, tokenizer, text: str, max_length: int):
-  """Attention weights of every layer and head for one input sentence and its greedy translation.
+def _stacked(inter, stack: str, count: int, module: str) -> np.ndarray:
+  """`[layers, heads, q_len, kv_len]`: the sown weights of `module` in each layer of a stack."""
+  return np.stack([inter[stack][f"layer_{i}"][module]["attention_weights"][0][0]
+                   for i in range(count)])
 
-  Returns (maps, source_pieces, target_pieces, translation): maps[kind] is
-  `[layers, heads, q_len, kv_len]`; the decoder attends over BOS + the translation.
-  """
-  source = tokenizer.encode([text])[0][: model_config.max_len - 1] + [EOS_ID]
-  source = jnp.asarray([source], jnp.int32)
-  cfg = model_config.replace(deterministic=True, decode=False)
-  output = np.asarray(decode.greedy_decode(params, cfg, source, max_length))[0]
+
+def _pieces(tokenizer, ids) -> list[str]:
+  """The pieces of `ids`; ids past the tokenizer's vocabulary (model.vocab_size may be larger)
+  read as unknown."""
+  ids = np.asarray(ids)
+  return tokenizer.pieces(np.where(ids < tokenizer.vocab_size, ids, UNK_ID))
+
+
+def _greedy_output(params, cfg, prompt, max_length: int) -> np.ndarray:
+  """The greedy output up to and with its EOS, int `[length]`."""
+  output = np.asarray(decode.greedy_decode(params, cfg, prompt, max_length))[0]
   length = int(np.argmax(output == EOS_ID)) + 1 if (output == EOS_ID).any() else len(output)
-  output = output[:length]
-  decoder_inputs = shift_right(jnp.asarray(output[None], jnp.int32))  # no padding up to EOS
-  _, state = Transformer(cfg).apply({"params": params}, source, decoder_inputs,
-                                    mutable=["intermediates"])
+  return output[:length]
+
+
+def attention_maps(params, model_config, tokenizer, text: str, max_length: int, task: str =
+                   "seq2seq"):
+  """Attention weights of every layer and head for one input and what the model makes of it.
+
+  encoder-decoder: the source sentence and its greedy translation (the decoder attends over
+  BOS + the translation); decoder-only: the sequence "source EOS BOS translation" (task
+  seq2seq) or "BOS text continuation" (lm), all of it in one self-attention; encoder-only: the
+  text.
+
+  Returns (maps, key_pieces, query_pieces, output): maps[kind] is `[layers, heads, q_len,
+  kv_len]` for each of `ATTENTION_KINDS` the architecture has; the pieces label the source (or
+  the whole sequence) and the decoder's inputs; output is the decoded text ("" if none).
+  """
+  cfg = model_config.replace(deterministic=True, decode=False)
+  model = make_model(cfg)
+  ids = tokenizer.encode([text])[0][: cfg.max_len - 1]
+  if cfg.arch == "encoder_only":
+    source = jnp.asarray([ids + [EOS_ID]], jnp.int32)
+    _, state = model.apply({"params": params}, source, mutable=["intermediates"])
+    pieces = _pieces(tokenizer, source[0])
+    maps = {"encoder_self_attention": _stacked(jax.device_get(state["intermediates"]),
+                                               "encoder", cfg.num_encoder_layers,
+                                               "self_attention")}
+    return maps, pieces, pieces, ""
+  if cfg.arch == "decoder_only" and task == "lm":
+    prompt = [BOS_ID] + ids[-(cfg.max_len - max_length):]
+    output = _greedy_output(params, cfg, jnp.asarray([prompt], jnp.int32), max_length)
+    source = jnp.zeros((1, 0), jnp.int32)
+    decoder_inputs = jnp.asarray([prompt + output.tolist()], jnp.int32)
+  else:
+    source = jnp.asarray([ids + [EOS_ID]], jnp.int32)
+    prompt = decode.seq2seq_prompt(source) if cfg.arch == "decoder_only" else source
+    output = _greedy_output(params, cfg, prompt, max_length)
+    decoder_inputs = shift_right(jnp.asarray(output[None], jnp.int32))  # no padding up to EOS
+  _, state = model.apply({"params": params}, source, decoder_inputs, mutable=["intermediates"])
   inter = jax.device_get(state["intermediates"])
+  source_pieces = _pieces(tokenizer, source[0])
+  target_pieces = _pieces(tokenizer, decoder_inputs[0])
+  maps = {"decoder_self_attention": _stacked(inter, "decoder", cfg.num_decoder_layers,
+                                             "self_attention")}
+  if cfg.arch == "decoder_only":
+    sequence = source_pieces + target_pieces
+    return maps, sequence, sequence, search.detokenize(tokenizer, output)
+  maps["encoder_self_attention"] = _stacked(inter, "encoder", cfg.num_encoder_layers,
+                                            "self_attention")
+  maps["cross_attention"] = _stacked(inter, "decoder", cfg.num_decoder_layers, "cross_attention")
+  return maps, source_pieces, target_pieces, search.detokenize(tokenizer, output)
 
-  def stack(stack_name, count, module):
-    return np.stack([inter[stack_name][f"layer_{i}"][module]["attention_weights"][0][0]
-                     for i in range(count)])
 
-  maps = {
-      "encoder_self_attention": stack("encoder", cfg.num_encoder_layers, "self_attention"),
-      "decoder_self_attention": stack("decoder", cfg.num_decoder_layers, "self_attention"),
-      "cross_attention": stack("decoder", cfg.num_decoder_layers, "cross_attention"),
-  }
-  source_pieces = tokenizer.pieces(np.asarray(source[0]))
-  target_pieces = tokenizer.pieces(np.asarray(decoder_inputs[0]))
-  return maps, source_pieces, target_pieces, tokenizer.decode(output)
+def position_picture(model_config, params) -> Optional[tuple[np.ndarray, str]]:
+  """(table, title) of the model's positions: the sinusoidal or learned table `[positions,
+  d_model]`, the rotary angles' cosines `[positions, head_dim / 2]`, or the relative bias of each
+  head by distance `[heads, distances]`; None without positions."""
+  cfg = model_config
+  length = min(cfg.max_len, 100)
+  stack = "decoder" if cfg.arch == "decoder_only" else "encoder"
+  if cfg.positional == "learned":
+    return (np.asarray(params[stack]["positions"]["table"])[:length],
+            f"learned positions ({stack}), {length} x {cfg.d_model}")
+  if cfg.positional == "sinusoidal":
+    return (sinusoidal_positions(length, cfg.d_model, cfg.position_base),
+            f"sinusoidal positional encoding, {length} positions x d_model {cfg.d_model}, "
+            f"base {cfg.position_base:g}")
+  if cfg.positional == "rotary":
+    half = cfg.head_dim // 2
+    angles = np.arange(length)[:, None] * cfg.position_base ** (-np.arange(half) / half)
+    return (np.cos(angles), f"rotary positions: cos(position x wavelength^-1), {length} "
+                            f"positions x {half} pairs of each head's {cfg.head_dim} features")
+  if cfg.positional == "relative_bias":
+    distances = np.arange(-length + 1, length) if stack == "encoder" else np.arange(length)
+    buckets = relative_position_bucket(jnp.asarray(-distances), stack == "encoder",
+                                       cfg.relative_buckets, cfg.relative_max_distance)
+    bias = np.asarray(params[stack]["relative_bias"]["table"])[np.asarray(buckets)].T
+    scale = max(float(np.abs(bias).max()), 1e-6)
+    return (bias / scale, f"relative position bias ({stack}) by head and distance query - key "
+                          f"({distances[0]} .. {distances[-1]}), divided by {scale:.3g}")
+  return None
 
 
 def plot_workdir(config, workdir: str, text: Optional[str] = None,
@@ -152,7 +282,10 @@ def plot_workdir(config, workdir: str, text: Optional[str] = None,
   if os.path.lexists(out) and not os.path.isdir(out):
     raise UserError(f"{out} is not a directory, where plots are written; move it away")
   params = tokenizer = None  # loaded (and checked) before anything is written
-  if text is not None or model_config.positional == "learned":
+  # A --checkpoint_step is checked even where no picture needs the parameters: a step that
+  # does not exist must not redraw the pictures of another.
+  if (text is not None or model_config.positional in ("learned", "relative_bias")
+      or step is not None):
     model_config, params, tokenizer = load.load_trained(config, workdir, step)[:3]
   try:
     os.makedirs(out, exist_ok=True)
@@ -160,26 +293,23 @@ def plot_workdir(config, workdir: str, text: Optional[str] = None,
     raise files.write_error(out, e) from None
   paths = [plot_curves(records, os.path.join(out, "curves.png"))]
 
-  length = min(model_config.max_len, 100)
-  if model_config.positional == "learned":
-    table = np.asarray(params["encoder"]["positions"]["table"])[:length]
-    title = f"learned positions (encoder), {length} x {model_config.d_model}"
-  else:
-    table = sinusoidal_positions(length, model_config.d_model, model_config.position_base)
-    title = (f"sinusoidal positional encoding, {length} positions x d_model "
-             f"{model_config.d_model}, base {model_config.position_base:g}")
-  paths.append(plot_positional_encoding(table, os.path.join(out, "positional_encoding.png"),
-                                        title))
+  picture = position_picture(model_config, params)
+  if picture is not None:
+    table, title = picture
+    paths.append(plot_positional_encoding(table, os.path.join(out, "positional_encoding.png"),
+                                          title))
 
   if text is not None:
     max_length = config.eval.max_decode_len or config.data.max_target_len
-    maps, source_pieces, target_pieces, translation = attention_maps(
-        params, model_config, tokenizer, text, max_length)
+    maps, source_pieces, target_pieces, output = attention_maps(
+        params, model_config, tokenizer, text, max_length, config.data.task)
     axes = {"encoder_self_attention": (source_pieces, source_pieces),
             "decoder_self_attention": (target_pieces, target_pieces),
             "cross_attention": (target_pieces, source_pieces)}
     for kind in ATTENTION_KINDS:
+      if kind not in maps:
+        continue
       queries, keys = axes[kind]
       paths.append(plot_attention(maps[kind], queries, keys, os.path.join(out, f"{kind}.png"),
-                                  f"{kind.replace('_', ' ')}: {text!r} -> {translation!r}"))
+                                  f"{kind.replace('_', ' ')}: {text!r} -> {output!r}"))
   return paths

@@ -26,17 +26,32 @@ def _format(value) -> str:
   return json.dumps(value) if not isinstance(value, str) else value
 
 
-def render(config, final_metrics: dict, records: list[dict], wall_time_s: float,
-           tokens_seen: int, steps_run: int, final_step: int,
+def training_cost(records: list[dict]) -> tuple[float, float]:
+  """(seconds, tokens) of training over every run of a workdir, from the train records of
+  metrics.jsonl: each covers the steps since the previous one (a resumed run's records replace
+  those of the steps it ran again)."""
+  train = [r for r in records if r.get("split") == "train"]
+  seconds = sum(float(r.get("interval_s", 0.0)) for r in train)
+  tokens = sum(float(r.get("interval_tokens", 0.0)) for r in train)
+  return seconds, tokens
+
+
+def render(config, finals: dict, records: list[dict], final_step: int,
            checkpoint_steps: Sequence[int] = ()) -> str:
-  """The summary as Markdown."""
+  """The summary as Markdown. finals: {split: metrics} of the final evaluation."""
   lines = ["# Run summary", "", "## Config (differences from the defaults)", ""]
   diff = config_diff(config)
   lines += ["| key | default | value |", "| --- | --- | --- |"]
   lines += [f"| `{k}` | {_format(d)} | {_format(v)} |" for k, d, v in diff]
-  lines += ["", f"## Final metrics (step {final_step})", "", "| metric | value |", "| --- | --- |"]
-  lines += [f"| {k} | {_format(v)} |" for k, v in final_metrics.items()
-            if isinstance(v, (int, float))]
+  splits = list(finals)
+  names = [k for k in dict.fromkeys(k for m in finals.values() for k in m)
+           if any(isinstance(m.get(k), (int, float)) and not isinstance(m.get(k), bool)
+                  for m in finals.values())]
+  lines += ["", f"## Final metrics (step {final_step})", "",
+            "| metric | " + " | ".join(splits) + " |",
+            "| --- |" + " --- |" * len(splits)]
+  lines += [f"| {k} | " + " | ".join(_format(finals[s].get(k, "")) for s in splits) + " |"
+            for k in names]
   lines += ["", "## Best evaluation and checkpoints", ""]
   for metric in ("exact_match", "bleu", "loss"):
     best = metric_names.best_record(records, metric)
@@ -45,10 +60,11 @@ def render(config, final_metrics: dict, records: list[dict], wall_time_s: float,
       lines.append(f"- best {metric}: {_format(best[metric])} at step {best['step']}{kept}")
   if checkpoint_steps:
     lines.append(f"- checkpoints in the workdir: steps {', '.join(map(str, checkpoint_steps))}")
-  throughput = tokens_seen / wall_time_s if wall_time_s > 0 else 0.0
-  lines += ["", "## Cost", "",
-            f"- wall time of this run: {wall_time_s / 60:.1f} min for {steps_run} steps",
-            f"- tokens seen in this run (source + target, no padding): {tokens_seen:,}",
+  seconds, tokens = training_cost(records)
+  throughput = tokens / seconds if seconds > 0 else 0.0
+  lines += ["", "## Cost (every run of this workdir, the evaluations after the last step aside)",
+            "", f"- wall time of training: {seconds / 60:.1f} min for {final_step} steps",
+            f"- tokens seen (source + target, no padding): {tokens:,.0f}",
             f"- throughput: {throughput:,.0f} tokens/s", ""]
   return "\n".join(lines)
 

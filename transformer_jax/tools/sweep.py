@@ -35,7 +35,8 @@ from ml_collections import config_flags
 
 from transformer_jax import config as config_lib
 from transformer_jax.core import files, lock, metric_names
-from transformer_jax.core.errors import UserError
+from transformer_jax.core.errors import UserError, unknown_key_message
+from transformer_jax.eval import evaluate
 from transformer_jax.train import checkpoint, logger
 
 RESULT_FILE = "trial_result.json"
@@ -117,8 +118,7 @@ def trial_config(config_path: str, overrides: dict, base_overrides: dict):
   except flags.Error as e:  # a value of the wrong type: "flag --config.a.b=x: why"
     raise UserError(" ".join(str(e).split())) from None
   except (AttributeError, KeyError) as e:  # ml_collections: a key that does not exist
-    text = str(e.args[0]) if e.args else str(e)
-    raise UserError(f"unknown config key {' '.join(text.split())}") from None
+    raise UserError(unknown_key_message(e, args)) from None
   return flag_values["config"].value
 
 
@@ -166,29 +166,29 @@ def _check_trial_dir(directory: str, overrides: dict) -> None:
                       f"{overrides}; use a new --workdir for a changed sweep")
 
 
-def _metrics_of(directory: str, steps: int) -> tuple[Optional[dict], list[dict]]:
-  """A trial's final eval metrics (eval/STEP.json of its last step, train.steps or later; None
-  if it did not get there) and its metrics.jsonl records."""
-  eval_dir = os.path.join(directory, "eval")
-  names = os.listdir(eval_dir) if os.path.isdir(eval_dir) else []
-  last = max((int(n[:-5]) for n in names if n.endswith(".json") and n[:-5].isdigit()), default=-1)
-  if last < steps:
+def _metrics_of(directory: str, config) -> tuple[Optional[dict], list[dict]]:
+  """A trial's final metrics on data.eval_split (its result file of step train.steps; None if
+  it did not get there) and its metrics.jsonl records."""
+  path = evaluate.result_path(directory, config.train.steps, config.data.eval_split, config)
+  if not os.path.exists(path):
     return None, []
-  final = _read_json(os.path.join(eval_dir, f"{last}.json"), "the trial's final metrics")
+  final = _read_json(path, "the trial's final metrics")
   return final, logger.read_metrics(directory)
 
 
 def _finish_trial(directory: str, overrides: dict, wall_time_s: float, metric: str,
-                  steps: int) -> Optional[dict]:
+                  config) -> Optional[dict]:
   """The result of a trial that ended with exit code 0, written to its directory; None if it
   stopped early (a signal) and has no final metrics."""
-  final, records = _metrics_of(directory, steps)
+  final, records = _metrics_of(directory, config)
   if final is None:
     return None
   best = metric_names.best_record(records, metric)
   best_step = best["step"] if best else None
   result = {"overrides": overrides, "metrics": final, "best_step": best_step,
             "wall_time_s": wall_time_s, "status": "done"}
+  logger.write_hparams(directory, overrides, final, final["step"])  # before the result: a
+  # trial with its result file is finished and never revisited
   files.atomic_write(os.path.join(directory, RESULT_FILE), json.dumps(result, indent=2))
   return result
 
@@ -197,7 +197,8 @@ def write_results(workdir: str, results: list[tuple[int, dict]], metric: str) ->
   """results.csv and results.md, sorted by `metric` (best first); failed trials last."""
   keys = sorted({k for _, r in results for k in r["overrides"]})
   columns = sorted({k for _, r in results for k, v in r.get("metrics", {}).items()
-                    if isinstance(v, (int, float)) and k != "step"})
+                    if isinstance(v, (int, float))
+                    and k not in ("step", "max_examples", "max_decode_len")})
 
   def order(item):
     value = item[1].get("metrics", {}).get(metric)
@@ -348,7 +349,7 @@ def _run_trials(workdir, trials, configs, commands, parallel, metric) -> list[tu
         directory = _trial_dir(workdir, i)
         result = None
         if process.returncode == 0:
-          result = _finish_trial(directory, trials[i], wall, metric, configs[i].train.steps)
+          result = _finish_trial(directory, trials[i], wall, metric, configs[i])
         if result is not None:
           results[i] = result
           print(f"trial_{i:03d} done in {wall:.0f}s: {metric} {result['metrics'].get(metric)}",

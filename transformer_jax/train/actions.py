@@ -14,6 +14,7 @@ import time
 
 import jax
 
+from transformer_jax.core import progress
 from transformer_jax.core.errors import UserError
 from transformer_jax.model import ModelConfig
 from transformer_jax.model.flops import train_flops_per_step
@@ -88,6 +89,39 @@ class Throughput:
   @property
   def wall_time(self) -> float:
     return time.time() - self.started
+
+
+class EarlyProgress:
+  """Plain lines (not metrics records) before the first log line of a run: one after the
+  first step, which includes compilation, then one every `every` seconds until the periodic
+  log takes over, so that a slow recipe (log_every=100 at 0.5 steps/s) is not silent for
+  minutes. Each reads the step's loss back: a sync that the steps after the first log skip.
+  """
+
+  def __init__(self, start: int, total: int, log_every: int, every: float = 30.0):
+    self.total, self.every = total, every
+    self.first_log = min((start // log_every + 1) * log_every, total)
+    self.start = start
+    self.started = time.time()  # made just before the run's first step is dispatched
+    self.first_done = self.last = None
+
+  def line(self, step: int, metrics, now=None) -> str:
+    """The line to print after `step` (steps done so far), or "" if none is due."""
+    if step >= self.first_log:
+      return ""  # the periodic log speaks from here on
+    now = time.time() if now is None else now
+    if self.first_done is None:
+      self.first_done = self.last = now
+      loss = float(jax.device_get(metrics["loss"]))
+      return (f"step {step}/{self.total} done in {now - self.started:.1f}s (compilation "
+              f"included) | loss {loss:.4f} | the log follows at step {self.first_log}")
+    if now - self.last < self.every:
+      return ""
+    self.last = now
+    rate = (step - self.start - 1) / max(now - self.first_done, 1e-9)
+    loss = float(jax.device_get(metrics["loss"]))
+    return (f"step {step}/{self.total} | loss {loss:.4f} | {rate:.2f} steps/s | ETA "
+            f"{progress.duration((self.total - step) / max(rate, 1e-9))}")
 
 
 class PendingSteps:

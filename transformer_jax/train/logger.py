@@ -7,16 +7,8 @@ import socket
 import struct
 import time
 
-from transformer_jax.core import files
+from transformer_jax.core import files, progress
 from transformer_jax.core.errors import UserError
-
-
-def _duration(seconds: float) -> str:
-  seconds = int(max(seconds, 0))
-  h, rem = divmod(seconds, 3600)
-  m, s = divmod(rem, 60)
-  return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
-
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -87,8 +79,28 @@ class _Events:
   def text(self, tag: str, text: str, step: int) -> None:
     self.write([self._summary.text(tag, text)], step)
 
+  def hparams(self, hparams: dict, metrics: dict, step: int) -> None:
+    """TensorBoard's HParams view: the run's hyperparameters and its metrics (also written as
+    scalars, where the view reads their values)."""
+    self.write(list(self._summary.hparams(hparams, metrics)), step)
+    self.scalars(metrics, step)
+
   def close(self) -> None:
     self._file.close()
+
+
+def write_hparams(workdir: str, hparams: dict, metrics: dict, step: int) -> None:
+  """Adds a sweep trial's overrides and final metrics (as final/NAME) to WORKDIR/tensorboard,
+  for the HParams view of the sweep's directory."""
+  values = {k: v if isinstance(v, (bool, int, float, str)) else str(v) for k, v in hparams.items()}
+  numbers = {f"final/{k}": float(v) for k, v in metrics.items()
+             if isinstance(v, (int, float)) and not isinstance(v, bool)
+             and k not in ("step", "max_examples", "max_decode_len")}
+  events = _Events(os.path.join(workdir, "tensorboard"))
+  try:
+    events.hparams(values, numbers, step)
+  finally:
+    events.close()
 
 
 class MetricLogger:
@@ -120,8 +132,8 @@ class MetricLogger:
   def _write(self, record: dict) -> None:
     self._jsonl.append(record)
     self._tb.scalars({f"{record['split']}/{key}": value for key, value in record.items()
-                      if key not in ("step", "split") and isinstance(value, (int, float))},
-                     record["step"])
+                      if key not in ("step", "split", "interval_s", "interval_tokens")
+                      and isinstance(value, (int, float))}, record["step"])
 
   def train(self, step: int, metrics: dict, learning_rate: float, tokens: float = 0.0,
             flops: float = 0.0, input_seconds: float = 0.0) -> None:
@@ -140,7 +152,8 @@ class MetricLogger:
     record = {"split": "train", "step": step, "time": now,
               **{k: float(v) for k, v in metrics.items()},
               "learning_rate": learning_rate, "tokens_per_s": tokens_per_s,
-              "steps_per_s": steps_per_s}
+              "steps_per_s": steps_per_s, "interval_s": elapsed,
+              "interval_tokens": tokens_per_s * elapsed}
     if input_seconds:
       record["input_share"] = input_seconds / elapsed
     if flops:
@@ -150,30 +163,31 @@ class MetricLogger:
     if not self.enabled:
       return
     self._write(record)
-    print(f"step {step}/{self.total_steps} | loss {record['loss']:.4f} | acc "
+    progress.write(f"step {step}/{self.total_steps} | loss {record['loss']:.4f} | acc "
           f"{record['accuracy']:.4f} | lr {learning_rate:.3g} | gnorm {record['grad_norm']:.3f} | "
           + (f"pad {record['padding']:.1%} | " if "padding" in record else "")
           + f"{tokens_per_s:,.0f} tok/s | {steps_per_s:.2f} steps/s | "
           + (f"{record['tflops_per_s'] * 1e3:,.1f} GFLOP/s | " if "tflops_per_s" in record else "")
           + (f"MFU {record['mfu']:.1%} | " if "mfu" in record else "")
           + (f"input {record['input_share']:.0%} | " if "input_share" in record else "")
-          + f"ETA {_duration(eta)}",
-          flush=True)
+          + f"ETA {progress.duration(eta)}")
 
-  def eval(self, step: int, metrics: dict) -> None:
+  def eval(self, step: int, metrics: dict, split: str = "eval") -> None:
+    """split: "eval" (data.eval_split, during and after training) or "test" (data.test_split,
+    after the last step)."""
     if not self.enabled:
       return
-    record = {"split": "eval", "step": step, "time": time.time(),
+    record = {"split": split, "step": step, "time": time.time(),
               **{k: v for k, v in metrics.items() if isinstance(v, (int, float))}}
     self._write(record)
     if metrics.get("samples"):
       rows = "\n".join(f"| {s['source']} | {s['hypothesis']} | {s['reference']} |"
                        for s in metrics["samples"])
       header = "| source | translation | reference |\n| --- | --- | --- |\n"
-      self._tb.text("eval/samples", header + rows, step)
+      self._tb.text(f"{split}/samples", header + rows, step)
     shown = " | ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
                        for k, v in record.items() if k not in ("split", "step", "time"))
-    print(f"eval at step {step} | {shown}", flush=True)
+    progress.write(f"{split} at step {step} | {shown}")
 
   def text(self, tag: str, text: str) -> None:
     if self.enabled:

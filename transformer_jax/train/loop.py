@@ -15,14 +15,15 @@ from typing import Any, Callable, Optional
 import jax
 
 from transformer_jax import config as config_lib
+from transformer_jax.core import progress
 from transformer_jax.core.errors import UserError
 from transformer_jax.core.files import atomic_write
 from transformer_jax.core.lock import DirectoryLock
-from transformer_jax.data import pipeline, prepare
+from transformer_jax.data import pipeline, prepare, sources
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.model import ModelConfig, count_params, describe
 from transformer_jax.model.flops import peak_flops
-from transformer_jax.train import actions, checkpoint, sharding
+from transformer_jax.train import actions, checkpoint, pretrained, sharding
 from transformer_jax.train import state as state_lib
 from transformer_jax.train import step as step_lib
 from transformer_jax.train.logger import MetricLogger
@@ -43,6 +44,7 @@ class Result:
   tokenizer: tokenizer_lib.Tokenizer
   start_step: int  # the step this run resumed from (0 for a new run)
   final_metrics: dict  # the evaluation after the last step; {} if stopped early
+  test_metrics: dict  # the same on data.test_split, when it is not data.eval_split; else {}
   stopped_by: Optional[str]  # the signal that stopped the run early, or None
   checkpoint_steps: list
   tokens_seen: int
@@ -94,8 +96,14 @@ def train(config, workdir: str, evaluate_fn: EvaluateFn) -> Result:
   workdir = checkpoint.check_workdir(workdir)
   if jax.process_count() == 1:  # a second run in this workdir is refused before any work
     DirectoryLock(workdir).check()
+  if t.init_from:
+    pretrained.source_config(t.init_from)  # there is a run to start from
   tokenizer, new_tokenizer, train_set, eval_pairs = prepare.prepare_data(
       config, workdir, model_config.vocab_size)
+  d = config.data
+  # The test split is evaluated once, after the last step; a missing one is refused now.
+  test_pairs = (sources.load_split(d, d.test_split)
+                if d.test_split and d.test_split != d.eval_split else None)
   mesh = sharding.make_mesh(config.mesh.to_dict())
   optimizer = state_lib.make_optimizer(t, model_config.d_model)
   train_step = step_lib.make_train_step(model_config, config, mesh, optimizer)
@@ -127,13 +135,19 @@ def train(config, workdir: str, evaluate_fn: EvaluateFn) -> Result:
     atomic_write(os.path.join(workdir, "config.json"), config_json)
   set_aside = reader.set_aside_unreadable()
   manager = checkpoint.Manager(workdir, config, tokenizer_sha, writable=True)
+  copied = []
   if restored:
     state, start = restored.state, restored.step
   else:
     state, start = state_lib.init_state(model_config, optimizer, config.seed, mesh), 0
+    if t.init_from:
+      state, copied = pretrained.load(t.init_from, state, mesh)
   rng = jax.random.PRNGKey(config.seed)
   if is_main:
     _announce(model_config, train_set, eval_pairs, tokenizer, mesh, restored, start, set_aside)
+    if copied:
+      print(f"initialised {len(copied)} of {len(jax.tree.leaves(state.params))} parameters "
+            f"from {t.init_from}", flush=True)
 
   peak = peak_flops(jax.devices()[0])
   logger = MetricLogger(workdir, total_steps=t.steps, start_step=start, enabled=is_main,
@@ -146,21 +160,31 @@ def train(config, workdir: str, evaluate_fn: EvaluateFn) -> Result:
   pending = actions.PendingSteps(DISPATCH_AHEAD)
   nonfinite = actions.NonFinitePolicy(t.on_nonfinite, manager)
 
-  def evaluate(params) -> dict:
-    return evaluate_fn(params, model_config, config, tokenizer, eval_pairs, mesh)
+  def evaluate(params, pairs=eval_pairs) -> dict:
+    return evaluate_fn(params, model_config, config, tokenizer, pairs, mesh)
 
   # Batches are made ahead in a background thread, each process filling only its own rows.
   batches = pipeline.batches(
       stream, start, t.steps, rows_for=_process_rows(mesh, t.grad_accum_steps),
       place=lambda host: sharding.shard_batch(host, mesh, multiple=t.grad_accum_steps),
       prefetch=config.data.prefetch)
-  with lock, contextlib.closing(batches), checkpoint.Preemption() as preemption:
+  early = actions.EarlyProgress(start, t.steps, t.log_every)
+  bar = progress.bar(total=t.steps, initial=start, desc="training", unit="step")
+  with lock, contextlib.closing(batches), checkpoint.Preemption() as preemption, bar:
     for step in range(start, t.steps):
       with throughput.input():
         batch = next(batches)
-      state, metrics = train_step(state, batch.data, rng)
+      compiling = (progress.waiting("compiling the train step") if step == start
+                   else contextlib.nullcontext())
+      with compiling:
+        state, metrics = train_step(state, batch.data, rng)
+        if step == start:
+          jax.block_until_ready(metrics)  # the wait above is the compilation's
       throughput.count(batch.tokens, batch.shape)
       done = step + 1
+      bar.update()
+      if is_main and (line := early.line(done, metrics)):
+        progress.write(line)
       pending.push(done, metrics)
       due = periodic.due(done, stop=preemption.reached(done))
       if due.sync:
@@ -179,18 +203,25 @@ def train(config, workdir: str, evaluate_fn: EvaluateFn) -> Result:
     batches.close()  # its thread ends before the final evaluation
     manager.wait()
     wall_time = throughput.wall_time  # of training; the final evaluation is not counted
-    final_metrics = {}
+    final_metrics, test_metrics = {}, {}
     if not preemption.signal:
       # The last step's checkpoint is written: a signal now abandons the evaluation (a rerun of
       # the same command evaluates that checkpoint) instead of waiting for it.
       with preemption.abandoning():
         final_metrics = evaluate(state.params)
+        if test_pairs is not None:
+          test_metrics = evaluate(state.params, test_pairs)
       if not preemption.signal:
         logger.eval(int(state.step), final_metrics)
+        if test_metrics:
+          logger.eval(int(state.step), test_metrics, split="test")
+      else:
+        final_metrics, test_metrics = {}, {}
     logger.close()
   checkpoint_steps = manager.all_steps()
   manager.close()
   return Result(workdir=workdir, state=state, model_config=model_config, tokenizer=tokenizer,
-                start_step=start, final_metrics=final_metrics, stopped_by=preemption.signal,
+                start_step=start, final_metrics=final_metrics, test_metrics=test_metrics,
+                stopped_by=preemption.signal,
                 checkpoint_steps=checkpoint_steps, tokens_seen=throughput.tokens_seen,
                 wall_time=wall_time)

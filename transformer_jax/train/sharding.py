@@ -39,11 +39,12 @@ BATCH_AXES = ("data", "fsdp")  # the batch is split over both
 # the rules are tried in order and a mesh axis is used at most once, so an activation
 # [batch, length, embed] gets batch -> (data, fsdp) and leaves embed whole, while a parameter
 # [embed, mlp] (it has no batch) gets embed -> fsdp and mlp -> tensor. Names not listed
-# (length, kv, position, stack) are never split.
+# (length, kv, position, relpos_buckets, stack) are never split.
 RULES = (
     ("batch", BATCH_AXES),
     ("embed", "fsdp"),
     ("heads", "tensor"),
+    ("kv_heads", "tensor"),  # grouped-query attention: split like the heads when they divide
     ("mlp", "tensor"),
     ("vocab", "tensor"),
 )

@@ -9,33 +9,87 @@ import jax.numpy as jnp
 import optax
 
 from transformer_jax.core.errors import UserError
-from transformer_jax.model import ModelConfig, Transformer, shift_right
+from transformer_jax.core.tokens import MASK_ID
+from transformer_jax.model import ModelConfig, make_model, shift_right
 from transformer_jax.model.axes import constrain
 from transformer_jax.train import sharding
 from transformer_jax.train import state as state_lib
 from transformer_jax.train.losses import label_smoothed_cross_entropy
 from transformer_jax.train.state import TrainState
 
+# Folded into the step's key for the masked-LM corruption: apart from the dropout keys, which
+# fold in the microbatch index.
+_MASKING_STREAM = 2**31 - 1
+
+
+def mask_tokens(inputs, rng, rate: float, vocab_size: int):
+  """BERT's corruption for the masked-LM task (data.task=mlm), on the device.
+
+  Each real token is chosen with probability `rate`; a chosen token becomes <mask> (80%), a
+  random token (10%) or stays (10%), and only chosen tokens are predicted. Random tokens are
+  drawn above MASK_ID, never a special piece. The draws are a function of (rng, shape) only, so
+  they are the same on every mesh.
+
+  Args:
+    inputs: int `[batch, length]` (0 = padding).
+
+  Returns:
+    (corrupted inputs, targets: the original token where chosen, else 0), int `[batch, length]`.
+  """
+  choose, kind, replacement = jax.random.split(rng, 3)
+  chosen = (inputs > 0) & (jax.random.uniform(choose, inputs.shape) < rate)
+  u = jax.random.uniform(kind, inputs.shape)
+  random_tokens = jax.random.randint(replacement, inputs.shape, MASK_ID + 1, vocab_size,
+                                     inputs.dtype)
+  corrupted = jnp.where(chosen & (u < 0.8), MASK_ID,
+                        jnp.where(chosen & (u < 0.9), random_tokens, inputs))
+  return corrupted, jnp.where(chosen, inputs, 0)
+
+
+def prepare_batch(batch, rng, task: str, mask_rate: float, vocab_size: int):
+  """The batch as the loss reads it: for data.task=mlm, the inputs corrupted by `mask_tokens`
+  and the targets they predict; any other task's batch as it comes."""
+  if task != "mlm":
+    return batch
+  inputs, targets = mask_tokens(batch["inputs"], jax.random.fold_in(rng, _MASKING_STREAM),
+                                mask_rate, vocab_size)
+  return {**batch, "inputs": inputs, "targets": targets}
+
+
+def forward(model, params, batch, rngs=None):
+  """The model's logits for a batch, the labels they predict and the weight of each label.
+
+  encoder-decoder and decoder-only: logits `[batch, tgt_len, vocab]` of the targets (teacher
+  forcing); encoder-only: logits at every input position (masked LM) or `[batch, 1, labels]`
+  (classification, whose targets hold label + 1). Weights are 1 at real labels, 0 at padding.
+  """
+  targets = batch["targets"]
+  if model.config.arch == "encoder_only":
+    logits = model.apply({"params": params}, batch["inputs"], batch.get("inputs_position"),
+                         batch.get("inputs_segmentation"), rngs=rngs)
+  else:
+    segments = batch.get("targets_segmentation")  # packed rows (data.batching=packed) only
+    logits = model.apply({"params": params}, batch["inputs"],
+                         shift_right(targets, segments=segments),
+                         source_positions=batch.get("inputs_position"),
+                         target_positions=batch.get("targets_position"),
+                         source_segments=batch.get("inputs_segmentation"),
+                         target_segments=segments, rngs=rngs)
+  labels = jnp.maximum(targets - 1, 0) if model.config.num_labels else targets
+  return logits, labels, (targets > 0).astype(jnp.float32)
+
 
 def _loss_and_metrics(params, model, batch, rng, smoothing, normalizer):
   """Sum of the smoothed loss over a microbatch's tokens, divided by the batch's token count."""
-  targets = batch["targets"]
-  segments = batch.get("targets_segmentation")  # packed rows (data.batching=packed) only
-  logits = model.apply({"params": params}, batch["inputs"],
-                       shift_right(targets, segments=segments),
-                       source_positions=batch.get("inputs_position"),
-                       target_positions=batch.get("targets_position"),
-                       source_segments=batch.get("inputs_segmentation"),
-                       target_segments=segments, rngs={"dropout": rng})
-  loss, nll, correct = label_smoothed_cross_entropy(logits, targets, smoothing)
-  weights = (targets > 0).astype(jnp.float32)
+  logits, labels, weights = forward(model, params, batch, {"dropout": rng})
+  loss, nll, correct = label_smoothed_cross_entropy(logits, labels, smoothing)
   correct = correct * weights
   sums = {"loss": (loss * weights).sum(), "nll": (nll * weights).sum(), "correct": correct.sum()}
   return sums["loss"] / normalizer, sums
 
 
-def train_step(state: TrainState, batch, rng, *, model: Transformer, optimizer, smoothing: float,
-               accum_steps: int):
+def train_step(state: TrainState, batch, rng, *, model, optimizer, smoothing: float,
+               accum_steps: int, task: str = "seq2seq", mask_rate: float = 0.15):
   """One update from the global batch: (state, batch, rng) -> (state, metrics).
 
   Written for the whole batch; `make_train_step` runs it on a mesh. The loss is the mean over
@@ -44,11 +98,13 @@ def train_step(state: TrainState, batch, rng, *, model: Transformer, optimizer, 
   microbatch r % accum_steps), so every device holds part of every microbatch.
   """
   rng = jax.random.fold_in(rng, state.step)
+  raw = batch  # the padding share is that of the batch as it came
+  batch = prepare_batch(batch, rng, task, mask_rate, model.config.vocab_size)
   tokens = (batch["targets"] > 0).sum().astype(jnp.float32)
   grad_fn = jax.grad(_loss_and_metrics, has_aux=True)
 
   def deal(x):  # [rows, ...] -> [accum_steps, rows / accum_steps, ...]
-    x = x.reshape((-1, accum_steps) + x.shape[1:]).swapaxes(0, 1)
+    x = x.reshape((x.shape[0] // accum_steps, accum_steps) + x.shape[1:]).swapaxes(0, 1)
     return constrain(x, None, "batch", *(None,) * (x.ndim - 2))
 
   def accumulate(carry, inputs):
@@ -73,9 +129,9 @@ def train_step(state: TrainState, batch, rng, *, model: Transformer, optimizer, 
                                    (params, opt_state), (state.params, state.opt_state))
   # Share of padding in the rows that hold examples, both sides: what bucketing and packing try
   # to keep low (the empty rows that fill a mesh are not counted).
-  used = (batch["inputs"] > 0).any(axis=1) | (batch["targets"] > 0).any(axis=1)
-  real = sum((batch[k] > 0).sum() for k in ("inputs", "targets")).astype(jnp.float32)
-  slots = used.sum() * (batch["inputs"].shape[1] + batch["targets"].shape[1])
+  used = (raw["inputs"] > 0).any(axis=1) | (raw["targets"] > 0).any(axis=1)
+  real = sum((raw[k] > 0).sum() for k in ("inputs", "targets")).astype(jnp.float32)
+  slots = used.sum() * (raw["inputs"].shape[1] + raw["targets"].shape[1])
   metrics = {"loss": sums["loss"] / tokens, "nll": sums["nll"] / tokens,
              "accuracy": sums["correct"] / tokens, "grad_norm": grad_norm,
              "tokens": tokens, "padding": 1.0 - real / jnp.maximum(slots, 1), "finite": finite}
@@ -90,8 +146,9 @@ def make_train_step(model_config: ModelConfig, config, mesh, optimizer):
   if config.data.batching == "fixed" and config.data.batch_size % accum:
     raise UserError(f"data.batch_size ({config.data.batch_size}) must be divisible by "
                     f"train.grad_accum_steps ({accum})")
-  step = functools.partial(train_step, model=Transformer(model_config), optimizer=optimizer,
-                           smoothing=config.train.label_smoothing, accum_steps=accum)
+  step = functools.partial(train_step, model=make_model(model_config), optimizer=optimizer,
+                           smoothing=config.train.label_smoothing, accum_steps=accum,
+                           task=config.data.task, mask_rate=config.data.mask_rate)
   state_shardings = state_lib.state_shardings(model_config, optimizer, mesh)
   replicated = sharding.replicated(mesh)
   return sharding.jit(step, mesh, donate_argnums=(0,),

@@ -1,0 +1,160 @@
+"""Every command in README.md and docs/ is checked, so that a documented command cannot rot.
+
+Each `launch.py` command goes through the real flag parsing, config loading (experiment files,
+installed names, a workdir's config.json) and validation, all in one subprocess; the cheap ones
+(describe, export, tensorboard) also run. Training runs are exercised by the tests of their
+modes. Any other command must be listed in OTHERS with where it is exercised, so that a new
+command in the docs fails here until someone decides how it is checked.
+"""
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DOCS = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
+
+# Commands that are not launch.py, by their first words: where each is exercised instead.
+OTHERS = {
+    "make demo": "CI's own set-up; test_train trains and evaluates the same way",
+    "make test": "CI runs it",
+    "git clone": "the fresh-clone timing of docs/benchmarks.md (make demo)",
+    "rm -rf runs/scan_simple": "the same (make demo from scratch)",
+    ".venv/bin/pip install": "pip itself",
+    "JAX_PLATFORMS=cpu .venv/bin/python -c": "test_benchmark (the same library calls)",
+    "bash benchmarks/gpu.sh": "test_gpu_suite runs gpu.sh --dry_run",
+    "deps=$(python3 -c": "the GPU machine's offline wheel download (registry access)",
+    "print(c['options']": "the same (the second line of its python3 -c)",
+    "python3 -m pip download": "the same",
+    "setsid nohup bash benchmarks/gpu.sh": "the same GPU run, detached",
+    "sleep": "waiting on the GPU machine",
+    ".venv/bin/python benchmarks/compile_table.py": "test_compile (its --mode=compile rows)",
+    "printf ": "writes the input of the next command (a launch.py command, checked)",
+    "cd \"$SLURM_SUBMIT_DIR\"": "a SLURM job script (its launch.py line is checked)",
+    "sbatch": "SLURM",
+    "gcloud": "Cloud TPU (its launch.py lines are checked)",
+    "make install && .venv/bin/pip install -U": "the Cloud TPU set-up (inside gcloud ... ssh)",
+}
+
+
+# Placeholders the docs ask the reader to fill in, with a value each.
+PLACEHOLDERS = {"trial_00N": "trial_001", "BEST_DEV_STEP": "100", " TRIAL_OVERRIDES": ""}
+
+
+def commands():
+  """(file, command) for every line of the ```sh blocks, continuations joined, comments out."""
+  found = []
+  for name in DOCS:
+    language, pending = None, ""
+    for line in (ROOT / name).read_text().splitlines():
+      if line.startswith("```"):
+        language = line[3:].strip() if language is None else None
+        continue
+      if language != "sh":
+        continue
+      line = pending + line.split("  #")[0].rstrip()
+      if line.endswith("\\"):
+        pending = line[:-1] + " "
+        continue
+      pending = ""
+      for placeholder, value in PLACEHOLDERS.items():
+        line = line.replace(placeholder, value)
+      if line.strip() and not line.strip().startswith("#"):
+        found.append((name, line.strip()))
+  return found
+
+
+# In one process (a forked child per command): each command's flags through the command line's
+# own parser and the config's validation, without running the mode.
+CHECK = r"""
+import json, os, shlex, sys
+from absl import flags
+from transformer_jax import cli
+from transformer_jax import config as config_lib
+results = []
+for line in json.loads(sys.argv[1]):
+  read, write = os.pipe()
+  if os.fork() == 0:  # absl's flags parse once per process: a forked child per command
+    os.close(read)
+    argv = ["launch.py"] + shlex.split(line)[1:]
+    sys.argv[:] = argv
+    os.dup2(write, 1)
+    try:
+      cli._parse_flags(argv)
+      mode = cli._MODE.value
+      assert mode in cli.MODES, mode
+      cli._check_flags(mode)
+      if cli._CONFIG.value is None:
+        raise SystemExit("no config")
+      config_lib.validate(cli._CONFIG.value)
+      config = cli._CONFIG.value
+      result = [line, "ok", mode, [config.model.d_model, config.data.source]]
+    except BaseException as e:
+      result = [line, f"{type(e).__name__}: {e}", None, None]
+    os.write(write, json.dumps(result).encode())
+    os._exit(0)
+  os.close(write)
+  with os.fdopen(read, "rb") as f:
+    results.append(json.loads(f.read() or b'["", "no answer", null, null]'))
+  os.wait()
+print(json.dumps(results))
+"""
+
+
+def test_every_documented_command(tmp_path):
+  launches, others = [], []
+  for name, line in commands():
+    line = line.replace("transformer-jax ", "python launch.py ", 1)  # the console script
+    words = line.split("launch.py", 1)
+    if len(words) == 2 and ("python" in words[0] or "srun" in words[0]):
+      launches.append(line[line.index("launch.py"):].split(" | ")[0].split(" > ")[0].rstrip("'"))
+    else:
+      others.append((name, line))
+  unclassified = [(n, c) for n, c in others
+                  if not any(c.startswith(prefix) for prefix in OTHERS)
+                  and not c.startswith(".venv/bin/tensorboard")]
+  assert not unclassified, f"documented commands no test checks: {unclassified}"
+  assert len(launches) >= 15, launches
+
+  # The workdirs the docs name, as training leaves them: a config.json (scan_simple's).
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  cwd = tmp_path / "checkout"
+  cwd.mkdir()
+  for entry in ("launch.py", "experiments"):
+    (cwd / entry).symlink_to(ROOT / entry)
+  from transformer_jax.experiments import scan_simple
+  for workdir in {m for line in launches for m in re.findall(r"--workdir=(runs/[\w/]+)", line)}:
+    (cwd / workdir).mkdir(parents=True)
+    (cwd / workdir / "config.json").write_text(scan_simple.get_config().to_json_best_effort())
+  checked = json.loads(subprocess.run(
+      [sys.executable, "-c", CHECK, json.dumps(launches)], cwd=cwd, env=env,
+      capture_output=True, text=True, check=True).stdout)
+  failed = [(line, status) for line, status, _, _ in checked if status != "ok"]
+  assert not failed, failed
+  modes = {line: mode for line, _, mode, _ in checked}
+  assert {"train", "evaluate", "describe", "export", "plot"} <= set(modes.values())
+  seen = {line: tuple(d) for line, _, _, d in checked}
+  assert seen[next(x for x in launches if "norm=pre" in x)][0] == 256  # overrides applied
+
+  # One of each cheap kind runs (describe; export | head of SCAN: other data sets are
+  # downloads), and the README's tensorboard command; the parsing above covers the rest.
+  run = [next(x for x in launches if modes[x] == "describe"),
+         next(x for x in launches if modes[x] == "export" and seen[x][1] == "scan")]
+  for line in run:
+    result = subprocess.run([sys.executable, *line.split()], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, (line, result.stderr[-2000:])
+    assert result.stdout.strip(), line
+  tensorboard = next(c for _, c in others if c.startswith(".venv/bin/tensorboard"))
+  logdir = tmp_path / "tb"
+  from transformer_jax.train import logger
+  logger.write_hparams(str(logdir), {"model.d_ff": 32}, {"loss": 1.5}, 1)
+  binary = pathlib.Path(sys.executable).parent / "tensorboard"
+  args = tensorboard.split()[1:]
+  args[args.index("--logdir") + 1] = str(logdir / "tensorboard")
+  result = subprocess.run([str(binary), "--inspect", *args], capture_output=True, text=True,
+                          timeout=120)
+  assert result.returncode == 0 and "final/loss" in result.stdout, result.stdout + result.stderr

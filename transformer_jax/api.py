@@ -1,0 +1,99 @@
+"""The Python API: a trained workdir as an object.
+
+  import transformer_jax
+  model = transformer_jax.load("runs/scan_simple")
+  model.translate(["jump twice"])            # -> ["I_JUMP I_JUMP"]
+  model.score(["jump twice"], ["I_JUMP I_JUMP"])  # -> [log p(target | source)]
+
+Loading reads the workdir's config.json, tokenizer and newest checkpoint (or `step`; with
+`eval.average_last` the mean of the last checkpoints), exactly as --mode=evaluate does.
+Inference is deterministic: `model.module` is the Transformer with dropout off, so
+`model.module.apply({"params": model.params}, inputs, decoder_inputs)` needs no dropout RNG.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from transformer_jax import config as config_lib
+from transformer_jax.core.errors import UserError
+from transformer_jax.core.tokens import EOS_ID
+from transformer_jax.eval import decode, load, translate
+from transformer_jax.model import ModelConfig, Transformer
+
+
+@dataclasses.dataclass
+class Model:
+  """A trained model: its config (an ml_collections.ConfigDict), parameters and tokenizer."""
+  config: Any
+  model_config: ModelConfig  # deterministic=True: dropout off
+  params: Any
+  tokenizer: Any
+  step: int  # the checkpoint loaded (with averaging, the newest one averaged)
+  mesh: Any = None  # the device mesh the parameters live on (config.mesh)
+
+  @property
+  def module(self) -> Transformer:
+    """The Flax module, for `apply` with `{"params": self.params}`."""
+    return Transformer(self.model_config)
+
+  def translate(self, sentences: Sequence[str]) -> list:
+    """Translations of `sentences`, in order, decoded with config.eval (greedy by default)."""
+    if isinstance(sentences, str):
+      raise UserError("translate takes a list of sentences; wrap one sentence in a list")
+    return [text for text, _ in translate.translate(
+        self.params, self.model_config, self.config, self.tokenizer, list(sentences),
+        self.mesh)]
+
+  def score(self, sources: Sequence[str], targets: Sequence[str]) -> list:
+    """log p(target | source) of each pair (natural log, EOS included), by teacher forcing.
+
+    Sources longer than data.max_source_len - 1 tokens are truncated as translate does;
+    targets are scored in full.
+    """
+    if isinstance(sources, str) or isinstance(targets, str):
+      raise UserError("score takes lists of sentences; wrap one sentence in a list")
+    if len(sources) != len(targets):
+      raise UserError(f"score needs as many targets as sources; got {len(targets)} targets "
+                      f"for {len(sources)} sources")
+    if not sources:
+      return []
+    inputs, _ = translate.encode_sources(self.tokenizer, list(sources),
+                                         self.config.data.max_source_len, len(sources))
+    rows = [ids + [EOS_ID] for ids in self.tokenizer.encode(list(targets))]
+    outputs = np.zeros((len(rows), max(map(len, rows))), np.int32)
+    for i, row in enumerate(rows):
+      outputs[i, :len(row)] = row
+    if outputs.shape[1] > self.model_config.max_len:
+      raise UserError(f"a target has {outputs.shape[1]} tokens, more than model.max_len "
+                      f"({self.model_config.max_len})")
+    return [float(x) for x in np.asarray(decode.sequence_log_prob(
+        self.params, self.model_config, inputs, outputs))]
+
+
+def load_model(workdir: str, step: Optional[int] = None, overrides: Optional[dict] = None
+               ) -> Model:
+  """The model of `workdir` (its config.json), at checkpoint `step` (default: the newest).
+
+  overrides: {dotted config key: value}, as --config.KEY=VALUE on the command line, e.g.
+  `{"eval.decode": "beam"}`.
+  """
+  config = config_lib.from_workdir(workdir)
+  for key, value in (overrides or {}).items():
+    *parents, name = key.split(".")
+    node = config
+    try:
+      for part in parents:
+        node = node[part]
+      node[name]  # an unknown key is refused, as on the command line
+      node[name] = value
+    except (KeyError, TypeError) as e:
+      raise UserError(f"cannot override config key {key!r}: {e}") from None
+  trained = load.load_trained(config, workdir, step)
+  return Model(config=config,
+               model_config=trained.model_config.replace(deterministic=True, decode=False),
+               params=trained.params, tokenizer=trained.tokenizer, step=trained.step,
+               mesh=trained.mesh)

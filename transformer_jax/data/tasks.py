@@ -1,0 +1,146 @@
+"""What an example is for each task (data.task), on top of the sources' (source, target) pairs.
+
+  seq2seq   source -> target (translation, SCAN): both sides, EOS-terminated. The encoder-decoder
+            reads the source and predicts the target; the decoder-only model reads
+            "source EOS BOS target" and is trained on the target only (a prefix LM).
+  lm        a text per example (a line of a file, a TFDS text record) as the target, no source:
+            the decoder-only language model. Texts longer than data.max_target_len tokens are cut
+            into pieces of that length, each trained as a text of its own.
+  mlm       a text per example as the source, no target: the train step masks it (BERT's
+            corruption, data.mask_rate) and predicts the masked tokens. Long texts are cut into
+            pieces of data.max_source_len.
+  classify  (text, label): the text as the source, the label's index + 1 as a one-token target
+            (0 stays padding); the labels are data.labels, or the sorted labels of the train split.
+
+Text sources (data.format=text, TFDS text datasets) give (text, "") pairs; the tasks without a
+side leave it empty (length 0), so its batch array has no columns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from transformer_jax.core.errors import UserError
+from transformer_jax.data import pipeline, sources
+from transformer_jax.data.tokenizer import Tokenizer
+
+TASKS = ("seq2seq", "lm", "mlm", "classify")
+# The tasks each architecture trains on.
+ARCH_TASKS = {"encoder_decoder": ("seq2seq",), "decoder_only": ("seq2seq", "lm"),
+              "encoder_only": ("mlm", "classify")}
+# Tasks whose examples are single texts (the target of a text source is empty).
+TEXT_TASKS = ("lm", "mlm")
+# The tokenizer of an encoder-only model has a <mask> piece (id core.tokens.MASK_ID).
+MASK_TASKS = ("mlm", "classify")
+
+
+def check(arch: str, data_config) -> None:
+  """The task, architecture and data format fit together. Raises UserError."""
+  d = data_config
+  if d.task not in ARCH_TASKS[arch]:
+    raise UserError(f"data.task={d.task} does not train a model.arch={arch} model; it trains on "
+                    f"{' or '.join(ARCH_TASKS[arch])} (set data.task or model.arch)")
+  if d.source == "files":
+    formats = {"seq2seq": ("parallel", "tsv"), "lm": ("text",), "mlm": ("text",),
+               "classify": ("tsv",)}[d.task]
+    if d.format not in formats:
+      raise UserError(f"data.task={d.task} reads data.format={' or '.join(formats)} files, not "
+                      f"{d.format}")
+  if d.task == "classify" and d.batching == "packed":
+    raise UserError("data.task=classify classifies whole rows; use data.batching=tokens or fixed")
+
+
+def batch_lengths(data_config) -> tuple[int, int]:
+  """The widest (inputs, targets) columns a batch of the task has: a missing side has none, a
+  class label one."""
+  d = data_config
+  return {"seq2seq": (d.max_source_len, d.max_target_len), "lm": (0, d.max_target_len),
+          "mlm": (d.max_source_len, 0), "classify": (d.max_source_len, 1)}[d.task]
+
+
+def tokenizer_texts(data_config, pairs):
+  """The pairs whose sides train the tokenizer: both sides, without the labels of classify."""
+  if data_config.task != "classify":
+    return pairs
+  return _SourceOnly(pairs)
+
+
+class _SourceOnly(sources._PairSequence):
+  def __init__(self, pairs):
+    self.pairs = pairs
+
+  def __len__(self):
+    return len(self.pairs)
+
+  def gather(self, indices):
+    return [(source, "") for source, _ in sources.gather(self.pairs, indices)]
+
+
+class _TargetOnly(_SourceOnly):
+  """(text, anything) -> ("", text): a text as the target of the language model."""
+
+  def gather(self, indices):
+    return [("", source) for source, _ in sources.gather(self.pairs, indices)]
+
+
+_TRAIN_LABELS = {}  # the labels of a train split, by where it is read from
+
+
+def label_names(data_config) -> tuple:
+  """The classes of data.task=classify, in the order of their ids: data.labels (comma-separated)
+  or the sorted distinct labels of the train split."""
+  d = data_config
+  if d.labels:
+    return tuple(label.strip() for label in d.labels.split(","))
+  key = (d.source, d.path, d.format, d.tfds_name, d.tfds_data_dir, d.label_field, d.train_split)
+  if key not in _TRAIN_LABELS:
+    pairs = sources.load_split(d, d.train_split)
+    _TRAIN_LABELS[key] = tuple(sorted({label for _, label in sources.gather(pairs,
+                                                                              range(len(pairs)))}))
+  return _TRAIN_LABELS[key]
+
+
+def examples(data_config, pairs, tokenizer: Tokenizer) -> pipeline.Encoded:
+  """The tokenised examples of a split's pairs for data.task (see the module docstring)."""
+  d = data_config
+  if d.task == "seq2seq":
+    return pipeline.encode(pairs, tokenizer, d.max_source_len, d.max_target_len)
+  if d.task == "lm":
+    # No limit at first: long texts are cut below rather than dropped.
+    encoded = pipeline.encode(_TargetOnly(pairs), tokenizer, 1, np.iinfo(np.int32).max)
+    return _texts(encoded, "target", d.max_target_len)
+  if d.task == "mlm":
+    encoded = pipeline.encode(_SourceOnly(pairs), tokenizer, np.iinfo(np.int32).max, 1)
+    return _texts(encoded, "source", d.max_source_len)
+  labels = {name: i for i, name in enumerate(label_names(d))}
+  encoded = pipeline.encode(_SourceOnly(pairs), tokenizer, d.max_source_len, 1)
+  kept = sources.gather(pairs, encoded.index)
+  unknown = sorted({label for _, label in kept if label not in labels})
+  if unknown:
+    raise UserError(f"labels {unknown[:5]} are not among the classes {list(labels)}; fix the "
+                    "data or data.labels")
+  ids = np.asarray([labels[label] + 1 for _, label in kept], np.int32)
+  return dataclasses.replace(encoded, target=ids, target_starts=np.arange(len(ids)),
+                             target_lengths=np.ones(len(ids), np.int64), max_target_len=1)
+
+
+def _texts(encoded: pipeline.Encoded, side: str, length: int) -> pipeline.Encoded:
+  """Single texts on `side`, the other side empty (no tokens, no batch columns); a text of more
+  than `length` tokens cut into pieces of at most `length` (the last keeps the EOS). The pieces
+  are (start, length) views into the same token buffer, nothing is copied; `index` maps each
+  piece to its text."""
+  other = "target" if side == "source" else "source"
+  starts = np.asarray(encoded.__dict__[f"{side}_starts"])
+  lengths = np.asarray(encoded.__dict__[f"{side}_lengths"])
+  counts = np.maximum(-(-lengths // length), 1)  # pieces per text
+  total = int(counts.sum())
+  offset = (np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)) * length
+  empty = np.zeros(total, np.int64)
+  return dataclasses.replace(
+      encoded, index=np.repeat(encoded.index, counts), dropped=0,
+      **{f"{side}_starts": np.repeat(starts, counts) + offset,
+         f"{side}_lengths": np.minimum(np.repeat(lengths, counts) - offset, length),
+         f"max_{side}_len": length, other: encoded.__dict__[other][:0],
+         f"{other}_starts": empty, f"{other}_lengths": empty, f"max_{other}_len": 0})
