@@ -385,7 +385,8 @@ ROWS = [
                                                      "--mode=plot", "--workdir={configured}"],
      ["the config given does not fit", "model.d_model 32 ->"]),
     # --- export
-    ("export: unknown split", EXPORT + ["--split=dev"], ["SCAN's simple split has the parts train, test, not 'dev'"]),
+    ("export: unknown split", EXPORT + ["--split=dev"],
+     ["SCAN's simple split has the parts train, test, not 'dev'"]),
     ("export: empty --split", EXPORT + ["--split="], ["--split is empty"]),
     ("export: data file a FIFO", EXPORT + FILES + ["--config.data.path={fifo}"],
      ["train.de is a named pipe"]),
