@@ -127,7 +127,7 @@ def test_every_documented_command(tmp_path):
     (cwd / entry).symlink_to(ROOT / entry)
   from transformer_jax.experiments import scan_simple
   for workdir in {m for line in launches for m in re.findall(r"--workdir=(runs/[\w/]+)", line)}:
-    (cwd / workdir).mkdir(parents=True)
+    (cwd / workdir).mkdir(parents=True, exist_ok=True)
     (cwd / workdir / "config.json").write_text(scan_simple.get_config().to_json_best_effort())
   checked = json.loads(subprocess.run(
       [sys.executable, "-c", CHECK, json.dumps(launches)], cwd=cwd, env=env,

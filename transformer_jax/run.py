@@ -57,6 +57,14 @@ def finished(config, workdir: str) -> Optional[dict]:
       saved = json.load(f)
     if checkpoint.compare_configs(saved, config)[0]:
       return None
+    # A damaged or unfinished newest checkpoint is not a finished run: training falls back to
+    # the previous one (with a warning each) and redoes the last steps.
+    manager = checkpoint.Manager(workdir, config)
+    try:
+      if not manager.metadata_reads(steps[-1]):
+        return None
+    finally:
+      manager.close()
     results = {}
     for split in final_splits(config):
       with open(evaluate_lib.result_path(workdir, steps[-1], split, config),

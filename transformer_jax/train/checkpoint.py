@@ -404,7 +404,18 @@ class Manager:
       multihost_utils.sync_global_devices("checkpoints set aside")
     return moved
 
-  def _read(self, step: int, target) -> Restored:
+  def metadata_reads(self, step: int) -> bool:
+    """Whether checkpoint `step` is complete and its metadata reads and fits its step: a cheap
+    check (no array is read) that catches truncated files and unfinished writes."""
+    if self.unfinished_steps():
+      return False
+    try:
+      self._read_meta(step)
+    except _Unreadable:
+      return False
+    return True
+
+  def _read_meta(self, step: int) -> dict:
     if not os.path.isdir(os.path.join(self.directory, str(step), "meta")):
       raise _Unreadable("it has no meta item: written by an older version or incomplete")
     with _quiet():
@@ -419,12 +430,16 @@ class Manager:
       expected_key = jax.random.key_data(jax.random.key(meta["rng"]["seed"])).tolist()
       consistent = (meta["step"] == step and meta["data"]["position"] == step
                     and meta["rng"]["key"] == expected_key)
-      saved_config, saved_sha = meta["config"], meta["tokenizer"]["sha256"]
+      meta["config"], meta["tokenizer"]["sha256"]  # noqa: B018 (present, or KeyError)
     except (KeyError, TypeError) as e:
       raise _Unreadable(f"its metadata lacks {e}") from None
     if not consistent:
       raise _Unreadable("its metadata does not match its step")
+    return meta
 
+  def _read(self, step: int, target) -> Restored:
+    meta = self._read_meta(step)
+    saved_config, saved_sha = meta["config"], meta["tokenizer"]["sha256"]
     incompatible, changed = compare_configs(saved_config, self.config)
     if incompatible:
       raise UserError(f"checkpoint step {step} in {self.directory} does not fit this config: "
