@@ -241,3 +241,30 @@ def test_the_cache_can_be_turned_off(tmp_path):
   assert cache.root(c.data) is None
   c.data.update(cache=True, cache_dir="")
   assert cache.root(c.data) == os.environ[cache.ENV]  # the tests' own (conftest.py)
+
+
+def test_tokenizers_are_cached_per_task_and_only_seq2seq_caches_its_examples(tmp_path):
+  """One tsv read as seq2seq and as classify: each task gets its own tokenizer (classify's has
+  <mask> and never saw the labels), and classify's examples are label ids, not the cached
+  seq2seq targets."""
+  data = tmp_path / "data"
+  data.mkdir()
+  rng = np.random.default_rng(0)
+  words = [f"w{i}" for i in range(20)]
+  lines = [f"{' '.join(rng.choice(words, rng.integers(1, 10)))}\t{rng.choice(['pos', 'neg'])}"
+           for _ in range(100)]
+  (data / "train.tsv").write_text("\n".join(lines) + "\n")
+  c = files_config(data, tmp_path / "cache")
+  c.data.format = "tsv"
+  seq2seq, _, pairs_set, _ = prepare.prepare_data(c, str(tmp_path / "run1"), VOCAB)
+  c.data.task = "classify"
+  classify, _, labels_set, _ = prepare.prepare_data(c, str(tmp_path / "run2"), VOCAB)
+  assert not seq2seq.has_mask() and classify.has_mask()
+  unknown = [tokenizer_lib.UNK_ID]
+  assert unknown not in seq2seq.encode(["pos", "neg"])
+  assert classify.encode(["pos", "neg"]) == [unknown, unknown]  # never trained on the labels
+  assert len(os.listdir(tmp_path / "cache" / "tokenizers")) == 4  # two entries and their locks
+  assert len(os.listdir(tmp_path / "cache" / "encoded")) == 2  # seq2seq's alone
+  expected = [2 if line.endswith("pos") else 1 for line in lines]  # sorted labels: neg, pos
+  np.testing.assert_array_equal(labels_set.target, expected)
+  assert labels_set.target_lengths.tolist() == [1] * 100 and pairs_set.max_target_len == 12
