@@ -32,6 +32,10 @@ OTHERS = {
     "setsid nohup bash benchmarks/gpu.sh": "the same GPU run, detached",
     "sleep": "waiting on the GPU machine",
     ".venv/bin/python benchmarks/compile_table.py": "test_compile (its --mode=compile rows)",
+    # Timings of the input path (minutes on a 1.3 GB corpus); the code they time is tested.
+    ".venv/bin/python benchmarks/synthetic_wmt.py": "writes the timing corpus, never committed",
+    ".venv/bin/python benchmarks/second_start.py": "test_cache (a second start from the cache)",
+    ".venv/bin/python benchmarks/input_share.py": "test_benchmark (benchmark.input's path)",
     "printf ": "writes the input of the next command (a launch.py command, checked)",
     "cd \"$SLURM_SUBMIT_DIR\"": "a SLURM job script (its launch.py line is checked)",
     "sbatch": "SLURM",
