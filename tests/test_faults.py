@@ -141,11 +141,12 @@ def test_a_full_disk_at_a_checkpoint_keeps_the_last_one_and_resumes_exactly(
 def test_a_full_disk_at_the_logs_and_the_tokenizer_loses_nothing(tmp_path, disk, reference):
   more = [f"--config.train.steps={STEPS + 30}", "--config.train.checkpoint_every=1000"]
 
-  # metrics.jsonl: its one page fills up at some step of the resumed run.
+  # metrics.jsonl: its last page fills up at some step of the resumed run.
   workdir = tmp_path / "metrics"
   shutil.copytree(reference, workdir)
   page = tmp_path / "page"
-  tmpfs(disk, page, 4096)
+  # One page more than the file takes: room for a few records, not for 30 steps of them.
+  tmpfs(disk, page, ((workdir / "metrics.jsonl").stat().st_size // 4096 + 2) * 4096)
   shutil.copy(workdir / "metrics.jsonl", disk.outside(page / "metrics.jsonl"))
   disk.shell(f"mount --bind {page}/metrics.jsonl {workdir}/metrics.jsonl")
   code, out, err = disk.run(*RUN, f"--workdir={workdir}", *more)
