@@ -124,6 +124,14 @@ def cached_and_full(config, params, source, decoder_inputs):
 
 
 # Every pair of (norm, qkv projection, positions) values appears once; tied and untied outputs too.
+def teacher_forced_batch(batch: int = 3, steps: int = 6):
+  """Random sources `[batch, 7]` and decoder inputs `[batch, steps]` (BOS, then random tokens)."""
+  source = random_sources(seed=1, batch=batch, length=7)
+  targets = np.random.default_rng(2).integers(3, VOCAB, size=(batch, steps))
+  return source, jnp.asarray(np.concatenate([np.full((batch, 1), BOS), targets[:, :-1]], 1),
+                             jnp.int32)
+
+
 @pytest.mark.parametrize("norm, fused_qkv, positional, tie_output", [
     ("pre", False, "sinusoidal", False), ("pre", True, "learned", True),
     ("post", False, "learned", True), ("post", True, "sinusoidal", False)])
@@ -131,11 +139,7 @@ def test_cached_steps_match_full_decoder(norm, fused_qkv, positional, tie_output
   config = make_config(norm=norm, fused_qkv=fused_qkv, positional=positional,
                        tie_output=tie_output)
   params = random_params(config, 0)
-  batch, steps = 3, 6
-  source = random_sources(seed=1, batch=batch, length=7)
-  targets = np.random.default_rng(2).integers(3, VOCAB, size=(batch, steps))
-  decoder_inputs = jnp.asarray(np.concatenate([np.full((batch, 1), BOS), targets[:, :-1]], 1),
-                               jnp.int32)
+  source, decoder_inputs = teacher_forced_batch()
   full, cached, encoded, cache = cached_and_full(config, params, source, decoder_inputs)
   np.testing.assert_allclose(cached, full, atol=1e-5, rtol=1e-5)
 
@@ -143,7 +147,7 @@ def test_cached_steps_match_full_decoder(norm, fused_qkv, positional, tie_output
   # that are the encoder output projected once.
   layer = cache["decoder"]["layer_1"]
   assert layer["self_attention"]["cached_key"].shape == (
-      batch, config.max_len, config.num_heads, config.head_dim)
+      len(source), config.max_len, config.num_heads, config.head_dim)
   assert int(layer["self_attention"]["cache_index"]) == 0
   if not fused_qkv:
     key = params["decoder"]["layer_1"]["cross_attention"]["key"]
@@ -181,11 +185,7 @@ def cached_and_full_decoder_only(config, params, source, decoder_inputs):
 def test_cached_steps_match_the_full_model_for_every_option(arch, changes):
   config = make_config(arch=arch, **changes)
   params = random_params(config, 0)
-  batch, steps = 3, 6
-  source = random_sources(seed=1, batch=batch, length=7)
-  targets = np.random.default_rng(2).integers(3, VOCAB, size=(batch, steps))
-  decoder_inputs = jnp.asarray(np.concatenate([np.full((batch, 1), BOS), targets[:, :-1]], 1),
-                               jnp.int32)
+  source, decoder_inputs = teacher_forced_batch()
   if arch == "encoder_decoder":
     full, cached, _, cache = cached_and_full(config, params, source, decoder_inputs)
     kv_cache = cache["decoder"]["layer_0"]["self_attention"]["cached_key"]
@@ -194,7 +194,7 @@ def test_cached_steps_match_the_full_model_for_every_option(arch, changes):
     lengths = np.sum(np.asarray(source) != 0, axis=1)
     # The prompt "source EOS BOS" minus its last token is in the cache: lengths + 1 - 1 slots.
     np.testing.assert_array_equal(begin.first_positions, lengths)
-    np.testing.assert_array_equal(begin.first_tokens, np.full(batch, BOS))
+    np.testing.assert_array_equal(begin.first_tokens, np.full(len(source), BOS))
     kv_cache = begin.cache["decoder"]["layer_0"]["self_attention"]["cached_key"]
   np.testing.assert_allclose(cached, full, atol=2e-5, rtol=2e-5)
   assert kv_cache.shape[2:] == (config.kv_heads, config.head_dim)  # the key/value heads only
