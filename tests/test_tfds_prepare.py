@@ -21,16 +21,20 @@ from transformer_jax.experiments import wmt14_ende_base
 tfds = pytest.importorskip("tensorflow_datasets")
 
 NEWS = "http://data.statmt.org/wmt19/translation-task/dev.tgz"
+# The two training archives both datasets read.
+SHARED = {
+    "http://www.statmt.org/wmt13/training-parallel-europarl-v7.tgz": {
+        "training/europarl-v7.de-en.de": ("de", "text", "europarl"),
+        "training/europarl-v7.de-en.en": ("en", "text", "europarl")},
+    "http://www.statmt.org/wmt13/training-parallel-commoncrawl.tgz": {
+        "commoncrawl.de-en.de": ("de", "text", "commoncrawl"),
+        "commoncrawl.de-en.en": ("en", "text", "commoncrawl")},
+}
 # {dataset: {url: {path in the archive: (language, format, subset)}}}: the files that
 # wmt14_translate/de-en and wmt17_translate/de-en read from each download.
 LAYOUT = {
     "wmt14_translate/de-en": {
-        "http://www.statmt.org/wmt13/training-parallel-europarl-v7.tgz": {
-            "training/europarl-v7.de-en.de": ("de", "text", "europarl"),
-            "training/europarl-v7.de-en.en": ("en", "text", "europarl")},
-        "http://www.statmt.org/wmt13/training-parallel-commoncrawl.tgz": {
-            "commoncrawl.de-en.de": ("de", "text", "commoncrawl"),
-            "commoncrawl.de-en.en": ("en", "text", "commoncrawl")},
+        **SHARED,
         "http://www.statmt.org/wmt14/training-parallel-nc-v9.tgz": {
             "training/news-commentary-v9.de-en.de": ("de", "text", "commentary"),
             "training/news-commentary-v9.de-en.en": ("en", "text", "commentary")},
@@ -41,12 +45,7 @@ LAYOUT = {
             "dev/newstest2014-deen-ref.en.sgm": ("en", "sgm", "newstest2014")},
     },
     "wmt17_translate/de-en": {
-        "http://www.statmt.org/wmt13/training-parallel-europarl-v7.tgz": {
-            "training/europarl-v7.de-en.de": ("de", "text", "europarl"),
-            "training/europarl-v7.de-en.en": ("en", "text", "europarl")},
-        "http://www.statmt.org/wmt13/training-parallel-commoncrawl.tgz": {
-            "commoncrawl.de-en.de": ("de", "text", "commoncrawl"),
-            "commoncrawl.de-en.en": ("en", "text", "commoncrawl")},
+        **SHARED,
         "http://data.statmt.org/wmt17/translation-task/training-parallel-nc-v12.tgz": {
             "training/news-commentary-v12.de-en.de": ("de", "text", "commentary"),
             "training/news-commentary-v12.de-en.en": ("en", "text", "commentary")},
