@@ -124,30 +124,6 @@ def test_extra_source_padding_does_not_change_logits(tiny_config, random_params)
                          atol=1e-3)
 
 
-def test_packed_row_equals_its_examples_run_separately(tiny_config, random_params):
-  cfg = tiny_config
-  params = model_params(cfg, random_params)
-  apply = logits_fn(cfg)
-  vocab = cfg.vocab_size
-  src_a, tgt_a = random_tokens(0, (3,), vocab), random_tokens(1, (2,), vocab)
-  src_b, tgt_b = random_tokens(2, (2,), vocab), random_tokens(3, (3,), vocab)
-
-  def row(*parts, length=6):
-    return jnp.pad(jnp.concatenate(parts), (0, length - sum(len(p) for p in parts)))[None]
-
-  separate = np.asarray(apply(params, jnp.concatenate([row(src_a), row(src_b)]),
-                              jnp.concatenate([row(tgt_a), row(tgt_b)])))
-  packed = np.asarray(apply(
-      params, row(src_a, src_b), row(tgt_a, tgt_b),
-      source_positions=jnp.array([[0, 1, 2, 0, 1, 0]]),
-      target_positions=jnp.array([[0, 1, 0, 1, 2, 0]]),
-      source_segments=jnp.array([[1, 1, 1, 2, 2, 0]]),
-      target_segments=jnp.array([[1, 1, 2, 2, 2, 0]])))
-
-  np.testing.assert_allclose(packed[0, :2], separate[0, :2], rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(packed[0, 2:5], separate[1, :3], rtol=1e-5, atol=1e-5)
-
-
 # ----------------------------------------------------------------------------- sizes
 
 
@@ -357,6 +333,7 @@ def test_decoder_only_is_causal_reads_its_source_and_ignores_padding(random_para
 
 
 @pytest.mark.parametrize("arch, changes", [
+    ("encoder_decoder", {}),
     ("decoder_only", dict(positional="relative_bias", num_kv_heads=1)),
     ("decoder_only", dict(positional="rotary", norm="pre")),
     ("encoder_only", dict(positional="relative_bias")),
