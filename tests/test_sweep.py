@@ -115,3 +115,20 @@ def test_changed_sweep_in_the_same_workdir_is_refused(tmp_path):
                           capture_output=True, text=True)
   assert result.returncode == 2
   assert "use a new --workdir" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_sweep_bar_counts_every_trials_steps_from_their_metrics(tmp_path, monkeypatch, capsys):
+  monkeypatch.setenv("TRANSFORMER_JAX_PROGRESS", "1")
+  configs = [sweep.trial_config("experiments/tiny.py", {"train.steps": n}, {}) for n in (10, 20)]
+  trial = tmp_path / "trial_001"
+  trial.mkdir()
+  with open(trial / "metrics.jsonl", "w", encoding="utf-8") as f:
+    f.write(json.dumps({"split": "train", "step": 5, "loss": 2.5}) + "\n")
+    f.write(json.dumps({"split": "val", "step": 5, "loss": 9.0}) + "\n")
+    f.write('{"split": "train", "step": 7, "lo')  # a line being written
+  with sweep._Progress(str(tmp_path), configs, done=[0]) as watch:
+    watch.update({1: None})
+    assert (watch._bar.n, watch._bar.total) == (10 + 5, 30)
+    drawn = capsys.readouterr().err
+  assert "trial_001 5/20 loss 2.500" in drawn and "sweep" in drawn
+  assert sweep._last_train_record(str(tmp_path / "absent.jsonl")) == {}

@@ -34,7 +34,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from transformer_jax import config as config_lib
-from transformer_jax.core import files, lock, metric_names
+from transformer_jax.core import files, lock, metric_names, progress
 from transformer_jax.core.errors import UserError, unknown_key_message
 from transformer_jax.eval import evaluate
 from transformer_jax.train import checkpoint, logger
@@ -304,6 +304,61 @@ def run_sweep(config_path: str, workdir: str, base_overrides: Optional[dict] = N
     return _run_trials(workdir, trials, configs, commands, parallel, metric)
 
 
+class _Progress:
+  """One bar over the sweep's train steps (every trial's), with the ETA of the whole sweep and
+  the running trials' step and loss, read from their metrics.jsonl (trials run in subprocesses
+  that write to their own logs). Drawn only for a person watching (core/progress.py)."""
+
+  def __init__(self, workdir: str, configs: list, done: list):
+    self._workdir, self._steps = workdir, [c.train.steps for c in configs]
+    self._finished = sum(self._steps[i] for i in done)
+    self._bar = progress.bar(total=sum(self._steps), initial=self._finished, desc="sweep",
+                             unit="step")
+    self._last_read = 0.0
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self._bar.close()
+
+  def finished(self, i: int) -> None:
+    self._finished += self._steps[i]
+
+  def update(self, running: dict) -> None:
+    if self._bar.disable or time.time() - self._last_read < 1.0:
+      return
+    self._last_read = time.time()
+    shown, steps = [], self._finished
+    for i in sorted(running):
+      record = _last_train_record(os.path.join(_trial_dir(self._workdir, i), "metrics.jsonl"))
+      step = min(int(record.get("step", 0)), self._steps[i])
+      steps += step
+      loss = f" loss {record['loss']:.3f}" if "loss" in record else ""
+      shown.append(f"trial_{i:03d} {step}/{self._steps[i]}{loss}")
+    self._bar.n = max(self._bar.n, steps)
+    self._bar.set_postfix_str("; ".join(shown), refresh=True)
+
+
+def _last_train_record(path: str) -> dict:
+  """The newest training record of a trial's metrics.jsonl ({} before its first log line)."""
+  try:
+    with open(path, "rb") as f:
+      f.seek(0, os.SEEK_END)
+      f.seek(max(f.tell() - 16384, 0))
+      lines = f.read().decode("utf-8", "replace").splitlines()
+  except OSError:
+    return {}
+  for line in reversed(lines):
+    try:
+      record = json.loads(line)
+    except ValueError:  # the partial first line of the tail, or a line being written
+      continue
+    if isinstance(record, dict) and record.get("split") == "train":
+      return record
+  return {}
+
+
 def _run_trials(workdir, trials, configs, commands, parallel, metric) -> list[tuple[int, dict]]:
   results, pending = {}, []
   for i, trial in enumerate(trials):
@@ -326,7 +381,8 @@ def _run_trials(workdir, trials, configs, commands, parallel, metric) -> list[tu
         f"({parallel} at a time) in {workdir}", flush=True)
 
   running, waiting = {}, set()  # running: index -> (process, start time, log file)
-  with _Signals(running) as signals:
+  watch = _Progress(workdir, configs, done=[i for i in range(len(trials)) if i not in pending])
+  with _Signals(running) as signals, watch:
     while (pending and not signals.signal) or running:
       while pending and len(running) < parallel and not signals.signal:
         i = _launchable(workdir, pending, waiting)
@@ -338,8 +394,9 @@ def _run_trials(workdir, trials, configs, commands, parallel, metric) -> list[tu
         process = subprocess.Popen(commands[i], stdout=log, stderr=subprocess.STDOUT,
                                    start_new_session=True)
         running[i] = (process, time.time(), log)
-        print(f"trial_{i:03d} started: {trials[i]}", flush=True)
+        progress.write(f"trial_{i:03d} started: {trials[i]}")
       time.sleep(0.2)
+      watch.update(running)
       for i, (process, start, log) in list(running.items()):
         if process.poll() is None:
           continue
@@ -352,17 +409,18 @@ def _run_trials(workdir, trials, configs, commands, parallel, metric) -> list[tu
           result = _finish_trial(directory, trials[i], wall, metric, configs[i])
         if result is not None:
           results[i] = result
-          print(f"trial_{i:03d} done in {wall:.0f}s: {metric} {result['metrics'].get(metric)}",
-                flush=True)
+          watch.finished(i)
+          progress.write(f"trial_{i:03d} done in {wall:.0f}s: {metric} "
+                         f"{result['metrics'].get(metric)}")
         elif process.returncode == 0 or signals.signal:
           results[i] = {"overrides": trials[i], "status": "interrupted", "wall_time_s": wall}
-          print(f"trial_{i:03d} stopped ({signals.signal or 'a signal'}); a rerun resumes it",
-                flush=True)
+          progress.write(f"trial_{i:03d} stopped ({signals.signal or 'a signal'}); a rerun "
+                         "resumes it")
         else:
           results[i] = {"overrides": trials[i], "status": f"failed (exit {process.returncode})",
                         "wall_time_s": wall}
-          print(f"trial_{i:03d} failed with exit code {process.returncode}; see "
-                f"{directory}/train.log", flush=True)
+          progress.write(f"trial_{i:03d} failed with exit code {process.returncode}; see "
+                         f"{directory}/train.log")
         _log(workdir, trial=i, event="end", status=results[i]["status"])
 
   ordered = sorted(results.items())
