@@ -1,6 +1,7 @@
 """Evaluation and translation: the text metrics' fixed points, checkpoint averaging, translate's
 line handling, and --mode=translate reproducing --mode=evaluate on a briefly trained tiny model."""
 
+import copy
 import io
 import json
 import os
@@ -14,9 +15,11 @@ import numpy as np
 import pytest
 
 from transformer_jax import config as config_lib
+from transformer_jax.core import progress
 from transformer_jax.core.errors import UserError
 from transformer_jax.data import scan
 from transformer_jax.data import tokenizer as tokenizer_lib
+from transformer_jax.eval import evaluate as evaluate_lib
 from transformer_jax.eval import load, search
 from transformer_jax.eval import translate as translate_lib
 from transformer_jax.eval.metrics import classification_metrics, text_metrics
@@ -125,6 +128,21 @@ def model():
   tokenizer = tokenizer_lib.train([t for p in scan.load("simple", "train") for t in p],
                                   model_config.vocab_size, "word")
   return c, model_config, params, tokenizer
+
+
+def test_evaluation_bar_counts_sentences_and_names_the_search(model, monkeypatch, capsys):
+  c, model_config, params, tokenizer = model
+  c = copy.deepcopy(c)
+  c.eval.update(decode="beam", beam_size=2, batch_size=4, max_examples=10)
+  monkeypatch.setenv(progress.ENV, "1")
+  drawing = progress.bar
+  monkeypatch.setattr(progress, "bar", lambda **kw: drawing(**kw, mininterval=0, miniters=1))
+  pairs = scan.load("simple", "test")
+  metrics = evaluate_lib.evaluate(params, model_config, c, tokenizer, pairs)
+  drawn = capsys.readouterr().err
+  assert metrics["examples"] == 10
+  assert "evaluating (beam2-lp0.6)" in drawn and "sentence" in drawn
+  assert [f"{n}/10" in drawn for n in (4, 8, 10)] == [True] * 3  # batch by batch
 
 
 LONG_LINE = " and ".join(["walk left twice"] * 4)  # 15 words, more than max_source_len - 1 = 11

@@ -74,10 +74,11 @@ def evaluate(params, model_config: ModelConfig, config, tokenizer: tokenizer_lib
   step = _eval_step(model_config, d.task, d.mask_rate, mesh)
   sums = {"nll": 0.0, "correct": 0.0, "tokens": 0.0}
   hypotheses, predicted = [], []
-  batches = progress.bar(pipeline.eval_batches(examples, e.batch_size),
-                         total=math.ceil(len(examples) / e.batch_size),
-                         desc=f"evaluating ({decode_name(config)})", unit="batch")
-  for index, (batch, n_real) in enumerate(batches):
+  # Counted in sentences, not batches: a split is a handful of batches, and beam search spends
+  # most of the time, inside one compiled loop per batch.
+  shown = progress.bar(total=len(examples), unit="sentence",
+                       desc=f"evaluating ({decode_name(config)})")
+  for index, (batch, n_real) in enumerate(pipeline.eval_batches(examples, e.batch_size)):
     out = sharding.to_host(step(params, sharding.shard_batch(batch, mesh),
                                 batch_rng(config, index)))
     predicted += out.pop("predicted", [])[:n_real].tolist() if d.task == "classify" else []
@@ -87,6 +88,8 @@ def evaluate(params, model_config: ModelConfig, config, tokenizer: tokenizer_lib
       outputs = decode_batch(params, model_config, e, batch["inputs"], max_length,
                              batch_rng(config, index), mesh=mesh)
       hypotheses += [detokenize(tokenizer, row) for row in outputs[:n_real]]
+    shown.update(n_real)
+  shown.close()
   nll = sums["nll"] / sums["tokens"]
   metrics = {"loss": nll, "perplexity": math.exp(min(nll, 50.0)),
              "token_accuracy": sums["correct"] / sums["tokens"]}
