@@ -18,7 +18,9 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 
 test: lint
-	$(PY) -m pytest -q -n 2 tests
+	# Whole files per worker: a module's expensive fixture (the 8-device sharding run, the trained
+	# workdirs) is then built once, not once on each worker.
+	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
 demo: $(VENV)/.installed
 	$(PY) launch.py --config=experiments/scan_simple.py --workdir=$(WORKDIR) --mode=train
