@@ -1,11 +1,17 @@
 """launch.py as a user runs it: describe prints the size; user errors are one line, exit code 2."""
 
+import importlib
+import json
 import os
 import pathlib
 import subprocess
 import sys
 
 import pytest
+
+from transformer_jax import config as config_lib
+from transformer_jax import experiments
+from transformer_jax.tools import sweep
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -62,3 +68,14 @@ def test_user_errors_are_one_line_with_exit_code_2(flags, names):
   assert "Traceback" not in result.stderr + result.stdout
   for name in names:
     assert name in lines[0]  # the message names what to fix
+
+
+@pytest.mark.parametrize("name", experiments.names())
+def test_every_shipped_recipe_and_its_sweep_validate(name):
+  path = os.path.join(experiments.DIRECTORY, f"{name}.py")
+  module = importlib.import_module(f"transformer_jax.experiments.{name}")
+  config_lib.validate(module.get_config())
+  if hasattr(module, "get_sweep"):
+    trials = module.get_sweep()
+    assert trials and len({json.dumps(t, sort_keys=True) for t in trials}) == len(trials), name
+    assert len(sweep.check_trials(path, trials, {})) == len(trials)
