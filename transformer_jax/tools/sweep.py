@@ -331,7 +331,8 @@ class _Progress:
     self._last_read = time.time()
     shown, steps = [], self._finished
     for i in sorted(running):
-      record = _last_train_record(os.path.join(_trial_dir(self._workdir, i), "metrics.jsonl"))
+      record = _last_train_record(os.path.join(_trial_dir(self._workdir, i),
+                                                logger.METRICS_FILE))
       step = min(int(record.get("step", 0)), self._steps[i])
       steps += step
       loss = f" loss {record['loss']:.3f}" if "loss" in record else ""
