@@ -338,3 +338,25 @@ def test_checkpoint_averaging_restores_onto_the_mesh_and_averages(meshes):
   average = meshes["average"]
   assert average["sharding"] == "P('fsdp', 'tensor', None)"  # the mesh of (1,2,4)
   assert average["error"] < 1e-7
+
+
+CLUSTER_VARIABLES = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID",
+                     "SLURM_LOCALID", "OMPI_MCA_orte_hnp_uri", "TPU_WORKER_HOSTNAMES",
+                     "TPU_PROCESS_ADDRESSES", "KUBERNETES_SERVICE_HOST")
+
+
+@pytest.mark.parametrize("tasks", [1, 4])
+def test_a_slurm_job_is_distributed_by_its_task_count(monkeypatch, tasks):
+  """JAX's own detection reads the job: a SLURM allocation of one task starts nothing (it would
+  start a coordinator service for nothing); one of 4 tasks is a job of 4 processes."""
+  for name in CLUSTER_VARIABLES:
+    monkeypatch.delenv(name, raising=False)
+  assert sharding.detected_process_count() == 1  # this machine: no cluster
+  for name, value in {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "node[1-4]",
+                      "SLURM_NTASKS": str(tasks), "SLURM_PROCID": "0",
+                      "SLURM_LOCALID": "0"}.items():
+    monkeypatch.setenv(name, value)
+  assert sharding.detected_process_count() == tasks
+  if tasks == 1:
+    sharding.initialize_distributed()
+    assert not jax.distributed.is_initialized()

@@ -53,19 +53,37 @@ RULES = (
 def initialize_distributed(coordinator_address=None, num_processes=None, process_id=None) -> None:
   """Starts JAX's multi-process runtime when this is one process of several.
 
-  Explicit flags win; otherwise JAX detects Cloud TPU pods and SLURM jobs (several tasks) itself.
-  A single process on one machine needs none of this and skips it.
+  Explicit flags win. Otherwise JAX's own cluster detection decides (`detected_process_count`):
+  Cloud TPU VM pods through the VM's metadata server, GKE TPU pods, SLURM, Open MPI, Kubernetes.
+  A single process (one host, or a cluster of one) needs none of this and skips it.
   """
   explicit = coordinator_address is not None or num_processes is not None
-  slurm = int(os.environ.get("SLURM_NTASKS", "1")) > 1
-  tpu_pod = "TPU_WORKER_HOSTNAMES" in os.environ and "," in os.environ["TPU_WORKER_HOSTNAMES"]
-  if not (explicit or slurm or tpu_pod):
-    return
   if explicit and (coordinator_address is None or num_processes is None or process_id is None):
     raise UserError("multi-process runs need all of --coordinator_address, --num_processes and "
                     "--process_id (or none of them on Cloud TPU / SLURM)")
-  jax.distributed.initialize(coordinator_address=coordinator_address,
-                             num_processes=num_processes, process_id=process_id)
+  if explicit:
+    jax.distributed.initialize(coordinator_address=coordinator_address,
+                               num_processes=num_processes, process_id=process_id)
+  elif detected_process_count() > 1:
+    jax.distributed.initialize()  # JAX detects the same cluster again and takes its parameters
+
+
+def detected_process_count() -> int:
+  """How many processes the cluster JAX detects around this one has (1: none detected).
+
+  Asks the cluster environments `jax.distributed.initialize()` itself tries, in its order, so
+  that the two never disagree. Detecting starts nothing: `jax.distributed.initialize` on a
+  single process would start a coordinator service (on a fixed port on TPU VMs) for nothing.
+  """
+  try:  # JAX keeps its detection private; its ClusterEnv interface has been stable since 0.4
+    from jax._src import clusters
+    environments = [env for env in clusters.ClusterEnv._cluster_types
+                    if not env.opt_in_only_method]
+  except (ImportError, AttributeError):  # a JAX without it: the variables its detection reads
+    hosts = os.environ.get("TPU_PROCESS_ADDRESSES") or os.environ.get("TPU_WORKER_HOSTNAMES", "")
+    return max(int(os.environ.get("SLURM_NTASKS", "1")), len(hosts.split(",")))
+  present = next((env for env in environments if env.is_env_present()), None)
+  return 1 if present is None else present.get_process_count()
 
 
 # ----------------------------------------------------------------------------- the mesh
