@@ -1,15 +1,19 @@
 """Two processes on localhost (CPU, gloo collectives, 2 devices each) train like one 4-device
-process, with the parameters split over the devices of both."""
+process, with the parameters split over the devices of both: started with explicit flags, and
+as the two workers of a Cloud TPU VM pod that JAX finds through the VM's metadata server."""
 
+import http.server
 import json
 import os
 import socket
 import subprocess
 import sys
+import threading
 
 import jax
 import numpy as np
 import pytest
+from launcher import NAMESPACE, namespaces_work
 
 from transformer_jax.eval import load
 from transformer_jax.experiments import tiny
@@ -70,4 +74,154 @@ def test_two_processes_match_one_process_with_the_same_global_batch(tmp_path):
     assert tokens_a == tokens_b
     assert loss_b == pytest.approx(loss_a, rel=1e-5)
   for a, b in zip(_params(one), _params(two)):
+    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- a TPU VM pod
+
+
+class MetadataServer:
+  """The Compute Engine metadata server of worker `worker` of a TPU VM pod of `workers` hosts,
+  on 127.0.0.1: the instance attributes that JAX's pod detection reads
+  (jax/_src/clusters/cloud_tpu_cluster.py: GceTpuCluster), answered, as the real server does,
+  only to requests with the header Metadata-Flavor: Google. `asked`: the keys requested."""
+
+  def __init__(self, worker: int, workers: int):
+    attributes = {
+        "agent-worker-number": str(worker),
+        "worker-network-endpoints": ",".join(["unknown:unknown:127.0.0.1"] * workers),
+        "tpu-env": f"ACCELERATOR_TYPE: 'v5litepod-{4 * workers}'\nWORKER_ID: '{worker}'\n",
+    }
+    self.asked = []
+    prefix = "/computeMetadata/v1/instance/attributes/"
+    outer = self
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+      def do_GET(self):
+        key = self.path[len(prefix):] if self.path.startswith(prefix) else None
+        outer.asked.append(key)
+        if self.headers.get("Metadata-Flavor") != "Google":
+          status, body = 403, b"Missing Metadata-Flavor:Google header."
+        elif key in attributes:
+          status, body = 200, attributes[key].encode()
+        else:
+          status, body = 404, b"not found"
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+      def log_message(self, *args):
+        pass
+
+    self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=self._server.serve_forever, daemon=True).start()
+    self.address = f"127.0.0.1:{self._server.server_port}"
+
+  def close(self):
+    self._server.shutdown()
+    self._server.server_close()
+
+
+def _on_a_tpu_vm(command, directory) -> list:
+  """`command` run where JAX's start-up (jax/_src/cloud_tpu_init.py) takes the machine for a
+  Cloud TPU VM. It looks for a TPU chip on the PCI bus (/sys/bus/pci/devices/*/vendor and
+  device); without one it sets TPU_SKIP_MDS_QUERY, and its pod detection never asks the metadata
+  server. In a mount namespace of its own the command sees one v5e chip there; where namespaces
+  are refused, a prelude removes TPU_SKIP_MDS_QUERY after `import jax` instead. JAX_FORCE_TPU_INIT
+  (in the environment) stands for the libtpu package, which is not installed."""
+  if namespaces_work():
+    devices = directory / "pci"
+    if not devices.exists():
+      devices.mkdir()
+      for real in os.listdir("/sys/bus/pci/devices"):  # the real ones too: gloo reads them
+        (devices / real).symlink_to(os.path.realpath(f"/sys/bus/pci/devices/{real}"))
+      chip = devices / "0000:ff:04.0"
+      chip.mkdir()
+      (chip / "vendor").write_text("0x1ae0\n")  # Google
+      (chip / "device").write_text("0x0063\n")  # TPU v5e
+      (chip / "class").write_text("0x120000\n")  # a processing accelerator (gloo reads it)
+    return [*NAMESPACE, "sh", "-c", 'mount --bind "$0" /sys/bus/pci/devices && exec "$@"',
+            str(directory / "pci"), *command]
+  prelude = ("import os, runpy, sys, jax; os.environ.pop('TPU_SKIP_MDS_QUERY', None); "
+             "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+  return [command[0], "-c", prelude, *command[1:]]
+
+
+def _tpu_vm_env(server: MetadataServer, port: int, cache_dir) -> dict:
+  """The environment of a worker of a TPU VM pod: its metadata server, the coordinator's port
+  (JAX's default, 8482, may be taken here), no variable of another cluster kind."""
+  env = dict(_env(2), JAX_FORCE_TPU_INIT="1", GCE_METADATA_IP=server.address,
+             JAX_COORDINATOR_PORT=str(port), TRANSFORMER_JAX_CACHE=str(cache_dir),
+             NO_PROXY="127.0.0.1", no_proxy="127.0.0.1")
+  for name in ("TPU_WORKER_HOSTNAMES", "TPU_PROCESS_ADDRESSES", "TPU_SKIP_MDS_QUERY",
+               "SLURM_JOB_ID", "OMPI_MCA_orte_hnp_uri", "KUBERNETES_SERVICE_HOST"):
+    env.pop(name, None)
+  return env
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_the_pod_detection_counts_the_workers_of_a_tpu_vm(tmp_path, workers):
+  """A single-host slice (a v5litepod-8 is one VM) is one process: distributed start-up skipped."""
+  server = MetadataServer(0, workers)
+  script = tmp_path / "count.py"
+  script.write_text("from transformer_jax.train import sharding\n"
+                    "print('processes:', sharding.detected_process_count())\n")
+  try:
+    done = subprocess.run(_on_a_tpu_vm([sys.executable, str(script)], tmp_path), cwd=ROOT,
+                          env=_tpu_vm_env(server, _free_port(), tmp_path / "cache"),
+                          capture_output=True, text=True, timeout=120)
+  finally:
+    server.close()
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert f"processes: {workers}" in done.stdout
+  assert "worker-network-endpoints" in server.asked
+
+
+def _outputs(processes) -> list:
+  outputs = [p.communicate(timeout=300)[0].decode() for p in processes]
+  for process, output in zip(processes, outputs):
+    assert process.returncode == 0, output[-3000:]
+  return outputs
+
+
+def test_a_tpu_vm_pod_found_through_its_metadata_server_trains_as_one_job(tmp_path):
+  """Two processes with no flag about the job, each with its own metadata server: JAX's own
+  detection makes them the two workers of one job (process count 2, one fsdp mesh over both),
+  which trains like one process. Process 0 alone prepares the data into the shared cache; a
+  second job on the same data reuses it."""
+  pod, one, cache_dir = tmp_path / "pod", tmp_path / "one", tmp_path / "cache"
+  servers = [MetadataServer(worker, 2) for worker in (0, 1)]
+  try:
+    port = _free_port()
+    env = [_tpu_vm_env(server, port, cache_dir) for server in servers]
+    command = [sys.executable, "launch.py", *ARGS, f"--workdir={pod}", "--config.mesh.data=1",
+               "--config.mesh.fsdp=4"]
+    pair = [subprocess.Popen(_on_a_tpu_vm(command, tmp_path), cwd=ROOT, env=worker_env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            for worker_env in env]
+    outputs = _outputs(pair)
+  finally:
+    for server in servers:
+      server.close()
+  for server in servers:  # JAX asked each worker's own server who it is and who the others are
+    assert {"agent-worker-number", "worker-network-endpoints"} <= set(server.asked)
+  assert "4 device(s) (cpu) in 2 process(es), mesh data 1 x fsdp 4 x tensor 1" in outputs[0]
+  # The data, prepared once: by process 0, while process 1 waits and then reads the cache.
+  assert "tokenising the 'train' split" in outputs[0]
+  assert "training the tokenizer" in outputs[0]
+  assert "process 1: waiting for process 0 to prepare the data" in outputs[1]
+  assert "tokenising" not in outputs[1] and "training the tokenizer" not in outputs[1]
+
+  # A second job on the same data (one process, 4 devices) reads the cache too.
+  single = _outputs([subprocess.Popen(
+      [sys.executable, "launch.py", *ARGS, f"--workdir={one}"], cwd=ROOT,
+      env=dict(_env(4), TRANSFORMER_JAX_CACHE=str(cache_dir)),
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT)])[0]
+  assert "tokenising" not in single and "training the tokenizer" not in single
+  for (step_a, loss_a, tokens_a), (step_b, loss_b, tokens_b) in zip(
+      _train_losses(one), _train_losses(pod), strict=True):
+    assert (step_a, tokens_a) == (step_b, tokens_b)
+    assert loss_b == pytest.approx(loss_a, rel=1e-5)
+  for a, b in zip(_params(one), _params(pod)):
     np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)

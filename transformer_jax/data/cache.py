@@ -72,11 +72,13 @@ class Damaged(Exception):
 
 
 def fetch(cache_dir: Optional[str], kind: str, key: dict,
-          build: Callable[[], dict], describe: str = "") -> dict:
+          build: Callable[[], dict], describe: str = "", expected: bool = False) -> dict:
   """The arrays of the entry `key` ({name: array}, memory-mapped), built and stored if absent.
 
   build() -> {name: np.ndarray}; called when the entry is missing or damaged, or when there is
   no cache (cache_dir None). `describe` names what is built, for the one line printed then.
+  expected: another process of the job has just written the entry here, so a missing one means
+  that this process does not see its cache (said in a warning before building it again).
   """
   if cache_dir is None:
     return build()
@@ -97,6 +99,10 @@ def fetch(cache_dir: Optional[str], kind: str, key: dict,
       arrays = None
     if arrays is not None:
       return arrays
+    if expected:
+      warn(f"the cache entry {entry} that process 0 of this job wrote is not there: this "
+           "host does not see its cache; set data.cache_dir to a path every host shares "
+           "(building the entry here too)")
     # Holding the lock, no other writer of this entry is at work: whatever they left is debris.
     _remove_temporaries(entry, age=0.0 if locked else 3600.0)
     if describe:

@@ -43,13 +43,14 @@ def _check_word_coverage(words: collections.Counter, vocab_size: int) -> None:
 
 
 def prepare_tokenizer(config, workdir: str, train_pairs, vocab_size: int, cache_dir=None,
-                      source_key=None):
+                      source_key=None, cached: bool = False):
   """(tokenizer, new): the run's tokenizer, and whether WORKDIR/tokenizer.model is still to write.
 
   The workdir's tokenizer wins (a resumed run keeps its ids); else data.tokenizer.model_path;
   else that of the run in train.init_from; else the one trained for this split, task and these
   settings, from the cache (`cache_dir`, with the split's `source_key`) or trained now on a
-  sample of `train_pairs`. Nothing is written in the workdir here.
+  sample of `train_pairs`. Nothing is written in the workdir here. cached: another process has
+  just written the cache entries (`cache.fetch`'s `expected`).
   """
   t = config.data.tokenizer
   path = os.path.join(workdir, tokenizer_lib.FILENAME)
@@ -85,7 +86,8 @@ def prepare_tokenizer(config, workdir: str, train_pairs, vocab_size: int, cache_
     key = {"data": source_key, "task": config.data.task, "vocab_size": vocab_size,
            "model_type": t.model_type, "character_coverage": t.character_coverage,
            "sample_size": t.sample_size, "seed": config.seed}
-    stored = (cache.fetch(cache_dir, "tokenizers", key, train, describe="training the tokenizer")
+    stored = (cache.fetch(cache_dir, "tokenizers", key, train, describe="training the tokenizer",
+                          expected=cached)
               if source_key is not None else train())
     tokenizer = tokenizer_lib.Tokenizer(np.asarray(stored["model"]).tobytes())
   if config.data.task in tasks.MASK_TASKS and not tokenizer.has_mask():
@@ -99,9 +101,10 @@ def prepare_tokenizer(config, workdir: str, train_pairs, vocab_size: int, cache_
   return tokenizer, new
 
 
-def prepare_data(config, workdir: str, vocab_size: int):
+def prepare_data(config, workdir: str, vocab_size: int, cached: bool = False):
   """Loads the splits and the tokenizer, and the tokenised train split. Writes nothing in the
-  workdir (the cache may gain entries).
+  workdir (the cache may gain entries). cached: another process of the job has just prepared
+  the same data into the cache, which this one reads (see `train.loop.prepare_data_once`).
 
   Returns (tokenizer, new_tokenizer, train_set, eval_pairs).
   """
@@ -110,12 +113,12 @@ def prepare_data(config, workdir: str, vocab_size: int):
   source_key = sources.split_key(d, d.train_split)
   train_pairs = sources.LazyPairs(d, d.train_split)  # read only if the cache lacks something
   tokenizer, new = prepare_tokenizer(config, workdir, train_pairs, vocab_size, cache_dir,
-                                     source_key)
+                                     source_key, cached)
   if d.task == "seq2seq":
     key = {"data": source_key, "tokenizer": hashlib.sha256(tokenizer.model_proto).hexdigest()}
     corpus = cache.fetch(cache_dir, "encoded", key,
                          lambda: pipeline.encode_corpus(train_pairs, tokenizer),
-                         describe=f"tokenising the {d.train_split!r} split")
+                         describe=f"tokenising the {d.train_split!r} split", expected=cached)
     train_set = pipeline.select(corpus, d.max_source_len, d.max_target_len)
   else:
     # Only seq2seq's examples are the cached corpus filtered by the limits: the other tasks cut

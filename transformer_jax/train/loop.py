@@ -13,13 +13,15 @@ import os
 from typing import Any, Callable, Optional
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 from transformer_jax import config as config_lib
 from transformer_jax.core import progress
 from transformer_jax.core.errors import UserError
 from transformer_jax.core.files import atomic_write
 from transformer_jax.core.lock import DirectoryLock
-from transformer_jax.data import pipeline, prepare, sources
+from transformer_jax.data import cache, pipeline, prepare, sources
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.model import ModelConfig, count_params, describe
 from transformer_jax.model.flops import peak_flops
@@ -84,6 +86,37 @@ def _process_rows(mesh, multiple: int):
   return rows_for
 
 
+def prepare_data_once(config, workdir: str, vocab_size: int):
+  """`prepare.prepare_data` for every process of the job, the data prepared by one of them.
+
+  With several processes and the cache on, process 0 trains the tokenizer and tokenises the
+  corpus into the cache (`data/cache.py`, keyed by content) while the others wait, then read
+  it: data.cache_dir must be a path every host shares. Without that, or without the cache, each
+  process prepares the data itself (with a warning in the first case).
+  """
+  cache_dir = cache.root(config.data)
+  if jax.process_count() == 1 or cache_dir is None:
+    return prepare.prepare_data(config, workdir, vocab_size)
+  failure, prepared = None, None
+  if jax.process_index() == 0:
+    try:
+      prepared = prepare.prepare_data(config, workdir, vocab_size)
+    except UserError as e:  # told to the others below, so that they stop too
+      failure = e
+    failed = multihost_utils.broadcast_one_to_all(np.int32(failure is not None))
+  else:
+    print(f"process {jax.process_index()}: waiting for process 0 to prepare the data into the "
+          f"cache {cache_dir}", flush=True)
+    with progress.waiting("waiting for process 0 to prepare the data"):
+      failed = multihost_utils.broadcast_one_to_all(np.int32(0))
+  if failure is not None:
+    raise failure
+  if failed:
+    raise UserError("process 0 of this job could not prepare the data (see its error)")
+  return (prepared if prepared is not None
+          else prepare.prepare_data(config, workdir, vocab_size, cached=True))
+
+
 def train(config, workdir: str, evaluate_fn: EvaluateFn) -> Result:
   """Trains `config` in `workdir` (resuming from its newest readable checkpoint), then evaluates.
 
@@ -98,7 +131,7 @@ def train(config, workdir: str, evaluate_fn: EvaluateFn) -> Result:
     DirectoryLock(workdir).check()
   if t.init_from:
     pretrained.source_config(t.init_from)  # there is a run to start from
-  tokenizer, new_tokenizer, train_set, eval_pairs = prepare.prepare_data(
+  tokenizer, new_tokenizer, train_set, eval_pairs = prepare_data_once(
       config, workdir, model_config.vocab_size)
   d = config.data
   # The test split is evaluated once, after the last step; a missing one is refused now.
