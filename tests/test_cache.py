@@ -146,6 +146,17 @@ def test_an_unwritable_cache_costs_a_warning_only(tmp_path, capsys, monkeypatch)
   assert "cannot create the cache directory" in capsys.readouterr().err
 
 
+def test_an_entry_another_host_wrote_but_this_one_cannot_see_is_named_and_built(tmp_path, capsys):
+  """expected=True: process 0 of the job has written the entry; a missing one means that this
+  host's data.cache_dir is not the one process 0 wrote to, which the warning says."""
+  build = Builds()
+  assert_same(cache.fetch(str(tmp_path), "encoded", KEY, build, expected=True), arrays())
+  assert build.calls == 1
+  assert "process 0 of this job wrote is not there" in capsys.readouterr().err
+  cache.fetch(str(tmp_path), "encoded", KEY, build, expected=True)  # there now: read, no warning
+  assert build.calls == 1 and capsys.readouterr().err == ""
+
+
 CHILD = """
 import contextlib, json, sys, time
 import numpy as np

@@ -77,6 +77,23 @@ def test_two_processes_match_one_process_with_the_same_global_batch(tmp_path):
     np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
 
 
+def test_data_that_process_0_refuses_stops_every_process_of_the_job(tmp_path):
+  """Process 0 prepares the data; its one-line error ends the others too, each with exit 2,
+  instead of leaving them waiting for data that never comes."""
+  port = _free_port()
+  pair = [subprocess.Popen([sys.executable, "launch.py", *ARGS, f"--workdir={tmp_path / 'w'}",
+                            "--config.model.vocab_size=12",  # too few pieces for SCAN's words
+                            f"--coordinator_address=localhost:{port}", "--num_processes=2",
+                            f"--process_id={i}"], cwd=ROOT,
+                           env=dict(_env(2), TRANSFORMER_JAX_CACHE=str(tmp_path / "cache")),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i in (0, 1)]
+  outputs = [p.communicate(timeout=300)[0].decode() for p in pair]
+  assert [p.returncode for p in pair] == [2, 2], outputs
+  assert "error: a word vocabulary of model.vocab_size=12 pieces" in outputs[0]
+  assert "error: process 0 of this job could not prepare the data" in outputs[1]
+  assert not (tmp_path / "w").exists()
+
+
 # ----------------------------------------------------------------------------- a TPU VM pod
 
 
