@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from launcher import NAMESPACE, namespaces_work
 
+from transformer_jax.data import prepare
 from transformer_jax.eval import load
 from transformer_jax.experiments import tiny
 
@@ -50,31 +51,49 @@ def _params(workdir):
   return jax.tree.leaves(jax.device_get(load.load_trained(config, str(workdir)).params))
 
 
-def test_two_processes_match_one_process_with_the_same_global_batch(tmp_path):
-  """One process with 4 data-parallel devices against two processes of 2 devices whose mesh
-  splits parameters and optimizer state over all 4 (fsdp across both processes)."""
-  one, two = tmp_path / "one", tmp_path / "two"
-  single = subprocess.Popen([sys.executable, "launch.py", *ARGS, f"--workdir={one}"], cwd=ROOT,
-                            env=_env(4), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+def _outputs(processes) -> list:
+  outputs = [p.communicate(timeout=300)[0].decode() for p in processes]
+  for process, output in zip(processes, outputs):
+    assert process.returncode == 0, output[-3000:]
+  return outputs
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+  """The reference both jobs of two processes must match: one process with 4 data-parallel
+  devices, the same global batch."""
+  workdir = tmp_path_factory.mktemp("one") / "run"
+  _outputs([subprocess.Popen([sys.executable, "launch.py", *ARGS, f"--workdir={workdir}"],
+                             cwd=ROOT, env=_env(4), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT)])
+  return workdir
+
+
+def _assert_trains_like(one, two):
+  """The same steps, tokens and losses, and the same final parameters."""
+  losses_one, losses_two = _train_losses(one), _train_losses(two)
+  assert [s for s, _, _ in losses_two] == [1, 2, 3]
+  for (_, loss_a, tokens_a), (_, loss_b, tokens_b) in zip(losses_one, losses_two, strict=True):
+    assert tokens_a == tokens_b
+    assert loss_b == pytest.approx(loss_a, rel=1e-5)
+  for a, b in zip(_params(one), _params(two), strict=True):
+    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_two_processes_match_one_process_with_the_same_global_batch(tmp_path, one_process):
+  """Two processes of 2 devices whose mesh splits parameters and optimizer state over all 4
+  (fsdp across both processes), started with explicit flags."""
+  two = tmp_path / "two"
   port = _free_port()
   pair = [subprocess.Popen([sys.executable, "launch.py", *ARGS, f"--workdir={two}",
                             "--config.mesh.data=1", "--config.mesh.fsdp=4",
                             f"--coordinator_address=localhost:{port}", "--num_processes=2",
                             f"--process_id={i}"], cwd=ROOT, env=_env(2),
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i in (0, 1)]
-  outputs = [p.communicate(timeout=300)[0].decode() for p in [single] + pair]
-  for process, output in zip([single] + pair, outputs):
-    assert process.returncode == 0, output[-3000:]
-  assert "4 device(s) (cpu) in 2 process(es), mesh data 1 x fsdp 4 x tensor 1" in outputs[1]
-  assert "Run summary" not in outputs[2]  # only process 0 reports
-
-  losses_one, losses_two = _train_losses(one), _train_losses(two)
-  assert [s for s, _, _ in losses_two] == [1, 2, 3]
-  for (_, loss_a, tokens_a), (_, loss_b, tokens_b) in zip(losses_one, losses_two):
-    assert tokens_a == tokens_b
-    assert loss_b == pytest.approx(loss_a, rel=1e-5)
-  for a, b in zip(_params(one), _params(two)):
-    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+  outputs = _outputs(pair)
+  assert "4 device(s) (cpu) in 2 process(es), mesh data 1 x fsdp 4 x tensor 1" in outputs[0]
+  assert "Run summary" not in outputs[1]  # only process 0 reports
+  _assert_trains_like(one_process, two)
 
 
 def test_data_that_process_0_refuses_stops_every_process_of_the_job(tmp_path):
@@ -195,28 +214,22 @@ def test_the_pod_detection_counts_the_workers_of_a_tpu_vm(tmp_path, workers):
   assert "worker-network-endpoints" in server.asked
 
 
-def _outputs(processes) -> list:
-  outputs = [p.communicate(timeout=300)[0].decode() for p in processes]
-  for process, output in zip(processes, outputs):
-    assert process.returncode == 0, output[-3000:]
-  return outputs
-
-
-def test_a_tpu_vm_pod_found_through_its_metadata_server_trains_as_one_job(tmp_path):
+def test_a_tpu_vm_pod_found_through_its_metadata_server_trains_as_one_job(tmp_path, one_process,
+                                                                           monkeypatch, capsys):
   """Two processes with no flag about the job, each with its own metadata server: JAX's own
   detection makes them the two workers of one job (process count 2, one fsdp mesh over both),
   which trains like one process. Process 0 alone prepares the data into the shared cache; a
-  second job on the same data reuses it."""
-  pod, one, cache_dir = tmp_path / "pod", tmp_path / "one", tmp_path / "cache"
+  later start on the same data reads it."""
+  pod, cache_dir = tmp_path / "pod", tmp_path / "cache"
   servers = [MetadataServer(worker, 2) for worker in (0, 1)]
   try:
     port = _free_port()
-    env = [_tpu_vm_env(server, port, cache_dir) for server in servers]
     command = [sys.executable, "launch.py", *ARGS, f"--workdir={pod}", "--config.mesh.data=1",
                "--config.mesh.fsdp=4"]
-    pair = [subprocess.Popen(_on_a_tpu_vm(command, tmp_path), cwd=ROOT, env=worker_env,
+    pair = [subprocess.Popen(_on_a_tpu_vm(command, tmp_path), cwd=ROOT,
+                             env=_tpu_vm_env(server, port, cache_dir),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-            for worker_env in env]
+            for server in servers]
     outputs = _outputs(pair)
   finally:
     for server in servers:
@@ -224,21 +237,17 @@ def test_a_tpu_vm_pod_found_through_its_metadata_server_trains_as_one_job(tmp_pa
   for server in servers:  # JAX asked each worker's own server who it is and who the others are
     assert {"agent-worker-number", "worker-network-endpoints"} <= set(server.asked)
   assert "4 device(s) (cpu) in 2 process(es), mesh data 1 x fsdp 4 x tensor 1" in outputs[0]
+  _assert_trains_like(one_process, pod)
   # The data, prepared once: by process 0, while process 1 waits and then reads the cache.
   assert "tokenising the 'train' split" in outputs[0]
   assert "training the tokenizer" in outputs[0]
   assert "process 1: waiting for process 0 to prepare the data" in outputs[1]
   assert "tokenising" not in outputs[1] and "training the tokenizer" not in outputs[1]
 
-  # A second job on the same data (one process, 4 devices) reads the cache too.
-  single = _outputs([subprocess.Popen(
-      [sys.executable, "launch.py", *ARGS, f"--workdir={one}"], cwd=ROOT,
-      env=dict(_env(4), TRANSFORMER_JAX_CACHE=str(cache_dir)),
-      stdout=subprocess.PIPE, stderr=subprocess.STDOUT)])[0]
-  assert "tokenising" not in single and "training the tokenizer" not in single
-  for (step_a, loss_a, tokens_a), (step_b, loss_b, tokens_b) in zip(
-      _train_losses(one), _train_losses(pod), strict=True):
-    assert (step_a, tokens_a) == (step_b, tokens_b)
-    assert loss_b == pytest.approx(loss_a, rel=1e-5)
-  for a, b in zip(_params(one), _params(pod)):
-    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+  # A later start on the same data (what the next job runs first) reads the cache too.
+  monkeypatch.setenv("TRANSFORMER_JAX_CACHE", str(cache_dir))
+  config = tiny.get_config()
+  capsys.readouterr()
+  prepare.prepare_data(config, str(tmp_path / "next"), config.model.vocab_size)
+  later = capsys.readouterr().out
+  assert "tokenising" not in later and "training the tokenizer" not in later
