@@ -101,7 +101,7 @@ def prepare_data_once(config, workdir: str, vocab_size: int):
   if jax.process_index() == 0:
     try:
       prepared = prepare.prepare_data(config, workdir, vocab_size)
-    except UserError as e:  # told to the others below, so that they stop too
+    except Exception as e:  # told to the others below, so that they stop too, not wait on
       failure = e
     failed = multihost_utils.broadcast_one_to_all(np.int32(failure is not None))
   else:
