@@ -120,10 +120,11 @@ class MetadataServer:
   """The Compute Engine metadata server of worker `worker` of a TPU VM pod of `workers` hosts,
   on 127.0.0.1: the instance attributes that JAX's pod detection reads
   (jax/_src/clusters/cloud_tpu_cluster.py: GceTpuCluster), answered, as the real server does,
-  only to requests with the header Metadata-Flavor: Google. `asked`: the keys requested."""
+  only to requests with the header Metadata-Flavor: Google. `asked`: the keys requested.
+  workers=0: the metadata server of a GKE node, which has none of these attributes."""
 
   def __init__(self, worker: int, workers: int):
-    attributes = {
+    attributes = {} if workers == 0 else {
         "agent-worker-number": str(worker),
         "worker-network-endpoints": ",".join(["unknown:unknown:127.0.0.1"] * workers),
         "tpu-env": f"ACCELERATOR_TYPE: 'v5litepod-{4 * workers}'\nWORKER_ID: '{worker}'\n",
@@ -196,22 +197,29 @@ def _tpu_vm_env(server: MetadataServer, port: int, cache_dir) -> dict:
   return env
 
 
-@pytest.mark.parametrize("workers", [1, 2])
-def test_the_pod_detection_counts_the_workers_of_a_tpu_vm(tmp_path, workers):
-  """A single-host slice (a v5litepod-8 is one VM) is one process: distributed start-up skipped."""
+@pytest.mark.parametrize("workers, gke_hosts", [(1, None), (2, None), (0, "h0,h1,h2")])
+def test_the_pod_detection_counts_the_workers_of_a_tpu_vm(tmp_path, workers, gke_hosts):
+  """A single-host slice (a v5litepod-8 is one VM) is one process: distributed start-up skipped.
+  On GKE the pod's hosts come from TPU_WORKER_HOSTNAMES, which JAX reads before the metadata."""
   server = MetadataServer(0, workers)
   script = tmp_path / "count.py"
   script.write_text("from transformer_jax.train import sharding\n"
                     "print('processes:', sharding.detected_process_count())\n")
+  env = _tpu_vm_env(server, _free_port(), tmp_path / "cache")
+  if gke_hosts:
+    env.update(TPU_WORKER_HOSTNAMES=gke_hosts, TPU_WORKER_ID="0")
   try:
     done = subprocess.run(_on_a_tpu_vm([sys.executable, str(script)], tmp_path), cwd=ROOT,
-                          env=_tpu_vm_env(server, _free_port(), tmp_path / "cache"),
-                          capture_output=True, text=True, timeout=120)
+                          env=env, capture_output=True, text=True, timeout=120)
   finally:
     server.close()
   assert done.returncode == 0, done.stderr[-3000:]
-  assert f"processes: {workers}" in done.stdout
-  assert "worker-network-endpoints" in server.asked
+  if gke_hosts:  # JAX tried the TPU VM's attributes first, then read the GKE variables
+    assert "processes: 3" in done.stdout
+    assert "agent-worker-number" in server.asked
+  else:
+    assert f"processes: {workers}" in done.stdout
+    assert "worker-network-endpoints" in server.asked
 
 
 def test_a_tpu_vm_pod_found_through_its_metadata_server_trains_as_one_job(tmp_path, one_process,
