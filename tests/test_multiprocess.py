@@ -167,7 +167,7 @@ def _on_a_tpu_vm(command, directory) -> list:
   server. In a mount namespace of its own the command sees one v5e chip there; where namespaces
   are refused, a prelude removes TPU_SKIP_MDS_QUERY after `import jax` instead. JAX_FORCE_TPU_INIT
   (in the environment) stands for the libtpu package, which is not installed."""
-  if namespaces_work():
+  if namespaces_work() and os.path.isdir("/sys/bus/pci/devices"):
     devices = directory / "pci"
     if not devices.exists():
       devices.mkdir()
