@@ -7,15 +7,22 @@ compiled XLA code carry the stats `hlo_module` (the jitted program, e.g. jit_tra
 the device planes. Their times are summed per operation over every line, so on a CPU, where one
 step's operations run on several threads at once, the total may exceed the wall time.
 
-  .venv/bin/python benchmarks/profile_top_ops.py WORKDIR [--top=N] [--module=train_step]
+  python -m transformer_jax.tools.profile WORKDIR [--top=N] [--module=SUBSTRING]
+
+WORKDIR: a workdir trained with --config.train.profile_steps=N (or any directory or .xplane.pb
+file of a jax.profiler trace); the newest trace under it is read. --module keeps the programs
+whose name contains it (default train_step, the train step's program; "" = all).
 """
 
 from __future__ import annotations
 
+import argparse
 import glob
 import os
+import sys
 from typing import NamedTuple, Optional
 
+from transformer_jax.core import platforms
 from transformer_jax.core.errors import UserError
 
 TRACE_SUFFIX = ".xplane.pb"
@@ -72,3 +79,28 @@ def table(rows: list[OpTime], top: int = 15) -> str:
             f"{r.seconds * 1e3 / r.calls:.3f} | {r.seconds / total:.1%} |" for r in rows[:top]]
   lines.append(f"\n{len(rows)} operations, {total * 1e3:.1f} ms of compiled code in all")
   return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m transformer_jax.tools.profile",
+                                   description=__doc__.splitlines()[0])
+  parser.add_argument("workdir")
+  parser.add_argument("--top", type=int, default=15)
+  parser.add_argument("--module", default="train_step")
+  args = parser.parse_args(argv)
+  platforms.cpu_only_unless_accelerated()  # reading a trace needs no accelerator runtime
+  try:
+    trace = find_trace(args.workdir)
+    rows = op_times(trace, args.module or None)
+    if not rows:
+      raise UserError(f"no compiled operations of a program named *{args.module}* in {trace}; "
+                      "try --module=''")
+  except UserError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  print(f"{trace}\n\n{table(rows, args.top)}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
