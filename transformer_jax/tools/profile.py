@@ -5,7 +5,9 @@ XSpace: planes (a host, each device) of lines (threads, streams) of events. The 
 compiled XLA code carry the stats `hlo_module` (the jitted program, e.g. jit_train_step) and
 `hlo_op` (the fused operation); on a CPU they run on the runtime's threads, on a GPU or TPU on
 the device planes. Their times are summed per operation over every line, so on a CPU, where one
-step's operations run on several threads at once, the total may exceed the wall time.
+step's operations run on several threads at once, the total may exceed the wall time. The train
+step of each batch shape is a program of its own under the same name; their operations of the
+same name are summed together.
 
   python -m transformer_jax.tools.profile WORKDIR [--top=N] [--module=SUBSTRING]
 

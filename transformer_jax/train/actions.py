@@ -158,9 +158,9 @@ class Throughput:
 
 
 def evaluations_left(step: int, total: int, eval_every: int) -> int:
-  """Evaluations of data.eval_split still to come after `step`: the periodic ones before the
-  last step, and the final one after it."""
-  periodic = (total - 1) // eval_every - step // eval_every if eval_every else 0
+  """Evaluations of data.eval_split still to come at the log line of `step` (which comes before
+  that step's evaluation): the periodic ones before the last step, and the final one."""
+  periodic = (total - 1) // eval_every - (step - 1) // eval_every if eval_every else 0
   return max(periodic, 0) + 1
 
 
