@@ -275,13 +275,15 @@ class Profiler:
       jax.profiler.start_trace(self.directory)
       self.active = True
 
-  def after(self, step: int, metrics) -> str:
-    """After `step` steps done: ends the trace at the window's last step (once the devices are
-    done with it); the line that says where the trace is, or ""."""
+  def after(self, step: int, metrics, paused=contextlib.nullcontext) -> str:
+    """After `step` steps done: ends the trace at the window's last step, once the devices are
+    done with it (a wait that is that step's time), within `paused()`; the line that says where
+    the trace is, or ""."""
     if not (self.active and step == self.window[1]):
       return ""
     jax.block_until_ready(metrics)
-    self.close()
+    with paused():
+      self.close()
     first, last = self.window
     return (f"profile of steps {first + 1}-{last}: {self.directory}/plugins/profile/ "
             f"(tensorboard --logdir {self.directory}, Profile tab)")

@@ -201,9 +201,8 @@ def train(config, workdir: str, evaluate_fn: EvaluateFn) -> Result:
       throughput.count(batch.tokens, batch.shape, compiled=compiles)
       done = step + 1
       bar.update()
-      with throughput.paused("profile"):
-        if line := profiler.after(done, metrics):  # only the first process traces
-          progress.write(line)
+      if line := profiler.after(done, metrics, lambda: throughput.paused("profile")):
+        progress.write(line)  # only the first process traces
       if is_main and (line := early.line(done, metrics, rate=throughput.steps_per_s())):
         progress.write(line)
       pending.push(done, metrics)
