@@ -40,6 +40,7 @@ OTHERS = {
     ".venv/bin/python benchmarks/second_start.py": "test_cache (a second start from the cache)",
     ".venv/bin/python benchmarks/input_share.py": "test_benchmark (benchmark.input's path)",
     "printf ": "writes the input of the next command (a launch.py command, checked)",
+    ".venv/bin/python -m transformer_jax.tools.profile": "test_profile (the same command)",
     "cd \"$SLURM_SUBMIT_DIR\"": "a SLURM job script (its launch.py line is checked)",
     "sbatch": "SLURM",
     "gcloud": "Cloud TPU (its launch.py lines are checked)",

@@ -104,20 +104,37 @@ def test_summary_lists_config_differences_and_metrics():
   assert diff["train.steps"] == (1000, 77)
   assert diff["model.d_model"] == (512, 32)
   assert "train.adam_b1" not in diff  # unchanged keys are not listed
-  records = [{"split": "train", "step": 10, "interval_s": 40.0, "interval_tokens": 9000.0},
-             {"split": "eval", "step": 10, "exact_match": 0.5, "loss": 1.0},
-             {"split": "train", "step": 20, "interval_s": 80.0, "interval_tokens": 15000.0},
-             {"split": "eval", "step": 20, "exact_match": 0.25, "loss": 0.8},
-             {"split": "test", "step": 20, "exact_match": 0.75, "loss": 0.5}]
+  config.train.best_metric = "chrf"
+  records = [{"split": "train", "step": 10, "interval_s": 40.0, "interval_steps": 8,
+              "interval_tokens": 9000.0, "compile_s": 12.0, "compile_steps": 2,
+              "compile_tokens": 1000.0},
+             {"split": "eval", "step": 10, "exact_match": 0.5, "loss": 1.0, "chrf": 30.0,
+              "macro_f1": 0.5, "eval_s": 30.0},
+             {"split": "checkpoint", "step": 10, "save_s": 1.5},
+             {"split": "train", "step": 20, "interval_s": 80.0, "interval_steps": 10,
+              "interval_tokens": 15000.0},
+             {"split": "eval", "step": 20, "exact_match": 0.25, "loss": 0.8, "chrf": 40.0,
+              "macro_f1": 0.75, "eval_s": 60.0},
+             {"split": "checkpoint", "step": 20, "save_s": 0.5},
+             {"split": "test", "step": 20, "exact_match": 0.75, "loss": 0.5, "eval_s": 30.0}]
   text = summary.render(config, {"test": {"exact_match": 0.25, "loss": 0.8},
                                  "other": {"exact_match": 0.75, "loss": 0.5}}, records,
-                        final_step=77)
+                        final_step=77, checkpoint_steps=[20])
   assert "| `train.steps` | 1000 | 77 |" in text
   assert "| metric | test | other |" in text and "| loss | 0.8 | 0.5 |" in text
-  assert "best exact_match: 0.5 at step 10\n" in text  # never chosen on the test split
-  assert "best loss: 0.8 at step 20" in text
-  assert "2.0 min for 77 steps" in text and "tokens seen (source + target, no padding): 24,000" \
-      in text
+  best = [line for line in text.splitlines() if line.startswith("- best ")]
+  # train.best_metric first, then every metric the evaluations reported, each its best way.
+  assert best == ["- best chrf (train.best_metric): 40 at step 20 (checkpoint kept)",
+                  "- best loss: 0.8 at step 20 (checkpoint kept)",
+                  "- best exact_match: 0.5 at step 10",  # never chosen on the test split
+                  "- best macro_f1: 0.75 at step 20 (checkpoint kept)"], best
+  assert "## Best evaluation on test and checkpoints" in text  # data.eval_split
+  assert "- training: 2.0 min for 18 steps, 0.15 steps/s" in text
+  assert "- steps that compiled (the first of each batch shape in each run): 12.0 s for 2 " \
+      "steps" in text
+  assert "- evaluation: 2.0 min for 3 evaluations" in text
+  assert "- checkpoint saves: 2.0 s for 2 saves" in text
+  assert "tokens seen (source + target, no padding): 25,000" in text
   assert "200 tokens/s" in text
 
 

@@ -41,3 +41,13 @@ def test_bars_only_on_a_terminal_unless_forced(monkeypatch):
   monkeypatch.setenv(progress.ENV, "0")
   assert not progress.enabled(stdout_is_output=True)
   assert progress.duration(3725) == "1h02m05s" and progress.duration(42) == "0m42s"
+
+
+def test_evaluations_left_at_a_log_line_count_the_one_after_it_and_the_final_one():
+  # 40 steps, evaluated at 10, 20, 30 and after the last step; a log line comes before the
+  # evaluation of its own step.
+  expected = {1: 4, 9: 4, 10: 4, 11: 3, 20: 3, 30: 2, 35: 1, 40: 1}
+  got = {step: actions.evaluations_left(step, 40, 10) for step in expected}
+  assert got == expected
+  assert actions.evaluations_left(5, 40, 0) == 1  # eval_every=0: the final one alone
+  assert actions.evaluations_left(10, 20, 10) == 2  # at 10, and the final one (not at 20)

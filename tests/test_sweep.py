@@ -72,7 +72,7 @@ def test_interrupted_sweep_resumes_without_redoing_finished_trials(tmp_path):
   for i in range(4):  # no trial left running: each trial directory is free
     lock.DirectoryLock(str(workdir / f"trial_{i:03d}")).check()
 
-  subprocess.run(command, cwd=ROOT, check=True, capture_output=True)
+  out = subprocess.run(command, cwd=ROOT, check=True, capture_output=True, text=True).stdout
   starts = _starts(workdir)
   for i in done_before:
     assert starts.count(i) == 1, f"finished trial {i} ran again"
@@ -85,7 +85,12 @@ def test_interrupted_sweep_resumes_without_redoing_finished_trials(tmp_path):
   assert losses == sorted(losses)  # best (lowest) first
   assert {(float(r["train.learning_rate"]), int(r["model.d_ff"])) for r in rows} == \
       {(lr, d) for lr in (1e-3, 3e-3) for d in (32, 64)}
-  assert (workdir / "results.md").read_text().count("| trial_") == 4
+  table = (workdir / "results.md").read_text()
+  assert table.count("| trial_") == 4
+  # The table names what it ranks: the metric and the split of the trials' final evaluation
+  # (tiny's data.eval_split), and the sweep prints it at the end.
+  assert table.startswith("# Sweep results: loss on split 'test', best first\n"), table[:200]
+  assert table in out and out.rstrip().endswith("results.csv"), out[-2000:]
   # Each trial's overrides and final metrics, for TensorBoard's HParams view.
   from tensorboardX.proto.event_pb2 import Event
   for i, row in enumerate(sorted(rows, key=lambda r: r["trial"])):

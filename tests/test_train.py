@@ -324,3 +324,63 @@ def test_train_then_evaluate_end_to_end(tmp_path):
                           text=True)
   assert result.returncode == 0, result.stderr[-3000:]
   assert "32 20" in result.stdout  # model.config.model.d_model, model.step
+
+
+def test_rates_and_eta_leave_out_a_slow_evaluation_and_a_resume_uses_its_own_steps(tmp_path):
+  """An evaluation made slow by a real sleep (through loop.train's evaluate_fn hook) stops the
+  training clock: the interval after it runs at the pace of one without it, and the ETA follows
+  that pace. A resumed run's first log line times its own steps, its compilation aside."""
+  import time
+
+  from transformer_jax.eval import evaluate as evaluate_lib
+  from transformer_jax.tools import summary
+  from transformer_jax.train import logger, loop
+
+  sleep = 3.0
+  calls = []
+
+  def slow_evaluate(*args):
+    if not calls:  # the evaluation at step 10
+      time.sleep(sleep)
+    calls.append(1)
+    return evaluate_lib.evaluate(*args)
+
+  config = tiny_config()
+  # One batch shape: the first step alone compiles the train step.
+  config.data.update(batching="fixed", batch_size=8)
+  config.train.update(steps=20, log_every=5, eval_every=10, checkpoint_every=100)
+  config.eval.update(max_examples=4, max_decode_len=8)
+  workdir = str(tmp_path / "run")
+  loop.train(config, workdir, evaluate_fn=slow_evaluate)
+  config.train.steps = 30
+  loop.train(config, workdir, evaluate_fn=slow_evaluate)  # resumed from step 20
+
+  records = logger.read_metrics(workdir)
+  train = {r["step"]: r for r in records if r["split"] == "train"}
+  evals = {r["step"]: r for r in records if r["split"] == "eval"}
+  saves = {r["step"]: r for r in records if r["split"] == "checkpoint"}
+  assert sorted(train) == [5, 10, 15, 20, 25, 30] and sorted(evals) == [10, 20, 30]
+  assert evals[10]["eval_s"] >= sleep and all(r["eval_s"] > 0 for r in evals.values())
+  assert {10, 20, 30} <= set(saves) and all(r["save_s"] >= 0 for r in saves.values())
+  # Each run's first step compiled, apart from the rates.
+  assert train[5]["compile_steps"] == 1 and train[25]["compile_steps"] == 1
+  assert train[5]["interval_steps"] == 4 and train[15]["interval_steps"] == 5
+  # Steps 11-15 follow the 3 s evaluation: on the training clock they take a fraction of it (a
+  # few ms each; more on a loaded machine, and the save at step 10 writes in the background).
+  assert train[15]["interval_s"] < sleep / 2, train[15]
+  assert train[15]["steps_per_s"] > 2 * 5 / sleep, train[15]
+  # The ETA of the 5 steps left is at the pace of the 14 timed so far: absorbed, the evaluation
+  # would put it above 5 * sleep / 14.
+  assert train[15]["eta_s"] < 5 * sleep / 14 / 2, train[15]
+  assert train[15]["eval_eta_s"] >= sleep  # the evaluations left, at the last one's pace
+  # The resumed run: its rate and ETA come from its own steps 22-25, its first step (which
+  # compiled, seconds) aside.
+  assert train[25]["interval_s"] < train[25]["compile_s"] / 2, train[25]
+  assert train[25]["eta_s"] < train[25]["compile_s"] / 2, train[25]
+  # The summary's cost: training, compiling steps, evaluation and saves apart.
+  cost = summary.training_cost(records)
+  assert cost["steps"] == 4 + 5 + 5 + 5 + 4 + 5 and cost["compile_steps"] == 2
+  assert cost["evaluations"] == 3 and cost["eval_s"] >= sleep and cost["saves"] >= 3
+  assert cost["train_s"] < sleep and cost["compile_s"] > 0  # 28 tiny steps
+  text = summary.render(config, {"test": {"loss": 1.0}}, records, 30)
+  assert "for 28 steps" in text and "for 3 evaluations" in text and "for 2 steps" in text

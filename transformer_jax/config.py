@@ -98,6 +98,11 @@ def default_config() -> ml_collections.ConfigDict:
   # A workdir whose latest parameters start a new run (fine-tuning, e.g. a classifier from a
   # masked-LM run): those of the same name and shape are copied, and its tokenizer is used.
   c.train.init_from = ""
+  # A jax.profiler trace of train steps profile_start + 1 .. profile_start + profile_steps into
+  # WORKDIR/tensorboard (TensorBoard's Profile tab; Perfetto); 0 steps = off. The default start
+  # leaves out step 1, whose compilation would fill the trace.
+  c.train.profile_steps = 0
+  c.train.profile_start = 1
 
   c.eval = ml_collections.ConfigDict()
   c.eval.batch_size = 256
@@ -268,6 +273,7 @@ def validate(config: ml_collections.ConfigDict, platform: str = "cpu") -> ModelC
   for key in ("train.warmup_steps", "train.eval_every", "eval.max_decode_len", "data.prefetch",
               "eval.max_examples", "eval.buffer_size", "train.grad_clip_norm", "train.weight_decay",
               "eval.length_penalty", "eval.top_k", "eval.average_last", "train.keep_best",
+              "train.profile_steps", "train.profile_start",
               "compile.batch_size", "compile.source_len", "compile.target_len"):
     if _get(config, key) < 0:
       raise UserError(f"{key} must be >= 0, got {_get(config, key)}")
@@ -284,6 +290,11 @@ def validate(config: ml_collections.ConfigDict, platform: str = "cpu") -> ModelC
   if config.eval.max_decode_len > model.max_len:
     raise UserError(f"eval.max_decode_len ({config.eval.max_decode_len}) must be at most "
                     f"model.max_len ({model.max_len}); lower it or raise model.max_len")
+  t = config.train
+  if t.profile_steps and t.profile_start + t.profile_steps > t.steps:
+    raise UserError(f"train.profile_start + train.profile_steps ({t.profile_start} + "
+                    f"{t.profile_steps}) exceeds train.steps ({t.steps}): the trace would end "
+                    "after training; lower them")
   if config.train.schedule == "rsqrt" and config.train.warmup_steps == 0:
     raise UserError("train.warmup_steps must be positive for the rsqrt schedule")
   for key, choices in CHOICES.items():

@@ -26,14 +26,35 @@ def _format(value) -> str:
   return json.dumps(value) if not isinstance(value, str) else value
 
 
-def training_cost(records: list[dict]) -> tuple[float, float]:
-  """(seconds, tokens) of training over every run of a workdir, from the train records of
-  metrics.jsonl: each covers the steps since the previous one (a resumed run's records replace
-  those of the steps it ran again)."""
-  train = [r for r in records if r.get("split") == "train"]
-  seconds = sum(float(r.get("interval_s", 0.0)) for r in train)
-  tokens = sum(float(r.get("interval_tokens", 0.0)) for r in train)
-  return seconds, tokens
+def training_cost(records: list[dict]) -> dict:
+  """The time and tokens of every run of a workdir, from its metrics.jsonl records (a resumed
+  run's records replace those of the steps it ran again).
+
+  train_s, steps, tokens: the training clock (evaluation, saves and steps that compile left
+  out), the steps and the tokens it timed; compile_s, compile_steps: the steps that compiled
+  (each run's first of each batch shape); all_tokens: every step's tokens; eval_s,
+  evaluations: evaluation, the final ones included; save_s, saves: checkpoint saves.
+  """
+  def total(splits, key):
+    return sum(float(r.get(key, 0.0)) for r in records if r.get("split") in splits)
+
+  return {"train_s": total(("train",), "interval_s"), "steps": total(("train",), "interval_steps"),
+          "tokens": total(("train",), "interval_tokens"),
+          "all_tokens": total(("train",), "interval_tokens") + total(("train",), "compile_tokens"),
+          "compile_s": total(("train",), "compile_s"),
+          "compile_steps": total(("train",), "compile_steps"),
+          "eval_s": total(("eval", "test"), "eval_s"),
+          "evaluations": sum(r.get("split") in ("eval", "test") and "eval_s" in r for r in records),
+          "save_s": total(("checkpoint",), "save_s"),
+          "saves": sum(r.get("split") == "checkpoint" for r in records)}
+
+
+def ranked_metrics(config, records: list[dict]) -> list[str]:
+  """The metrics whose best evaluation the summary lists: train.best_metric first (the one
+  that ranks checkpoints), then every other metric the evaluations reported."""
+  reported = [m for m in metric_names.EVAL_METRICS
+              if any(r.get("split") == "eval" and m in r for r in records)]
+  return list(dict.fromkeys([config.train.best_metric, *reported]))
 
 
 def render(config, finals: dict, records: list[dict], final_step: int,
@@ -52,19 +73,29 @@ def render(config, finals: dict, records: list[dict], final_step: int,
             "| --- |" + " --- |" * len(splits)]
   lines += [f"| {k} | " + " | ".join(_format(finals[s].get(k, "")) for s in splits) + " |"
             for k in names]
-  lines += ["", "## Best evaluation and checkpoints", ""]
-  for metric in ("exact_match", "bleu", "loss"):
+  eval_split = config.data.eval_split
+  lines += ["", f"## Best evaluation on {eval_split} and checkpoints", ""]
+  for metric in ranked_metrics(config, records):
     best = metric_names.best_record(records, metric)
     if best is not None:
       kept = " (checkpoint kept)" if best["step"] in checkpoint_steps else ""
-      lines.append(f"- best {metric}: {_format(best[metric])} at step {best['step']}{kept}")
+      ranks = " (train.best_metric)" if metric == config.train.best_metric else ""
+      lines.append(f"- best {metric}{ranks}: {_format(best[metric])} at step {best['step']}"
+                   f"{kept}")
   if checkpoint_steps:
     lines.append(f"- checkpoints in the workdir: steps {', '.join(map(str, checkpoint_steps))}")
-  seconds, tokens = training_cost(records)
-  throughput = tokens / seconds if seconds > 0 else 0.0
-  lines += ["", "## Cost (every run of this workdir, the evaluations after the last step aside)",
-            "", f"- wall time of training: {seconds / 60:.1f} min for {final_step} steps",
-            f"- tokens seen (source + target, no padding): {tokens:,.0f}",
+  cost = training_cost(records)
+  throughput = cost["tokens"] / cost["train_s"] if cost["train_s"] > 0 else 0.0
+  rate = cost["steps"] / cost["train_s"] if cost["train_s"] > 0 else 0.0
+  lines += ["", "## Cost (every run of this workdir)", "",
+            f"- training: {cost['train_s'] / 60:.1f} min for {cost['steps']:.0f} steps, "
+            f"{rate:.2f} steps/s (the steps that compiled, evaluation and saves apart)",
+            f"- steps that compiled (the first of each batch shape in each run): "
+            f"{cost['compile_s']:.1f} s for {cost['compile_steps']:.0f} steps",
+            f"- evaluation: {cost['eval_s'] / 60:.1f} min for {cost['evaluations']} "
+            "evaluations, the final ones included",
+            f"- checkpoint saves: {cost['save_s']:.1f} s for {cost['saves']} saves",
+            f"- tokens seen (source + target, no padding): {cost['all_tokens']:,.0f}",
             f"- throughput: {throughput:,.0f} tokens/s", ""]
   return "\n".join(lines)
 

@@ -193,8 +193,13 @@ def _finish_trial(directory: str, overrides: dict, wall_time_s: float, metric: s
   return result
 
 
-def write_results(workdir: str, results: list[tuple[int, dict]], metric: str) -> tuple[str, str]:
-  """results.csv and results.md, sorted by `metric` (best first); failed trials last."""
+def write_results(workdir: str, results: list[tuple[int, dict]], metric: str,
+                  split: str) -> tuple[str, str, str]:
+  """results.csv and results.md, sorted by `metric` (best first); failed trials last.
+
+  split: the data split the final metrics are of (data.eval_split), named in results.md.
+  Returns the two paths and the Markdown table.
+  """
   keys = sorted({k for _, r in results for k in r["overrides"]})
   columns = sorted({k for _, r in results for k, v in r.get("metrics", {}).items()
                     if isinstance(v, (int, float))
@@ -223,11 +228,16 @@ def write_results(workdir: str, results: list[tuple[int, dict]], metric: str) ->
   def cell(v):
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
-  lines = [f"# Sweep results (sorted by {metric}, best first)", "",
+  better = "lower" if metric_names.lower_is_better(metric) else "higher"
+  lines = [f"# Sweep results: {metric} on split {split!r}, best first", "",
+           f"Each trial's final evaluation of data.eval_split ({split}) at train.steps, sorted by "
+           f"{metric} ({better} is better); best_step: the trial's evaluation with the best "
+           f"{metric} during training.", "",
            "| " + " | ".join(columns) + " |", "| " + " | ".join("---" for _ in columns) + " |"]
   lines += ["| " + " | ".join(cell(row[c]) for c in columns) + " |" for row in rows]
-  md_path = files.atomic_write(os.path.join(workdir, "results.md"), "\n".join(lines) + "\n")
-  return csv_path, md_path
+  text = "\n".join(lines) + "\n"
+  md_path = files.atomic_write(os.path.join(workdir, "results.md"), text)
+  return csv_path, md_path, text
 
 
 class _Signals:
@@ -426,8 +436,9 @@ def _run_trials(workdir, trials, configs, commands, parallel, metric) -> list[tu
 
   ordered = sorted(results.items())
   if ordered:
-    csv_path, md_path = write_results(workdir, ordered, metric)
-    print(f"results: {md_path} and {csv_path}", flush=True)
+    split = ", ".join(sorted({c.data.eval_split for c in configs}))
+    csv_path, md_path, table = write_results(workdir, ordered, metric, split)
+    print(f"\n{table}\nresults: {md_path} and {csv_path}", flush=True)
   if signals.signal:
     print(f"{signals.signal}: the sweep stopped; its running trials saved checkpoints; run the "
           "same command to resume", flush=True)

@@ -52,43 +52,116 @@ class Periodic:
 
 
 class Throughput:
-  """Tokens, model FLOPs and host input time since the last log line, and tokens in all.
+  """This process's clock of training, and the steps, tokens, model FLOPs and host input time
+  since the last log line: the rates and the ETA of each log line.
 
-  Counted from the batch plan on the host, so no device value is waited for.
+  In the manner of big_vision's `Chrono`, the clock runs only while the devices train: it stands
+  still during evaluation and checkpoint saves (`paused("eval")`, `paused("save")`), and during
+  every step that compiles (`paused("compile")`): the first step of each batch shape, which jit
+  compiles the train step for (the first step of a process is one), is timed alone, waited for,
+  and counted in no rate. The seconds of each pause are kept apart, by kind. So the rates and
+  the ETA are those of compiled train steps, and after a resume they come from this process's
+  own steps. The counts come from the batch plan on the host, so no device value is waited for
+  beyond what the loop waits for anyway: it reads back a step's results (and so waits for the
+  devices to catch up) before every log line, evaluation and save, where the clock is read or
+  paused, and before a step that compiles.
   """
 
-  def __init__(self, model_config: ModelConfig):
+  def __init__(self, model_config: ModelConfig, clock=time.perf_counter):
     self.model_config = model_config
-    self.tokens_seen = 0  # source + target, no padding, over the whole run
-    self.started = time.time()
+    self.clock = clock
+    self.tokens_seen = 0  # source + target, no padding, over this process's steps
+    self.train_seconds = 0.0  # the clock's time over this process's timed steps
+    self.timed_steps = 0
+    self.paused_seconds = {}  # kind -> seconds the clock stood still, over this process
+    self.last_pause = {}  # kind -> seconds of the latest pause of that kind
+    self._shapes = set()
+    self._started = self._interval_started = clock()  # before this process's first step
     self._reset()
 
   def _reset(self) -> None:
-    self.tokens = self.flops = self.input_seconds = 0.0
+    self.steps = self.compile_steps = 0
+    self.tokens = self.flops = self.input_seconds = self.compile_tokens = 0.0
+    self._interval_pauses = {}  # kind -> seconds in this interval
+
+  def compiles(self, shape: tuple) -> bool:
+    """Whether a step of this batch shape is the first: jit compiles the train step for it."""
+    new = shape not in self._shapes
+    self._shapes.add(shape)
+    return new
 
   @contextlib.contextmanager
   def input(self):
     """Times the host's work of making and transferring a batch."""
-    start = time.perf_counter()
+    start = self.clock()
     yield
-    self.input_seconds += time.perf_counter() - start
+    self.input_seconds += self.clock() - start
 
-  def count(self, tokens: int, shape: tuple) -> None:
-    """tokens: non-padding tokens of a global batch, both sides; shape: its (rows, source
-    length, target length)."""
+  @contextlib.contextmanager
+  def paused(self, kind: str):
+    """Stops the clock for work that is not a timed train step: an evaluation ("eval"), a
+    checkpoint save ("save"), a step that compiles ("compile"), a profiler's start or stop."""
+    start = self.clock()
+    try:
+      yield
+    finally:
+      seconds = self.clock() - start
+      self._interval_pauses[kind] = self._interval_pauses.get(kind, 0.0) + seconds
+      self.paused_seconds[kind] = self.paused_seconds.get(kind, 0.0) + seconds
+      self.last_pause[kind] = seconds
+
+  def count(self, tokens: int, shape: tuple, compiled: bool = False) -> None:
+    """After each step: tokens: non-padding tokens of a global batch, both sides; shape: its
+    (rows, source length, target length); compiled: the step compiled (timed apart)."""
     self.tokens_seen += tokens
+    if compiled:
+      self.compile_steps += 1
+      self.compile_tokens += tokens
+      return
+    self.steps += 1
     self.tokens += tokens
     self.flops += train_flops_per_step(self.model_config, *shape)
 
+  def _interval_seconds(self, now: float) -> float:
+    return max(now - self._interval_started - sum(self._interval_pauses.values()), 0.0)
+
+  def steps_per_s(self) -> float:
+    """This process's timed train steps per second so far (0.0 before one)."""
+    seconds = self.train_seconds + self._interval_seconds(self.clock())
+    steps = self.timed_steps + self.steps
+    return steps / seconds if steps and seconds > 0 else 0.0
+
   def take(self) -> dict:
-    """The interval's counts (the keyword arguments of `MetricLogger.train`); starts a new one."""
-    interval = {"tokens": self.tokens, "flops": self.flops, "input_seconds": self.input_seconds}
+    """The interval's counts since the previous call (the keyword arguments of
+    `MetricLogger.train`); starts a new interval."""
+    now = self.clock()
+    seconds = self._interval_seconds(now)
+    interval = {"steps": self.steps, "seconds": seconds, "tokens": self.tokens,
+                "flops": self.flops, "input_seconds": self.input_seconds,
+                "compile_steps": self.compile_steps, "compile_tokens": self.compile_tokens,
+                "compile_seconds": self._interval_pauses.get("compile", 0.0)}
+    self.train_seconds += seconds
+    self.timed_steps += self.steps
+    self._interval_started = now
     self._reset()
     return interval
 
+  def eta(self, step: int, total: int) -> float | None:
+    """Seconds of training left after `step` at this process's rate; None before it has one."""
+    rate = self.steps_per_s()
+    return (total - step) / rate if rate > 0 else None
+
   @property
   def wall_time(self) -> float:
-    return time.time() - self.started
+    """Seconds since this process's first step began, pauses included."""
+    return self.clock() - self._started
+
+
+def evaluations_left(step: int, total: int, eval_every: int) -> int:
+  """Evaluations of data.eval_split still to come at the log line of `step` (which comes before
+  that step's evaluation): the periodic ones before the last step, and the final one."""
+  periodic = (total - 1) // eval_every - (step - 1) // eval_every if eval_every else 0
+  return max(periodic, 0) + 1
 
 
 class EarlyProgress:
@@ -105,8 +178,10 @@ class EarlyProgress:
     self.started = time.time()  # made just before the run's first step is dispatched
     self.first_done = self.last = None
 
-  def line(self, step: int, metrics, now=None) -> str:
-    """The line to print after `step` (steps done so far), or "" if none is due."""
+  def line(self, step: int, metrics, now=None, rate: float = 0.0) -> str:
+    """The line to print after `step` (steps done so far), or "" if none is due. rate: the
+    steps/s of the training clock (`Throughput.steps_per_s`), if it has one; else the steps
+    since the first one over the wall time."""
     if step >= self.first_log:
       return ""  # the periodic log speaks from here on
     now = time.time() if now is None else now
@@ -118,7 +193,7 @@ class EarlyProgress:
     if now - self.last < self.every:
       return ""
     self.last = now
-    rate = (step - self.start - 1) / max(now - self.first_done, 1e-9)
+    rate = rate or (step - self.start - 1) / max(now - self.first_done, 1e-9)
     loss = float(jax.device_get(metrics["loss"]))
     return (f"step {step}/{self.total} | loss {loss:.4f} | {rate:.2f} steps/s | ETA "
             f"{progress.duration((self.total - step) / max(rate, 1e-9))}")
@@ -174,3 +249,47 @@ class NonFinitePolicy:
                       f"without saving it (checkpoints: {self.manager.all_steps() or 'none'}); "
                       "lower train.learning_rate, set train.grad_clip_norm, or set "
                       "train.on_nonfinite=skip")
+
+
+class Profiler:
+  """A `jax.profiler` trace of the train steps train.profile_start + 1 .. profile_start +
+  profile_steps (steps counted as the log counts them) into WORKDIR/tensorboard/plugins/profile/,
+  where TensorBoard's profile plugin finds it (Perfetto opens the .trace.json.gz beside it).
+
+  The default profile_start=1 leaves out the first step, whose compilation would fill the trace;
+  a run resumed inside the window traces the rest of it, its first step included. Only the first
+  process traces (its host and devices). Tracing slows the traced steps a little: their log line
+  shows it; the trace's start and stop are not counted (`Throughput.paused("profile")`).
+  """
+
+  def __init__(self, train_config, directory: str, start: int, enabled: bool = True):
+    t = train_config
+    first, last = max(t.profile_start, start), t.profile_start + t.profile_steps
+    self.window = (first, last) if enabled and t.profile_steps and first < last else None
+    self.directory = directory
+    self.active = False
+
+  def before(self, step: int) -> None:
+    """Before the step that follows `step` steps done."""
+    if self.window and step == self.window[0]:
+      jax.profiler.start_trace(self.directory)
+      self.active = True
+
+  def after(self, step: int, metrics, paused=contextlib.nullcontext) -> str:
+    """After `step` steps done: ends the trace at the window's last step, once the devices are
+    done with it (a wait that is that step's time), within `paused()`; the line that says where
+    the trace is, or ""."""
+    if not (self.active and step == self.window[1]):
+      return ""
+    jax.block_until_ready(metrics)
+    with paused():
+      self.close()
+    first, last = self.window
+    return (f"profile of steps {first + 1}-{last}: {self.directory}/plugins/profile/ "
+            f"(tensorboard --logdir {self.directory}, Profile tab)")
+
+  def close(self) -> None:
+    """Ends a trace still running (a run stopped inside the window); no-op otherwise."""
+    if self.active:
+      self.active = False
+      jax.profiler.stop_trace()

@@ -118,8 +118,6 @@ class MetricLogger:
     self.total_steps = total_steps
     self.enabled = enabled
     self.peak_flops = peak_flops
-    self._last_time = time.time()
-    self._last_step = start_step
     if not enabled:
       return
     path = os.path.join(workdir, METRICS_FILE)
@@ -132,53 +130,72 @@ class MetricLogger:
   def _write(self, record: dict) -> None:
     self._jsonl.append(record)
     self._tb.scalars({f"{record['split']}/{key}": value for key, value in record.items()
-                      if key not in ("step", "split", "interval_s", "interval_tokens")
+                      if key not in ("step", "split", "interval_s", "interval_steps",
+                                     "interval_tokens", "compile_tokens")
                       and isinstance(value, (int, float))}, record["step"])
 
-  def train(self, step: int, metrics: dict, learning_rate: float, tokens: float = 0.0,
-            flops: float = 0.0, input_seconds: float = 0.0) -> None:
-    """tokens, flops: non-padding tokens and model FLOPs of all steps since the previous call.
+  def train(self, step: int, metrics: dict, learning_rate: float, steps: int = 0,
+            seconds: float = 0.0, tokens: float = 0.0, flops: float = 0.0,
+            input_seconds: float = 0.0, compile_steps: int = 0, compile_seconds: float = 0.0,
+            compile_tokens: float = 0.0, eta_s: float | None = None,
+            eval_eta_s: float | None = None) -> None:
+    """The interval since the previous call, as `Throughput.take` measures it: `steps` train
+    steps timed over `seconds` of the training clock (evaluation, saves and steps that compile
+    left out), with `tokens` non-padding tokens and `flops` model FLOPs; `compile_steps` steps
+    that compiled (the first of each batch shape), over `compile_seconds`, with
+    `compile_tokens`. eta_s: training time left at this process's rate; eval_eta_s: the
+    evaluations' left, at the latest one's pace.
 
-    input_seconds: host time spent making and transferring those steps' batches. The host
+    input_seconds: host time spent making and transferring the timed steps' batches. The host
     dispatches steps ahead of the devices, so input stalls training only when this approaches
     the elapsed time; the log shows it as a share of that time.
     """
-    now = time.time()
-    elapsed = max(now - self._last_time, 1e-9)
-    steps_per_s = (step - self._last_step) / elapsed
-    tokens_per_s = (tokens or float(metrics["tokens"]) * (step - self._last_step)) / elapsed
-    eta = (self.total_steps - step) / max(steps_per_s, 1e-9)
-    self._last_time, self._last_step = now, step
-    record = {"split": "train", "step": step, "time": now,
+    record = {"split": "train", "step": step, "time": time.time(),
               **{k: float(v) for k, v in metrics.items()},
-              "learning_rate": learning_rate, "tokens_per_s": tokens_per_s,
-              "steps_per_s": steps_per_s, "interval_s": elapsed,
-              "interval_tokens": tokens_per_s * elapsed}
-    if input_seconds:
-      record["input_share"] = input_seconds / elapsed
-    if flops:
-      record["tflops_per_s"] = flops / elapsed / 1e12
-      if self.peak_flops:
-        record["mfu"] = flops / elapsed / self.peak_flops
+              "learning_rate": learning_rate, "interval_s": seconds, "interval_steps": steps,
+              "interval_tokens": tokens}
+    shown = []
+    if steps and seconds > 0:
+      record.update(tokens_per_s=tokens / seconds, steps_per_s=steps / seconds)
+      shown += [f"{tokens / seconds:,.0f} tok/s", f"{steps / seconds:.2f} steps/s"]
+      if flops:
+        record["tflops_per_s"] = flops / seconds / 1e12
+        shown.append(f"{flops / seconds / 1e9:,.1f} GFLOP/s")
+        if self.peak_flops:
+          record["mfu"] = flops / seconds / self.peak_flops
+          shown.append(f"MFU {record['mfu']:.1%}")
+      if input_seconds:
+        record["input_share"] = input_seconds / seconds
+        shown.append(f"input {record['input_share']:.0%}")
+    if compile_steps:
+      record.update(compile_s=compile_seconds, compile_steps=compile_steps,
+                    compile_tokens=compile_tokens)
+      shown.append(f"{compile_steps} step(s) compiling {compile_seconds:.1f}s")
+    if eta_s is not None:
+      record["eta_s"] = eta_s
+      shown.append(f"ETA {progress.duration(eta_s)}" + (
+          f" (+{progress.duration(eval_eta_s)} evaluating)" if eval_eta_s else ""))
+      if eval_eta_s:
+        record["eval_eta_s"] = eval_eta_s
     if not self.enabled:
       return
     self._write(record)
-    progress.write(f"step {step}/{self.total_steps} | loss {record['loss']:.4f} | acc "
-          f"{record['accuracy']:.4f} | lr {learning_rate:.3g} | gnorm {record['grad_norm']:.3f} | "
-          + (f"pad {record['padding']:.1%} | " if "padding" in record else "")
-          + f"{tokens_per_s:,.0f} tok/s | {steps_per_s:.2f} steps/s | "
-          + (f"{record['tflops_per_s'] * 1e3:,.1f} GFLOP/s | " if "tflops_per_s" in record else "")
-          + (f"MFU {record['mfu']:.1%} | " if "mfu" in record else "")
-          + (f"input {record['input_share']:.0%} | " if "input_share" in record else "")
-          + f"ETA {progress.duration(eta)}")
+    progress.write(" | ".join([
+        f"step {step}/{self.total_steps}", f"loss {record['loss']:.4f}",
+        f"acc {record['accuracy']:.4f}", f"lr {learning_rate:.3g}",
+        f"gnorm {record['grad_norm']:.3f}",
+        *([f"pad {record['padding']:.1%}"] if "padding" in record else []), *shown]))
 
-  def eval(self, step: int, metrics: dict, split: str = "eval") -> None:
+  def eval(self, step: int, metrics: dict, split: str = "eval",
+           seconds: float | None = None) -> None:
     """split: "eval" (data.eval_split, during and after training) or "test" (data.test_split,
-    after the last step)."""
+    after the last step). seconds: the evaluation's time (as eval_s)."""
     if not self.enabled:
       return
     record = {"split": split, "step": step, "time": time.time(),
               **{k: v for k, v in metrics.items() if isinstance(v, (int, float))}}
+    if seconds is not None:
+      record["eval_s"] = seconds
     self._write(record)
     if metrics.get("samples"):
       rows = "\n".join(f"| {s['source']} | {s['hypothesis']} | {s['reference']} |"
@@ -188,6 +205,12 @@ class MetricLogger:
     shown = " | ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
                        for k, v in record.items() if k not in ("split", "step", "time"))
     progress.write(f"{split} at step {step} | {shown}")
+
+  def checkpoint(self, step: int, seconds: float) -> None:
+    """A checkpoint save: the seconds the loop waited for it (save_s; orbax writes the files in
+    the background, so this is mostly the copy of the state off the devices)."""
+    if self.enabled:
+      self._write({"split": "checkpoint", "step": step, "time": time.time(), "save_s": seconds})
 
   def text(self, tag: str, text: str) -> None:
     if self.enabled:

@@ -50,7 +50,8 @@ class Result:
   stopped_by: Optional[str]  # the signal that stopped the run early, or None
   checkpoint_steps: list
   tokens_seen: int
-  wall_time: float  # seconds of training, without the final evaluation
+  wall_time: float  # seconds since this run's first step, up to the final evaluation
+  train_time: float  # seconds of train steps alone (Throughput's clock), compiling ones aside
 
   @property
   def step(self) -> int:
@@ -192,9 +193,18 @@ def train(config, workdir: str, evaluate_fn: EvaluateFn) -> Result:
   throughput = actions.Throughput(model_config)
   pending = actions.PendingSteps(DISPATCH_AHEAD)
   nonfinite = actions.NonFinitePolicy(t.on_nonfinite, manager)
+  profiler = actions.Profiler(t, os.path.join(workdir, "tensorboard"), start, enabled=is_main)
 
-  def evaluate(params, pairs=eval_pairs) -> dict:
-    return evaluate_fn(params, model_config, config, tokenizer, pairs, mesh)
+  def evaluate(params, pairs=eval_pairs) -> tuple[dict, float]:
+    """The metrics, and the seconds they took (the training clock stands still meanwhile)."""
+    with throughput.paused("eval"):
+      metrics = evaluate_fn(params, model_config, config, tokenizer, pairs, mesh)
+    return metrics, throughput.last_pause["eval"]
+
+  def save(step: int, eval_metrics) -> None:
+    with throughput.paused("save"):
+      manager.save(step, state, eval_metrics)  # the metrics rank checkpoints for keep_best
+    logger.checkpoint(step, throughput.last_pause["save"])
 
   # Batches are made ahead in a background thread, each process filling only its own rows.
   batches = pipeline.batches(
@@ -203,20 +213,30 @@ def train(config, workdir: str, evaluate_fn: EvaluateFn) -> Result:
       prefetch=config.data.prefetch)
   early = actions.EarlyProgress(start, t.steps, t.log_every)
   bar = progress.bar(total=t.steps, initial=start, desc="training", unit="step")
-  with lock, contextlib.closing(batches), checkpoint.Preemption() as preemption, bar:
+  with (lock, contextlib.closing(batches), checkpoint.Preemption() as preemption, bar,
+        contextlib.closing(profiler)):
+    metrics = None  # the previous step's
     for step in range(start, t.steps):
+      with throughput.paused("profile"):
+        profiler.before(step)
       with throughput.input():
         batch = next(batches)
-      compiling = (progress.waiting("compiling the train step") if step == start
-                   else contextlib.nullcontext())
-      with compiling:
+      # A step of a new batch shape compiles: timed apart, once the steps before it are done.
+      compiles = throughput.compiles(batch.shape)
+      if compiles and metrics is not None:
+        jax.block_until_ready(metrics)
+      waiting = (progress.waiting("compiling the train step") if step == start
+                 else contextlib.nullcontext())
+      with waiting, throughput.paused("compile") if compiles else contextlib.nullcontext():
         state, metrics = train_step(state, batch.data, rng)
-        if step == start:
-          jax.block_until_ready(metrics)  # the wait above is the compilation's
-      throughput.count(batch.tokens, batch.shape)
+        if compiles:
+          jax.block_until_ready(metrics)  # the wait is the compilation's
+      throughput.count(batch.tokens, batch.shape, compiled=compiles)
       done = step + 1
       bar.update()
-      if is_main and (line := early.line(done, metrics)):
+      if line := profiler.after(done, metrics, lambda: throughput.paused("profile")):
+        progress.write(line)  # only the first process traces
+      if is_main and (line := early.line(done, metrics, rate=throughput.steps_per_s())):
         progress.write(line)
       pending.push(done, metrics)
       due = periodic.due(done, stop=preemption.reached(done))
@@ -224,30 +244,33 @@ def train(config, workdir: str, evaluate_fn: EvaluateFn) -> Result:
         nonfinite.check(pending.drain())
       if due.log:
         logged = {k: v for k, v in jax.device_get(metrics).items() if k != "finite"}
-        logger.train(done, logged, float(schedule(done - 1)), **throughput.take())
+        logger.train(done, logged, float(schedule(done - 1)), **throughput.take(),
+                     eta_s=throughput.eta(done, t.steps), eval_eta_s=_eval_eta(throughput, done, t))
       eval_metrics = None
       if due.eval:
-        eval_metrics = evaluate(state.params)
-        logger.eval(done, eval_metrics)
+        eval_metrics, seconds = evaluate(state.params)
+        logger.eval(done, eval_metrics, seconds=seconds)
       if due.save:
-        manager.save(done, state, eval_metrics)  # the metrics rank checkpoints for keep_best
+        save(done, eval_metrics)
       if due.stop:
         break
     batches.close()  # its thread ends before the final evaluation
+    profiler.close()
     manager.wait()
     wall_time = throughput.wall_time  # of training; the final evaluation is not counted
     final_metrics, test_metrics = {}, {}
     if not preemption.signal:
       # The last step's checkpoint is written: a signal now abandons the evaluation (a rerun of
       # the same command evaluates that checkpoint) instead of waiting for it.
+      eval_seconds = test_seconds = 0.0
       with preemption.abandoning():
-        final_metrics = evaluate(state.params)
+        final_metrics, eval_seconds = evaluate(state.params)
         if test_pairs is not None:
-          test_metrics = evaluate(state.params, test_pairs)
+          test_metrics, test_seconds = evaluate(state.params, test_pairs)
       if not preemption.signal:
-        logger.eval(int(state.step), final_metrics)
+        logger.eval(int(state.step), final_metrics, seconds=eval_seconds)
         if test_metrics:
-          logger.eval(int(state.step), test_metrics, split="test")
+          logger.eval(int(state.step), test_metrics, split="test", seconds=test_seconds)
       else:
         final_metrics, test_metrics = {}, {}
     logger.close()
@@ -257,4 +280,12 @@ def train(config, workdir: str, evaluate_fn: EvaluateFn) -> Result:
                 start_step=start, final_metrics=final_metrics, test_metrics=test_metrics,
                 stopped_by=preemption.signal,
                 checkpoint_steps=checkpoint_steps, tokens_seen=throughput.tokens_seen,
-                wall_time=wall_time)
+                wall_time=wall_time, train_time=throughput.train_seconds)
+
+
+def _eval_eta(throughput: actions.Throughput, step: int, t) -> float | None:
+  """Seconds of the evaluations still to come, at the latest one's pace; None before one ran."""
+  last = throughput.last_pause.get("eval")
+  if last is None:
+    return None
+  return last * actions.evaluations_left(step, t.steps, t.eval_every)

@@ -1,0 +1,57 @@
+"""train.profile_steps: a jax.profiler trace of chosen train steps, and the table of its top
+compiled operations (tools/profile.py)."""
+
+import subprocess
+import sys
+
+import pytest
+
+from transformer_jax import config as config_lib
+from transformer_jax.core.errors import UserError
+from transformer_jax.eval import evaluate as evaluate_lib
+from transformer_jax.experiments import tiny
+from transformer_jax.tools import profile
+from transformer_jax.train import loop
+
+
+def test_a_three_step_run_traces_its_steps_and_the_parser_finds_the_train_steps_ops(
+    tmp_path, capsys):
+  config = tiny.get_config()
+  config.data.update(batching="fixed", batch_size=8)
+  config.train.update(steps=3, log_every=1, profile_start=1, profile_steps=2)
+  config.eval.update(max_examples=2, max_decode_len=4)
+  workdir = tmp_path / "run"
+  loop.train(config, str(workdir), evaluate_fn=evaluate_lib.evaluate)
+  assert "profile of steps 2-3: " in capsys.readouterr().out
+  traces = list((workdir / "tensorboard" / "plugins" / "profile").glob("*/*.xplane.pb"))
+  assert len(traces) == 1  # where TensorBoard's profile plugin looks
+  assert list(traces[0].parent.glob("*.trace.json.gz"))  # for Perfetto
+  assert profile.find_trace(str(workdir)) == str(traces[0])
+  rows = profile.op_times(str(traces[0]), module="train_step")
+  assert rows and all("train_step" in r.module for r in rows)
+  # Steps 2 and 3 ran the one compiled train step twice: each of its operations ran a multiple
+  # of two times, and the parser's total is the sum of its rows.
+  assert all(r.calls % 2 == 0 and r.seconds > 0 for r in rows), rows[:5]
+  assert [r.seconds for r in rows] == sorted((r.seconds for r in rows), reverse=True)
+  table = profile.table(rows, top=5)
+  assert table.count("| `") == 5 and f"{len(rows)} operations" in table
+  # The script prints the same table.
+  command = [sys.executable, "-m", "transformer_jax.tools.profile"]
+  out = subprocess.run(command + [str(workdir), "--top=3"], cwd=tmp_path, capture_output=True,
+                       text=True, check=True).stdout
+  assert out.count("| `") == 3 and "jit_train_step" in out
+  missing = subprocess.run(command + [str(tmp_path / "x")], cwd=tmp_path,
+                           capture_output=True, text=True)
+  assert missing.returncode == 2 and missing.stderr.startswith("error: no profiler trace")
+
+
+@pytest.mark.parametrize("start, steps, message", [
+    (1, -1, "train.profile_steps must be >= 0"),
+    (18, 3, "train.profile_start + train.profile_steps (18 + 3) exceeds train.steps (20)"),
+])
+def test_a_profile_window_outside_training_is_refused(start, steps, message):
+  config = tiny.get_config()
+  config.train.update(profile_start=start, profile_steps=steps)
+  with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")
+                     .replace("+", r"\+")):
+    config_lib.validate(config)
