@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 from launcher import ROOT, Launcher, environment, namespaces_work
@@ -84,6 +85,25 @@ def test_a_second_trainer_is_refused_and_the_first_loses_nothing(tmp_path, launc
   assert (workdir / "lock").read_text() == ""  # released at a clean end
 
 
+def test_a_second_ctrl_c_stops_at_once_in_one_line(tmp_path, launcher):
+  """Ctrl-C twice, the second while the checkpoint of the first is being saved: one line, no
+  tracebacks from the save threads it cuts off; the next run resumes from a whole checkpoint."""
+  workdir = tmp_path / "run"
+  launcher.start(*RUN, f"--workdir={workdir}", "--config.train.steps=5000")
+  launcher.wait_for(lambda out: last_logged_step(out) >= 2)
+  launcher.send(signal.SIGINT)
+  time.sleep(0.2)  # two signals before Python runs its handler count as one
+  launcher.send(signal.SIGINT)
+  assert launcher.wait() == 130, launcher.output()
+  err = launcher.output()[1]
+  assert "Traceback" not in err and "Exception ignored" not in err, err
+  interrupted = [line for line in err.splitlines() if not re.match(r"[IWE]\d{4} ", line)]
+  assert len(interrupted) == 1 and interrupted[0].startswith("interrupted (a second Ctrl-C"), err
+  # The checkpoint cut off (if any) is ignored: the run resumes from the last whole one.
+  last = max((int(n) for n in os.listdir(workdir / "checkpoints") if n.isdigit()), default=0)
+  code, out, err = launcher.run(*RUN, f"--workdir={workdir}", f"--config.train.steps={last + 1}")
+  assert code == 0 and "Traceback" not in err, out + err
+  assert not last or f"resuming from step {last}" in out, out
 
 # ----------------------------------------------------------------------------- a full disk
 

@@ -16,6 +16,7 @@ The library is imported only once the flags are parsed, so `--help` and flag err
 without loading JAX.
 """
 
+import difflib
 import json
 import logging
 import os
@@ -226,25 +227,60 @@ def _check_workdir_config(config, workdir: str) -> None:
                     "overrides), or pick another --workdir")
 
 
+# Modes that only read a trained workdir.
+READING_MODES = ("evaluate", "translate", "generate", "plot")
+
+
+def check_trained_workdir(workdir: str) -> None:
+  """A --workdir that a reading mode cannot use: missing (with the nearest existing sibling
+  directory as a guess), a file, or with a file where its checkpoints directory belongs."""
+  if not workdir.strip():
+    return  # _check_flags says it is empty
+  if not os.path.lexists(workdir):
+    parent = os.path.dirname(os.path.normpath(workdir))
+    try:
+      siblings = sorted(name for name in os.listdir(parent or ".")
+                        if os.path.isdir(os.path.join(parent, name)))
+    except OSError:
+      siblings = []
+    guess = difflib.get_close_matches(os.path.basename(os.path.normpath(workdir)), siblings, n=1)
+    raise UserError(f"--workdir {workdir} does not exist; "
+                    + (f"did you mean {os.path.join(parent, guess[0])}?" if guess else
+                       "give the directory of a trained run (--mode=train writes one)"))
+  if not os.path.isdir(workdir):
+    raise UserError(f"--workdir {workdir} is a file, not a directory; give the directory of a "
+                    "trained run (--mode=train writes one)")
+  checkpoints = os.path.join(workdir, "checkpoints")
+  if os.path.lexists(checkpoints) and not os.path.isdir(checkpoints):
+    raise UserError(f"{checkpoints} is a file, where a trained workdir keeps its directory of "
+                    "checkpoints; move the file away and put the checkpoints back, or give "
+                    "another --workdir")
+
+
 def run(argv) -> None:
   if len(argv) > 1:
     raise UserError(f"unexpected arguments {' '.join(argv[1:])}; flags look like --name=value")
+  mode = _MODE.value
+  if mode not in MODES:
+    raise UserError(f"--mode must be one of {', '.join(MODES)}; got {mode!r}")
+  _check_flags(mode)
+  if mode in READING_MODES and _WORKDIR.value is not None:
+    check_trained_workdir(_WORKDIR.value)  # before "--config is required": a typo says so
   if _CONFIG.value is None:
     if flags.FLAGS["config"].present:  # a file was given, and its get_config() returned None
       raise UserError("the experiment's get_config() returned None; return a ConfigDict "
                       "(see experiments/tiny.py)")
     raise UserError("--config is required, e.g. --config=experiments/scan_simple.py (a mode "
                     "that reads a --workdir holding config.json may leave it out)")
-  mode = _MODE.value
-  if mode not in MODES:
-    raise UserError(f"--mode must be one of {', '.join(MODES)}; got {mode!r}")
-  _check_flags(mode)
   config = _CONFIG.value
   if not isinstance(config, ml_collections.ConfigDict):
     raise UserError(f"the experiment's get_config() returned {type(config).__name__}, not an "
                     "ml_collections.ConfigDict (see experiments/tiny.py)")
-  if mode in ("evaluate", "translate", "generate", "plot") and _WORKDIR.value:
-    _check_workdir_config(config, _WORKDIR.value)
+  if mode in WORKDIR_MODES and _WORKDIR.value and not (_SWEEP.value or _SWEEP_DRY_RUN.value):
+    from transformer_jax.train import checkpoint
+    checkpoint.check_config_file(_WORKDIR.value, _DATA_KEYS)  # the checkpoint is the truth
+    if mode in READING_MODES:
+      _check_workdir_config(config, _WORKDIR.value)
 
   from transformer_jax.core import hostmem, platforms
   platforms.cpu_only_unless_accelerated()  # before JAX starts a backend
@@ -326,8 +362,8 @@ def _main(argv) -> None:
     sys.stdout.flush()  # inside the try: a closed pipe fails here, not at interpreter exit
   except UserError as e:
     _fail(" ".join(str(e).splitlines()))
-  except KeyboardInterrupt:
-    print("interrupted", file=sys.stderr)
+  except KeyboardInterrupt as e:
+    print(f"interrupted ({e})" if str(e) else "interrupted", file=sys.stderr)
     sys.exit(130)
   except BrokenPipeError:
     # The reader of stdout went away (`--mode=export | head`): stop quietly. Point stdout at

@@ -15,6 +15,7 @@ import ml_collections
 
 from transformer_jax.core import metric_names, trees
 from transformer_jax.core.errors import UserError
+from transformer_jax.core.tokens import UNK_ID
 from transformer_jax.data import tasks as data_tasks
 from transformer_jax.model import config as model_config_lib
 from transformer_jax.model.config import ModelConfig
@@ -248,6 +249,10 @@ def _check_numbers(config) -> None:
     raise UserError(f"train.adam_eps must be positive, got {t.adam_eps} (the paper: 1e-9)")
   if config.model.layer_norm_eps <= 0:
     raise UserError(f"model.layer_norm_eps must be positive, got {config.model.layer_norm_eps}")
+  if config.model.vocab_size <= UNK_ID + 1:
+    raise UserError(f"model.vocab_size ({config.model.vocab_size}) must exceed the {UNK_ID + 1} "
+                    "special tokens (padding, BOS, EOS, unknown) to leave pieces for the text; "
+                    "raise model.vocab_size")
   if config.eval.top_k > config.model.vocab_size:
     raise UserError(f"eval.top_k ({config.eval.top_k}) exceeds model.vocab_size "
                     f"({config.model.vocab_size}); lower it (0 = sample from all tokens)")
