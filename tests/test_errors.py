@@ -498,6 +498,13 @@ ROWS = [
      ["compile.batch_size must be >= 0"]),
     ("compile: decode batch of 0", SLICE + ["--config.compile.decode_batch=0"],
      ["compile.decode_batch must be positive"]),
+    # --- config
+    ("config: learning rate nan", ["--config=experiments/tiny.py", "--mode=config",
+                                   "--config.train.learning_rate=nan"],
+     ["train.learning_rate must be a finite number"]),
+    ("config: a misspelt key", ["--config=experiments/tiny.py", "--mode=config",
+                                "--config.model.d_modle=64"],
+     ["unknown config key model.d_modle", "(did you mean model.d_model?)"]),
     # --- describe
     ("describe: position base nan", ["--config=experiments/tiny.py", "--mode=describe",
                                      "--config.model.position_base=nan"],

@@ -31,15 +31,27 @@ from ml_collections import config_flags
 from transformer_jax import experiments
 from transformer_jax.core.errors import UserError, unknown_key_message
 
-MODES = ("describe", "train", "evaluate", "translate", "generate", "export", "plot", "benchmark",
-         "compile")
+# Each mode and what it does, in one line (README's mode table says more).
+MODE_HELP = {
+    "train": "trains in --workdir, resuming from its newest checkpoint, then evaluates",
+    "evaluate": "BLEU, chrF, loss, ... of a checkpoint on --split (one JSON line)",
+    "translate": "stdin sentences -> stdout translations, one per line, in order",
+    "generate": "stdin prompts -> stdout continuations (a decoder-only language model)",
+    "plot": "curves, positions and (with --text) attention maps into WORKDIR/plots/",
+    "describe": "the model and its parameter counts",
+    "config": "every config key with its value and what it does (overrides applied)",
+    "export": "a data split (--split) as source<TAB>target lines",
+    "benchmark": "times the train step and decoding on a synthetic batch",
+    "compile": "compiles for a TPU slice on any machine: memory, FLOPs, estimated step time",
+}
+MODES = tuple(MODE_HELP)
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment config: a file (experiments/*.py) or an installed experiment's "
     "name (e.g. scan_simple).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None,
                                "Directory for checkpoints, logs and the tokenizer.")
-_MODE = flags.DEFINE_string("mode", "train", f"One of: {', '.join(MODES)}.")
+_MODE = flags.DEFINE_string("mode", "train", f"One of {', '.join(MODES)} (default train).")
 _SPLIT = flags.DEFINE_string("split", None, "Data split: for --mode=export (default train) and "
                              "--mode=evaluate (default data.eval_split).")
 _TEXT = flags.DEFINE_string("text", None, "--mode=plot: an input sentence whose attention maps "
@@ -57,13 +69,39 @@ _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Multi-process runs
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "Multi-process runs: this process's index.")
 _KEEP_HOST_MEMORY = flags.DEFINE_enum(
     "keep_host_memory", "auto", ["auto", "true", "false"],
-    "Let malloc keep freed memory for reuse (Linux/glibc): XLA:CPU then stops page-faulting its "
+    "Let malloc keep freed memory for reuse (Linux/glibc; auto, true or false). XLA:CPU then "
+    "stops page-faulting its "
     "large per-step temporaries again every step (about 20% of the CPU benchmark's step); the "
     "process keeps its peak resident memory. auto: only when a step's arrays exceed 32 MiB "
     "(for small steps the shared malloc lock costs more than it saves).")
 _CHECKPOINT_STEP = flags.DEFINE_integer(
     "checkpoint_step", None,
     "Checkpoint to evaluate, translate or generate with (default: the latest).")
+_OUR_FLAGS = (_CONFIG, _WORKDIR, _MODE, _CHECKPOINT_STEP, _SPLIT, _TEXT, _SWEEP, _SWEEP_PARALLEL,
+              _SWEEP_DRY_RUN, _SWEEP_METRIC, _COORDINATOR, _NUM_PROCESSES, _PROCESS_ID,
+              _KEEP_HOST_MEMORY)
+
+
+def _help() -> str:
+  """What --help prints: the modes, our flags and where the config keys are, one line each."""
+  lines = ["usage: transformer-jax --config=EXPERIMENT [--config.KEY=VALUE ...] "
+           "[--workdir=DIR] --mode=MODE",
+           "       (python launch.py ... from a checkout)", "", "modes (--mode):"]
+  lines += [f"  {mode:<10} {text}" for mode, text in MODE_HELP.items()]
+  lines += ["", "flags:"]
+  for holder in _OUR_FLAGS:
+    text = " ".join(flags.FLAGS[holder.name].help.split())
+    text = re.sub(r"^<[^>]*>: ", "", text)  # absl's enum prefix
+    first = re.split(r"(?<=\.)\s(?=[A-Z])", text)[0].rstrip(".")  # the first sentence
+    lines.append(f"  --{holder.name:<20} {first}")
+  lines += ["", "keys of the config: --config.KEY=VALUE sets any key of the experiment; "
+            "--mode=config lists them all",
+            "  with their values and one line each (e.g. --config=scan_simple --mode=config); "
+            "their defaults",
+            "  and comments are in transformer_jax/config.py.",
+            "installed experiments (--config=NAME): " + ", ".join(experiments.names()),
+            "", "--helpfull also lists the flags of the libraries (absl)."]
+  return "\n".join(lines)
 
 
 def _fail(message: str) -> None:
@@ -134,6 +172,9 @@ def _workdir_config_flags(argv: list) -> list:
 
 def _parse_flags(argv):
   """absl parsing, with every flag error turned into one line and exit code 2."""
+  if any(arg in ("--help", "-h", "-?", "--helpshort") for arg in argv[1:]):
+    print(_help())  # absl's would print "Try --helpfull" and exit 1
+    sys.exit(0)
   if "--config=" in argv:
     _fail("--config is empty (an unset shell variable?); give an experiment file or name, e.g. "
           "--config=experiments/scan_simple.py")
@@ -296,6 +337,12 @@ def run(argv) -> None:
 
   if mode == "describe":
     print(model_lib.describe(config_lib.validate(config)))
+    return
+  if mode == "config":
+    config_lib.validate(config)  # the config a run would take: a bad value says so here
+    print("# the config this command gives a run (--config and its overrides): key = value  "
+          "# what it does\n")
+    print(config_lib.describe(config))
     return
   if mode == "benchmark":
     from transformer_jax.tools import benchmark
