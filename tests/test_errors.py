@@ -18,8 +18,10 @@ import jax.numpy as jnp
 import pytest
 from launcher import ROOT, Launcher, environment
 
+import transformer_jax
 from transformer_jax import cli
 from transformer_jax.core import lock
+from transformer_jax.core.errors import UserError
 from transformer_jax.data import scan
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.experiments import tiny
@@ -554,6 +556,11 @@ def test_warmup_beyond_the_steps_is_one_warning_and_the_run_goes_on(launcher):
   assert code == 2 and len(lines) == 2, err
   assert lines[0].startswith("warning: train.warmup_steps (30) exceeds train.steps (20)"), err
   assert "data.tokens_per_batch (16)" in lines[1], err
+
+
+def test_the_python_api_also_holds_the_checkpoint_to_be_the_truth(paths):
+  with pytest.raises(UserError, match="config.json no longer matches checkpoint step 10"):
+    transformer_jax.load(str(paths["edited"]))
 
 
 def test_the_table_covers_every_mode():

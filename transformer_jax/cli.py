@@ -240,11 +240,6 @@ def _check_flags(mode: str) -> None:
     raise UserError(f"--coordinator_address must be host:port, got {_COORDINATOR.value!r}")
 
 
-# Keys besides the model's that make a config another experiment than the workdir's.
-_DATA_KEYS = ("data.source", "data.scan_split", "data.tfds_name", "data.path",
-              "data.source_lang", "data.target_lang")
-
-
 def _check_workdir_config(config, workdir: str) -> None:
   """A --config that describes another model or data than the workdir was trained with is
   refused by name (the workdir's own config.json is what --config left out loads)."""
@@ -258,7 +253,7 @@ def _check_workdir_config(config, workdir: str) -> None:
     return  # no config.json (or a damaged one): loading the checkpoint decides
   incompatible, _ = checkpoint.compare_configs(saved, config)
   old, new = trees.flatten(saved), trees.flatten(checkpoint.config_json(config))
-  incompatible += [f"{key} {old[key]} -> {new[key]}" for key in _DATA_KEYS
+  incompatible += [f"{key} {old[key]} -> {new[key]}" for key in checkpoint.DATA_KEYS
                    if key in old and key in new and old[key] != new[key]]
   if incompatible:
     shown = ", ".join(incompatible[:4]) + (f" and {len(incompatible) - 4} more"
@@ -319,7 +314,7 @@ def run(argv) -> None:
                     "ml_collections.ConfigDict (see experiments/tiny.py)")
   if mode in WORKDIR_MODES and _WORKDIR.value and not (_SWEEP.value or _SWEEP_DRY_RUN.value):
     from transformer_jax.train import checkpoint
-    checkpoint.check_config_file(_WORKDIR.value, _DATA_KEYS)  # the checkpoint is the truth
+    checkpoint.check_config_file(_WORKDIR.value)  # the checkpoint is the truth
     if mode in READING_MODES:
       _check_workdir_config(config, _WORKDIR.value)
 

@@ -170,7 +170,12 @@ def compare_configs(saved: dict, config) -> tuple[list, list]:
   return incompatible, changed
 
 
-def check_config_file(workdir: str, data_keys: tuple = ()) -> None:
+# Keys besides the model's that make a config another experiment than a workdir's.
+DATA_KEYS = ("data.source", "data.scan_split", "data.tfds_name", "data.path", "data.source_lang",
+             "data.target_lang")
+
+
+def check_config_file(workdir: str, data_keys: tuple = DATA_KEYS) -> None:
   """The one rule for a workdir's config: its checkpoints are the truth (each records the full
   config it was trained with); WORKDIR/config.json is their copy for reading and for leaving
   --config out. A config.json that no longer fits the newest readable checkpoint (edited by
