@@ -104,6 +104,8 @@ def test_a_second_ctrl_c_stops_at_once_in_one_line(tmp_path, launcher):
   code, out, err = launcher.run(*RUN, f"--workdir={workdir}", f"--config.train.steps={last + 1}")
   assert code == 0 and "Traceback" not in err, out + err
   assert not last or f"resuming from step {last}" in out, out
+  # The start-up line names the tokenizer's size and the model's apart (RUN: both 23).
+  assert "tokenizer of 23 pieces (of the model's 23 embedding rows)" in out, out
 
 # ----------------------------------------------------------------------------- a full disk
 

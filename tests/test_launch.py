@@ -28,6 +28,7 @@ def test_describe_prints_the_base_parameter_count():
   result = launch("--config=experiments/base.py", "--mode=describe")
   assert result.returncode == 0, result.stderr
   assert "63,082,496" in result.stdout
+  assert "model.vocab_size 37000" in result.stdout  # the embedding rows, named as the key
   assert "Traceback" not in result.stderr
 
 

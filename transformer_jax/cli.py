@@ -272,21 +272,22 @@ def check_trained_workdir(workdir: str) -> None:
   directory as a guess), a file, or with a file where its checkpoints directory belongs."""
   if not workdir.strip():
     return  # _check_flags says it is empty
-  if not os.path.lexists(workdir):
+  path = os.path.expanduser(workdir)
+  if not os.path.lexists(path):
     parent = os.path.dirname(os.path.normpath(workdir))
     try:
-      siblings = sorted(name for name in os.listdir(parent or ".")
-                        if os.path.isdir(os.path.join(parent, name)))
+      siblings = sorted(name for name in os.listdir(os.path.expanduser(parent) or ".")
+                        if os.path.isdir(os.path.join(os.path.expanduser(parent), name)))
     except OSError:
       siblings = []
     guess = difflib.get_close_matches(os.path.basename(os.path.normpath(workdir)), siblings, n=1)
     raise UserError(f"--workdir {workdir} does not exist; "
                     + (f"did you mean {os.path.join(parent, guess[0])}?" if guess else
                        "give the directory of a trained run (--mode=train writes one)"))
-  if not os.path.isdir(workdir):
+  if not os.path.isdir(path):
     raise UserError(f"--workdir {workdir} is a file, not a directory; give the directory of a "
                     "trained run (--mode=train writes one)")
-  checkpoints = os.path.join(workdir, "checkpoints")
+  checkpoints = os.path.join(path, "checkpoints")
   if os.path.lexists(checkpoints) and not os.path.isdir(checkpoints):
     raise UserError(f"{checkpoints} is a file, where a trained workdir keeps its directory of "
                     "checkpoints; move the file away and put the checkpoints back, or give "
