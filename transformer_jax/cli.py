@@ -7,6 +7,8 @@ checkout's `launch.py`:
   transformer-jax --config=scan_simple --workdir=runs/scan --mode=translate < in.txt
   transformer-jax --config=gpt_demo --workdir=runs/gpt --mode=generate < prompts.txt
   transformer-jax --config=base --config.model.d_model=256 --mode=describe
+  transformer-jax --config=scan_simple --config.model.d_model=64 --mode=config
+  transformer-jax --help
 
 `--config` takes an experiment file, or the name of an experiment installed with the package
 (`experiments/NAME.py` of the checkout). Errors the user can fix are printed as one line
