@@ -86,26 +86,22 @@ def test_a_second_trainer_is_refused_and_the_first_loses_nothing(tmp_path, launc
 
 
 def test_a_second_ctrl_c_stops_at_once_in_one_line(tmp_path, launcher):
-  """Ctrl-C twice, the second while the checkpoint of the first is being saved: one line, no
-  tracebacks from the save threads it cuts off; the next run resumes from a whole checkpoint."""
-  workdir = tmp_path / "run"
-  launcher.start(*RUN, f"--workdir={workdir}", "--config.train.steps=5000")
+  """Ctrl-C twice, the second while the checkpoint of the first is being saved (RUN saves every
+  step): one line, no tracebacks from the save threads it cuts off. (That the next run ignores a
+  checkpoint cut off: test_checkpoint's kills inside saves.)"""
+  launcher.start(*RUN, f"--workdir={tmp_path / 'run'}", "--config.train.steps=5000")
   launcher.wait_for(lambda out: last_logged_step(out) >= 2)
   launcher.send(signal.SIGINT)
   time.sleep(0.2)  # two signals before Python runs its handler count as one
   launcher.send(signal.SIGINT)
   assert launcher.wait() == 130, launcher.output()
-  err = launcher.output()[1]
+  out, err = launcher.output()
   assert "Traceback" not in err and "Exception ignored" not in err, err
   interrupted = [line for line in err.splitlines() if not re.match(r"[IWE]\d{4} ", line)]
   assert len(interrupted) == 1 and interrupted[0].startswith("interrupted (a second Ctrl-C"), err
-  # The checkpoint cut off (if any) is ignored: the run resumes from the last whole one.
-  last = max((int(n) for n in os.listdir(workdir / "checkpoints") if n.isdigit()), default=0)
-  code, out, err = launcher.run(*RUN, f"--workdir={workdir}", f"--config.train.steps={last + 1}")
-  assert code == 0 and "Traceback" not in err, out + err
-  assert not last or f"resuming from step {last}" in out, out
   # The start-up line names the tokenizer's size and the model's apart (RUN: both 23).
   assert "tokenizer of 23 pieces (of the model's 23 embedding rows)" in out, out
+
 
 # ----------------------------------------------------------------------------- a full disk
 
