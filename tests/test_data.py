@@ -138,6 +138,9 @@ def test_tokenizer_is_trained_from_a_sample_and_the_workdir_copy_wins(tmp_path):
   assert not new and again.model_proto == trained.model_proto  # a resumed run keeps its ids
   with pytest.raises(UserError, match="lower model.vocab_size"):
     tokenizer_lib.train(["a b"] * 10, 5000, "bpe")
+  # Too few pieces for the text's characters: the fix goes the other way.
+  with pytest.raises(UserError, match=r"smaller than required_chars.*; raise model.vocab_size$"):
+    tokenizer_lib.train(["a b c d e f g h"] * 10, 6, "bpe")
 
 
 # ----------------------------------------------------------------------------- batching

@@ -18,8 +18,10 @@ import jax.numpy as jnp
 import pytest
 from launcher import ROOT, Launcher, environment
 
+import transformer_jax
 from transformer_jax import cli
 from transformer_jax.core import lock
+from transformer_jax.core.errors import UserError
 from transformer_jax.data import scan
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.experiments import tiny
@@ -74,6 +76,8 @@ def paths(tmp_path_factory):
   locked = variant("locked", lambda w: None)
   configured = variant("configured", lambda w: (w / "config.json").write_text(
       config.to_json_best_effort()))  # as training writes it: --config may be left out
+  edited = variant("edited", lambda w: (w / "config.json").write_text(
+      config.to_json_best_effort().replace('"d_model": 32', '"d_model": 64')))  # by hand
   holder = lock.DirectoryLock(str(locked))  # another run, alive: this test process
   holder.acquire()
 
@@ -120,6 +124,7 @@ def paths(tmp_path_factory):
       "plots_file": plots_file,
       "locked": locked,
       "configured": configured,
+      "edited": edited,
       "fifo": data_dir("fifo", {"train.en": good, **test}, special=os.mkfifo),
       "dir": data_dir("dir", {"train.en": good, **test}, special=os.mkdir),
       "null": data_dir("null", {"train.en": good, **test},
@@ -133,6 +138,8 @@ def paths(tmp_path_factory):
       "empty": data_dir("empty", {"train.en": good, "train.de": b"", **test}),
       "misaligned": data_dir("misaligned", {"train.en": good, "train.de": b"springen\nlaufen\n",
                                             **test}),
+      "cr_only": data_dir("cr_only", {"train.en": good, "train.de": b"springen\rlaufen\rx\r",
+                                      **test}),
       "latin1": data_dir("latin1", {"train.en": good, "train.de": "springen\nl\xe4ufen\nx\n"
                                     .encode("latin-1"), **test}),
   }
@@ -179,6 +186,7 @@ CONFIG_FILES = {
                                          "{'model.num_heads': 3}]\n"),
     "sweep_raises.py": TINY_CONFIG + "def get_sweep():\n  raise KeyError('x')\n",
     "sweep_int_key.py": TINY_CONFIG + "def get_sweep():\n  return [{1: 2}]\n",
+    "sweep_nested.py": TINY_CONFIG + "def get_sweep():\n  return [{'train': {'steps': 2}}]\n",
 }
 
 # (id, flags, what the one line must say); {name} stands for paths[name].
@@ -314,6 +322,10 @@ ROWS = [
     ("word vocabulary below the words", FRESH + ["--config.model.vocab_size=10"],
      ["vocabulary of model.vocab_size=10 pieces leaves", "training words unknown",
       "raise model.vocab_size to 23"]),
+    ("vocabulary below the special tokens", FRESH + ["--config.model.vocab_size=1"],
+     ["model.vocab_size (1) must exceed the 4 special tokens", "raise model.vocab_size"]),
+    ("data file with CR-only line endings", TRAINED + FILES + ["--config.data.path={cr_only}"],
+     ["train.de ends its lines with CR alone (3 CR, 0 LF", "convert them to LF"]),
     ("data file a FIFO", TRAINED + FILES + ["--config.data.path={fifo}"],
      ["train.de is a named pipe (FIFO), not a regular file"]),
     ("data file a directory", TRAINED + FILES + ["--config.data.path={dir}"],
@@ -321,6 +333,9 @@ ROWS = [
     ("data file a link to /dev/null", TRAINED + FILES + ["--config.data.path={null}"],
      ["train.de is a character device (it points to /dev/null)"]),
     # --- train: the workdir
+    ("config.json edited off its checkpoint", ["--mode=train", "--workdir={edited}"],
+     ["config.json no longer matches checkpoint step 10", "model.d_model 32 -> 64",
+      "the checkpoint is the truth"]),
     ("checkpoints is a file", TINY + ["--workdir={checkpoints_file}"],
      ["checkpoints is a file, where this program keeps its directory"]),
     ("metrics.jsonl is a directory", TINY + ["--workdir={metrics_dir}"],
@@ -336,7 +351,18 @@ ROWS = [
      ["does not fit this config: model.d_model 32 -> 64"]),
     ("evaluate: no such step", EVALUATE + ["--workdir={trained}", "--checkpoint_step=7"],
      ["no checkpoint at step 7", "available: [10]"]),
-    ("evaluate: nothing trained", EVALUATE + ["--workdir={fresh}"], ["holds no trained model"]),
+    ("evaluate: nothing trained", EVALUATE + ["--workdir={missing}"], ["holds no trained model"]),
+    ("evaluate: a typo in --workdir", ["--mode=evaluate", "--workdir={root}/traind"],
+     ["--workdir {root}/traind does not exist; did you mean {root}/trained?"]),
+    ("evaluate: no such workdir, nothing near", EVALUATE + ["--workdir={fresh}"],
+     ["--workdir {fresh} does not exist; give the directory of a trained run"]),
+    ("evaluate: workdir is a file", EVALUATE + ["--workdir={a_file}"],
+     ["a_file is a file, not a directory"]),
+    ("evaluate: checkpoints is a file", EVALUATE + ["--workdir={checkpoints_file}"],
+     ["checkpoints is a file, where a trained workdir keeps its directory of checkpoints"]),
+    ("evaluate: config.json edited off its checkpoint", ["--mode=evaluate", "--workdir={edited}"],
+     ["edited/config.json no longer matches checkpoint step 10", "model.d_model 32 -> 64",
+      "the checkpoint is the truth", "undo the edit"]),
     ("evaluate: averaging more than there are", EVALUATE + ["--workdir={trained}",
                                                             "--config.eval.average_last=2"],
      ["eval.average_last=2 needs 2 checkpoints"]),
@@ -363,6 +389,19 @@ ROWS = [
     ("translate: no such step", TRANSLATE + ["--workdir={trained}", "--checkpoint_step=3"],
      ["no checkpoint at step 3"]),
     ("translate: empty --workdir", TRANSLATE + ["--workdir="], ["--workdir is empty"]),
+    ("translate: a typo in --workdir", ["--mode=translate", "--workdir={root}/trainde"],
+     ["does not exist; did you mean {root}/trained?"]),
+    ("translate: workdir is a file", TRANSLATE + ["--workdir={a_file}"],
+     ["a_file is a file, not a directory"]),
+    ("translate: checkpoints is a file", TRANSLATE + ["--workdir={checkpoints_file}"],
+     ["checkpoints is a file, where a trained workdir keeps"]),
+    ("translate: config.json edited off its checkpoint", ["--mode=translate",
+                                                          "--workdir={edited}"],
+     ["config.json no longer matches checkpoint step 10", "the checkpoint is the truth"]),
+    ("translate: a language model", TRANSLATE + ["--workdir={trained}", "--config.data.task=lm",
+                                                 "--config.model.arch=decoder_only"],
+     ["--mode=translate needs a model trained on source -> target pairs", "data.task=lm",
+      "continue text with --mode=generate"]),
     ("translate: top_k above the vocabulary", TRANSLATE + ["--workdir={trained}",
                                                          "--config.eval.decode=sample",
                                                          "--config.eval.top_k=33"],
@@ -371,8 +410,16 @@ ROWS = [
     ("generate: not a language model", GENERATE + ["--workdir={trained}"],
      ["continues text with a decoder-only language model", "--mode=translate"]),
     ("generate: empty --workdir", GENERATE + ["--workdir="], ["--workdir is empty"]),
+    ("generate: a typo in --workdir", GENERATE + ["--workdir={root}/traned"],
+     ["did you mean {root}/trained?"]),
+    ("generate: config.json edited off its checkpoint", ["--mode=generate", "--workdir={edited}"],
+     ["config.json no longer matches checkpoint step 10"]),
     # --- plot
-    ("plot: nothing trained", PLOT + ["--workdir={fresh}"], ["has no metrics.jsonl"]),
+    ("plot: nothing trained", PLOT + ["--workdir={missing}"], ["has no metrics.jsonl"]),
+    ("plot: a typo in --workdir", ["--mode=plot", "--workdir={root}/trainedd"],
+     ["did you mean {root}/trained?"]),
+    ("plot: config.json edited off its checkpoint", ["--mode=plot", "--workdir={edited}"],
+     ["config.json no longer matches checkpoint step 10"]),
     ("plot: plots is a file", PLOT + ["--workdir={plots_file}"],
      ["plots is not a directory, where plots are written"]),
     ("plot: empty --text", PLOT + ["--workdir={trained}", "--text="], ["--text is empty"]),
@@ -404,6 +451,8 @@ ROWS = [
      ["get_sweep() in", "raised KeyError"]),
     ("sweep: a key that is not a string", ["--config={configs}/sweep_int_key.py", *SWEEP],
      ["must return a non-empty list of dicts of dotted config keys"]),
+    ("sweep: a nested dict for a trial", ["--config={configs}/sweep_nested.py", *SWEEP],
+     ["trial_000 of get_sweep()", "nests a dict", "write its keys dotted: {{'train.steps': 2}}"]),
     ("sweep: no get_sweep", ["--config=experiments/scan_simple.py", *SWEEP],
      ["defines no get_sweep()"]),
     ("sweep: unknown metric", ["--config=experiments/tiny.py", *SWEEP, "--sweep_metric=blue"],
@@ -451,6 +500,13 @@ ROWS = [
      ["compile.batch_size must be >= 0"]),
     ("compile: decode batch of 0", SLICE + ["--config.compile.decode_batch=0"],
      ["compile.decode_batch must be positive"]),
+    # --- config
+    ("config: learning rate nan", ["--config=experiments/tiny.py", "--mode=config",
+                                   "--config.train.learning_rate=nan"],
+     ["train.learning_rate must be a finite number"]),
+    ("config: a misspelt key", ["--config=experiments/tiny.py", "--mode=config",
+                                "--config.model.d_modle=64"],
+     ["unknown config key model.d_modle", "(did you mean model.d_model?)"]),
     # --- describe
     ("describe: position base nan", ["--config=experiments/tiny.py", "--mode=describe",
                                      "--config.model.position_base=nan"],
@@ -490,6 +546,21 @@ def test_bad_input_is_one_line_exit_2_and_changes_nothing(launcher, paths, flags
   for text in expected:
     assert text in lines[0], (text, lines[0])
   assert {name: snapshot(paths[name]) for name in watched} == before
+
+
+def test_warmup_beyond_the_steps_is_one_warning_and_the_run_goes_on(launcher):
+  """The warning, then the run's next check (a token budget too small, to end it cheaply)."""
+  code, out, err = launcher.run(*TRAINED, "--config.train.warmup_steps=30",
+                                "--config.data.tokens_per_batch=16")
+  lines = err.strip().splitlines()
+  assert code == 2 and len(lines) == 2, err
+  assert lines[0].startswith("warning: train.warmup_steps (30) exceeds train.steps (20)"), err
+  assert "data.tokens_per_batch (16)" in lines[1], err
+
+
+def test_the_python_api_also_holds_the_checkpoint_to_be_the_truth(paths):
+  with pytest.raises(UserError, match="config.json no longer matches checkpoint step 10"):
+    transformer_jax.load(str(paths["edited"]))
 
 
 def test_the_table_covers_every_mode():

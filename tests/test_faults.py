@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 from launcher import ROOT, Launcher, environment, namespaces_work
@@ -83,6 +84,23 @@ def test_a_second_trainer_is_refused_and_the_first_loses_nothing(tmp_path, launc
   assert steps == list(range(1, len(steps) + 1))  # one run's records, none twice
   assert (workdir / "lock").read_text() == ""  # released at a clean end
 
+
+def test_a_second_ctrl_c_stops_at_once_in_one_line(tmp_path, launcher):
+  """Ctrl-C twice, the second while the checkpoint of the first is being saved (RUN saves every
+  step): one line, no tracebacks from the save threads it cuts off. (That the next run ignores a
+  checkpoint cut off: test_checkpoint's kills inside saves.)"""
+  launcher.start(*RUN, f"--workdir={tmp_path / 'run'}", "--config.train.steps=5000")
+  launcher.wait_for(lambda out: last_logged_step(out) >= 2)
+  launcher.send(signal.SIGINT)
+  time.sleep(0.2)  # two signals before Python runs its handler count as one
+  launcher.send(signal.SIGINT)
+  assert launcher.wait() == 130, launcher.output()
+  out, err = launcher.output()
+  assert "Traceback" not in err and "Exception ignored" not in err, err
+  interrupted = [line for line in err.splitlines() if not re.match(r"[IWE]\d{4} ", line)]
+  assert len(interrupted) == 1 and interrupted[0].startswith("interrupted (a second Ctrl-C"), err
+  # The start-up line names the tokenizer's size and the model's apart (RUN: both 23).
+  assert "tokenizer of 23 pieces (of the model's 23 embedding rows)" in out, out
 
 
 # ----------------------------------------------------------------------------- a full disk

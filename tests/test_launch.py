@@ -4,6 +4,7 @@ import importlib
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -11,6 +12,7 @@ import pytest
 
 from transformer_jax import config as config_lib
 from transformer_jax import experiments
+from transformer_jax.core import trees
 from transformer_jax.tools import sweep
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -26,7 +28,49 @@ def test_describe_prints_the_base_parameter_count():
   result = launch("--config=experiments/base.py", "--mode=describe")
   assert result.returncode == 0, result.stderr
   assert "63,082,496" in result.stdout
+  assert "model.vocab_size 37000" in result.stdout  # the embedding rows, named as the key
   assert "Traceback" not in result.stderr
+
+
+def test_help_lists_the_modes_our_flags_and_the_config_keys_without_importing_jax():
+  from transformer_jax import cli
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  result = subprocess.run([sys.executable, "-X", "importtime", "launch.py", "--help"], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=120)
+  assert result.returncode == 0, result.stderr
+  imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines()
+              if line.startswith("import time:")}
+  assert imported and not imported & {"jax", "flax", "orbax"}, sorted(imported)
+  lines = result.stdout.splitlines()
+  for mode in cli.MODES:  # one line each
+    assert sum(line.split()[:1] == [mode] for line in lines) == 1, (mode, result.stdout)
+  for holder in cli._OUR_FLAGS:
+    assert sum(line.split()[:1] == [f"--{holder.name}"] for line in lines) == 1, holder.name
+  assert "--mode=config" in result.stdout and "transformer_jax/config.py" in result.stdout
+  assert "Try --helpfull" not in result.stdout
+
+
+def test_mode_config_prints_every_key_with_its_value_and_description():
+  result = launch("--config=experiments/scan_simple.py", "--config.model.d_model=64",
+                  "--mode=config")
+  assert result.returncode == 0, result.stderr
+  config = config_lib.default_config()
+  keys = [line.split(" = ")[0] for line in result.stdout.splitlines()
+          if " = " in line and not line.startswith("#")]
+  assert sorted(keys) == sorted(trees.flatten(config.to_dict()))
+  line = next(line for line in result.stdout.splitlines() if line.startswith("model.d_model "))
+  assert re.fullmatch(r"model\.d_model = 64 +# width of the residual stream .*", line), line
+  assert "(no description)" not in result.stdout
+
+
+def test_every_config_key_has_a_description():
+  """The comments of default_config() and ModelConfig describe every key (--mode=config)."""
+  descriptions = config_lib.key_descriptions()
+  keys = trees.flatten(config_lib.default_config().to_dict())
+  assert [key for key in keys if not descriptions.get(key)] == []
+  assert descriptions["model.d_ff"].startswith("hidden units")  # the field's own comment
+  assert descriptions["data.task"].startswith("What an example is")  # the block above the key
+  assert "#" not in descriptions["data.format"]  # block and end-of-line comments, one line
 
 
 def test_a_cpu_machine_runs_on_the_cpu_without_tpu_runtime_warnings():

@@ -23,6 +23,7 @@ from transformer_jax.core.errors import UserError
 from transformer_jax.core.tokens import EOS_ID
 from transformer_jax.eval import decode, load, translate
 from transformer_jax.model import ModelConfig, Transformer
+from transformer_jax.train import checkpoint
 
 
 @dataclasses.dataclass
@@ -81,6 +82,7 @@ def load_model(workdir: str, step: Optional[int] = None, overrides: Optional[dic
   overrides: {dotted config key: value}, as --config.KEY=VALUE on the command line, e.g.
   `{"eval.decode": "beam"}`.
   """
+  checkpoint.check_config_file(workdir)  # the checkpoint is the truth, as on the command line
   config = config_lib.from_workdir(workdir)
   for key, value in (overrides or {}).items():
     *parents, name = key.split(".")

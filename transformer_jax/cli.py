@@ -7,6 +7,8 @@ checkout's `launch.py`:
   transformer-jax --config=scan_simple --workdir=runs/scan --mode=translate < in.txt
   transformer-jax --config=gpt_demo --workdir=runs/gpt --mode=generate < prompts.txt
   transformer-jax --config=base --config.model.d_model=256 --mode=describe
+  transformer-jax --config=scan_simple --config.model.d_model=64 --mode=config
+  transformer-jax --help
 
 `--config` takes an experiment file, or the name of an experiment installed with the package
 (`experiments/NAME.py` of the checkout). Errors the user can fix are printed as one line
@@ -16,6 +18,7 @@ The library is imported only once the flags are parsed, so `--help` and flag err
 without loading JAX.
 """
 
+import difflib
 import json
 import logging
 import os
@@ -30,15 +33,27 @@ from ml_collections import config_flags
 from transformer_jax import experiments
 from transformer_jax.core.errors import UserError, unknown_key_message
 
-MODES = ("describe", "train", "evaluate", "translate", "generate", "export", "plot", "benchmark",
-         "compile")
+# Each mode and what it does, in one line (README's mode table says more).
+MODE_HELP = {
+    "train": "trains in --workdir, resuming from its newest checkpoint, then evaluates",
+    "evaluate": "BLEU, chrF, loss, ... of a checkpoint on --split (one JSON line)",
+    "translate": "stdin sentences -> stdout translations, one per line, in order",
+    "generate": "stdin prompts -> stdout continuations (a decoder-only language model)",
+    "plot": "curves, positions and (with --text) attention maps into WORKDIR/plots/",
+    "describe": "the model and its parameter counts",
+    "config": "every config key with its value and what it does (overrides applied)",
+    "export": "a data split (--split) as source<TAB>target lines",
+    "benchmark": "times the train step and decoding on a synthetic batch",
+    "compile": "compiles for a TPU slice on any machine: memory, FLOPs, estimated step time",
+}
+MODES = tuple(MODE_HELP)
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment config: a file (experiments/*.py) or an installed experiment's "
     "name (e.g. scan_simple).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None,
                                "Directory for checkpoints, logs and the tokenizer.")
-_MODE = flags.DEFINE_string("mode", "train", f"One of: {', '.join(MODES)}.")
+_MODE = flags.DEFINE_string("mode", "train", f"One of {', '.join(MODES)} (default train).")
 _SPLIT = flags.DEFINE_string("split", None, "Data split: for --mode=export (default train) and "
                              "--mode=evaluate (default data.eval_split).")
 _TEXT = flags.DEFINE_string("text", None, "--mode=plot: an input sentence whose attention maps "
@@ -56,13 +71,39 @@ _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Multi-process runs
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "Multi-process runs: this process's index.")
 _KEEP_HOST_MEMORY = flags.DEFINE_enum(
     "keep_host_memory", "auto", ["auto", "true", "false"],
-    "Let malloc keep freed memory for reuse (Linux/glibc): XLA:CPU then stops page-faulting its "
+    "Let malloc keep freed memory for reuse (Linux/glibc; auto, true or false). XLA:CPU then "
+    "stops page-faulting its "
     "large per-step temporaries again every step (about 20% of the CPU benchmark's step); the "
     "process keeps its peak resident memory. auto: only when a step's arrays exceed 32 MiB "
     "(for small steps the shared malloc lock costs more than it saves).")
 _CHECKPOINT_STEP = flags.DEFINE_integer(
     "checkpoint_step", None,
     "Checkpoint to evaluate, translate or generate with (default: the latest).")
+_OUR_FLAGS = (_CONFIG, _WORKDIR, _MODE, _CHECKPOINT_STEP, _SPLIT, _TEXT, _SWEEP, _SWEEP_PARALLEL,
+              _SWEEP_DRY_RUN, _SWEEP_METRIC, _COORDINATOR, _NUM_PROCESSES, _PROCESS_ID,
+              _KEEP_HOST_MEMORY)
+
+
+def _help() -> str:
+  """What --help prints: the modes, our flags and where the config keys are, one line each."""
+  lines = ["usage: transformer-jax --config=EXPERIMENT [--config.KEY=VALUE ...] "
+           "[--workdir=DIR] --mode=MODE",
+           "       (python launch.py ... from a checkout)", "", "modes (--mode):"]
+  lines += [f"  {mode:<10} {text}" for mode, text in MODE_HELP.items()]
+  lines += ["", "flags:"]
+  for holder in _OUR_FLAGS:
+    text = " ".join(flags.FLAGS[holder.name].help.split())
+    text = re.sub(r"^<[^>]*>: ", "", text)  # absl's enum prefix
+    first = re.split(r"(?<=\.)\s(?=[A-Z])", text)[0].rstrip(".")  # the first sentence
+    lines.append(f"  --{holder.name:<20} {first}")
+  lines += ["", "keys of the config: --config.KEY=VALUE sets any key of the experiment; "
+            "--mode=config lists them all",
+            "  with their values and one line each (e.g. --config=scan_simple --mode=config); "
+            "their defaults",
+            "  and comments are in transformer_jax/config.py.",
+            "installed experiments (--config=NAME): " + ", ".join(experiments.names()),
+            "", "--helpfull also lists the flags of the libraries (absl)."]
+  return "\n".join(lines)
 
 
 def _fail(message: str) -> None:
@@ -133,6 +174,9 @@ def _workdir_config_flags(argv: list) -> list:
 
 def _parse_flags(argv):
   """absl parsing, with every flag error turned into one line and exit code 2."""
+  if any(arg in ("--help", "-h", "-?", "--helpshort") for arg in argv[1:]):
+    print(_help())  # absl's would print "Try --helpfull" and exit 1
+    sys.exit(0)
   if "--config=" in argv:
     _fail("--config is empty (an unset shell variable?); give an experiment file or name, e.g. "
           "--config=experiments/scan_simple.py")
@@ -198,11 +242,6 @@ def _check_flags(mode: str) -> None:
     raise UserError(f"--coordinator_address must be host:port, got {_COORDINATOR.value!r}")
 
 
-# Keys besides the model's that make a config another experiment than the workdir's.
-_DATA_KEYS = ("data.source", "data.scan_split", "data.tfds_name", "data.path",
-              "data.source_lang", "data.target_lang")
-
-
 def _check_workdir_config(config, workdir: str) -> None:
   """A --config that describes another model or data than the workdir was trained with is
   refused by name (the workdir's own config.json is what --config left out loads)."""
@@ -216,7 +255,7 @@ def _check_workdir_config(config, workdir: str) -> None:
     return  # no config.json (or a damaged one): loading the checkpoint decides
   incompatible, _ = checkpoint.compare_configs(saved, config)
   old, new = trees.flatten(saved), trees.flatten(checkpoint.config_json(config))
-  incompatible += [f"{key} {old[key]} -> {new[key]}" for key in _DATA_KEYS
+  incompatible += [f"{key} {old[key]} -> {new[key]}" for key in checkpoint.DATA_KEYS
                    if key in old and key in new and old[key] != new[key]]
   if incompatible:
     shown = ", ".join(incompatible[:4]) + (f" and {len(incompatible) - 4} more"
@@ -226,25 +265,61 @@ def _check_workdir_config(config, workdir: str) -> None:
                     "overrides), or pick another --workdir")
 
 
+# Modes that only read a trained workdir.
+READING_MODES = ("evaluate", "translate", "generate", "plot")
+
+
+def check_trained_workdir(workdir: str) -> None:
+  """A --workdir that a reading mode cannot use: missing (with the nearest existing sibling
+  directory as a guess), a file, or with a file where its checkpoints directory belongs."""
+  if not workdir.strip():
+    return  # _check_flags says it is empty
+  path = os.path.expanduser(workdir)
+  if not os.path.lexists(path):
+    parent = os.path.dirname(os.path.normpath(workdir))
+    try:
+      siblings = sorted(name for name in os.listdir(os.path.expanduser(parent) or ".")
+                        if os.path.isdir(os.path.join(os.path.expanduser(parent), name)))
+    except OSError:
+      siblings = []
+    guess = difflib.get_close_matches(os.path.basename(os.path.normpath(workdir)), siblings, n=1)
+    raise UserError(f"--workdir {workdir} does not exist; "
+                    + (f"did you mean {os.path.join(parent, guess[0])}?" if guess else
+                       "give the directory of a trained run (--mode=train writes one)"))
+  if not os.path.isdir(path):
+    raise UserError(f"--workdir {workdir} is a file, not a directory; give the directory of a "
+                    "trained run (--mode=train writes one)")
+  checkpoints = os.path.join(path, "checkpoints")
+  if os.path.lexists(checkpoints) and not os.path.isdir(checkpoints):
+    raise UserError(f"{checkpoints} is a file, where a trained workdir keeps its directory of "
+                    "checkpoints; move the file away and put the checkpoints back, or give "
+                    "another --workdir")
+
+
 def run(argv) -> None:
   if len(argv) > 1:
     raise UserError(f"unexpected arguments {' '.join(argv[1:])}; flags look like --name=value")
+  mode = _MODE.value
+  if mode not in MODES:
+    raise UserError(f"--mode must be one of {', '.join(MODES)}; got {mode!r}")
+  _check_flags(mode)
+  if mode in READING_MODES and _WORKDIR.value is not None:
+    check_trained_workdir(_WORKDIR.value)  # before "--config is required": a typo says so
   if _CONFIG.value is None:
     if flags.FLAGS["config"].present:  # a file was given, and its get_config() returned None
       raise UserError("the experiment's get_config() returned None; return a ConfigDict "
                       "(see experiments/tiny.py)")
     raise UserError("--config is required, e.g. --config=experiments/scan_simple.py (a mode "
                     "that reads a --workdir holding config.json may leave it out)")
-  mode = _MODE.value
-  if mode not in MODES:
-    raise UserError(f"--mode must be one of {', '.join(MODES)}; got {mode!r}")
-  _check_flags(mode)
   config = _CONFIG.value
   if not isinstance(config, ml_collections.ConfigDict):
     raise UserError(f"the experiment's get_config() returned {type(config).__name__}, not an "
                     "ml_collections.ConfigDict (see experiments/tiny.py)")
-  if mode in ("evaluate", "translate", "generate", "plot") and _WORKDIR.value:
-    _check_workdir_config(config, _WORKDIR.value)
+  if mode in WORKDIR_MODES and _WORKDIR.value and not (_SWEEP.value or _SWEEP_DRY_RUN.value):
+    from transformer_jax.train import checkpoint
+    checkpoint.check_config_file(_WORKDIR.value)  # the checkpoint is the truth
+    if mode in READING_MODES:
+      _check_workdir_config(config, _WORKDIR.value)
 
   from transformer_jax.core import hostmem, platforms
   platforms.cpu_only_unless_accelerated()  # before JAX starts a backend
@@ -260,6 +335,12 @@ def run(argv) -> None:
 
   if mode == "describe":
     print(model_lib.describe(config_lib.validate(config)))
+    return
+  if mode == "config":
+    config_lib.validate(config)  # the config a run would take: a bad value says so here
+    print("# the config this command gives a run (--config and its overrides): key = value  "
+          "# what it does\n")
+    print(config_lib.describe(config))
     return
   if mode == "benchmark":
     from transformer_jax.tools import benchmark
@@ -326,8 +407,8 @@ def _main(argv) -> None:
     sys.stdout.flush()  # inside the try: a closed pipe fails here, not at interpreter exit
   except UserError as e:
     _fail(" ".join(str(e).splitlines()))
-  except KeyboardInterrupt:
-    print("interrupted", file=sys.stderr)
+  except KeyboardInterrupt as e:
+    print(f"interrupted ({e})" if str(e) else "interrupted", file=sys.stderr)
     sys.exit(130)
   except BrokenPipeError:
     # The reader of stdout went away (`--mode=export | head`): stop quietly. Point stdout at

@@ -7,14 +7,19 @@ needs, so every key exists in every experiment and `--config.key=value` can reac
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import io
 import json
 import math
 import os
+import re
+import tokenize
 
 import ml_collections
 
 from transformer_jax.core import metric_names, trees
 from transformer_jax.core.errors import UserError
+from transformer_jax.core.tokens import UNK_ID
 from transformer_jax.data import tasks as data_tasks
 from transformer_jax.model import config as model_config_lib
 from transformer_jax.model.config import ModelConfig
@@ -22,26 +27,29 @@ from transformer_jax.model.config import ModelConfig
 
 def default_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
-  c.seed = 0
+  c.seed = 0  # of the initialisation, dropout and data order
 
-  # Model: every ModelConfig field except the per-call switches (deterministic, decode).
+  # The model (model/config.py): every ModelConfig field but the per-call switches (deterministic,
+  # decode).
   c.model = ml_collections.ConfigDict({
       f.name: f.default for f in dataclasses.fields(ModelConfig)
       if f.name not in ("deterministic", "decode", "vocab_size")})
   c.model.vocab_size = 37000
   c.model.dtype = "auto"  # bfloat16 on GPU/TPU, float32 on CPU
 
-  # The device mesh (train/sharding.py): data parallel x fully sharded data parallel (parameters
-  # and optimizer state split) x tensor parallel (heads, d_ff, vocabulary split); their product
-  # is the device count, and one size may be -1 for "the devices left".
-  c.mesh = ml_collections.ConfigDict({"data": -1, "fsdp": 1, "tensor": 1})
+  # The device mesh (train/sharding.py): the product of its sizes is the device count, and one
+  # size may be -1 for "the devices left".
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.data = -1  # data parallel: each device group takes its rows of the batch
+  c.mesh.fsdp = 1  # fully sharded data parallel: rows, and parameters and optimizer state split
+  c.mesh.tensor = 1  # tensor parallel: heads, d_ff and the vocabulary split
 
-  c.data = ml_collections.ConfigDict()
+  c.data = ml_collections.ConfigDict()  # what is read, tokenised and batched (data/)
   # What an example is (data/tasks.py): seq2seq (source -> target) | lm (texts; decoder_only)
   # | mlm (masked texts; encoder_only) | classify (text<TAB>label; encoder_only)
   c.data.task = "seq2seq"
   c.data.source = "scan"  # scan | tfds | files
-  c.data.scan_split = "simple"  # simple | length
+  c.data.scan_split = "simple"  # source=scan: the split of SCAN, simple | length
   c.data.tfds_name = ""  # source=tfds: a TFDS translation dataset, e.g. wmt14_translate/de-en
   c.data.tfds_data_dir = ""  # source=tfds: "" = $TFDS_DATA_DIR or ~/tensorflow_datasets
   c.data.tfds_download = True  # source=tfds: download and prepare the dataset if it is not there
@@ -51,46 +59,46 @@ def default_config() -> ml_collections.ConfigDict:
   # a line; data.text_suffix names another suffix, e.g. en for train.en)
   c.data.format = "parallel"
   c.data.source_lang = "en"  # the direction, for tfds and parallel files
-  c.data.target_lang = "de"
+  c.data.target_lang = "de"  # the language translated into
   c.data.text_field = "text"  # source=tfds, task lm / mlm / classify: the record's text field
   c.data.label_field = "label"  # source=tfds, task classify: the record's label field
   c.data.labels = ""  # task classify: the classes, comma-separated; "" = the train split's, sorted
   c.data.mask_rate = 0.15  # task mlm: share of tokens the step masks (BERT: 80% <mask>, 10% random)
-  c.data.train_split = "train"
+  c.data.train_split = "train"  # the split trained on
   c.data.eval_split = "test"  # evaluated during and after training
   # The held-out test set (e.g. newstest2014): evaluated once, after the last step; "" = none.
   c.data.test_split = "test"
   c.data.max_source_len = 64  # longer examples are dropped (EOS included)
-  c.data.max_target_len = 64
+  c.data.max_target_len = 64  # longer examples are dropped (EOS included); lm: texts are cut
   c.data.batching = "tokens"  # tokens (length buckets under a token budget) | packed | fixed
   c.data.tokens_per_batch = 4096  # global budget per side, padding included (tokens, packed)
   c.data.bucket_width = 8  # length buckets of this width (batching=tokens)
   c.data.batch_size = 64  # global, in examples (batching=fixed)
-  c.data.shuffle_buffer = 0  # 0 = full random permutation each epoch
+  c.data.shuffle_buffer = 0  # examples shuffled together; 0 = full random permutation each epoch
   c.data.prefetch = 2  # batches made ahead in a background thread; 0 = on the main thread
   c.data.cache = True  # keep the tokenised train split (and its tokenizer) for later runs
   c.data.cache_dir = ""  # "" = $TRANSFORMER_JAX_CACHE, else ~/.cache/transformer_jax (XDG)
-  c.data.tokenizer = ml_collections.ConfigDict()
+  c.data.tokenizer = ml_collections.ConfigDict()  # the SentencePiece vocabulary
   c.data.tokenizer.model_type = "bpe"  # bpe | unigram | word (SentencePiece)
-  c.data.tokenizer.character_coverage = 1.0
+  c.data.tokenizer.character_coverage = 1.0  # share of characters kept; the rarest are unknown
   c.data.tokenizer.sample_size = 1_000_000  # sentences sampled to train it
   c.data.tokenizer.model_path = ""  # a pretrained SentencePiece .model instead of training one
 
-  c.train = ml_collections.ConfigDict()
-  c.train.steps = 1000
+  c.train = ml_collections.ConfigDict()  # the optimizer, schedule and loop (train/)
+  c.train.steps = 1000  # optimizer steps of the whole run (a resumed run counts on)
   c.train.schedule = "rsqrt"  # rsqrt (the paper's) | constant | cosine
   c.train.learning_rate = 1.0  # rsqrt: scale on d_model^-0.5 * min(...); else the peak rate
-  c.train.warmup_steps = 4000
-  c.train.adam_b1 = 0.9
-  c.train.adam_b2 = 0.98
-  c.train.adam_eps = 1e-9
-  c.train.weight_decay = 0.0
-  c.train.label_smoothing = 0.1
+  c.train.warmup_steps = 4000  # steps of the learning rate's rise to its peak
+  c.train.adam_b1 = 0.9  # Adam's first-moment decay (the paper: 0.9)
+  c.train.adam_b2 = 0.98  # Adam's second-moment decay (the paper: 0.98)
+  c.train.adam_eps = 1e-9  # Adam's epsilon (the paper: 1e-9)
+  c.train.weight_decay = 0.0  # decoupled weight decay (AdamW); 0 = Adam
+  c.train.label_smoothing = 0.1  # share of the target's probability spread over the vocabulary
   c.train.grad_clip_norm = 0.0  # 0 = no clipping
-  c.train.grad_accum_steps = 1
-  c.train.log_every = 100
+  c.train.grad_accum_steps = 1  # micro-batches summed into one update (the batch split in N)
+  c.train.log_every = 100  # steps between log lines (stdout, metrics.jsonl, TensorBoard)
   c.train.eval_every = 0  # 0 = evaluate only at the end
-  c.train.checkpoint_every = 1000
+  c.train.checkpoint_every = 1000  # steps between checkpoints (and one at the last step)
   c.train.keep_checkpoints = 3  # the latest N checkpoints are kept
   c.train.keep_best = 1  # also keep the N best by train.best_metric (at eval_every steps); 0 = off
   c.train.best_metric = "loss"  # loss | perplexity (lower is better) | token_accuracy | bleu | ...
@@ -104,34 +112,34 @@ def default_config() -> ml_collections.ConfigDict:
   c.train.profile_steps = 0
   c.train.profile_start = 1
 
-  c.eval = ml_collections.ConfigDict()
-  c.eval.batch_size = 256
-  c.eval.max_decode_len = 0  # 0 = data.max_target_len
+  c.eval = ml_collections.ConfigDict()  # evaluation and decoding (eval/)
+  c.eval.batch_size = 256  # sentences decoded together
+  c.eval.max_decode_len = 0  # output tokens decoded at most; 0 = data.max_target_len
   # --mode=translate: source lines read before translating them; 0 = 1 when stdin is a terminal
   # (each line is answered as it is typed), else eval.batch_size (files and pipes).
   c.eval.buffer_size = 0
   c.eval.decode = "greedy"  # greedy | beam | sample
-  c.eval.beam_size = 4  # decode=beam
+  c.eval.beam_size = 4  # decode=beam: hypotheses kept at each step
   c.eval.length_penalty = 0.6  # decode=beam: GNMT alpha; 0 = rank by log-probability
-  c.eval.temperature = 1.0  # decode=sample
+  c.eval.temperature = 1.0  # decode=sample: the logits are divided by it
   c.eval.top_k = 0  # decode=sample: sample among the k most probable tokens; 0 = all
-  c.eval.max_examples = 0  # 0 = the whole split
+  c.eval.max_examples = 0  # examples evaluated, the first of the split; 0 = the whole split
   c.eval.average_last = 0  # evaluate/translate with the mean of the last N checkpoints; 0 = off
 
   c.compile = ml_collections.ConfigDict()  # --mode=compile (tools/compile.py)
   c.compile.topology = ""  # a TPU slice, e.g. v5e:2x4, v5p:2x2x1, v6e:2x4 (or v5litepod-8)
   c.compile.batch_size = 0  # rows of the compiled train batch; 0 = the data config's largest
-  c.compile.source_len = 0  # 0 = data.max_source_len
-  c.compile.target_len = 0  # 0 = data.max_target_len
+  c.compile.source_len = 0  # tokens per compiled source row; 0 = data.max_source_len
+  c.compile.target_len = 0  # tokens per compiled target row; 0 = data.max_target_len
   c.compile.decode_batch = 64  # rows of the compiled greedy decode step
 
   c.benchmark = ml_collections.ConfigDict()  # --mode=benchmark
   c.benchmark.batch_size = 64  # global rows of the synthetic batch
-  c.benchmark.source_len = 32
-  c.benchmark.target_len = 32
-  c.benchmark.warmup = 3
+  c.benchmark.source_len = 32  # tokens per source row of the synthetic batch
+  c.benchmark.target_len = 32  # tokens per target row
+  c.benchmark.warmup = 3  # untimed steps after the compilation
   c.benchmark.steps = 20  # timed train steps; the median is reported
-  c.benchmark.decode_batch = 32
+  c.benchmark.decode_batch = 32  # rows of the timed decoding
   c.benchmark.decode_steps = 3  # timed decode batches (greedy and beam 4); 0 skips decoding
   c.benchmark.torch = False  # also time torch.nn.Transformer (needs the [torch] extra)
   c.benchmark.torch_autocast = False  # torch side: bf16 autocast (float32 parameters)
@@ -140,6 +148,53 @@ def default_config() -> ml_collections.ConfigDict:
   c.benchmark.input_steps = 200  # batches timed after the first one (benchmark.input)
   c.benchmark.input_raw = True  # benchmark.input: also time a first start from raw text
   return c
+
+
+def _commented(source: str, assignment: str) -> dict:
+  """{name: description} of the lines of `source` that match the regex `assignment` (group 1:
+  the name): the comment block just above the line, then the comment at its end, as one line."""
+  comments = {token.start[0]: token.string.lstrip("#").strip()
+              for token in tokenize.generate_tokens(io.StringIO(source).readline)
+              if token.type == tokenize.COMMENT}  # a "#" inside a string is no comment
+  lines = source.splitlines()
+  found = {}
+  for number, line in enumerate(lines, 1):
+    match = re.match(assignment, line)
+    if not match:
+      continue
+    above = number - 1
+    while above >= 1 and lines[above - 1].strip().startswith("#"):
+      above -= 1
+    found[match.group(1)] = " ".join(comments[n] for n in range(above + 1, number + 1)
+                                     if n in comments)
+  return found
+
+
+def key_descriptions() -> dict:
+  """{dotted key: one line}: the comments of `default_config()` (this file) on each key, and for
+  the model's keys those of their ModelConfig fields (model/config.py) where this file has none.
+  tests/test_config.py requires one for every key."""
+  model = _commented(inspect.getsource(ModelConfig), r"  (\w+): [^=]+")
+  described = {f"model.{name}": text for name, text in model.items()}
+  own = _commented(inspect.getsource(default_config), r"\s*c\.([\w.]+) = ")
+  described.update({key: text for key, text in own.items() if text})
+  return described
+
+
+def describe(config: ml_collections.ConfigDict) -> str:
+  """Every key of `config` with its value and its one-line description, section by section."""
+  descriptions = key_descriptions()
+  values = trees.flatten(config.to_dict())
+  shown = {key: json.dumps(list(v) if isinstance(v, tuple) else v) for key, v in values.items()}
+  width = max(len(f"{key} = {value}") for key, value in shown.items())
+  lines, section = [], None
+  for key, value in sorted(shown.items(), key=lambda item: ("." in item[0], item[0])):
+    if key.split(".")[0] != section and "." in key:
+      section = key.split(".")[0]
+      lines.append(f"\n# {section}: {descriptions.get(section, '')}".rstrip(": "))
+    text = f"{key} = {value}"
+    lines.append(f"{text:<{width}}  # {descriptions.get(key, '(no description)')}")
+  return "\n".join(lines).lstrip("\n")
 
 
 SAVED = "config.json"  # WORKDIR/config.json: the full config of the run that trained it
@@ -253,6 +308,10 @@ def _check_numbers(config) -> None:
     raise UserError(f"train.adam_eps must be positive, got {t.adam_eps} (the paper: 1e-9)")
   if config.model.layer_norm_eps <= 0:
     raise UserError(f"model.layer_norm_eps must be positive, got {config.model.layer_norm_eps}")
+  if config.model.vocab_size <= UNK_ID + 1:
+    raise UserError(f"model.vocab_size ({config.model.vocab_size}) must exceed the {UNK_ID + 1} "
+                    "special tokens (padding, BOS, EOS, unknown) to leave pieces for the text; "
+                    "raise model.vocab_size")
   if config.eval.top_k > config.model.vocab_size:
     raise UserError(f"eval.top_k ({config.eval.top_k}) exceeds model.vocab_size "
                     f"({config.model.vocab_size}); lower it (0 = sample from all tokens)")

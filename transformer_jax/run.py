@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from typing import Optional
 
 import jax
@@ -83,6 +84,11 @@ def train_and_evaluate(config, workdir: str) -> dict:
   early). A workdir already trained to train.steps and evaluated is left as it is.
   """
   config_lib.validate(config, jax.default_backend())
+  t = config.train
+  if t.warmup_steps > t.steps and jax.process_index() == 0:
+    print(f"warning: train.warmup_steps ({t.warmup_steps}) exceeds train.steps ({t.steps}): the "
+          f"learning rate never reaches its peak ({t.schedule} schedule); lower "
+          "train.warmup_steps or raise train.steps", file=sys.stderr, flush=True)
   done = finished(config, workdir)
   if done is not None:
     step = config.train.steps

@@ -164,6 +164,7 @@ class _Lines:
     if not self.data.strip():
       raise UserError(f"{path} is empty; put one sentence per line in it or fix data.path")
     _check_utf8(self.data, path)
+    _check_line_endings(self.data, path)
     ends = np.flatnonzero(np.frombuffer(self.data, np.uint8) == ord("\n"))
     if not self.data.endswith(b"\n"):
       ends = np.append(ends, len(self.data))
@@ -180,6 +181,16 @@ class _Lines:
 
   def line(self, i: int) -> str:
     return str(memoryview(self.data)[self.starts[i]:self.ends[i]], "utf-8")
+
+
+def _check_line_endings(data: bytes, path: str) -> None:
+  """Refuses a file whose lines end in CR alone (classic Mac OS), which would otherwise be read
+  as one long line: at least as many lone CRs as lines."""
+  lone, lf = data.count(b"\r") - data.count(b"\r\n"), data.count(b"\n")
+  if lone and lone >= lf:
+    raise UserError(f"{path} ends its lines with CR alone ({lone} CR, {lf} LF: old Mac line "
+                    "endings), so it reads as one line; convert them to LF, e.g. "
+                    f"tr '\\r' '\\n' < {path} > fixed.txt")
 
 
 def _check_utf8(data: bytes, path: str, chunk: int = 1 << 24) -> None:

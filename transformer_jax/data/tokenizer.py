@@ -101,9 +101,10 @@ def train(texts: Iterable[str], vocab_size: int, model_type: str = "bpe",
         hard_vocab_limit=model_type != "word", minloglevel=2)
   except RuntimeError as e:  # e.g. "Vocabulary size is too high (10000). Please set it to <= 4046."
     message = (str(e).strip().splitlines() or [type(e).__name__])[-1].rsplit("] ", 1)[-1]
+    fix = ("lower model.vocab_size or raise data.tokenizer.sample_size"
+           if "too high" in message else "raise model.vocab_size")
     raise UserError(f"SentencePiece cannot train a {model_type} vocabulary of {vocab_size} pieces "
-                    f"on this text ({message}); lower model.vocab_size or raise "
-                    "data.tokenizer.sample_size") from None
+                    f"on this text ({message}); {fix}") from None
   return Tokenizer(proto.getvalue())
 
 

@@ -9,6 +9,7 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 
 from transformer_jax.core import progress
+from transformer_jax.core.errors import UserError
 from transformer_jax.core.tokens import EOS_ID
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.eval.load import load_trained
@@ -138,10 +139,23 @@ def write_translations(params, model_config: ModelConfig, config,
   return count
 
 
+def check_translates(config) -> None:
+  """Translation needs a model trained on source -> target pairs (data.task=seq2seq); checked
+  before any checkpoint is read, whose decoding would fail with a message about lengths."""
+  if config.data.task != "seq2seq":
+    instead = ("continue text with --mode=generate" if config.data.task == "lm" else
+               "score it with --mode=evaluate")
+    raise UserError(f"--mode=translate needs a model trained on source -> target pairs "
+                    f"(data.task=seq2seq: model.arch=encoder_decoder, or decoder_only as in "
+                    f"experiments/scan_decoder.py), not data.task={config.data.task} with "
+                    f"model.arch={config.model.arch}; {instead}")
+
+
 def translate_from_workdir(config, workdir: str, lines: Iterable[str], out=sys.stdout,
                            err=sys.stderr, step=None) -> int:
   """`write_translations` with checkpoint `step` of `workdir` (default: the latest), averaged
   if eval.average_last > 0."""
+  check_translates(config)
   trained = load_trained(config, workdir, step)
   return write_translations(trained.params, trained.model_config, config, trained.tokenizer,
                             lines, out, err, trained.mesh)

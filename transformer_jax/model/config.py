@@ -44,34 +44,34 @@ def check_attention_dropout(implementation: str, rate: float) -> None:
 class ModelConfig:
   """Everything that fixes the model's shape and arithmetic. Immutable; vary with `.replace()`."""
 
-  vocab_size: int
-  arch: str = "encoder_decoder"
-  d_model: int = 512
-  num_heads: int = 8
+  vocab_size: int  # embedding rows: at least the tokenizer's pieces (special tokens included)
+  arch: str = "encoder_decoder"  # encoder_decoder (the paper) | decoder_only (GPT) | encoder_only
+  d_model: int = 512  # width of the residual stream (embeddings and every layer's output)
+  num_heads: int = 8  # attention heads; head_dim = d_model / num_heads
   num_kv_heads: int = 0  # key/value heads (grouped-query attention); 0 = num_heads
-  num_encoder_layers: int = 6
-  num_decoder_layers: int = 6
-  d_ff: int = 2048
+  num_encoder_layers: int = 6  # layers of the encoder stack (encoder_decoder, encoder_only)
+  num_decoder_layers: int = 6  # layers of the decoder stack (encoder_decoder, decoder_only)
+  d_ff: int = 2048  # hidden units of the position-wise feed-forward network
   dropout_rate: float = 0.1  # residual dropout: embeddings and every sublayer output
   attention_dropout_rate: float = 0.0  # on attention weights
-  activation: str = "relu"
+  activation: str = "relu"  # of the feed-forward network: relu | gelu | swiglu | geglu (gated)
   norm: str = "post"  # "post" = the paper's LayerNorm(x + Sublayer(x)); "pre" = x + Sublayer(LN(x))
-  norm_type: str = "layernorm"
+  norm_type: str = "layernorm"  # layernorm | rmsnorm
   # True: the sublayers of a layer read the same input and their outputs are summed
   # (GPT-J, PaLM): x + Attention(LN(x)) + FFN(LN(x)) pre-LN, LN(x + Attention(x) + FFN(x)) post-LN.
   parallel_block: bool = False
-  positional: str = "sinusoidal"
+  positional: str = "sinusoidal"  # sinusoidal | learned | rotary | relative_bias | none
   position_base: float = 10000.0  # sinusoidal and rotary: the base of the wavelengths
-  relative_buckets: int = 32  # relative_bias: buckets of the relative distance (per direction
-  relative_max_distance: int = 128  # in an encoder); beyond max_distance all share the last one
-  max_len: int = 256
+  relative_buckets: int = 32  # relative_bias: buckets of the distance (per direction, encoder)
+  relative_max_distance: int = 128  # relative_bias: farther distances share the last bucket
+  max_len: int = 256  # longest sequence the positions (and decoding) allow
   share_embeddings: bool = True  # one table for source and target tokens
   tie_output: bool = True  # the output projection is the (target) embedding table transposed
-  fused_qkv: bool = False
-  qkv_bias: bool = True
-  init: str = "xavier"
-  attention_impl: str = "plain"
-  layer_norm_eps: float = 1e-6
+  fused_qkv: bool = False  # one matmul for queries, keys and values (another parameter layout)
+  qkv_bias: bool = True  # biases on the query, key and value projections
+  init: str = "xavier"  # parameter init: xavier (uniform, the paper's) | normal (GPT-2's 0.02)
+  attention_impl: str = "plain"  # plain (ours, with dropout) | jax (jax.nn.dot_product_attention)
+  layer_norm_eps: float = 1e-6  # epsilon of LayerNorm / RMSNorm
   dtype: str = "float32"  # compute dtype; parameters stay float32
   remat: str = "none"  # recompute layer activations in the backward pass: none | full | dots
   num_labels: int = 0  # encoder_only: > 0 adds a sequence-classification head of that many classes

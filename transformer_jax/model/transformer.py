@@ -417,8 +417,8 @@ def describe(config: ModelConfig) -> str:
                                                        else "")
   lines = [
       f"Transformer{head}: {stacks}, d_model {c.d_model}, d_ff {c.d_ff}, {c.num_heads} heads "
-      f"(head_dim {c.head_dim}{kv}), vocab {c.vocab_size}, {block}, {c.positional} positions, "
-      f"dtype {c.dtype}",
+      f"(head_dim {c.head_dim}{kv}), model.vocab_size {c.vocab_size}, {block}, "
+      f"{c.positional} positions, dtype {c.dtype}",
       f"parameters: {counts['total']:,} total, {counts['non_embedding']:,} without embeddings "
       f"({counts['embedding']:,} in embedding and position tables)",
   ]

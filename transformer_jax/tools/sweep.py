@@ -85,7 +85,22 @@ def load_sweep(config_path: str) -> list[dict]:
       isinstance(t, dict) and all(isinstance(k, str) for k in t) for t in trials):
     raise UserError(f"get_sweep() in {config_path} must return a non-empty list of dicts of "
                     "dotted config keys (e.g. {'train.learning_rate': 1e-3})")
+  for i, trial in enumerate(trials):
+    if any(isinstance(value, dict) for value in trial.values()):
+      raise UserError(f"trial_{i:03d} of get_sweep() in {config_path} nests a dict ({trial}); "
+                      f"write its keys dotted: {_dotted(trial)}")
   return list(trials)
+
+
+def _dotted(trial: dict, prefix: str = "") -> dict:
+  """{'train': {'steps': 2}} -> {'train.steps': 2}."""
+  flat = {}
+  for key, value in trial.items():
+    if isinstance(value, dict):
+      flat.update(_dotted(value, f"{prefix}{key}."))
+    else:
+      flat[f"{prefix}{key}"] = value
+  return flat
 
 
 def _flag_value(value) -> str:

@@ -25,6 +25,7 @@ import re
 import signal
 import sys
 import threading
+import warnings
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -167,6 +168,51 @@ def compare_configs(saved: dict, config) -> tuple[list, list]:
       fixed = key.startswith("model.") and key.split(".", 1)[1] not in RESUMABLE_MODEL_KEYS
       (incompatible if fixed else changed).append(f"{key} {a} -> {b}")
   return incompatible, changed
+
+
+# Keys besides the model's that make a config another experiment than a workdir's.
+DATA_KEYS = ("data.source", "data.scan_split", "data.tfds_name", "data.path", "data.source_lang",
+             "data.target_lang")
+
+
+def check_config_file(workdir: str, data_keys: tuple = DATA_KEYS) -> None:
+  """The one rule for a workdir's config: its checkpoints are the truth (each records the full
+  config it was trained with); WORKDIR/config.json is their copy for reading and for leaving
+  --config out. A config.json that no longer fits the newest readable checkpoint (edited by
+  hand) is refused by name, in every mode that reads the workdir, before anything is written.
+
+  data_keys: keys besides the model's that make the data another than the checkpoint's.
+  """
+  path = os.path.join(workdir, "config.json")
+  if not saved_steps(workdir) or not os.path.isfile(path):
+    return
+  try:
+    with open(path, encoding="utf-8") as f:
+      edited = json.load(f)
+  except (OSError, ValueError):
+    return  # a damaged config.json: --config left out says so when it loads it
+  manager = Manager(workdir, None)
+  try:
+    for step in reversed(manager.all_steps()):
+      try:
+        recorded = manager._read_meta(step)["config"]
+        break
+      except _Unreadable:
+        continue
+    else:
+      return  # no readable checkpoint: restoring one says so
+  finally:
+    manager.close()
+  old, new = trees.flatten(recorded), trees.flatten(edited)
+  differ = [f"{key} {old[key]} -> {new[key]}" for key in sorted(old.keys() & new.keys())
+            if old[key] != new[key] and ((key.startswith("model.") and key.split(".", 1)[1]
+                                          not in RESUMABLE_MODEL_KEYS) or key in data_keys)]
+  if differ:
+    shown = ", ".join(differ[:4]) + (f" and {len(differ) - 4} more" if len(differ) > 4 else "")
+    raise UserError(f"{path} no longer matches checkpoint step {step}, which records the config "
+                    f"it was trained with ({shown}); the checkpoint is the truth: undo the edit "
+                    "of config.json (change values with --config.key=value instead) or start a "
+                    "new --workdir")
 
 
 # ----------------------------------------------------------------------------- the manager
@@ -500,7 +546,13 @@ class Preemption:
 
   def _handle(self, signum, frame):
     if self.signal is not None and signum == signal.SIGINT:
-      raise KeyboardInterrupt
+      # Stop at once. The save threads in flight then fail and log tracebacks (orbax); the
+      # one line that cli.py prints says what happened instead.
+      logging.disable(logging.CRITICAL)
+      warnings.simplefilter("ignore")  # and their coroutines, never awaited, warn at exit
+      raise KeyboardInterrupt(
+          f"a second Ctrl-C: stopped at once, after {self.signal}; a checkpoint being written is "
+          "left unfinished and the next run ignores it; run the same command to resume")
     self.signal = signal.Signals(signum).name
     if self._abandon:
       raise _Abandoned

@@ -62,7 +62,8 @@ def _announce(model_config, train_set, eval_pairs, tokenizer, mesh, restored, st
               set_aside) -> None:
   print(describe(model_config), flush=True)
   print(f"data: {len(train_set):,} train examples ({train_set.dropped} too long, dropped), "
-        f"{len(eval_pairs):,} eval examples, vocabulary {tokenizer.vocab_size}, "
+        f"{len(eval_pairs):,} eval examples, tokenizer of {tokenizer.vocab_size} pieces "
+        f"(of the model's {model_config.vocab_size} embedding rows), "
         f"{mesh.devices.size} device(s) ({jax.default_backend()}) in {jax.process_count()} "
         f"process(es), mesh {sharding.describe_mesh(mesh)}", flush=True)
   if restored:

@@ -28,6 +28,7 @@ def source_config(workdir: str) -> ml_collections.ConfigDict:
   if not os.path.isfile(path):
     raise UserError(f"train.init_from={workdir} holds no trained run ({path} does not exist); "
                     "point it at the workdir of a finished --mode=train")
+  checkpoint.check_config_file(os.path.dirname(path))  # its checkpoints are the truth
   with open(path) as f:
     return ml_collections.ConfigDict(json.load(f))
 
