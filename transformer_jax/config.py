@@ -110,7 +110,7 @@ def default_config() -> ml_collections.ConfigDict:
   # WORKDIR/tensorboard (TensorBoard's Profile tab; Perfetto); 0 steps = off. The default start
   # leaves out step 1, whose compilation would fill the trace.
   c.train.profile_steps = 0
-  c.train.profile_start = 1
+  c.train.profile_start = 1  # the trace starts after this step (1: leaves out step 1's compilation)
 
   c.eval = ml_collections.ConfigDict()  # evaluation and decoding (eval/)
   c.eval.batch_size = 256  # sentences decoded together
