@@ -2,9 +2,10 @@
 own processes, reached through the same environment variables a user sets for a real endpoint.
 
 - gs://: gcp-storage-emulator (the GCS JSON API). It ignores upload preconditions, so it is
-  started with one addition: an upload with `ifGenerationMatch=0` onto an existing object is
+  started with two additions:  an upload with `ifGenerationMatch=0` onto an existing object is
   answered 412, as GCS answers it (the lease's atomic creation depends on it). Everything else is
-  the emulator's own.
+  the emulator's own. Downloads also carry the object's generation in `x-goog-generation`, as
+  GCS sends it: TensorStore's gcs driver (orbax's OCDBT checkpoints) refuses a read without it.
 - s3://: moto in server mode (its S3 honours `If-None-Match: *` itself).
 """
 
@@ -40,7 +41,18 @@ def insert_with_precondition(request, response, storage, *args, **kwargs):
       return
   return insert(request, response, storage, *args, **kwargs)
 
+download = objects.download
+
+def download_with_generation(request, response, storage, *args, **kwargs):
+  try:
+    obj = storage.get_file_obj(request.params["bucket_name"], request.params["object_id"])
+    response["x-goog-generation"] = obj["generation"]
+  except NotFound:
+    pass
+  return download(request, response, storage, *args, **kwargs)
+
 objects.insert = insert_with_precondition  # before the server module builds its routes
+objects.download = download_with_generation
 from gcp_storage_emulator.server import create_server
 server = create_server("127.0.0.1", int(sys.argv[1]), in_memory=True)
 server.run()

@@ -326,6 +326,17 @@ def remove(path: str) -> None:
     pass
 
 
+def move(source: str, destination: str) -> None:
+  """Moves a file or directory. Local: one rename. An object store has no rename: each object
+  is copied, then deleted (not atomic; used only to set aside what is kept for a post-mortem)."""
+  if not is_url(source):
+    os.makedirs(os.path.dirname(destination), exist_ok=True)
+    os.replace(source, destination)
+    return
+  scheme, key = _split(source)
+  _call(source, "move", filesystem(scheme).mv, key, _split(destination)[1], recursive=True)
+
+
 def makedirs(path: str) -> None:
   """Local: creates the directory (a failure is `files.write_error`'s UserError). An object store
   has no directories: nothing to do."""
@@ -437,6 +448,28 @@ class JsonLog:
       return
     data = (json.dumps(record) + "\n").encode("utf-8")
     write(join(self.path + PARTS_SUFFIX, f"{self._next:09d}.jsonl"), data)
+    self._next += 1
+
+  def close(self) -> None:
+    if self._local is not None:
+      self._local.close()
+
+
+class AppendFile:
+  """Appends binary records to `path`. Local: `files.AppendFile` (one file). An object store:
+  each append is one object PATH.NNNNNN (TensorBoard reads every event file of a directory in
+  name order, so event files stay readable as a sequence)."""
+
+  def __init__(self, path: str):
+    self.path = path
+    self._local = None if is_url(path) else files.AppendFile(path)
+    self._next = 0
+
+  def append(self, data: bytes) -> None:
+    if self._local is not None:
+      self._local.append(data)
+      return
+    write(f"{self.path}.{self._next:06d}", data)
     self._next += 1
 
   def close(self) -> None:

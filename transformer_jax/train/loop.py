@@ -9,16 +9,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import os
 from typing import Any, Callable, Optional
 
 import jax
 
 from transformer_jax import config as config_lib
-from transformer_jax.core import progress
+from transformer_jax.core import progress, storage
 from transformer_jax.core.errors import UserError
-from transformer_jax.core.files import atomic_write
-from transformer_jax.core.lock import DirectoryLock
 from transformer_jax.data import pipeline, prepare, sources
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.model import ModelConfig, count_params, describe
@@ -95,7 +92,7 @@ def train(config, workdir: str, evaluate_fn: EvaluateFn) -> Result:
   t = config.train
   workdir = checkpoint.check_workdir(workdir)
   if jax.process_count() == 1:  # a second run in this workdir is refused before any work
-    DirectoryLock(workdir).check()
+    storage.lock(workdir).check()
   if t.init_from:
     pretrained.source_config(t.init_from)  # there is a run to start from
   tokenizer, new_tokenizer, train_set, eval_pairs = prepare.prepare_data(
@@ -130,9 +127,9 @@ def train(config, workdir: str, evaluate_fn: EvaluateFn) -> Result:
   checkpoint.create_workdir(workdir)
   lock = checkpoint.claim_workdir(workdir, seen_steps)  # held until training and its eval end
   if is_main and new_tokenizer:
-    atomic_write(os.path.join(workdir, tokenizer_lib.FILENAME), tokenizer.model_proto)
+    storage.write(storage.join(workdir, tokenizer_lib.FILENAME), tokenizer.model_proto)
   if is_main:
-    atomic_write(os.path.join(workdir, "config.json"), config_json)
+    storage.write(storage.join(workdir, "config.json"), config_json)
   set_aside = reader.set_aside_unreadable()
   manager = checkpoint.Manager(workdir, config, tokenizer_sha, writable=True)
   copied = []
