@@ -12,7 +12,8 @@ for object stores, one implementation per kind of storage behind one set of func
   `PATH.parts/` and readers concatenate the chunks in order;
 - one writer per workdir (`lock`): local, flock; an object store, a lease object (`Lease`).
 
-Endpoints: gcsfs reads STORAGE_EMULATOR_HOST and botocore AWS_ENDPOINT_URL_S3 (or
+Endpoints: gcsfs reads STORAGE_EMULATOR_HOST (and `check` passes it on to TensorStore, which
+writes orbax's checkpoints, as TENSORSTORE_GCS_HTTP_URL) and botocore AWS_ENDPOINT_URL_S3 (or
 AWS_ENDPOINT_URL), so an emulator or another S3-compatible store needs no flag. Every failure a
 user fixes (a scheme typo, a missing bucket, no permission, no credentials, an endpoint that does
 not answer) is one UserError naming it.
@@ -73,6 +74,11 @@ def check(path: str, what: str = "--workdir") -> str:
   if slashes != "//" or not rest.split("/")[0]:
     raise UserError(f"{what} {path} is not a {scheme}:// URL with a bucket; write it as "
                     f"{scheme}://BUCKET/PATH")
+  emulator = os.environ.get("STORAGE_EMULATOR_HOST")
+  if scheme == "gs" and emulator and "TENSORSTORE_GCS_HTTP_URL" not in os.environ:
+    # One endpoint setting for every library: TensorStore (orbax's checkpoints) reads its own.
+    os.environ["TENSORSTORE_GCS_HTTP_URL"] = (emulator if "://" in emulator
+                                              else f"http://{emulator}")
   return f"{scheme}://{rest.rstrip('/')}"
 
 

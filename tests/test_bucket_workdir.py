@@ -1,0 +1,90 @@
+"""A --workdir in a bucket (gs://, s3://) on the emulators of tests/emulators.py: launch.py runs
+as a user runs it, with only the endpoint variables set; nothing appears on the local disk."""
+
+import json
+import os
+
+import pytest
+from launcher import ROOT, Launcher, environment
+
+from tests import emulators
+from transformer_jax.core import storage
+from transformer_jax.train.logger import read_metrics
+
+TINY = ["--config=experiments/tiny.py", "--config.train.steps=2", "--config.train.log_every=1",
+        "--config.eval.max_examples=8"]
+
+
+@pytest.fixture(scope="module")
+def buckets():
+  with emulators.gcs() as gcs_url, emulators.s3() as s3_url:
+    saved = dict(os.environ)
+    os.environ.update(emulators.environment(gcs_url, s3_url))
+    try:
+      for bucket in ("gs://bucket", "s3://bucket"):
+        emulators.make_bucket(bucket)
+      yield dict(os.environ)
+    finally:
+      os.environ.clear()
+      os.environ.update(saved)
+
+
+@pytest.fixture(scope="module")
+def launcher(buckets, tmp_path_factory):
+  server = Launcher({**environment(tmp_path_factory.mktemp("jax_cache")), **buckets},
+                    str(tmp_path_factory.mktemp("launches")))
+  yield server
+  server.close()
+
+
+def local_entries() -> set:
+  """What a URL turned into a local path would create: `gs:` or `s3:` folders."""
+  return {name for name in os.listdir(ROOT) if name.endswith(":")}
+
+
+def test_train_then_evaluate_in_a_gs_workdir(launcher):
+  workdir = "gs://bucket/run"
+  code, out, err = launcher.run(*TINY, f"--workdir={workdir}", "--mode=train")
+  assert code == 0, err
+  assert {"config.json", "tokenizer.model", "checkpoints", "eval", "summary.md", "tensorboard",
+          "metrics.jsonl.parts"} <= set(storage.listdir(workdir))
+  assert "lock" not in storage.listdir(workdir)  # the lease ends with the run
+  assert storage.listdir(storage.join(workdir, "checkpoints")) == ["2"]
+  assert json.loads(storage.read_text(storage.join(workdir, "config.json")))["train"]["steps"] == 2
+  train = [r for r in read_metrics(workdir) if r["split"] == "train"]
+  assert [r["step"] for r in train] == [1, 2]
+  assert all(name.startswith("events.out.tfevents.")
+             for name in storage.listdir(storage.join(workdir, "tensorboard")))
+
+  # --config left out: the workdir's own config.json, read from the bucket.
+  code, out, err = launcher.run(f"--workdir={workdir}", "--mode=evaluate", "--split=test")
+  assert code == 0, err
+  result = json.loads(out.strip().splitlines()[-1])
+  assert result["step"] == 2 and result["split"] == "test"
+  assert local_entries() == set()
+
+
+def test_a_second_trainer_is_refused_while_a_lease_is_live(launcher):
+  workdir = "gs://bucket/leased"
+  holder = storage.Lease(workdir)  # another run, alive: this test process
+  holder.acquire()
+  try:
+    code, out, err = launcher.run(*TINY, f"--workdir={workdir}", "--mode=train")
+  finally:
+    holder.release()
+  assert code == 2, err
+  assert err.strip().count("\n") == 0 and f"pid {os.getpid()}" in err and "in use by" in err
+  assert storage.listdir(workdir) == []  # nothing written
+
+
+@pytest.mark.parametrize("workdir, says", [
+    ("gcs://bucket/run", "unknown storage scheme gcs://"),
+    ("gs:/bucket/run", "not a gs:// URL"),
+    ("gs://no-such-bucket/run", "the bucket gs://no-such-bucket does not exist"),
+    ("s3://no-such-bucket/run", "the bucket s3://no-such-bucket does not exist")])
+def test_a_bad_bucket_workdir_is_one_line_exit_2(launcher, workdir, says):
+  code, out, err = launcher.run(*TINY, f"--workdir={workdir}", "--mode=train")
+  lines = err.strip().splitlines()
+  assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
+  assert says in lines[0]
+  assert local_entries() == set()
