@@ -42,7 +42,7 @@ def local_entries() -> set:
   return {name for name in os.listdir(ROOT) if name.endswith(":")}
 
 
-def test_train_then_evaluate_in_a_gs_workdir(launcher):
+def test_train_then_evaluate_and_plot_in_a_gs_workdir(launcher):
   workdir = "gs://bucket/run"
   code, out, err = launcher.run(*TINY, f"--workdir={workdir}", "--mode=train")
   assert code == 0, err
@@ -61,6 +61,9 @@ def test_train_then_evaluate_in_a_gs_workdir(launcher):
   assert code == 0, err
   result = json.loads(out.strip().splitlines()[-1])
   assert result["step"] == 2 and result["split"] == "test"
+  code, out, err = launcher.run(f"--workdir={workdir}", "--mode=plot")
+  assert code == 0, err
+  assert storage.read_bytes(storage.join(workdir, "plots", "curves.png"))[:4] == b"\x89PNG"
   assert local_entries() == set()
 
 
