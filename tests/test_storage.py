@@ -144,9 +144,13 @@ def test_a_killed_writer_leaves_only_whole_chunks(stores):
   path = "s3://bucket/killed/metrics.jsonl"
   log = storage.JsonLog(path)
   log.append({"step": 1})
-  # no close(): the writer is gone
+  deadline = time.time() + 10  # no close(): the writer dies once its upload is done
+  while not storage.listdir(path + storage.PARTS_SUFFIX):
+    assert time.time() < deadline
+    time.sleep(0.05)
   later = storage.JsonLog(path)
   later.append({"step": 2})
+  later.close()
   assert storage.read_jsonl(path) == [{"step": 1}, {"step": 2}]
   assert storage.listdir(path + storage.PARTS_SUFFIX) == ["000000001.jsonl", "000000002.jsonl"]
 
@@ -264,3 +268,12 @@ def test_s3_without_credentials_is_one_error(stores, monkeypatch, tmp_path):
   with pytest.raises(UserError) as error:
     storage.write("s3://bucket/nocred/config.json", "{}")
   assert "no credentials" in one_line(error) and "AWS_ACCESS_KEY_ID" in one_line(error)
+
+
+def test_a_log_upload_that_fails_is_raised_by_the_writer_not_lost(stores):
+  """Uploads run off the caller's thread; a failure comes back as the usual one-line error."""
+  log = storage.JsonLog("gs://no-such-bucket/run/metrics.jsonl")
+  log.append({"step": 1})
+  with pytest.raises(UserError) as error:
+    log.close()
+  assert "no-such-bucket" in one_line(error)

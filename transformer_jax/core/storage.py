@@ -290,8 +290,16 @@ def write(path: str, content: bytes | str, what: str = "") -> str:
     return files.atomic_write(path, content, what)
   data = content.encode("utf-8") if isinstance(content, str) else content
   scheme, key = _split(path)
-  _call(path, "write", filesystem(scheme).pipe_file, key, data)
+  try:
+    _call(path, "write", filesystem(scheme).pipe_file, key, data)
+  except FileNotFoundError:  # an upload finds no object missing: its bucket is
+    raise _no_bucket(path, "write") from None
   return path
+
+
+def _no_bucket(path: str, doing: str) -> UserError:
+  return UserError(f"cannot {doing} {path}: the bucket {bucket_of(path)} does not exist; create "
+                   "it first or fix the name")
 
 
 def create(path: str, content: bytes | str) -> bool:
@@ -314,6 +322,8 @@ def create(path: str, content: bytes | str) -> bool:
     _call(path, "write", filesystem(scheme).pipe_file, key, data, mode="create")
   except FileExistsError:
     return False
+  except FileNotFoundError:
+    raise _no_bucket(path, "write") from None
   return True
 
 
@@ -430,12 +440,42 @@ def set_aside_partial_line(path: str, err=None) -> int:
   return 0 if is_url(path) else files.set_aside_partial_line(path, err)
 
 
+class _Uploads:
+  """Uploads (path, bytes) in order on one background thread, so that the caller (the training
+  loop) never waits for a request. A failed upload is raised by the next `put` or by `close`."""
+
+  def __init__(self):
+    self._pool = futures.ThreadPoolExecutor(1, thread_name_prefix="storage-upload")
+    self._pending: list = []
+
+  def _raise_failures(self, wait: bool) -> None:
+    keep = []
+    for future in self._pending:
+      if wait or future.done():
+        future.result()  # raises the upload's UserError
+      else:
+        keep.append(future)
+    self._pending = keep
+
+  def put(self, path: str, data: bytes) -> None:
+    self._raise_failures(wait=False)
+    self._pending.append(self._pool.submit(write, path, data))
+
+  def close(self) -> None:
+    try:
+      self._raise_failures(wait=True)
+    finally:
+      self._pool.shutdown(wait=True)
+
+
 class JsonLog:
   """Appends one JSON object per line to the log `path`.
 
   Local: `files.JsonLog` (appends to the file). An object store: each `append` uploads one chunk
   object PATH.parts/NNNNNNNNN.jsonl, numbered after the chunks already there, so a writer killed
   at any moment leaves only whole records and a later writer never overwrites an earlier one.
+  The uploads run on a background thread in order (`close` waits for them); a process killed
+  within a request's time of an `append` may lose that record.
   """
 
   def __init__(self, path: str, err=None):
@@ -447,40 +487,46 @@ class JsonLog:
     names = [basename(p) for p in _parts(path)]
     self._next = 1 + max((int(n.split(".")[0]) for n in names if n.split(".")[0].isdigit()),
                          default=0)
+    self._uploads = _Uploads()
 
   def append(self, record: dict) -> None:
     if self._local is not None:
       self._local.append(record)
       return
     data = (json.dumps(record) + "\n").encode("utf-8")
-    write(join(self.path + PARTS_SUFFIX, f"{self._next:09d}.jsonl"), data)
+    self._uploads.put(join(self.path + PARTS_SUFFIX, f"{self._next:09d}.jsonl"), data)
     self._next += 1
 
   def close(self) -> None:
     if self._local is not None:
       self._local.close()
+    else:
+      self._uploads.close()
 
 
 class AppendFile:
   """Appends binary records to `path`. Local: `files.AppendFile` (one file). An object store:
   each append is one object PATH.NNNNNN (TensorBoard reads every event file of a directory in
-  name order, so event files stay readable as a sequence)."""
+  name order, so event files stay readable as a sequence), uploaded as `JsonLog`'s chunks are."""
 
   def __init__(self, path: str):
     self.path = path
     self._local = None if is_url(path) else files.AppendFile(path)
+    self._uploads = _Uploads() if is_url(path) else None
     self._next = 0
 
   def append(self, data: bytes) -> None:
     if self._local is not None:
       self._local.append(data)
       return
-    write(f"{self.path}.{self._next:06d}", data)
+    self._uploads.put(f"{self.path}.{self._next:06d}", data)
     self._next += 1
 
   def close(self) -> None:
     if self._local is not None:
       self._local.close()
+    else:
+      self._uploads.close()
 
 
 def append_jsonl(path: str, record: dict) -> None:
