@@ -3,12 +3,19 @@ as a user runs it, with only the endpoint variables set; nothing appears on the 
 
 import json
 import os
+import signal
 
+import jax
+import ml_collections
 import pytest
 from launcher import ROOT, Launcher, environment
+from test_checkpoint import RUN, STEPS, assert_same_state, last_logged_step
 
 from tests import emulators
+from transformer_jax import config as config_lib
 from transformer_jax.core import storage
+from transformer_jax.train import checkpoint
+from transformer_jax.train import state as state_lib
 from transformer_jax.train.logger import read_metrics
 
 TINY = ["--config=experiments/tiny.py", "--config.train.steps=2", "--config.train.log_every=1",
@@ -30,8 +37,11 @@ def buckets():
 
 
 @pytest.fixture(scope="module")
-def launcher(buckets, tmp_path_factory):
-  server = Launcher({**environment(tmp_path_factory.mktemp("jax_cache")), **buckets},
+def launcher(request, buckets, tmp_path_factory):
+  # test_checkpoint's compilation cache: the same tiny runs compile once.
+  cache = getattr(request.config, "cache", None)
+  cache_dir = cache.mkdir("jax_compilation_cache") if cache else tmp_path_factory.mktemp("jax")
+  server = Launcher({**environment(cache_dir), **buckets},
                     str(tmp_path_factory.mktemp("launches")))
   yield server
   server.close()
@@ -90,4 +100,41 @@ def test_a_bad_bucket_workdir_is_one_line_exit_2(launcher, workdir, says):
   lines = err.strip().splitlines()
   assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
   assert says in lines[0]
+  assert local_entries() == set()
+
+
+def restore_latest(workdir: str):
+  """The newest readable checkpoint of a workdir (local or in a bucket), via its config.json."""
+  config = ml_collections.ConfigDict(json.loads(storage.read_text(
+      storage.join(workdir, "config.json"))))
+  model_config = config_lib.validate(config)
+  optimizer = state_lib.make_optimizer(config.train, model_config.d_model)
+  target = jax.eval_shape(lambda: state_lib.create_state(model_config, optimizer, config.seed))
+  manager = checkpoint.Manager(workdir, config)
+  try:
+    return manager.latest_good(target)
+  finally:
+    manager.close()
+
+
+def test_killed_in_a_bucket_then_resumed_equals_an_uninterrupted_local_run(launcher, tmp_path):
+  """kill -9 in the middle of a gs:// run (its lease left behind, a checkpoint save maybe under
+  way), then the same command: the final state and the logged steps are those of a local run
+  that was never interrupted."""
+  local = tmp_path / "local"
+  code, out, err = launcher.run(*RUN, f"--workdir={local}")
+  assert code == 0, err
+  workdir = "gs://bucket/killed"
+  launcher.start(*RUN, f"--workdir={workdir}")
+  launcher.wait_for(lambda out: last_logged_step(out) >= STEPS // 2)
+  launcher.send(signal.SIGKILL)
+  assert launcher.wait() == -signal.SIGKILL
+  assert "lock" in storage.listdir(workdir)  # the killed run's lease
+  code, out, err = launcher.run(*RUN, f"--workdir={workdir}")
+  assert code == 0, err
+  resumed, reference = restore_latest(workdir), restore_latest(str(local))
+  assert resumed.step == reference.step == STEPS
+  assert_same_state(resumed.state, reference.state)
+  steps = [r["step"] for r in read_metrics(workdir) if r["split"] == "train"]
+  assert steps == list(range(1, STEPS + 1))
   assert local_entries() == set()
