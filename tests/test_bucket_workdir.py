@@ -90,13 +90,15 @@ def test_a_second_trainer_is_refused_while_a_lease_is_live(launcher):
   assert storage.listdir(workdir) == []  # nothing written
 
 
-@pytest.mark.parametrize("workdir, says", [
-    ("gcs://bucket/run", "unknown storage scheme gcs://"),
-    ("gs:/bucket/run", "not a gs:// URL"),
-    ("gs://no-such-bucket/run", "the bucket gs://no-such-bucket does not exist"),
-    ("s3://no-such-bucket/run", "the bucket s3://no-such-bucket does not exist")])
-def test_a_bad_bucket_workdir_is_one_line_exit_2(launcher, workdir, says):
-  code, out, err = launcher.run(*TINY, f"--workdir={workdir}", "--mode=train")
+@pytest.mark.parametrize("workdir, says, mode", [
+    ("gcs://bucket/run", "unknown storage scheme gcs://", "--mode=train"),
+    ("gs:/bucket/run", "not a gs:// URL", "--mode=train"),
+    ("gs://no-such-bucket/run", "the bucket gs://no-such-bucket does not exist", "--mode=train"),
+    ("s3://no-such-bucket/run", "the bucket s3://no-such-bucket does not exist", "--mode=train"),
+    ("gs://bucket/sweep", "a sweep writes its trials on a local or shared file system", "--sweep"),
+    ("gcs://bucket/run", "unknown storage scheme gcs://", "--mode=evaluate")])
+def test_a_bad_bucket_workdir_is_one_line_exit_2(launcher, workdir, says, mode):
+  code, out, err = launcher.run(*TINY, f"--workdir={workdir}", mode)
   lines = err.strip().splitlines()
   assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
   assert says in lines[0]

@@ -83,8 +83,10 @@ def check(path: str, what: str = "--workdir") -> str:
 
 
 def _split(url: str) -> tuple[str, str]:
-  """('gs', 'bucket/key') of a checked URL."""
-  scheme, rest = url.split("://", 1)
+  """('gs', 'bucket/key') of a URL; one of another scheme is refused as `check` refuses it."""
+  scheme, rest = url.split("://", 1) if "://" in url else (None, url)
+  if scheme not in SCHEMES:
+    check(url, "the path")  # raises its UserError
   return scheme, rest
 
 
