@@ -95,6 +95,7 @@ def test_a_second_trainer_is_refused_while_a_lease_is_live(launcher):
     ("gs:/bucket/run", "not a gs:// URL", "--mode=train"),
     ("gs://no-such-bucket/run", "the bucket gs://no-such-bucket does not exist", "--mode=train"),
     ("s3://no-such-bucket/run", "the bucket s3://no-such-bucket does not exist", "--mode=train"),
+    ("s3://bucket/run", "orbax cannot read or write checkpoints in s3://", "--mode=train"),
     ("gs://bucket/sweep", "a sweep writes its trials on a local or shared file system", "--sweep"),
     ("gcs://bucket/run", "unknown storage scheme gcs://", "--mode=evaluate")])
 def test_a_bad_bucket_workdir_is_one_line_exit_2(launcher, workdir, says, mode):
@@ -103,6 +104,8 @@ def test_a_bad_bucket_workdir_is_one_line_exit_2(launcher, workdir, says, mode):
   assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
   assert says in lines[0]
   assert local_entries() == set()
+  if workdir.startswith("s3://bucket"):
+    assert storage.listdir(workdir) == []  # refused before anything was written
 
 
 def restore_latest(workdir: str):

@@ -263,6 +263,10 @@ class Manager:
   def __init__(self, workdir: str, config, tokenizer_sha: Optional[str] = None,
                writable: bool = False):
     self.workdir = storage.check(workdir)  # orbax needs an absolute path; a URL stays one
+    if self.workdir.startswith("s3://"):
+      # orbax turns s3://b into s3:/b before TensorStore sees it (it knows gs:// alone).
+      raise UserError(f"--workdir {self.workdir}: orbax cannot read or write checkpoints in s3:// "
+                      "buckets yet; use a gs:// bucket or a local or shared directory")
     self.directory = storage.join(self.workdir, "checkpoints")
     self.config = config
     self.tokenizer_sha = tokenizer_sha
