@@ -71,6 +71,8 @@ def test_train_then_evaluate_and_plot_in_a_gs_workdir(launcher):
   assert code == 0, err
   result = json.loads(out.strip().splitlines()[-1])
   assert result["step"] == 2 and result["split"] == "test"
+  code, out, err = launcher.run(f"--workdir={workdir}", "--mode=translate")  # stdin: empty
+  assert code == 0 and out == "", err
   code, out, err = launcher.run(f"--workdir={workdir}", "--mode=plot")
   assert code == 0, err
   assert storage.read_bytes(storage.join(workdir, "plots", "curves.png"))[:4] == b"\x89PNG"

@@ -200,16 +200,18 @@ def check_bucket(url: str, what: str = "--workdir") -> None:
   seconds = _timeout()
 
   def probe():
-    if not _call(url, "reach", fs.exists, bucket):
-      raise UserError(f"{what} {url}: the bucket {scheme}://{bucket} does not exist (or this "
-                      "account cannot see it); create it first or fix the name")
-    _call(url, "list", fs.ls, rest, detail=False)
+    # A listing of the bucket's top level: it needs the permission to list objects only (an
+    # account allowed its objects but not the bucket's metadata passes), and it is empty, not
+    # missing, for a bucket that exists.
+    try:
+      _call(url, "list", fs.ls, bucket, detail=False)
+    except FileNotFoundError:
+      raise UserError(f"{what} {url}: the bucket {scheme}://{bucket} does not exist; create it "
+                      "first or fix the name") from None
 
   worker = futures.ThreadPoolExecutor(1, thread_name_prefix="storage-probe")
   try:
     worker.submit(probe).result(timeout=seconds)
-  except FileNotFoundError:
-    pass  # the bucket is there; the workdir is not yet
   except futures.TimeoutError:
     raise UserError(f"{what} {url}: no answer from {endpoint(scheme)} within {seconds:.0f} s "
                     f"(waited for a listing of {scheme}://{bucket}); check the network and the "
