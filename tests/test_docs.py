@@ -39,6 +39,9 @@ OTHERS = {
     ".venv/bin/python benchmarks/synthetic_wmt.py": "writes the timing corpus, never committed",
     ".venv/bin/python benchmarks/second_start.py": "test_cache (a second start from the cache)",
     ".venv/bin/python benchmarks/input_share.py": "test_benchmark (benchmark.input's path)",
+    # Timings of a workdir in a bucket (the GCS emulator); the code they time is tested.
+    ".venv/bin/python benchmarks/bucket_checkpoint.py": "test_bucket_workdir (its checkpoints)",
+    ".venv/bin/python benchmarks/bucket_logging.py": "test_bucket_workdir (its metrics)",
     "printf ": "writes the input of the next command (a launch.py command, checked)",
     ".venv/bin/python -m transformer_jax.tools.profile": "test_profile (the same command)",
     "cd \"$SLURM_SUBMIT_DIR\"": "a SLURM job script (its launch.py line is checked)",

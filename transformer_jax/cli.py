@@ -31,6 +31,7 @@ from absl import logging as absl_logging
 from ml_collections import config_flags
 
 from transformer_jax import experiments
+from transformer_jax.core import storage
 from transformer_jax.core.errors import UserError, unknown_key_message
 
 # Each mode and what it does, in one line (README's mode table says more).
@@ -166,10 +167,14 @@ def _workdir_config_flags(argv: list) -> list:
   workdir = _flag_value(argv, "workdir")
   if (_flag_value(argv, "mode") or "train") not in WORKDIR_MODES or not workdir:
     return argv
-  if not os.path.isfile(os.path.join(workdir, "config.json")):
+  try:  # a bad --workdir is reported by the mode itself, in one line
+    workdir = storage.check(workdir)
+    if not storage.isfile(storage.join(workdir, "config.json")):
+      return argv
+  except (UserError, OSError):
     return argv
   loader = os.path.join(experiments.DIRECTORY, "_workdir.py")
-  return argv[:1] + [f"--config={loader}:{os.path.abspath(workdir)}"] + argv[1:]
+  return argv[:1] + [f"--config={loader}:{workdir}"] + argv[1:]
 
 
 def _parse_flags(argv):
@@ -247,10 +252,9 @@ def _check_workdir_config(config, workdir: str) -> None:
   refused by name (the workdir's own config.json is what --config left out loads)."""
   from transformer_jax.core import trees
   from transformer_jax.train import checkpoint
-  path = os.path.join(workdir, "config.json")
+  path = storage.join(workdir, "config.json")
   try:
-    with open(path, encoding="utf-8") as f:
-      saved = json.load(f)
+    saved = json.loads(storage.read_text(path))
   except (OSError, ValueError):
     return  # no config.json (or a damaged one): loading the checkpoint decides
   incompatible, _ = checkpoint.compare_configs(saved, config)

@@ -17,7 +17,7 @@ import tokenize
 
 import ml_collections
 
-from transformer_jax.core import metric_names, trees
+from transformer_jax.core import metric_names, storage, trees
 from transformer_jax.core.errors import UserError
 from transformer_jax.core.tokens import UNK_ID
 from transformer_jax.data import tasks as data_tasks
@@ -206,10 +206,10 @@ def from_workdir(workdir: str) -> ml_collections.ConfigDict:
 
   Keys that this version no longer has are ignored; keys it added keep their defaults.
   """
-  path = os.path.join(workdir, SAVED)
+  path = storage.join(storage.check(workdir), SAVED) if storage.is_url(workdir) else os.path.join(
+      workdir, SAVED)
   try:
-    with open(path, encoding="utf-8") as f:
-      saved = json.load(f)
+    saved = json.loads(storage.read_text(path))
   except FileNotFoundError:
     raise UserError(f"{workdir} holds no {SAVED} (not a trained workdir?); give --config, e.g. "
                     "--config=experiments/scan_simple.py") from None

@@ -11,6 +11,7 @@ from typing import Optional
 import jax
 
 from transformer_jax import config as config_lib
+from transformer_jax.core import storage
 from transformer_jax.eval import evaluate as evaluate_lib
 from transformer_jax.tools import summary
 from transformer_jax.train import checkpoint, loop
@@ -48,14 +49,13 @@ def finished(config, workdir: str) -> Optional[dict]:
   A config that differs from the workdir's in what the checkpoint holds is not finished here:
   training then refuses it by name.
   """
-  workdir = os.path.abspath(workdir)
+  workdir = storage.check(workdir)
   steps = checkpoint.saved_steps(workdir)
-  path = os.path.join(workdir, "config.json")
-  if not steps or steps[-1] != config.train.steps or not os.path.isfile(path):
+  path = storage.join(workdir, "config.json")
+  if not steps or steps[-1] != config.train.steps or not storage.isfile(path):
     return None
   try:
-    with open(path, encoding="utf-8") as f:
-      saved = json.load(f)
+    saved = json.loads(storage.read_text(path))
     if checkpoint.compare_configs(saved, config)[0]:
       return None
     # A damaged or unfinished newest checkpoint is not a finished run: training falls back to
@@ -68,9 +68,8 @@ def finished(config, workdir: str) -> Optional[dict]:
       manager.close()
     results = {}
     for split in final_splits(config):
-      with open(evaluate_lib.result_path(workdir, steps[-1], split, config),
-                encoding="utf-8") as f:
-        results[split] = json.load(f)
+      results[split] = json.loads(storage.read_text(
+          evaluate_lib.result_path(workdir, steps[-1], split, config)))
   except (OSError, ValueError):
     return None
   return results
@@ -94,7 +93,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
     step = config.train.steps
     names = ", ".join(evaluate_lib.result_name(step, split, config) for split in done)
     print(f"already trained to step {step} (train.steps) and evaluated: eval/{{{names}}} and "
-          f"summary.md in {os.path.abspath(workdir)} are unchanged; raise train.steps to train "
+          f"summary.md in {storage.check(workdir)} are unchanged; raise train.steps to train "
           "further, or --mode=evaluate to evaluate otherwise", flush=True)
     return done[config.data.eval_split]
   result = loop.train(config, workdir, evaluate_fn=evaluate_lib.evaluate)

@@ -13,7 +13,7 @@ import os
 
 import numpy as np
 
-from transformer_jax.core import progress
+from transformer_jax.core import progress, storage
 from transformer_jax.core.errors import UserError
 from transformer_jax.data import cache, pipeline, sources, tasks
 from transformer_jax.data import tokenizer as tokenizer_lib
@@ -54,7 +54,7 @@ def prepare_tokenizer(config, workdir: str, train_pairs, vocab_size: int, cache_
   """
   t = config.data.tokenizer
   path = os.path.join(workdir, tokenizer_lib.FILENAME)
-  new = not os.path.lexists(path)
+  new = not (storage.exists(path) if storage.is_url(path) else os.path.lexists(path))
   model_path = t.model_path or (os.path.join(os.path.expanduser(config.train.init_from),
                                              tokenizer_lib.FILENAME)
                                 if config.train.init_from else "")

@@ -12,7 +12,7 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 import sentencepiece as spm
 
-from transformer_jax.core import files
+from transformer_jax.core import files, storage
 from transformer_jax.core.errors import UserError
 from transformer_jax.core.tokens import (  # noqa: F401 (re-exported)
   BOS_ID,
@@ -110,6 +110,11 @@ def train(texts: Iterable[str], vocab_size: int, model_type: str = "bpe",
 
 def load(path: str, fix: str = "fix data.tokenizer.model_path") -> Tokenizer:
   """The tokenizer in the SentencePiece .model file `path`; `fix` ends the message of a bad one."""
+  if storage.is_url(path):  # a workdir in a bucket
+    try:
+      return Tokenizer(storage.read_bytes(path), f"tokenizer model {path}", fix)
+    except FileNotFoundError:
+      raise UserError(f"{path} does not exist; {fix}") from None
   files.check_readable(path, fix)
   with open(path, "rb") as f:
     return Tokenizer(f.read(), f"tokenizer model {path}", fix)

@@ -11,7 +11,7 @@ import os
 
 import jax.numpy as jnp
 
-from transformer_jax.core import files, progress
+from transformer_jax.core import files, progress, storage
 from transformer_jax.core.errors import UserError
 from transformer_jax.data import pipeline, sources, tasks
 from transformer_jax.data import tokenizer as tokenizer_lib
@@ -164,23 +164,23 @@ def write_results(workdir: str, result: dict, config, what: str = "") -> str:
   """
   averaged = len(result["checkpoints"]) if len(result["checkpoints"]) > 1 else 0
   path = result_path(workdir, result["step"], result["split"], config, averaged)
-  try:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-  except OSError as e:
-    raise files.write_error(os.path.dirname(path), e, what) from None
-  return files.atomic_write(path, json.dumps(result, indent=2), what)
+  if not storage.is_url(path):
+    try:
+      os.makedirs(os.path.dirname(path), exist_ok=True)
+    except OSError as e:
+      raise files.write_error(os.path.dirname(path), e, what) from None
+  return storage.write(path, json.dumps(result, indent=2), what)
 
 
 def read_results(workdir: str) -> list[dict]:
   """Every evaluation result of WORKDIR/eval (files that do not parse are skipped), by step."""
-  directory = os.path.join(workdir, RESULTS)
+  directory = storage.join(workdir, RESULTS)
   results = []
-  for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:
+  for name in storage.listdir(directory):
     if not name.endswith(".json") or not name.split(".")[0].isdigit():
       continue
     try:
-      with open(os.path.join(directory, name), encoding="utf-8") as f:
-        result = json.load(f)
+      result = json.loads(storage.read_text(storage.join(directory, name)))
     except (OSError, ValueError):
       continue
     if isinstance(result, dict) and isinstance(result.get("step"), int):
@@ -202,6 +202,6 @@ def evaluate_from_workdir(config, workdir: str, step=None, split=None) -> dict:
                      trained.mesh)
   result = record(trained.step, split, config, metrics, trained.averaged_steps)
   print(json.dumps(result), flush=True)
-  write_results(os.path.abspath(workdir), result, config,
+  write_results(storage.check(workdir), result, config,
                 what="the metrics are the JSON line printed above")
   return metrics

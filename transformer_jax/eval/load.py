@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from transformer_jax import config as config_lib
+from transformer_jax.core import storage
 from transformer_jax.core.errors import UserError
 from transformer_jax.data import prepare
 from transformer_jax.data import tokenizer as tokenizer_lib
@@ -57,9 +58,10 @@ def load_trained(config, workdir: str, step=None) -> Trained:
   """
   model_config = config_lib.validate(config, jax.default_backend())
   mesh = sharding.make_mesh(config.mesh.to_dict())
-  workdir = os.path.abspath(workdir)
-  tokenizer_path = os.path.join(workdir, tokenizer_lib.FILENAME)
-  if not os.path.lexists(tokenizer_path):
+  workdir = storage.check(workdir) if storage.is_url(workdir) else os.path.abspath(workdir)
+  tokenizer_path = storage.join(workdir, tokenizer_lib.FILENAME)
+  if not (storage.exists(tokenizer_path) if storage.is_url(workdir)
+          else os.path.lexists(tokenizer_path)):
     raise UserError(f"{workdir} holds no trained model (no {tokenizer_lib.FILENAME}); "
                     "train first with --mode=train")
   tokenizer = tokenizer_lib.load(tokenizer_path, prepare.WORKDIR_TOKENIZER_FIX)

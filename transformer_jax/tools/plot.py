@@ -18,7 +18,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from transformer_jax import config as config_lib
-from transformer_jax.core import files
+from transformer_jax.core import storage
 from transformer_jax.core.errors import UserError
 from transformer_jax.core.tokens import BOS_ID, EOS_ID, UNK_ID
 from transformer_jax.eval import decode, load, search
@@ -33,7 +33,7 @@ def _save(fig: Figure, path: str, dpi: int) -> str:
   """Writes the PNG whole or not at all (a full disk leaves the previous picture)."""
   png = io.BytesIO()
   fig.savefig(png, format="png", dpi=dpi)
-  return files.atomic_write(path, png.getvalue())
+  return storage.write(path, png.getvalue())
 
 
 def _series(records, split, key):
@@ -275,11 +275,11 @@ def position_picture(model_config, params) -> Optional[tuple[np.ndarray, str]]:
 def plot_workdir(config, workdir: str, text: Optional[str] = None,
                  step: Optional[int] = None) -> list[str]:
   """Writes every plot for a run into WORKDIR/plots; returns the paths."""
-  workdir = os.path.abspath(workdir)
-  out = os.path.join(workdir, "plots")
+  workdir = storage.check(workdir)
+  out = storage.join(workdir, "plots")
   records = logger.read_metrics(workdir, required=True)
   model_config = config_lib.validate(config)
-  if os.path.lexists(out) and not os.path.isdir(out):
+  if not storage.is_url(out) and os.path.lexists(out) and not os.path.isdir(out):
     raise UserError(f"{out} is not a directory, where plots are written; move it away")
   params = tokenizer = None  # loaded (and checked) before anything is written
   # A --checkpoint_step is checked even where no picture needs the parameters: a step that
@@ -287,16 +287,13 @@ def plot_workdir(config, workdir: str, text: Optional[str] = None,
   if (text is not None or model_config.positional in ("learned", "relative_bias")
       or step is not None):
     model_config, params, tokenizer = load.load_trained(config, workdir, step)[:3]
-  try:
-    os.makedirs(out, exist_ok=True)
-  except OSError as e:
-    raise files.write_error(out, e) from None
-  paths = [plot_curves(records, os.path.join(out, "curves.png"))]
+  storage.makedirs(out)
+  paths = [plot_curves(records, storage.join(out, "curves.png"))]
 
   picture = position_picture(model_config, params)
   if picture is not None:
     table, title = picture
-    paths.append(plot_positional_encoding(table, os.path.join(out, "positional_encoding.png"),
+    paths.append(plot_positional_encoding(table, storage.join(out, "positional_encoding.png"),
                                           title))
 
   if text is not None:
@@ -310,6 +307,6 @@ def plot_workdir(config, workdir: str, text: Optional[str] = None,
       if kind not in maps:
         continue
       queries, keys = axes[kind]
-      paths.append(plot_attention(maps[kind], queries, keys, os.path.join(out, f"{kind}.png"),
+      paths.append(plot_attention(maps[kind], queries, keys, storage.join(out, f"{kind}.png"),
                                   f"{kind.replace('_', ' ')}: {text!r} -> {output!r}"))
   return paths

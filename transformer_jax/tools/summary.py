@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
 from typing import Any, Sequence
 
 from transformer_jax.config import default_config
-from transformer_jax.core import metric_names
-from transformer_jax.core.files import atomic_write
+from transformer_jax.core import metric_names, storage
 from transformer_jax.core.trees import flatten
 
 
@@ -101,4 +99,4 @@ def render(config, finals: dict, records: list[dict], final_step: int,
 
 
 def write(workdir: str, text: str) -> str:
-  return atomic_write(os.path.join(workdir, "summary.md"), text)
+  return storage.write(storage.join(workdir, "summary.md"), text)

@@ -34,7 +34,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from transformer_jax import config as config_lib
-from transformer_jax.core import files, lock, metric_names, progress
+from transformer_jax.core import files, lock, metric_names, progress, storage
 from transformer_jax.core.errors import UserError, unknown_key_message
 from transformer_jax.eval import evaluate
 from transformer_jax.train import checkpoint, logger
@@ -312,6 +312,10 @@ def run_sweep(config_path: str, workdir: str, base_overrides: Optional[dict] = N
   trials = load_sweep(config_path)
   base_overrides = dict(base_overrides or {})
   configs = check_trials(config_path, trials, base_overrides)
+  if storage.is_url(storage.check(workdir)):  # before anything is written, locally or not
+    raise UserError(f"--workdir {workdir}: a sweep writes its trials on a local or shared file "
+                    "system for now, not in a bucket; give a local directory (each trial may "
+                    "still be trained into a bucket with --mode=train)")
   workdir = checkpoint.check_workdir(workdir, entries={})
   commands = [trial_command(config_path, _trial_dir(workdir, i), t, base_overrides)
               for i, t in enumerate(trials)]

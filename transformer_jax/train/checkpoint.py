@@ -36,7 +36,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from transformer_jax.core import files, lock, metric_names, trees
+from transformer_jax.core import files, lock, metric_names, storage, trees
 from transformer_jax.core.errors import UserError
 from transformer_jax.train import sharding
 
@@ -65,7 +65,10 @@ def check_workdir(workdir: str, entries: dict = WORKDIR_ENTRIES) -> str:
   """
   if not workdir.strip():
     raise UserError("--workdir is empty (an unset shell variable?); give a directory")
-  workdir = os.path.abspath(os.path.expanduser(workdir))
+  workdir = storage.check(workdir)  # a URL stays one (never a local folder named `gs:`)
+  if storage.is_url(workdir):  # an object store has no file kinds or modes to check
+    storage.check_bucket(workdir)
+    return workdir
   if os.path.exists(workdir):
     if not os.path.isdir(workdir):
       raise UserError(f"--workdir {workdir} is a file; give a directory")
@@ -94,17 +97,13 @@ def check_workdir(workdir: str, entries: dict = WORKDIR_ENTRIES) -> str:
 
 
 def create_workdir(workdir: str) -> None:
-  try:
-    os.makedirs(workdir, exist_ok=True)
-  except OSError as e:
-    raise files.write_error(workdir, e) from None
+  storage.makedirs(workdir)
 
 
 def saved_steps(workdir: str) -> list:
   """The steps of the finished checkpoints in WORKDIR/checkpoints (no orbax needed)."""
-  directory = os.path.join(workdir, "checkpoints")
-  names = os.listdir(directory) if os.path.isdir(directory) else []
-  return sorted(int(n) for n in names if n.isdigit())
+  return sorted(int(n) for n in storage.listdir(storage.join(workdir, "checkpoints"))
+                if n.isdigit())
 
 
 def claim_workdir(workdir: str, seen_steps: list) -> lock.DirectoryLock:
@@ -114,7 +113,7 @@ def claim_workdir(workdir: str, seen_steps: list) -> lock.DirectoryLock:
   (UserError, on every process) when another run holds the lock, or when the checkpoints are no
   longer `seen_steps`, those this run read before: another run saved one in the meantime.
   """
-  held = lock.DirectoryLock(workdir)
+  held = storage.lock(workdir)  # flock locally, a lease in a bucket
   refusal = None
   if jax.process_index() == 0:
     try:
@@ -183,12 +182,11 @@ def check_config_file(workdir: str, data_keys: tuple = DATA_KEYS) -> None:
 
   data_keys: keys besides the model's that make the data another than the checkpoint's.
   """
-  path = os.path.join(workdir, "config.json")
-  if not saved_steps(workdir) or not os.path.isfile(path):
+  path = storage.join(workdir, "config.json")
+  if not saved_steps(workdir) or not storage.isfile(path):
     return
   try:
-    with open(path, encoding="utf-8") as f:
-      edited = json.load(f)
+    edited = json.loads(storage.read_text(path))
   except (OSError, ValueError):
     return  # a damaged config.json: --config left out says so when it loads it
   manager = Manager(workdir, None)
@@ -309,8 +307,12 @@ class Manager:
 
   def __init__(self, workdir: str, config, tokenizer_sha: Optional[str] = None,
                writable: bool = False):
-    self.workdir = os.path.abspath(workdir)
-    self.directory = os.path.join(self.workdir, "checkpoints")
+    self.workdir = storage.check(workdir)  # orbax needs an absolute path; a URL stays one
+    if self.workdir.startswith("s3://"):
+      # orbax turns s3://b into s3:/b before TensorStore sees it (it knows gs:// alone).
+      raise UserError(f"--workdir {self.workdir}: orbax cannot read or write checkpoints in s3:// "
+                      "buckets yet; use a gs:// bucket or a local or shared directory")
+    self.directory = storage.join(self.workdir, "checkpoints")
     self.config = config
     self.tokenizer_sha = tokenizer_sha
     self.unreadable = []  # steps found unreadable by latest_good()
@@ -343,7 +345,10 @@ class Manager:
 
   def unfinished_steps(self) -> list:
     """Steps whose write never completed (the process died while saving); orbax ignores them."""
-    names = glob.glob(os.path.join(self.directory, "*.orbax-checkpoint-tmp*"))
+    if storage.is_url(self.directory):
+      names = [n for n in storage.listdir(self.directory) if ".orbax-checkpoint-tmp" in n]
+    else:
+      names = glob.glob(os.path.join(self.directory, "*.orbax-checkpoint-tmp*"))
     return sorted({int(os.path.basename(n).split(".")[0]) for n in names
                    if os.path.basename(n).split(".")[0].isdigit()})
 
@@ -439,13 +444,12 @@ class Manager:
     moved, self.unreadable = self.unreadable, []
     if jax.process_index() == 0:  # one process moves them; the others wait for it below
       for step in moved:
-        destination = os.path.join(self.workdir, UNREADABLE, str(step))
+        destination = storage.join(self.workdir, UNREADABLE, str(step))
         n = 1
-        while os.path.exists(destination):
-          destination = os.path.join(self.workdir, UNREADABLE, f"{step}-{n}")
+        while storage.exists(destination):
+          destination = storage.join(self.workdir, UNREADABLE, f"{step}-{n}")
           n += 1
-        os.makedirs(os.path.dirname(destination), exist_ok=True)
-        os.replace(os.path.join(self.directory, str(step)), destination)
+        storage.move(storage.join(self.directory, str(step)), destination)
     if moved and jax.process_count() > 1:
       multihost_utils.sync_global_devices("checkpoints set aside")
     return moved
@@ -462,7 +466,7 @@ class Manager:
     return True
 
   def _read_meta(self, step: int) -> dict:
-    if not os.path.isdir(os.path.join(self.directory, str(step), "meta")):
+    if not storage.isdir(storage.join(self.directory, str(step), "meta")):
       raise _Unreadable("it has no meta item: written by an older version or incomplete")
     with _quiet():
       try:

@@ -7,7 +7,7 @@ import socket
 import struct
 import time
 
-from transformer_jax.core import files, progress
+from transformer_jax.core import progress, storage
 from transformer_jax.core.errors import UserError
 
 METRICS_FILE = "metrics.jsonl"
@@ -20,13 +20,13 @@ def read_metrics(workdir: str, required: bool = False) -> list[dict]:
   last record per split; lines that do not parse (a write cut off by a kill or a full disk) are
   skipped with a warning. Without the file: [] or, if `required`, a UserError saying to train.
   """
-  path = os.path.join(workdir, METRICS_FILE)
-  if not os.path.isfile(path):
+  path = storage.join(workdir, METRICS_FILE)
+  if not storage.log_exists(path):
     if required:
       raise UserError(f"{workdir} has no {METRICS_FILE}; train first with --mode=train")
     return []
   latest = {}
-  for record in files.read_jsonl(path):
+  for record in storage.read_jsonl(path):
     if isinstance(record.get("step"), int):
       key = (record.get("split"), record["step"])
       latest.pop(key, None)  # the last record of a step wins, in its place
@@ -36,7 +36,7 @@ def read_metrics(workdir: str, required: bool = False) -> list[dict]:
 
 class _Events:
   """TensorBoard scalars and text: tensorboardX's summaries and event protos, framed as TFRecords
-  (with tensorboardX's CRC) and appended in the caller's thread by `files.AppendFile`.
+  (with tensorboardX's CRC) and appended in the caller's thread by `storage.AppendFile`.
 
   Not tensorboardX's SummaryWriter: its writer thread dies on a full disk without a word, and the
   training loop then blocks forever on the thread's full queue; and its buffered file would
@@ -51,14 +51,11 @@ class _Events:
     from tensorboardX.proto.event_pb2 import Event  # see above
     from tensorboardX.record_writer import masked_crc32c  # see above
     self._summary, self._event, self._crc = summary, Event, masked_crc32c
-    try:
-      os.makedirs(directory, exist_ok=True)
-    except OSError as e:
-      raise files.write_error(directory, e) from None
+    storage.makedirs(directory)
     # The pid in the name: two runs started within the same second (a resume right after a
     # kill) must not share a file.
     name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}"
-    self._file = files.AppendFile(os.path.join(directory, name))
+    self._file = storage.AppendFile(storage.join(directory, name))
     self._append([self._event(wall_time=time.time(), file_version="brain.Event:2")])
 
   def _record(self, data: bytes) -> bytes:
@@ -96,7 +93,7 @@ def write_hparams(workdir: str, hparams: dict, metrics: dict, step: int) -> None
   numbers = {f"final/{k}": float(v) for k, v in metrics.items()
              if isinstance(v, (int, float)) and not isinstance(v, bool)
              and k not in ("step", "max_examples", "max_decode_len")}
-  events = _Events(os.path.join(workdir, "tensorboard"))
+  events = _Events(storage.join(workdir, "tensorboard"))
   try:
     events.hparams(values, numbers, step)
   finally:
@@ -120,12 +117,12 @@ class MetricLogger:
     self.peak_flops = peak_flops
     if not enabled:
       return
-    path = os.path.join(workdir, METRICS_FILE)
-    files.set_aside_partial_line(path)
-    files.rewrite_jsonl(path, keep=lambda r: not isinstance(r.get("step"), int)
-                        or r["step"] <= start_step)
-    self._jsonl = files.JsonLog(path)
-    self._tb = _Events(os.path.join(workdir, "tensorboard"))
+    path = storage.join(workdir, METRICS_FILE)
+    storage.set_aside_partial_line(path)
+    storage.rewrite_jsonl(path, keep=lambda r: not isinstance(r.get("step"), int)
+                          or r["step"] <= start_step)
+    self._jsonl = storage.JsonLog(path)
+    self._tb = _Events(storage.join(workdir, "tensorboard"))
 
   def _write(self, record: dict) -> None:
     self._jsonl.append(record)

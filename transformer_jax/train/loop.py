@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import os
 from typing import Any, Callable, Optional
 
 import jax
@@ -17,10 +16,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from transformer_jax import config as config_lib
-from transformer_jax.core import progress
+from transformer_jax.core import progress, storage
 from transformer_jax.core.errors import UserError
-from transformer_jax.core.files import atomic_write
-from transformer_jax.core.lock import DirectoryLock
 from transformer_jax.data import cache, pipeline, prepare, sources
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.model import ModelConfig, count_params, describe
@@ -130,7 +127,7 @@ def train(config, workdir: str, evaluate_fn: EvaluateFn) -> Result:
   t = config.train
   workdir = checkpoint.check_workdir(workdir)
   if jax.process_count() == 1:  # a second run in this workdir is refused before any work
-    DirectoryLock(workdir).check()
+    storage.lock(workdir).check()
   if t.init_from:
     pretrained.source_config(t.init_from)  # there is a run to start from
   tokenizer, new_tokenizer, train_set, eval_pairs = prepare_data_once(
@@ -165,9 +162,9 @@ def train(config, workdir: str, evaluate_fn: EvaluateFn) -> Result:
   checkpoint.create_workdir(workdir)
   lock = checkpoint.claim_workdir(workdir, seen_steps)  # held until training and its eval end
   if is_main and new_tokenizer:
-    atomic_write(os.path.join(workdir, tokenizer_lib.FILENAME), tokenizer.model_proto)
+    storage.write(storage.join(workdir, tokenizer_lib.FILENAME), tokenizer.model_proto)
   if is_main:
-    atomic_write(os.path.join(workdir, "config.json"), config_json)
+    storage.write(storage.join(workdir, "config.json"), config_json)
   set_aside = reader.set_aside_unreadable()
   manager = checkpoint.Manager(workdir, config, tokenizer_sha, writable=True)
   copied = []
@@ -194,7 +191,7 @@ def train(config, workdir: str, evaluate_fn: EvaluateFn) -> Result:
   throughput = actions.Throughput(model_config)
   pending = actions.PendingSteps(DISPATCH_AHEAD)
   nonfinite = actions.NonFinitePolicy(t.on_nonfinite, manager)
-  profiler = actions.Profiler(t, os.path.join(workdir, "tensorboard"), start, enabled=is_main)
+  profiler = actions.Profiler(t, storage.join(workdir, "tensorboard"), start, enabled=is_main)
 
   def evaluate(params, pairs=eval_pairs) -> tuple[dict, float]:
     """The metrics, and the seconds they took (the training clock stands still meanwhile)."""

@@ -10,13 +10,12 @@ state starts afresh. The run uses the other workdir's tokenizer (`data/prepare.p
 from __future__ import annotations
 
 import json
-import os
 
 import jax
 import ml_collections
 
 from transformer_jax import config as config_lib
-from transformer_jax.core import trees
+from transformer_jax.core import storage, trees
 from transformer_jax.core.errors import UserError
 from transformer_jax.train import checkpoint
 from transformer_jax.train import state as state_lib
@@ -24,13 +23,13 @@ from transformer_jax.train import state as state_lib
 
 def source_config(workdir: str) -> ml_collections.ConfigDict:
   """The config a workdir was trained with (its config.json)."""
-  path = os.path.join(os.path.abspath(os.path.expanduser(workdir)), "config.json")
-  if not os.path.isfile(path):
+  workdir = storage.check(workdir, "train.init_from")
+  path = storage.join(workdir, "config.json")
+  if not storage.isfile(path):
     raise UserError(f"train.init_from={workdir} holds no trained run ({path} does not exist); "
                     "point it at the workdir of a finished --mode=train")
-  checkpoint.check_config_file(os.path.dirname(path))  # its checkpoints are the truth
-  with open(path) as f:
-    return ml_collections.ConfigDict(json.load(f))
+  checkpoint.check_config_file(workdir)  # its checkpoints are the truth
+  return ml_collections.ConfigDict(json.loads(storage.read_text(path)))
 
 
 def load(workdir: str, state: state_lib.TrainState, mesh) -> tuple[state_lib.TrainState, list]:

@@ -1,0 +1,72 @@
+"""Save and restore time of a model's train-state checkpoint: local disk against a gs:// bucket.
+
+  python benchmarks/bucket_checkpoint.py [CONFIG]   (default: base)
+
+The bucket is the GCS emulator of the tests (tests/emulators.py) on 127.0.0.1, so the numbers
+measure this program's path through TensorStore's gcs driver and HTTP, not a real bucket's
+bandwidth. The state is CONFIG's TrainState (parameters and Adam moments) filled with normal
+noise (zeros would compress to nothing). Save: `checkpoint.Manager.save` and its wait (orbax's
+async save, made whole). Restore: `Manager.restore` of the newest step, its checksum check
+included. Prints one JSON line per store.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from tests import emulators  # noqa: E402
+from transformer_jax import config as config_lib  # noqa: E402
+from transformer_jax.train import checkpoint, sharding  # noqa: E402
+from transformer_jax.train import state as state_lib  # noqa: E402
+
+
+def measure(config, workdir: str, state, target) -> dict:
+  manager = checkpoint.Manager(workdir, config, "0" * 64, writable=True)
+  start = time.perf_counter()
+  manager.save(1, state)
+  manager.wait()
+  saved = time.perf_counter() - start
+  manager.close()
+  reader = checkpoint.Manager(workdir, config, "0" * 64)
+  start = time.perf_counter()
+  restored = reader.restore(target)
+  jax.block_until_ready(restored)
+  restored_s = time.perf_counter() - start
+  reader.close()
+  return {"workdir": workdir.split("://")[0] + "://" if "://" in workdir else "local disk",
+          "save_s": round(saved, 2), "restore_s": round(restored_s, 2)}
+
+
+def main(name: str = "base") -> None:
+  config = importlib.import_module(f"transformer_jax.experiments.{name}").get_config()
+  model_config = config_lib.validate(config, jax.default_backend())
+  mesh = sharding.make_mesh(config.mesh.to_dict())
+  optimizer = state_lib.make_optimizer(config.train, model_config.d_model)
+  target = state_lib.abstract_state(model_config, optimizer, mesh)
+  rng = np.random.default_rng(0)
+  state = jax.tree.map(lambda s: jax.device_put(
+      rng.standard_normal(s.shape).astype(s.dtype) if s.shape else np.zeros((), s.dtype),
+      s.sharding), target)
+  size = sum(x.nbytes for x in jax.tree.leaves(state))
+  print(json.dumps({"config": name, "state_bytes": size}), flush=True)
+  with tempfile.TemporaryDirectory() as local:
+    print(json.dumps(measure(config, local, state, target)), flush=True)
+  with emulators.gcs() as url:
+    os.environ.update(emulators.environment(url))
+    emulators.make_bucket("gs://bench")
+    print(json.dumps(measure(config, "gs://bench/run", state, target)), flush=True)
+
+
+if __name__ == "__main__":
+  main(*sys.argv[1:2])

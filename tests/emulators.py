@@ -1,0 +1,124 @@
+"""Object-store emulators on 127.0.0.1 for the tests (test helper): real HTTP servers in their
+own processes, reached through the same environment variables a user sets for a real endpoint.
+
+- gs://: gcp-storage-emulator (the GCS JSON API). It ignores upload preconditions, so it is
+  started with two additions:  an upload with `ifGenerationMatch=0` onto an existing object is
+  answered 412, as GCS answers it (the lease's atomic creation depends on it). Everything else is
+  the emulator's own. Downloads also carry the object's generation in `x-goog-generation`, as
+  GCS sends it: TensorStore's gcs driver (orbax's OCDBT checkpoints) refuses a read without it.
+- s3://: moto in server mode (its S3 honours `If-None-Match: *` itself).
+"""
+
+import contextlib
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+GCS_SERVER = r"""
+import sys
+from http import HTTPStatus
+from gcp_storage_emulator.handlers import objects
+from gcp_storage_emulator.exceptions import NotFound
+
+insert = objects.insert
+
+def insert_with_precondition(request, response, storage, *args, **kwargs):
+  if request.query.get("ifGenerationMatch") == ["0"]:
+    name = request.query.get("name", [None])[0]
+    if name is None and isinstance(request.data, dict):
+      name = (request.data.get("meta") or request.data).get("name")
+    try:
+      storage.get_file_obj(request.params["bucket_name"], name)
+    except NotFound:
+      pass
+    else:
+      response.status = HTTPStatus.PRECONDITION_FAILED
+      response.json({"error": {"code": 412, "message": "At least one of the pre-conditions "
+                               "you specified did not hold.", "errors": []}})
+      return
+  return insert(request, response, storage, *args, **kwargs)
+
+download = objects.download
+
+def download_with_generation(request, response, storage, *args, **kwargs):
+  try:
+    obj = storage.get_file_obj(request.params["bucket_name"], request.params["object_id"])
+    response["x-goog-generation"] = obj["generation"]
+  except NotFound:
+    pass
+  return download(request, response, storage, *args, **kwargs)
+
+objects.insert = insert_with_precondition  # before the server module builds its routes
+objects.download = download_with_generation
+from gcp_storage_emulator.server import create_server
+server = create_server("127.0.0.1", int(sys.argv[1]), in_memory=True)
+server.run()
+"""
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _wait(url: str, process: subprocess.Popen, seconds: float = 30.0) -> None:
+  deadline = time.time() + seconds
+  while time.time() < deadline:
+    if process.poll() is not None:
+      raise RuntimeError(f"the emulator for {url} exited with code {process.returncode}")
+    try:
+      urllib.request.urlopen(url, timeout=1).close()
+      return
+    except urllib.error.HTTPError:
+      return  # it answers
+    except OSError:
+      time.sleep(0.05)
+  raise RuntimeError(f"the emulator for {url} did not answer within {seconds} s")
+
+
+@contextlib.contextmanager
+def running(command: list, url: str):
+  process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  try:
+    _wait(url, process)
+    yield url
+  finally:
+    process.kill()
+    process.wait()
+
+
+def gcs():
+  """Starts the GCS emulator; yields its endpoint for STORAGE_EMULATOR_HOST."""
+  port = free_port()
+  return running([sys.executable, "-c", GCS_SERVER, str(port)], f"http://127.0.0.1:{port}")
+
+
+def s3():
+  """Starts moto's S3 server; yields its endpoint for AWS_ENDPOINT_URL_S3."""
+  port = free_port()
+  return running([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                 f"http://127.0.0.1:{port}")
+
+
+def environment(gcs_url: str = None, s3_url: str = None) -> dict:
+  """The variables that point gcsfs (and the Google libraries) and botocore at the emulators,
+  with dummy S3 credentials (moto accepts any) and no instance-metadata lookups."""
+  env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+         "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true",
+         "TRANSFORMER_JAX_STORAGE_TIMEOUT": "20"}
+  if gcs_url:
+    env["STORAGE_EMULATOR_HOST"] = gcs_url
+  if s3_url:
+    env["AWS_ENDPOINT_URL_S3"] = s3_url
+  return env
+
+
+def make_bucket(url: str) -> None:
+  """Creates the bucket of `url` (gs://b or s3://b) on its emulator."""
+  from transformer_jax.core import storage
+  scheme, rest = url.split("://", 1)
+  storage.filesystem(scheme).mkdir(rest.split("/")[0])

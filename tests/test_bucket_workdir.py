@@ -1,0 +1,147 @@
+"""A --workdir in a bucket (gs://, s3://) on the emulators of tests/emulators.py: launch.py runs
+as a user runs it, with only the endpoint variables set; nothing appears on the local disk."""
+
+import json
+import os
+import signal
+
+import jax
+import ml_collections
+import pytest
+from launcher import ROOT, Launcher, environment
+from test_checkpoint import RUN, STEPS, assert_same_state, last_logged_step
+
+from tests import emulators
+from transformer_jax import config as config_lib
+from transformer_jax.core import storage
+from transformer_jax.train import checkpoint
+from transformer_jax.train import state as state_lib
+from transformer_jax.train.logger import read_metrics
+
+TINY = ["--config=experiments/tiny.py", "--config.train.steps=2", "--config.train.log_every=1",
+        "--config.eval.max_examples=8"]
+
+
+@pytest.fixture(scope="module")
+def buckets():
+  with emulators.gcs() as gcs_url, emulators.s3() as s3_url:
+    saved = dict(os.environ)
+    os.environ.update(emulators.environment(gcs_url, s3_url))
+    try:
+      for bucket in ("gs://bucket", "s3://bucket"):
+        emulators.make_bucket(bucket)
+      yield dict(os.environ)
+    finally:
+      os.environ.clear()
+      os.environ.update(saved)
+
+
+@pytest.fixture(scope="module")
+def launcher(request, buckets, tmp_path_factory):
+  # test_checkpoint's compilation cache: the same tiny runs compile once.
+  cache = getattr(request.config, "cache", None)
+  cache_dir = cache.mkdir("jax_compilation_cache") if cache else tmp_path_factory.mktemp("jax")
+  server = Launcher({**environment(cache_dir), **buckets},
+                    str(tmp_path_factory.mktemp("launches")))
+  yield server
+  server.close()
+
+
+def local_entries() -> set:
+  """What a URL turned into a local path would create: `gs:` or `s3:` folders."""
+  return {name for name in os.listdir(ROOT) if name.endswith(":")}
+
+
+def test_train_then_evaluate_and_plot_in_a_gs_workdir(launcher):
+  workdir = "gs://bucket/run"
+  code, out, err = launcher.run(*TINY, f"--workdir={workdir}", "--mode=train")
+  assert code == 0, err
+  assert {"config.json", "tokenizer.model", "checkpoints", "eval", "summary.md", "tensorboard",
+          "metrics.jsonl.parts"} <= set(storage.listdir(workdir))
+  assert "lock" not in storage.listdir(workdir)  # the lease ends with the run
+  assert storage.listdir(storage.join(workdir, "checkpoints")) == ["2"]
+  assert json.loads(storage.read_text(storage.join(workdir, "config.json")))["train"]["steps"] == 2
+  train = [r for r in read_metrics(workdir) if r["split"] == "train"]
+  assert [r["step"] for r in train] == [1, 2]
+  assert all(name.startswith("events.out.tfevents.")
+             for name in storage.listdir(storage.join(workdir, "tensorboard")))
+
+  # --config left out: the workdir's own config.json, read from the bucket.
+  code, out, err = launcher.run(f"--workdir={workdir}", "--mode=evaluate", "--split=test")
+  assert code == 0, err
+  result = json.loads(out.strip().splitlines()[-1])
+  assert result["step"] == 2 and result["split"] == "test"
+  code, out, err = launcher.run(f"--workdir={workdir}", "--mode=translate")  # stdin: empty
+  assert code == 0 and out == "", err
+  code, out, err = launcher.run(f"--workdir={workdir}", "--mode=plot")
+  assert code == 0, err
+  assert storage.read_bytes(storage.join(workdir, "plots", "curves.png"))[:4] == b"\x89PNG"
+  assert local_entries() == set()
+
+
+def test_a_second_trainer_is_refused_while_a_lease_is_live(launcher):
+  workdir = "gs://bucket/leased"
+  holder = storage.Lease(workdir)  # another run, alive: this test process
+  holder.acquire()
+  try:
+    code, out, err = launcher.run(*TINY, f"--workdir={workdir}", "--mode=train")
+  finally:
+    holder.release()
+  assert code == 2, err
+  assert err.strip().count("\n") == 0 and f"pid {os.getpid()}" in err and "in use by" in err
+  assert storage.listdir(workdir) == []  # nothing written
+
+
+@pytest.mark.parametrize("workdir, says, mode", [
+    ("gcs://bucket/run", "unknown storage scheme gcs://", "--mode=train"),
+    ("gs:/bucket/run", "not a gs:// URL", "--mode=train"),
+    ("gs://no-such-bucket/run", "the bucket gs://no-such-bucket does not exist", "--mode=train"),
+    ("s3://no-such-bucket/run", "the bucket s3://no-such-bucket does not exist", "--mode=train"),
+    ("s3://bucket/run", "orbax cannot read or write checkpoints in s3://", "--mode=train"),
+    ("gs://bucket/sweep", "a sweep writes its trials on a local or shared file system", "--sweep"),
+    ("gcs://bucket/run", "unknown storage scheme gcs://", "--mode=evaluate")])
+def test_a_bad_bucket_workdir_is_one_line_exit_2(launcher, workdir, says, mode):
+  code, out, err = launcher.run(*TINY, f"--workdir={workdir}", mode)
+  lines = err.strip().splitlines()
+  assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
+  assert says in lines[0]
+  assert local_entries() == set()
+  if workdir.startswith("s3://bucket"):
+    assert storage.listdir(workdir) == []  # refused before anything was written
+
+
+def restore_latest(workdir: str):
+  """The newest readable checkpoint of a workdir (local or in a bucket), via its config.json."""
+  config = ml_collections.ConfigDict(json.loads(storage.read_text(
+      storage.join(workdir, "config.json"))))
+  model_config = config_lib.validate(config)
+  optimizer = state_lib.make_optimizer(config.train, model_config.d_model)
+  target = jax.eval_shape(lambda: state_lib.create_state(model_config, optimizer, config.seed))
+  manager = checkpoint.Manager(workdir, config)
+  try:
+    return manager.latest_good(target)
+  finally:
+    manager.close()
+
+
+def test_killed_in_a_bucket_then_resumed_equals_an_uninterrupted_local_run(launcher, tmp_path):
+  """kill -9 in the middle of a gs:// run (its lease left behind, a checkpoint save maybe under
+  way), then the same command: the final state and the logged steps are those of a local run
+  that was never interrupted."""
+  local = tmp_path / "local"
+  code, out, err = launcher.run(*RUN, f"--workdir={local}")
+  assert code == 0, err
+  workdir = "gs://bucket/killed"
+  launcher.start(*RUN, f"--workdir={workdir}")
+  launcher.wait_for(lambda out: last_logged_step(out) >= STEPS // 2)
+  launcher.send(signal.SIGKILL)
+  assert launcher.wait() == -signal.SIGKILL
+  assert "lock" in storage.listdir(workdir)  # the killed run's lease
+  code, out, err = launcher.run(*RUN, f"--workdir={workdir}")
+  assert code == 0, err
+  resumed, reference = restore_latest(workdir), restore_latest(str(local))
+  assert resumed.step == reference.step == STEPS
+  assert_same_state(resumed.state, reference.state)
+  steps = [r["step"] for r in read_metrics(workdir) if r["split"] == "train"]
+  assert steps == list(range(1, STEPS + 1))
+  assert local_entries() == set()

@@ -1,0 +1,279 @@
+"""core/storage.py against real object-store emulators on 127.0.0.1 (tests/emulators.py): one
+set of functions, the same guarantees on a local disk, gs:// and s3://."""
+
+import json
+import os
+import socket
+import threading
+import time
+
+import pytest
+
+from tests import emulators
+from transformer_jax.core import files, storage
+from transformer_jax.core.errors import UserError
+
+
+@pytest.fixture(scope="module")
+def stores():
+  """Both emulators, the environment pointing at them, and one bucket on each."""
+  with emulators.gcs() as gcs_url, emulators.s3() as s3_url:
+    saved = dict(os.environ)
+    os.environ.update(emulators.environment(gcs_url, s3_url))
+    try:
+      for bucket in ("gs://bucket", "s3://bucket"):
+        emulators.make_bucket(bucket)
+      yield {"gs": gcs_url, "s3": s3_url}
+    finally:
+      os.environ.clear()
+      os.environ.update(saved)
+
+
+_COUNT = iter(range(10**6))
+
+
+@pytest.fixture(params=["local", "gs", "s3"])
+def root(request, tmp_path):
+  """A fresh directory: local, or a fresh prefix in each emulator's bucket."""
+  if request.param == "local":
+    return str(tmp_path)
+  request.getfixturevalue("stores")
+  return f"{request.param}://bucket/t{next(_COUNT)}-{os.getpid()}"
+
+
+def one_line(error) -> str:
+  text = str(error.value)
+  assert "\n" not in text
+  return text
+
+
+@pytest.mark.parametrize("typo, says", [
+    ("gcs://bucket/run", "did you mean gs://bucket/run"), ("s4://bucket/run", "s4://"),
+    ("gs:/bucket/run", "not a gs:// URL"), ("gs:///run", "not a gs:// URL"),
+    ("s3a://bucket/run", "did you mean s3://bucket/run")])
+def test_a_scheme_typo_is_refused_in_one_line_and_never_becomes_a_local_folder(typo, says,
+                                                                               tmp_path,
+                                                                               monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(UserError) as error:
+    storage.check(typo)
+  assert says in one_line(error)
+  assert os.listdir(tmp_path) == []
+
+
+def test_check_makes_local_paths_absolute_and_normalises_urls(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  assert storage.check("runs/a") == os.path.join(str(tmp_path), "runs", "a")
+  assert storage.check("~") == os.path.expanduser("~")
+  assert storage.check("gs://b/run/") == "gs://b/run"
+  assert storage.check("s3://b") == "s3://b"
+  assert not storage.is_url(str(tmp_path)) and storage.is_url("gs://b/x")
+
+
+def test_reads_and_whole_writes(root):
+  path = storage.join(root, "sub", "config.json")
+  assert not storage.exists(path) and not storage.isdir(storage.join(root, "sub"))
+  storage.makedirs(storage.join(root, "sub"))
+  storage.write(path, '{"a": 1}')
+  assert storage.read_text(path) == '{"a": 1}' and storage.isfile(path)
+  storage.write(path, b"\x00" * 100_000)  # replaced whole
+  assert storage.read_bytes(path) == b"\x00" * 100_000
+  storage.write(storage.join(root, "sub", "b.txt"), "b")
+  assert storage.listdir(storage.join(root, "sub")) == ["b.txt", "config.json"]
+  assert storage.isdir(storage.join(root, "sub")) and storage.listdir(root) == ["sub"]
+  storage.remove(path)
+  storage.remove(path)  # already gone: nothing to do
+  assert not storage.exists(path) and storage.listdir(storage.join(root, "nothing")) == []
+  with pytest.raises(FileNotFoundError):
+    storage.read_bytes(path)
+
+
+def test_create_is_exclusive_among_racing_writers(root):
+  """The store's precondition decides: of 8 threads creating one object at once, one wins and
+  its content is what stays."""
+  storage.makedirs(root)
+  path = storage.join(root, "lease")
+  won, start = [], threading.Barrier(8)
+
+  def racer(n):
+    start.wait()
+    if storage.create(path, f"writer {n}"):
+      won.append(n)
+
+  threads = [threading.Thread(target=racer, args=(n,)) for n in range(8)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert len(won) == 1
+  assert storage.read_text(path) == f"writer {won[0]}"
+  assert not storage.create(path, "late")
+
+
+def test_a_log_keeps_every_record_of_successive_writers_in_order(root):
+  storage.makedirs(root)
+  path = storage.join(root, "metrics.jsonl")
+  assert storage.read_jsonl(path) == [] if storage.is_url(root) else True
+  for writer in range(2):  # a run, then its resume
+    log = storage.JsonLog(path)
+    for step in range(3):
+      log.append({"writer": writer, "step": step})
+    log.close()
+  records = storage.read_jsonl(path)
+  assert [(r["writer"], r["step"]) for r in records] == [(w, s) for w in range(2) for s in range(3)]
+  assert storage.log_exists(path)
+  assert storage.rewrite_jsonl(path, keep=lambda r: r["step"] != 1) == 2
+  assert [(r["writer"], r["step"]) for r in storage.read_jsonl(path)] == [
+      (0, 0), (0, 2), (1, 0), (1, 2)]
+  storage.append_jsonl(path, {"writer": 2, "step": 0})
+  assert storage.read_jsonl(path)[-1] == {"writer": 2, "step": 0}
+
+
+def test_local_logs_are_files_py_logs(tmp_path):
+  """Locally the log is one file, readable by core/files.py as before."""
+  path = str(tmp_path / "metrics.jsonl")
+  log = storage.JsonLog(path)
+  log.append({"step": 1})
+  log.close()
+  assert files.read_jsonl(path) == [{"step": 1}]
+  assert os.listdir(tmp_path) == ["metrics.jsonl"]
+
+
+def test_a_killed_writer_leaves_only_whole_chunks(stores):
+  """Each record is its own object: whatever a writer did before it died reads back whole."""
+  path = "s3://bucket/killed/metrics.jsonl"
+  log = storage.JsonLog(path)
+  log.append({"step": 1})
+  deadline = time.time() + 10  # no close(): the writer dies once its upload is done
+  while not storage.listdir(path + storage.PARTS_SUFFIX):
+    assert time.time() < deadline
+    time.sleep(0.05)
+  later = storage.JsonLog(path)
+  later.append({"step": 2})
+  later.close()
+  assert storage.read_jsonl(path) == [{"step": 1}, {"step": 2}]
+  assert storage.listdir(path + storage.PARTS_SUFFIX) == ["000000001.jsonl", "000000002.jsonl"]
+
+
+# ------------------------------------------------------------------------------------ the lease
+
+@pytest.fixture(params=["gs", "s3"])
+def bucket_dir(request, stores):
+  return f"{request.param}://bucket/lease{next(_COUNT)}"
+
+
+def test_a_second_writer_is_refused_in_one_line_naming_the_holder(bucket_dir):
+  first = storage.lock(bucket_dir)
+  assert isinstance(first, storage.Lease)
+  first.acquire()
+  try:
+    for attempt in (storage.Lease(bucket_dir).acquire, storage.Lease(bucket_dir).check):
+      with pytest.raises(UserError) as error:
+        attempt()
+      text = one_line(error)
+      assert f"pid {os.getpid()} on host {socket.gethostname()}" in text
+      assert "is in use by" in text and bucket_dir in text
+    holder = json.loads(storage.read_text(storage.join(bucket_dir, "lock")))
+    assert holder["command"] and holder["seconds"] == storage.LEASE_SECONDS
+  finally:
+    first.release()
+  assert not storage.exists(storage.join(bucket_dir, "lock"))  # a clean end frees it
+  second = storage.Lease(bucket_dir)
+  second.check()
+  second.acquire()
+  second.release()
+
+
+def _foreign_lease(directory: str, renewed: float, seconds: float = 3.0) -> None:
+  storage.write(storage.join(directory, "lock"), json.dumps({
+      "host": "another-host", "pid": 1, "since": "2026-11-24T00:00:00", "command": "train",
+      "token": "theirs", "renewed": renewed, "seconds": seconds}))
+
+
+def test_a_lease_that_is_not_renewed_is_taken_over_after_it_runs_out(bucket_dir, capfd):
+  _foreign_lease(bucket_dir, renewed=time.time(), seconds=1.5)
+  with pytest.raises(UserError) as error:
+    storage.Lease(bucket_dir).acquire()
+  assert "pid 1 on host another-host" in one_line(error) and "runs out in" in one_line(error)
+  time.sleep(1.6)
+  taker = storage.Lease(bucket_dir)
+  taker.acquire()
+  try:
+    assert "did not end cleanly; taking over its lease" in capfd.readouterr().err
+    assert json.loads(storage.read_text(taker.path))["pid"] == os.getpid()
+  finally:
+    taker.release()
+
+
+def test_a_dead_process_of_this_host_is_taken_over_at_once(bucket_dir):
+  dead = 2**22 + 12345  # above the default pid_max: no such process
+  storage.write(storage.join(bucket_dir, "lock"), json.dumps({
+      "host": socket.gethostname(), "pid": dead, "since": "x", "command": "train",
+      "token": "old", "renewed": time.time(), "seconds": 600}))
+  lease = storage.Lease(bucket_dir)
+  lease.acquire()
+  lease.release()
+
+
+def test_a_live_run_renews_its_lease_and_notices_a_takeover(bucket_dir, capfd):
+  lease = storage.Lease(bucket_dir, seconds=5, renew_every=0.2)
+  lease.acquire()
+  try:
+    first = json.loads(storage.read_text(lease.path))["renewed"]
+    deadline = time.time() + 10
+    while json.loads(storage.read_text(lease.path))["renewed"] == first:
+      assert time.time() < deadline, "the lease was not renewed"
+      time.sleep(0.1)
+    _foreign_lease(bucket_dir, renewed=time.time(), seconds=5)  # taken from under it
+    while not lease.lost:
+      assert time.time() < deadline, "the takeover went unnoticed"
+      time.sleep(0.1)
+    assert json.loads(storage.read_text(lease.path))["token"] == "theirs"  # not overwritten
+    assert "was taken over by another run" in capfd.readouterr().err
+  finally:
+    lease.release()
+  assert json.loads(storage.read_text(lease.path))["token"] == "theirs"  # not deleted either
+
+
+# ------------------------------------------------------------------------------------ bad inputs
+
+@pytest.mark.parametrize("scheme", ["gs", "s3"])
+def test_a_missing_bucket_is_one_error(scheme, stores):
+  with pytest.raises(UserError) as error:
+    storage.check_bucket(f"{scheme}://no-such-bucket/run")
+  assert f"the bucket {scheme}://no-such-bucket does not exist" in one_line(error)
+
+
+@pytest.mark.parametrize("scheme, variable", [("gs", "STORAGE_EMULATOR_HOST"),
+                                              ("s3", "AWS_ENDPOINT_URL_S3")])
+def test_an_endpoint_that_does_not_answer_is_one_error_within_the_timeout(scheme, variable,
+                                                                          stores, monkeypatch):
+  silent = f"http://127.0.0.1:{emulators.free_port()}"  # nothing listens there
+  monkeypatch.setenv(variable, silent)
+  monkeypatch.setenv(storage.TIMEOUT_ENV, "2")
+  start = time.time()
+  with pytest.raises(UserError) as error:
+    storage.check_bucket(f"{scheme}://bucket/run")
+  assert time.time() - start < 15
+  text = one_line(error)
+  assert silent in text and ("does not answer" in text or "no answer" in text)
+
+
+def test_s3_without_credentials_is_one_error(stores, monkeypatch, tmp_path):
+  for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE"):
+    monkeypatch.delenv(name, raising=False)
+  monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+  monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+  monkeypatch.setattr(storage, "_FILESYSTEMS", {})  # a filesystem made with credentials keeps them
+  with pytest.raises(UserError) as error:
+    storage.write("s3://bucket/nocred/config.json", "{}")
+  assert "no credentials" in one_line(error) and "AWS_ACCESS_KEY_ID" in one_line(error)
+
+
+def test_a_log_upload_that_fails_is_raised_by_the_writer_not_lost(stores):
+  """Uploads run off the caller's thread; a failure comes back as the usual one-line error."""
+  log = storage.JsonLog("gs://no-such-bucket/run/metrics.jsonl")
+  log.append({"step": 1})
+  with pytest.raises(UserError) as error:
+    log.close()
+  assert "no-such-bucket" in one_line(error)

@@ -1,0 +1,706 @@
+"""Workdir paths that may be URLs: every workdir read and write goes through here.
+
+A path is a local path or `gs://BUCKET/KEY` (Google Cloud Storage, through gcsfs) or
+`s3://BUCKET/KEY` (Amazon S3 or an S3-compatible store, through s3fs). Local paths behave exactly
+as `core/files.py` and `core/lock.py` make them behave; each guarantee those give is redone here
+for object stores, one implementation per kind of storage behind one set of functions:
+
+- whole-or-nothing writes (`write`): local, a temporary file and a rename; an object store, one
+  upload, which the store publishes whole or not at all;
+- append-safe JSON-lines logs (`JsonLog`, `read_jsonl`, `rewrite_jsonl`): local, appends to one
+  file; an object store has no append, so each record is one numbered chunk object under
+  `PATH.parts/` and readers concatenate the chunks in order;
+- one writer per workdir (`lock`): local, flock; an object store, a lease object (`Lease`).
+
+Endpoints: gcsfs reads STORAGE_EMULATOR_HOST (and `check` passes it on to TensorStore, which
+writes orbax's checkpoints, as TENSORSTORE_GCS_HTTP_URL) and botocore AWS_ENDPOINT_URL_S3 (or
+AWS_ENDPOINT_URL), so an emulator or another S3-compatible store needs no flag. Every failure a
+user fixes (a scheme typo, a missing bucket, no permission, no credentials, an endpoint that does
+not answer) is one UserError naming it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import json
+import os
+import re
+import socket
+import sys
+import threading
+import time
+import uuid
+import weakref
+from concurrent import futures
+from typing import Callable, Optional
+
+from transformer_jax.core import files
+from transformer_jax.core import lock as lock_lib
+from transformer_jax.core.errors import UserError
+
+SCHEMES = {"gs": "Google Cloud Storage", "s3": "Amazon S3 or an S3-compatible store"}
+# How long the first request to a bucket may take (connecting, retries included) before the run
+# stops with an error saying what it waited for.
+TIMEOUT_ENV = "TRANSFORMER_JAX_STORAGE_TIMEOUT"
+DEFAULT_TIMEOUT_S = 60.0
+RETRIES = 3  # attempts per request after a connection failure or a 5xx answer
+PARTS_SUFFIX = ".parts"  # metrics.jsonl on an object store: metrics.jsonl.parts/000000001.jsonl
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):(/+)(.*)$")
+
+
+def is_url(path: str) -> bool:
+  """True for `scheme://...` (and for `scheme:/...`, a URL with a slash missing)."""
+  return bool(_URL.match(str(path)))
+
+
+def check(path: str, what: str = "--workdir") -> str:
+  """`path` ready for the other functions: a local path made absolute, or a URL checked.
+
+  A URL of another scheme (`gcs://`, `s4://`) or with a slash missing (`gs:/b`) is refused in one
+  line, so that it never becomes a local folder named `gs:`.
+  """
+  path = str(path)
+  found = _URL.match(path)
+  if not found:
+    return os.path.abspath(os.path.expanduser(path))
+  scheme, slashes, rest = found.groups()
+  known = " or ".join(f"{s}://BUCKET/PATH ({name})" for s, name in SCHEMES.items())
+  if scheme not in SCHEMES:
+    guess = {"gcs": "gs", "gcp": "gs", "google": "gs", "s3a": "s3", "s3n": "s3"}.get(scheme.lower())
+    hint = f" (did you mean {guess}://{rest}?)" if guess else ""
+    raise UserError(f"{what} {path}: unknown storage scheme {scheme}://{hint}; use {known}, or a "
+                    "local path")
+  if slashes != "//" or not rest.split("/")[0]:
+    raise UserError(f"{what} {path} is not a {scheme}:// URL with a bucket; write it as "
+                    f"{scheme}://BUCKET/PATH")
+  emulator = os.environ.get("STORAGE_EMULATOR_HOST")
+  if scheme == "gs" and emulator and "TENSORSTORE_GCS_HTTP_URL" not in os.environ:
+    # One endpoint setting for every library: TensorStore (orbax's checkpoints) reads its own.
+    os.environ["TENSORSTORE_GCS_HTTP_URL"] = (emulator if "://" in emulator
+                                              else f"http://{emulator}")
+  return f"{scheme}://{rest.rstrip('/')}"
+
+
+def _split(url: str) -> tuple[str, str]:
+  """('gs', 'bucket/key') of a URL; one of another scheme is refused as `check` refuses it."""
+  scheme, rest = url.split("://", 1) if "://" in url else (None, url)
+  if scheme not in SCHEMES:
+    check(url, "the path")  # raises its UserError
+  return scheme, rest
+
+
+def bucket_of(url: str) -> str:
+  scheme, rest = _split(url)
+  return f"{scheme}://{rest.split('/')[0]}"
+
+
+def endpoint(scheme: str) -> str:
+  """The service a scheme's requests go to, for messages."""
+  if scheme == "gs":
+    return os.environ.get("STORAGE_EMULATOR_HOST") or "storage.googleapis.com"
+  return (os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+          or "Amazon S3")
+
+
+# ------------------------------------------------------------------------- one filesystem a scheme
+
+_FILESYSTEMS: dict = {}
+_FILESYSTEMS_LOCK = threading.Lock()
+
+
+def _timeout() -> float:
+  try:
+    return float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
+  except ValueError:
+    raise UserError(f"{TIMEOUT_ENV}={os.environ[TIMEOUT_ENV]} is not a number of seconds") from None
+
+
+def filesystem(scheme: str):
+  """The fsspec filesystem of `scheme` (one per process; listings never cached, as other
+  processes write the same bucket)."""
+  key = (scheme, os.getpid(), os.environ.get("STORAGE_EMULATOR_HOST"),
+         os.environ.get("AWS_ENDPOINT_URL_S3"), os.environ.get("AWS_ENDPOINT_URL"))
+  with _FILESYSTEMS_LOCK:
+    if key not in _FILESYSTEMS:
+      timeout = min(_timeout(), 30.0)
+      if scheme == "gs":
+        import logging  # gcsfs logs a warning per bucket when it cannot ask for the bucket's kind
+        logging.getLogger("gcsfs").setLevel(logging.ERROR)
+        # The JSON-API filesystem itself, not gcsfs's default subclass for zonal and
+        # hierarchical buckets: that one first asks each bucket's layout over gRPC, which an
+        # emulator does not answer (it then hangs in retries).
+        from gcsfs.core import GCSFileSystem  # imported here: only bucket workdirs need it
+        token = "anon" if os.environ.get("STORAGE_EMULATOR_HOST") else None
+        fs = GCSFileSystem(token=token, requests_timeout=timeout, skip_instance_cache=True,
+                                 use_listings_cache=False)
+        fs.retries = RETRIES
+      else:
+        import s3fs  # imported here: only bucket workdirs need it
+        fs = s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False,
+                               config_kwargs={"connect_timeout": timeout, "read_timeout": timeout,
+                                              "retries": {"max_attempts": RETRIES}})
+      _FILESYSTEMS[key] = fs
+    return _FILESYSTEMS[key]
+
+
+def _failure(url: str, e: BaseException, doing: str) -> Optional[UserError]:
+  """The UserError for a failed request about `url`, or None if it is not one a user fixes."""
+  scheme, _ = _split(url)
+  bucket = bucket_of(url)
+  name = type(e).__name__
+  text = str(e).splitlines()[0] if str(e) else name
+  credentials = {"gs": "run `gcloud auth application-default login` (or set "
+                       "GOOGLE_APPLICATION_CREDENTIALS to a service-account key)",
+                 "s3": "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)"}[scheme]
+  if name in ("NoCredentialsError", "PartialCredentialsError", "DefaultCredentialsError",
+              "RefreshError") or "credentials" in text.lower() and "invalid" not in text.lower():
+    return UserError(f"cannot {doing} {url}: no credentials for {SCHEMES[scheme]} ({text}); "
+                     f"{credentials}")
+  code = getattr(e, "code", None)
+  if isinstance(e, PermissionError) or code in (401, 403) or text.startswith("Forbidden"):
+    return UserError(f"cannot {doing} {url}: permission denied ({text}); grant this account "
+                     f"read and write access to {bucket} (or use another bucket), or check "
+                     f"the credentials ({credentials})")
+  if "bucket" in text.lower() and ("not exist" in text.lower() or "not found" in text.lower()):
+    return UserError(f"cannot {doing} {url}: the bucket {bucket} does not exist; create it "
+                     "first or fix the name")
+  if name in ("EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError",
+              "ClientConnectorError", "ServerDisconnectedError", "ConnectionError",
+              "TimeoutError", "ConnectionRefusedError", "ClientOSError") or isinstance(
+                e, (ConnectionError, TimeoutError)):
+    return UserError(f"cannot {doing} {url}: {endpoint(scheme)} does not answer ({name}: {text}, "
+                     f"after {RETRIES} attempts); check the network and the endpoint "
+                     "(STORAGE_EMULATOR_HOST for gs://, AWS_ENDPOINT_URL_S3 for s3://)")
+  return None
+
+
+def _call(url: str, doing: str, fn: Callable, *args, **kwargs):
+  """fn(*args, **kwargs), a request about `url`; user-fixable failures become one UserError."""
+  try:
+    return fn(*args, **kwargs)
+  except UserError:
+    raise
+  except FileNotFoundError:
+    raise
+  except Exception as e:  # the libraries raise many types; _failure sorts them
+    error = _failure(url, e, doing)
+    if error is None:
+      raise
+    raise error from None
+
+
+def check_bucket(url: str, what: str = "--workdir") -> None:
+  """Raises the UserError for a bucket that is missing, forbidden or unreachable, after at most
+  TRANSFORMER_JAX_STORAGE_TIMEOUT seconds (the first request of a run, made before anything is
+  written)."""
+  scheme, rest = _split(url)
+  bucket = rest.split("/")[0]
+  fs = filesystem(scheme)
+  seconds = _timeout()
+
+  def probe():
+    # A listing of the bucket's top level: it needs the permission to list objects only (an
+    # account allowed its objects but not the bucket's metadata passes), and it is empty, not
+    # missing, for a bucket that exists.
+    try:
+      _call(url, "list", fs.ls, bucket, detail=False)
+    except FileNotFoundError:
+      raise UserError(f"{what} {url}: the bucket {scheme}://{bucket} does not exist; create it "
+                      "first or fix the name") from None
+
+  worker = futures.ThreadPoolExecutor(1, thread_name_prefix="storage-probe")
+  try:
+    worker.submit(probe).result(timeout=seconds)
+  except futures.TimeoutError:
+    raise UserError(f"{what} {url}: no answer from {endpoint(scheme)} within {seconds:.0f} s "
+                    f"(waited for a listing of {scheme}://{bucket}); check the network and the "
+                    f"endpoint, or raise {TIMEOUT_ENV}") from None
+  finally:
+    worker.shutdown(wait=False)
+
+
+# ------------------------------------------------------------------------- paths, reads and writes
+
+def join(base: str, *parts: str) -> str:
+  if is_url(base):
+    return "/".join([base.rstrip("/"), *(p.strip("/") for p in parts)])
+  return os.path.join(base, *parts)
+
+
+def basename(path: str) -> str:
+  return path.rstrip("/").rsplit("/", 1)[-1] if is_url(path) else os.path.basename(path)
+
+
+def dirname(path: str) -> str:
+  return path.rstrip("/").rsplit("/", 1)[0] if is_url(path) else os.path.dirname(path)
+
+
+def exists(path: str) -> bool:
+  if not is_url(path):
+    return os.path.exists(path)
+  scheme, key = _split(path)
+  return bool(_call(path, "read", filesystem(scheme).exists, key))
+
+
+def isfile(path: str) -> bool:
+  if not is_url(path):
+    return os.path.isfile(path)
+  scheme, key = _split(path)
+  return bool(_call(path, "read", filesystem(scheme).isfile, key))
+
+
+def isdir(path: str) -> bool:
+  """On an object store: some object's name starts with `path/`."""
+  if not is_url(path):
+    return os.path.isdir(path)
+  scheme, key = _split(path)
+  return bool(_call(path, "read", filesystem(scheme).isdir, key))
+
+
+def listdir(path: str) -> list[str]:
+  """The names directly under `path` (sorted); [] if there is nothing."""
+  if not is_url(path):
+    return sorted(os.listdir(path)) if os.path.isdir(path) else []
+  scheme, key = _split(path)
+  try:
+    found = _call(path, "list", filesystem(scheme).ls, key, detail=False)
+  except FileNotFoundError:
+    return []
+  return sorted({name.rstrip("/").rsplit("/", 1)[-1] for name in found
+                 if name.rstrip("/") != key})
+
+
+def read_bytes(path: str) -> bytes:
+  """The content of `path`; FileNotFoundError if there is none."""
+  if not is_url(path):
+    with open(path, "rb") as f:
+      return f.read()
+  scheme, key = _split(path)
+  return _call(path, "read", filesystem(scheme).cat_file, key)
+
+
+def read_text(path: str) -> str:
+  return read_bytes(path).decode("utf-8")
+
+
+def write(path: str, content: bytes | str, what: str = "") -> str:
+  """Writes `content` to `path` whole or not at all; returns `path`.
+
+  Local: `files.atomic_write` (a temporary file and a rename). An object store: one upload,
+  which the store publishes only once it is complete (a multipart upload of a large file too).
+  """
+  if not is_url(path):
+    return files.atomic_write(path, content, what)
+  data = content.encode("utf-8") if isinstance(content, str) else content
+  scheme, key = _split(path)
+  try:
+    _call(path, "write", filesystem(scheme).pipe_file, key, data)
+  except FileNotFoundError:  # an upload finds no object missing: its bucket is
+    raise _no_bucket(path, "write") from None
+  return path
+
+
+def _no_bucket(path: str, doing: str) -> UserError:
+  return UserError(f"cannot {doing} {path}: the bucket {bucket_of(path)} does not exist; create "
+                   "it first or fix the name")
+
+
+def create(path: str, content: bytes | str) -> bool:
+  """Writes `content` to `path` only if nothing is there; True if it did.
+
+  The precondition is the store's own (GCS `ifGenerationMatch=0`, S3 `If-None-Match: *`), so of
+  two processes creating one object at once exactly one succeeds.
+  """
+  data = content.encode("utf-8") if isinstance(content, str) else content
+  if not is_url(path):
+    try:
+      fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+      return False
+    with os.fdopen(fd, "wb") as f:
+      f.write(data)
+    return True
+  scheme, key = _split(path)
+  try:
+    _call(path, "write", filesystem(scheme).pipe_file, key, data, mode="create")
+  except FileExistsError:
+    return False
+  except FileNotFoundError:
+    raise _no_bucket(path, "write") from None
+  return True
+
+
+def remove(path: str) -> None:
+  """Deletes the file or object `path` if it exists."""
+  if not is_url(path):
+    try:
+      os.remove(path)
+    except FileNotFoundError:
+      pass
+    return
+  scheme, key = _split(path)
+  try:
+    _call(path, "delete", filesystem(scheme).rm_file, key)
+  except FileNotFoundError:
+    pass
+
+
+def move(source: str, destination: str) -> None:
+  """Moves a file or directory. Local: one rename. An object store has no rename: each object
+  is copied, then deleted (not atomic; used only to set aside what is kept for a post-mortem)."""
+  if not is_url(source):
+    os.makedirs(os.path.dirname(destination), exist_ok=True)
+    os.replace(source, destination)
+    return
+  scheme, key = _split(source)
+  _call(source, "move", filesystem(scheme).mv, key, _split(destination)[1], recursive=True)
+
+
+def makedirs(path: str) -> None:
+  """Local: creates the directory (a failure is `files.write_error`'s UserError). An object store
+  has no directories: nothing to do."""
+  if is_url(path):
+    return
+  try:
+    os.makedirs(path, exist_ok=True)
+  except OSError as e:
+    raise files.write_error(path, e) from None
+
+
+# ------------------------------------------------------------------------- JSON-lines logs
+
+def _parts(path: str) -> list[str]:
+  """The chunk objects of an object-store log, in order."""
+  directory = path + PARTS_SUFFIX
+  return [join(directory, name) for name in listdir(directory) if name.endswith(".jsonl")]
+
+
+def _parse_lines(data: bytes, where: str, bad: list) -> list[dict]:
+  records = []
+  for number, line in enumerate(data.splitlines(), 1):
+    if not line.strip():
+      continue
+    try:
+      record = json.loads(line.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+      record = None
+    if isinstance(record, dict):
+      records.append(record)
+    else:
+      bad.append(f"{where}:{number}")
+  return records
+
+
+def read_jsonl(path: str, err=None) -> list[dict]:
+  """The records of a JSON-lines log (see `JsonLog`): local, `files.read_jsonl`; an object store,
+  the object `path` if any, then its chunks in order."""
+  if not is_url(path):
+    return files.read_jsonl(path, err)
+  records, bad = [], []
+  for part in ([path] if isfile(path) else []) + _parts(path):
+    records += _parse_lines(read_bytes(part), basename(part), bad)
+  if bad:
+    print(f"warning: skipped {len(bad)} unreadable line(s) of {path} ({', '.join(bad[:10])}): "
+          "damaged records", file=err or sys.stderr, flush=True)
+  return records
+
+
+def log_exists(path: str) -> bool:
+  """True if the JSON-lines log `path` has any record file (local: the file)."""
+  if not is_url(path):
+    return os.path.isfile(path)
+  return isfile(path) or bool(_parts(path))
+
+
+def rewrite_jsonl(path: str, keep: Callable[[dict], bool]) -> int:
+  """Drops the records for which `keep` is False, each file or chunk rewritten whole; returns
+  how many were dropped."""
+  if not is_url(path):
+    return files.rewrite_jsonl(path, keep)
+  dropped = 0
+  for part in ([path] if isfile(path) else []) + _parts(path):
+    lines = read_bytes(part).splitlines(keepends=True)
+    kept = []
+    for line in lines:
+      try:
+        record = json.loads(line.decode("utf-8"))
+      except (UnicodeDecodeError, ValueError):
+        record = None
+      if not (isinstance(record, dict) and not keep(record)):
+        kept.append(line)
+    if len(kept) < len(lines):
+      dropped += len(lines) - len(kept)
+      if kept:
+        write(part, b"".join(kept))
+      else:
+        remove(part)
+  return dropped
+
+
+def set_aside_partial_line(path: str, err=None) -> int:
+  """Local: `files.set_aside_partial_line`. An object store has no cut-off records (every chunk
+  is uploaded whole): 0."""
+  return 0 if is_url(path) else files.set_aside_partial_line(path, err)
+
+
+class _Uploads:
+  """Uploads (path, bytes) in order on one background thread, so that the caller (the training
+  loop) never waits for a request. A failed upload is raised by the next `put` or by `close`."""
+
+  def __init__(self):
+    self._pool = futures.ThreadPoolExecutor(1, thread_name_prefix="storage-upload")
+    self._pending: list = []
+
+  def _raise_failures(self, wait: bool) -> None:
+    keep = []
+    for future in self._pending:
+      if wait or future.done():
+        future.result()  # raises the upload's UserError
+      else:
+        keep.append(future)
+    self._pending = keep
+
+  def put(self, path: str, data: bytes) -> None:
+    self._raise_failures(wait=False)
+    self._pending.append(self._pool.submit(write, path, data))
+
+  def close(self) -> None:
+    try:
+      self._raise_failures(wait=True)
+    finally:
+      self._pool.shutdown(wait=True)
+
+
+class JsonLog:
+  """Appends one JSON object per line to the log `path`.
+
+  Local: `files.JsonLog` (appends to the file). An object store: each `append` uploads one chunk
+  object PATH.parts/NNNNNNNNN.jsonl, numbered after the chunks already there, so a writer killed
+  at any moment leaves only whole records and a later writer never overwrites an earlier one.
+  The uploads run on a background thread in order (`close` waits for them); a process killed
+  within a request's time of an `append` may lose that record.
+  """
+
+  def __init__(self, path: str, err=None):
+    self.path = path
+    if not is_url(path):
+      self._local = files.JsonLog(path, err)
+      return
+    self._local = None
+    names = [basename(p) for p in _parts(path)]
+    self._next = 1 + max((int(n.split(".")[0]) for n in names if n.split(".")[0].isdigit()),
+                         default=0)
+    self._uploads = _Uploads()
+
+  def append(self, record: dict) -> None:
+    if self._local is not None:
+      self._local.append(record)
+      return
+    data = (json.dumps(record) + "\n").encode("utf-8")
+    self._uploads.put(join(self.path + PARTS_SUFFIX, f"{self._next:09d}.jsonl"), data)
+    self._next += 1
+
+  def close(self) -> None:
+    if self._local is not None:
+      self._local.close()
+    else:
+      self._uploads.close()
+
+
+class AppendFile:
+  """Appends binary records to `path`. Local: `files.AppendFile` (one file). An object store:
+  each append is one object PATH.NNNNNN (TensorBoard reads every event file of a directory in
+  name order, so event files stay readable as a sequence), uploaded as `JsonLog`'s chunks are."""
+
+  def __init__(self, path: str):
+    self.path = path
+    self._local = None if is_url(path) else files.AppendFile(path)
+    self._uploads = _Uploads() if is_url(path) else None
+    self._next = 0
+
+  def append(self, data: bytes) -> None:
+    if self._local is not None:
+      self._local.append(data)
+      return
+    self._uploads.put(f"{self.path}.{self._next:06d}", data)
+    self._next += 1
+
+  def close(self) -> None:
+    if self._local is not None:
+      self._local.close()
+    else:
+      self._uploads.close()
+
+
+def append_jsonl(path: str, record: dict) -> None:
+  """One record appended to the log `path` (see JsonLog), for logs written now and then."""
+  log = JsonLog(path)
+  try:
+    log.append(record)
+  finally:
+    log.close()
+
+
+# ------------------------------------------------------------------------- one writer: a lease
+
+LEASE_SECONDS = 60.0  # a lease not renewed for this long is taken over
+RENEW_EVERY_S = 20.0  # how often a live run renews its lease (one read and one write each)
+
+
+def _now() -> float:
+  return time.time()
+
+
+def _pid_alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except (PermissionError, OSError):
+    return True
+  return True
+
+
+class Lease:
+  """One writer per object-store directory: the object DIR/lock, created with the store's
+  precondition (see `create`), renewed by a background thread, deleted at a clean end.
+
+  A lease that has not been renewed for `seconds` (its run was killed, or its machine lost) is
+  taken over by the next run; so is one left by a dead process of this same host, at once. The
+  interface is `core.lock.DirectoryLock`'s: `check`, `acquire`, `release`, `held`.
+
+  Costs: one read and one write every `renew_every` seconds while a run lives (180 of each per
+  hour at the defaults), plus a few requests at start and end. A run killed without a clean end
+  blocks a run on another machine for at most `seconds` after its last renewal.
+  """
+
+  def __init__(self, directory: str, what: str = "--workdir", seconds: float = LEASE_SECONDS,
+               renew_every: float = RENEW_EVERY_S):
+    self.directory = directory
+    self.path = join(directory, lock_lib.FILENAME)
+    self.what = what
+    self.seconds = seconds
+    self.renew_every = renew_every
+    self.lost = False  # set when another run took the lease over from under this one
+    self._token = None
+    self._stop = threading.Event()
+    self._thread = None
+
+  def _read(self) -> Optional[dict]:
+    try:
+      raw = read_bytes(self.path)
+    except FileNotFoundError:
+      return None
+    try:
+      holder = json.loads(raw.decode("utf-8"))
+      return holder if isinstance(holder, dict) else {}
+    except (UnicodeDecodeError, ValueError):
+      return {}  # damaged: treated as expired
+
+  def _expired(self, holder: dict) -> bool:
+    renewed = holder.get("renewed")
+    if not isinstance(renewed, (int, float)):
+      return True
+    if holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int):
+      if holder["pid"] != os.getpid() and not _pid_alive(holder["pid"]):
+        return True  # its process is gone: no need to wait for the lease to run out
+    return _now() > renewed + float(holder.get("seconds", self.seconds))
+
+  def _refusal(self, holder: dict) -> UserError:
+    left = float(holder.get("renewed", 0)) + float(holder.get("seconds", self.seconds)) - _now()
+    text = lock_lib._holder_text(json.dumps(holder).encode("utf-8"))
+    return UserError(f"{self.what} {self.directory} is in use by {text}; only one run may write "
+                     "it: wait for that run to end (or stop it), or use another directory (if it "
+                     f"was killed, its lease runs out in {max(left, 0):.0f} s)")
+
+  def check(self) -> None:
+    """Raises the refusal if another run holds a live lease now; writes nothing."""
+    holder = self._read()
+    if holder is not None and holder.get("token") != self._token and not self._expired(holder):
+      raise self._refusal(holder)
+
+  def _record(self, since: str) -> bytes:
+    return json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": since,
+                       "command": " ".join(sys.argv)[:300], "token": self._token,
+                       "renewed": _now(), "seconds": self.seconds}).encode("utf-8")
+
+  def acquire(self) -> None:
+    """Takes the lease or raises a UserError naming its holder."""
+    token = uuid.uuid4().hex
+    since = datetime.datetime.now().isoformat(timespec="seconds")
+    for _ in range(3):
+      holder = self._read()
+      if holder is not None:
+        if not self._expired(holder):
+          raise self._refusal(holder)
+        text = lock_lib._holder_text(json.dumps(holder).encode("utf-8"))
+        print(f"warning: the previous run in {self.directory} ({text}) did not end cleanly; "
+              "taking over its lease", file=sys.stderr, flush=True)
+        if self._read() == holder:  # not renewed or taken by another run meanwhile
+          remove(self.path)
+      self._token = token
+      if create(self.path, self._record(since)):
+        break
+      self._token = None  # another run created it between our read and our write
+    else:
+      raise self._refusal(self._read() or {})
+    self._since = since
+    self._stop.clear()
+    self._thread = threading.Thread(target=self._renew, name="storage-lease", daemon=True)
+    self._thread.start()
+    atexit.register(_release, weakref.ref(self))
+
+  def _renew(self) -> None:
+    while not self._stop.wait(self.renew_every):
+      try:
+        holder = self._read()
+        if holder is None or holder.get("token") != self._token:
+          self.lost = True
+          print(f"warning: the lease on {self.directory} was taken over by another run "
+                f"({lock_lib._holder_text(json.dumps(holder or {}).encode())}); this run no "
+                "longer holds it", file=sys.stderr, flush=True)
+          return
+        write(self.path, self._record(self._since))
+      except Exception as e:  # a failed renewal is retried at the next one
+        print(f"warning: could not renew the lease on {self.directory}: {e}", file=sys.stderr,
+              flush=True)
+
+  def release(self) -> None:
+    """Stops renewing and deletes the lease if it is still this run's."""
+    if self._token is None:
+      return
+    self._stop.set()
+    if self._thread is not None and self._thread is not threading.current_thread():
+      self._thread.join(timeout=5)
+    try:
+      holder = self._read()
+      if holder is not None and holder.get("token") == self._token:
+        remove(self.path)
+    except Exception:
+      pass  # the lease then runs out by itself
+    self._token = None
+
+  @property
+  def held(self) -> bool:
+    return self._token is not None
+
+  def __enter__(self) -> "Lease":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.release()
+
+
+def _release(reference: weakref.ref) -> None:
+  held = reference()
+  if held is not None:
+    held.release()
+
+
+def lock(directory: str, what: str = "--workdir"):
+  """The one-writer lock of `directory`: a `core.lock.DirectoryLock` (flock) for a local
+  directory, a `Lease` for an object-store one."""
+  if is_url(directory):
+    return Lease(directory, what)
+  return lock_lib.DirectoryLock(directory, what)
