@@ -31,7 +31,8 @@ from transformer_jax import experiments
 from transformer_jax.core.errors import UserError, unknown_key_message
 
 MODES = ("describe", "train", "evaluate", "translate", "generate", "export", "plot", "benchmark",
-         "compile")
+         "compile", "import_hf", "export_hf")
+HF_MODES = ("import_hf", "export_hf")  # Hugging Face model directories in and out: no --config
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment config: a file (experiments/*.py) or an installed experiment's "
@@ -60,6 +61,8 @@ _KEEP_HOST_MEMORY = flags.DEFINE_enum(
     "large per-step temporaries again every step (about 20% of the CPU benchmark's step); the "
     "process keeps its peak resident memory. auto: only when a step's arrays exceed 32 MiB "
     "(for small steps the shared malloc lock costs more than it saves).")
+_HF_DIR = flags.DEFINE_string("hf_dir", None, "--mode=import_hf / export_hf: the Hugging Face "
+                              "model directory read or written (tools/hf).")
 _CHECKPOINT_STEP = flags.DEFINE_integer(
     "checkpoint_step", None,
     "Checkpoint to evaluate, translate or generate with (default: the latest).")
@@ -176,7 +179,7 @@ def _check_flags(mode: str) -> None:
                       "leave the flag out")
   for flag, modes in ((_CHECKPOINT_STEP, ("evaluate", "translate", "generate", "plot")),
                       (_TEXT, ("plot",)),
-                      (_SPLIT, ("export", "evaluate"))):
+                      (_SPLIT, ("export", "evaluate")), (_HF_DIR, HF_MODES)):
     if flags.FLAGS[flag.name].present and mode not in modes:
       raise UserError(f"--{flag.name} is for --mode={' or '.join(modes)}, not --mode={mode}"
                       + ("; training always resumes from the newest checkpoint"
@@ -229,6 +232,9 @@ def _check_workdir_config(config, workdir: str) -> None:
 def run(argv) -> None:
   if len(argv) > 1:
     raise UserError(f"unexpected arguments {' '.join(argv[1:])}; flags look like --name=value")
+  if _MODE.value in HF_MODES:
+    _run_hf(_MODE.value)
+    return
   if _CONFIG.value is None:
     if flags.FLAGS["config"].present:  # a file was given, and its get_config() returned None
       raise UserError("the experiment's get_config() returned None; return a ConfigDict "
@@ -307,6 +313,20 @@ def run(argv) -> None:
     from transformer_jax.eval import generate
     generate.generate_from_workdir(config, _WORKDIR.value, sys.stdin.buffer, sys.stdout,
                                    step=_CHECKPOINT_STEP.value)
+
+
+def _run_hf(mode: str) -> None:
+  """--mode=import_hf / export_hf: a workdir from a Hugging Face model directory, or back."""
+  for flag in (_HF_DIR, _WORKDIR):
+    if not (flag.value or "").strip():
+      raise UserError(f"--{flag.name} is required for --mode={mode}")
+  from transformer_jax.core import platforms
+  platforms.cpu_only_unless_accelerated()
+  from transformer_jax.tools import hf
+  if mode == "import_hf":
+    print(hf.import_hf(_HF_DIR.value, _WORKDIR.value))
+  else:
+    print(hf.export_hf(_WORKDIR.value, _HF_DIR.value, step=_CHECKPOINT_STEP.value))
 
 
 def _stdout_file():
