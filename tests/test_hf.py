@@ -8,6 +8,9 @@ export -> from_pretrained.
 """
 
 import json
+import os
+import subprocess
+import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -19,6 +22,8 @@ tokenizers = pytest.importorskip("tokenizers")
 
 from transformer_jax import config as config_lib  # noqa: E402
 from transformer_jax.core.errors import UserError  # noqa: E402
+from transformer_jax.core.tokens import EOS_ID  # noqa: E402
+from transformer_jax.data import tokenizer as tokenizer_lib  # noqa: E402
 from transformer_jax.eval import decode  # noqa: E402
 from transformer_jax.eval.load import load_trained  # noqa: E402
 from transformer_jax.model import make_model  # noqa: E402
@@ -258,3 +263,103 @@ def test_export_refuses_a_model_no_architecture_expresses(gpt2_dir, tmp_path):
   with pytest.raises(UserError, match="model.norm=pre"):
     hf.export_hf(str(tmp_path / "w"), str(tmp_path / "out"))
   assert not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------- tokenizers
+
+MULTI30K = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..",
+                        "shared", "data", "multi30k")
+
+
+def multi30k(split, language, count):
+  with open(os.path.join(MULTI30K, f"{split}.{language}"), encoding="utf-8") as f:
+    return [line.rstrip("\n") for _, line in zip(range(count), f)]
+
+
+@pytest.mark.skipif(not os.path.isdir(MULTI30K), reason="../shared/data/multi30k not present")
+@pytest.mark.parametrize("kind", ["gpt2", "bert"])
+def test_imported_tokenizer_reads_text_as_transformers_does(kind, tmp_path):
+  """1,000 English and 1,000 German Multi30k sentences: our ids, mapped back to theirs, are
+  AutoTokenizer's (GPT-2: the text alone; BERT: [CLS] text [SEP], our encode + the EOS that our
+  pipeline appends), and decoding gives their text back."""
+  train = multi30k("train", "en", 3000) + multi30k("train", "de", 3000)
+  sentences = multi30k("val", "en", 1000) + multi30k("val", "de", 1000)
+  assert len(sentences) == 2000
+  if kind == "gpt2":
+    tokenizer = byte_level_bpe(train, 2000)
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=tokenizer.get_vocab_size(), n_positions=16, n_embd=8, n_layer=1, n_head=2,
+        bos_token_id=eos, eos_token_id=eos))
+    hf_dir = save(model, tokenizer, tmp_path / "hf", bos_token="<|endoftext|>",
+                  eos_token="<|endoftext|>")
+  else:
+    tokenizer = wordpiece(train, 2000)
+    model = transformers.BertForMaskedLM(transformers.BertConfig(
+        vocab_size=tokenizer.get_vocab_size(), hidden_size=8, num_hidden_layers=1,
+        num_attention_heads=2, intermediate_size=16, max_position_embeddings=16))
+    hf_dir = save(model, tokenizer, tmp_path / "hf", pad_token="[PAD]", unk_token="[UNK]",
+                  cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]")
+  hf.import_hf(hf_dir, str(tmp_path / "w"))
+  ours = tokenizer_lib.load_workdir(str(tmp_path / "w"), "")
+  theirs = transformers.AutoTokenizer.from_pretrained(hf_dir)
+  expected = theirs(sentences)["input_ids"]
+  encoded = [row + [EOS_ID] if kind == "bert" else row for row in ours.encode(sentences)]
+  assert [ours.hf_ids[row].tolist() for row in encoded] == expected
+  assert sum(map(len, expected)) > 10 * len(sentences)  # words split into several tokens
+  decoded = [ours.decode(row + [EOS_ID]) for row in ours.encode(sentences[:50])]
+  assert decoded == theirs.batch_decode(expected[:50], skip_special_tokens=True)
+  assert ours.has_mask() == (kind == "bert")
+
+
+# ----------------------------------------------------------------------------- the modes
+
+
+def launch(*flags):
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  return subprocess.run([sys.executable, os.path.join(root, "launch.py"), *flags],
+                        capture_output=True, text=True, timeout=300, cwd=root,
+                        input="a small dog\nzwei Männer spielen\n\n")
+
+
+def test_generate_on_an_imported_gpt2_continues_text_as_transformers_does(gpt2_dir, tmp_path):
+  """launch.py --mode=import_hf, then --mode=generate (greedy, 32 tokens) on the workdir: each
+  line's continuation is the text of transformers' greedy generate from its tokenizer's ids (no
+  BOS before a prompt; an empty prompt starts at <|endoftext|>)."""
+  workdir = str(tmp_path / "w")
+  done = launch("--mode=import_hf", f"--hf_dir={gpt2_dir}", f"--workdir={workdir}")
+  assert done.returncode == 0, done.stderr
+  assert "imported gpt2 (GPT2LMHeadModel)" in done.stdout
+  done = launch("--mode=generate", f"--workdir={workdir}", "--config.eval.max_decode_len=32")
+  assert done.returncode == 0, done.stderr
+  model = transformers.GPT2LMHeadModel.from_pretrained(gpt2_dir).eval()
+  tokenizer = transformers.AutoTokenizer.from_pretrained(gpt2_dir)
+  expected = []
+  for prompt in ("a small dog", "zwei Männer spielen", ""):
+    ids = tokenizer(prompt)["input_ids"] or [tokenizer.eos_token_id]
+    out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=int),
+                         max_new_tokens=32, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    text = tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
+    expected.append(" ".join(text.splitlines()))
+  assert done.stdout.splitlines() == expected
+
+
+def test_an_imported_gpt2_trains_further_with_its_own_tokenizer(gpt2_dir, tmp_path):
+  """--mode=train on an imported workdir continues from its step-0 checkpoint with the imported
+  tokenizer (no SentencePiece model is trained) and the loss falls."""
+  workdir, data = tmp_path / "w", tmp_path / "data"
+  data.mkdir()
+  (data / "train.txt").write_text("\n".join(TEXTS) + "\n")
+  (data / "test.txt").write_text("\n".join(TEXTS[:5]) + "\n")
+  hf.import_hf(gpt2_dir, str(workdir))
+  done = launch("--mode=train", f"--workdir={workdir}", "--config.data.source=files",
+                f"--config.data.path={data}", "--config.train.steps=30",
+                "--config.train.log_every=10", "--config.train.learning_rate=3e-3",
+                "--config.train.warmup_steps=5", "--config.data.max_target_len=32",
+                "--config.data.tokens_per_batch=512", "--config.data.test_split=")
+  assert done.returncode == 0, done.stderr
+  records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  losses = [r["loss"] for r in records if r["split"] == "train"]
+  assert len(losses) == 3 and losses[-1] < losses[0] - 0.3, losses
+  assert not (workdir / tokenizer_lib.FILENAME).exists()
+  assert "imported model's tokenizer" in done.stdout

@@ -56,6 +56,9 @@ class Tokenizer:
   def vocab_size(self) -> int:
     return self._sp.get_piece_size()
 
+  prompt_bos = True  # a prompt of a decoder-only model starts with BOS
+  filename = FILENAME  # its file in a workdir
+
   def encode(self, texts: Sequence[str]) -> list[list[int]]:
     """Token ids of each text, without BOS/EOS."""
     return self._sp.encode(list(texts))
@@ -127,7 +130,8 @@ class HFTokenizer:
 
   The file (`HF_FILENAME`, JSON): "tokenizer" (their tokenizer.json, as a string), "hf_ids"
   (per our id, their id; -1: a token of ours only, e.g. GPT-2's padding), "our_ids" (per their
-  id, ours), "add_bos" (whether the model reads a text after a BOS: BERT's [CLS]; GPT-2 none).
+  id, ours), "add_bos" (whether the model reads a text after a BOS: BERT's [CLS]; GPT-2 none),
+  "special_tokens" ({our special: their token}).
   """
 
   def __init__(self, data: bytes, name: str = "the imported tokenizer",
@@ -152,10 +156,19 @@ class HFTokenizer:
   def vocab_size(self) -> int:
     return len(self.hf_ids)
 
+  filename = HF_FILENAME
+
+  @property
+  def prompt_bos(self) -> bool:
+    """Whether a prompt starts with BOS: GPT-2's tokenizer adds none, so neither do we."""
+    return self.add_bos
+
   def encode(self, texts: Sequence[str]) -> list[list[int]]:
-    """Our ids of each text, without the special tokens the model's post-processor adds."""
+    """Our ids of each text as the model reads it, but for the EOS that our pipeline appends:
+    BERT's "[CLS] text" ([SEP] = our EOS follows), GPT-2's text alone."""
     encodings = self._tokenizer.encode_batch(list(texts), add_special_tokens=False)
-    return [self.our_ids[e.ids].tolist() for e in encodings]
+    start = [BOS_ID] if self.add_bos else []
+    return [start + self.our_ids[e.ids].tolist() for e in encodings]
 
   def decode(self, ids: Iterable[int]) -> str:
     """Text of one id sequence; stops at the first EOS, skips padding, BOS and our own tokens."""

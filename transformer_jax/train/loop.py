@@ -130,7 +130,7 @@ def train(config, workdir: str, evaluate_fn: EvaluateFn) -> Result:
   checkpoint.create_workdir(workdir)
   lock = checkpoint.claim_workdir(workdir, seen_steps)  # held until training and its eval end
   if is_main and new_tokenizer:
-    atomic_write(os.path.join(workdir, tokenizer_lib.FILENAME), tokenizer.model_proto)
+    atomic_write(os.path.join(workdir, tokenizer.filename), tokenizer.model_proto)
   if is_main:
     atomic_write(os.path.join(workdir, "config.json"), config_json)
   set_aside = reader.set_aside_unreadable()

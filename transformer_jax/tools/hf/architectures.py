@@ -194,6 +194,7 @@ class Architecture:
   heads: tuple  # Head, by HF class
   special_tokens: dict  # {our special: their default token} (tokenizer_config.json overrides)
   slots: tuple  # our special ids, in order
+  add_bos: bool  # whether its tokenizer starts a text with BOS (BERT's [CLS]); GPT-2's does not
   ignored: tuple  # regular expressions of their tensors that hold no parameter (buffers, ties)
 
 
@@ -237,6 +238,7 @@ GPT2 = Architecture(
     heads=(Head("GPT2LMHeadModel", "lm", (), dict(num_labels=0)),),
     special_tokens={"bos": "<|endoftext|>", "eos": "<|endoftext|>"},
     slots=DECODER_SLOTS,
+    add_bos=False,
     ignored=(r"\.attn\.(masked_)?bias$", r"^lm_head\.weight$"),
 )
 
@@ -290,6 +292,7 @@ BERT = Architecture(
     special_tokens={"pad": "[PAD]", "bos": "[CLS]", "eos": "[SEP]", "unk": "[UNK]",
                     "mask": "[MASK]"},
     slots=ENCODER_SLOTS,
+    add_bos=True,
     ignored=(r"position_ids$", r"^cls\.predictions\.decoder\.(weight|bias)$",
              r"^cls\.seq_relationship\.", r"^bert\.pooler\."),
 )

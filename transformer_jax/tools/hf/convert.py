@@ -278,7 +278,7 @@ def import_hf(hf_dir: str, workdir: str) -> str:
   config_lib.validate(config)
   tokenizer_file = json.dumps({
       "tokenizer": tokenizer_text, "hf_ids": vocab.hf_ids.tolist(),
-      "our_ids": vocab.our_ids.tolist(), "add_bos": arch.slots != ("pad", "bos", "eos"),
+      "our_ids": vocab.our_ids.tolist(), "add_bos": arch.add_bos,
       "special_tokens": special_tokens, "model_type": arch.model_type}).encode()
   tokenizer_lib.HFTokenizer(tokenizer_file)  # reads back
 
