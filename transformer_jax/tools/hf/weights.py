@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 
 import numpy as np
 
@@ -60,10 +61,13 @@ def _pytorch(path: str) -> dict:
                     "(pip install 'transformer_jax[torch]') or convert the model to "
                     "safetensors") from None
   try:
-    state = torch.load(path, map_location="cpu", weights_only=True)
-  except Exception as e:  # pickle.UnpicklingError for anything that is not plain tensors
-    raise UserError(f"{path} is not a weights-only PyTorch file ({str(e).splitlines()[0]}); "
-                    "use the model's safetensors instead (a pickle may run code)") from None
+    with warnings.catch_warnings():  # torch warns about pickle protocols before it refuses
+      warnings.simplefilter("ignore")
+      state = torch.load(path, map_location="cpu", weights_only=True)
+  except Exception:  # pickle.UnpicklingError for anything that is not plain tensors
+    raise UserError(f"{path} is not a weights-only PyTorch file (torch.load with "
+                    "weights_only=True refuses it); use the model's safetensors instead (a "
+                    "pickle may run code)") from None
   if not isinstance(state, dict):
     raise UserError(f"{path} holds a {type(state).__name__}, not a state dict of tensors; use "
                     "the model's safetensors instead")
