@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -363,3 +364,23 @@ def test_an_imported_gpt2_trains_further_with_its_own_tokenizer(gpt2_dir, tmp_pa
   assert len(losses) == 3 and losses[-1] < losses[0] - 0.3, losses
   assert not (workdir / tokenizer_lib.FILENAME).exists()
   assert "imported model's tokenizer" in done.stdout
+
+
+@pytest.mark.parametrize("form", ["pytorch_bin", "sharded"])
+def test_pytorch_and_sharded_weights_import_as_safetensors_do(form, gpt2_dir, tmp_path):
+  """pytorch_model.bin (read with weights_only=True) and sharded safetensors with their index
+  give the parameters that model.safetensors gives."""
+  import shutil
+  other = tmp_path / form
+  shutil.copytree(gpt2_dir, other)
+  os.remove(other / "model.safetensors")
+  model = transformers.GPT2LMHeadModel.from_pretrained(gpt2_dir)
+  if form == "pytorch_bin":
+    torch.save(model.state_dict(), other / "pytorch_model.bin")
+  else:
+    model.save_pretrained(other, max_shard_size="20KB")
+    assert len(list(other.glob("model-*.safetensors"))) > 1
+  reference = imported(gpt2_dir, tmp_path / "a").params
+  params = imported(str(other), tmp_path / "b").params
+  for a, b in zip(jax.tree.leaves(reference), jax.tree.leaves(params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
