@@ -219,8 +219,10 @@ def _check_workdir_config(config, workdir: str) -> None:
     return  # no config.json (or a damaged one): loading the checkpoint decides
   incompatible, _ = checkpoint.compare_configs(saved, config)
   old, new = trees.flatten(saved), trees.flatten(checkpoint.config_json(config))
+  # A workdir that never trained (an imported model: no metrics.jsonl) has no data of its own.
+  trained = os.path.exists(os.path.join(workdir, "metrics.jsonl"))
   incompatible += [f"{key} {old[key]} -> {new[key]}" for key in _DATA_KEYS
-                   if key in old and key in new and old[key] != new[key]]
+                   if trained and key in old and key in new and old[key] != new[key]]
   if incompatible:
     shown = ", ".join(incompatible[:4]) + (f" and {len(incompatible) - 4} more"
                                            if len(incompatible) > 4 else "")

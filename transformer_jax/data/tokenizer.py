@@ -165,10 +165,13 @@ class HFTokenizer:
 
   def encode(self, texts: Sequence[str]) -> list[list[int]]:
     """Our ids of each text as the model reads it, but for the EOS that our pipeline appends:
-    BERT's "[CLS] text" ([SEP] = our EOS follows), GPT-2's text alone."""
-    encodings = self._tokenizer.encode_batch(list(texts), add_special_tokens=False)
+    BERT's "[CLS] text" ([SEP] = our EOS follows), GPT-2's text alone; "" gives []."""
+    texts = list(texts)
+    encodings = self._tokenizer.encode_batch(texts, add_special_tokens=False)
     start = [BOS_ID] if self.add_bos else []
-    return [start + self.our_ids[e.ids].tolist() for e in encodings]
+    # An empty text stays empty: the pipeline's "no such side" (a text task's other side).
+    return [start + self.our_ids[e.ids].tolist() if text else []
+            for text, e in zip(texts, encodings)]
 
   def decode(self, ids: Iterable[int]) -> str:
     """Text of one id sequence; stops at the first EOS, skips padding, BOS and our own tokens."""

@@ -277,7 +277,9 @@ def plot_workdir(config, workdir: str, text: Optional[str] = None,
   """Writes every plot for a run into WORKDIR/plots; returns the paths."""
   workdir = os.path.abspath(workdir)
   out = os.path.join(workdir, "plots")
-  records = logger.read_metrics(workdir, required=True)
+  # Curves need a training run; attention maps (--text) need only a checkpoint, which an
+  # imported model (--mode=import_hf) has before it ever trains.
+  records = logger.read_metrics(workdir, required=text is None)
   model_config = config_lib.validate(config)
   if os.path.lexists(out) and not os.path.isdir(out):
     raise UserError(f"{out} is not a directory, where plots are written; move it away")
@@ -291,7 +293,7 @@ def plot_workdir(config, workdir: str, text: Optional[str] = None,
     os.makedirs(out, exist_ok=True)
   except OSError as e:
     raise files.write_error(out, e) from None
-  paths = [plot_curves(records, os.path.join(out, "curves.png"))]
+  paths = [plot_curves(records, os.path.join(out, "curves.png"))] if records else []
 
   picture = position_picture(model_config, params)
   if picture is not None:

@@ -219,9 +219,9 @@ def _params_from(tensors: dict, arch, head, model: ModelConfig, vocab: Vocab, pa
   return _nested(flat)
 
 
-def _experiment_config(model: ModelConfig, task: str):
-  """The full experiment config of the imported model: defaults, the model, its task, limits
-  that fit its positions, and the fine-tuning recipe."""
+def _experiment_config(model: ModelConfig, task: str, hf_config: dict):
+  """The full experiment config of the imported model: defaults, the model, its task (with a
+  classifier's class names), limits that fit its positions, and the fine-tuning recipe."""
   config = config_lib.default_config()
   for key, value in dict(model.__dict__).items():
     if key in config.model:
@@ -233,6 +233,10 @@ def _experiment_config(model: ModelConfig, task: str):
   # until then the config keeps the built-in SCAN data, which needs no files, so it validates.
   config.data.source = "scan"
   config.data.format = {"lm": "text", "mlm": "text", "classify": "tsv"}.get(task, "parallel")
+  names = [str((hf_config.get("id2label") or {}).get(str(i), "")) for i in range(model.num_labels)]
+  if task == "classify" and names != [f"LABEL_{i}" for i in range(model.num_labels)] and all(
+      name and "," not in name for name in names):
+    config.data.labels = ",".join(names)  # their class names, in the order of their ids
   longest = model.max_len // 2 if task == "seq2seq" else model.max_len
   config.data.max_source_len = min(config.data.max_source_len, longest)
   config.data.max_target_len = min(config.data.max_target_len, longest)
@@ -274,7 +278,7 @@ def import_hf(hf_dir: str, workdir: str) -> str:
   vocab = vocab_layout(hf_vocab_size, special_ids, arch.slots)
   model = ModelConfig(vocab_size=len(vocab.hf_ids), **options).validate()
   params = _params_from(weights.read(hf_dir), arch, head, model, vocab, config_path)
-  config = _experiment_config(model, head.task)
+  config = _experiment_config(model, head.task, hf_config)
   config_lib.validate(config)
   tokenizer_file = json.dumps({
       "tokenizer": tokenizer_text, "hf_ids": vocab.hf_ids.tolist(),
@@ -329,13 +333,25 @@ def _target(model: ModelConfig):
                   "train with the options of one of them to export")
 
 
-def _hf_config(arch, head, model: ModelConfig, vocab: Vocab, special_ids: dict) -> dict:
+def _label_names(config, count: int) -> list:
+  """The class names of a classifier: data.labels, or the train split's (when it can still be
+  read), else LABEL_0, LABEL_1, ... as transformers names them."""
+  from transformer_jax.data import tasks
+  try:
+    names = list(tasks.label_names(config.data))
+  except (UserError, OSError):
+    names = []
+  return names if len(names) == count else [f"LABEL_{i}" for i in range(count)]
+
+
+def _hf_config(arch, head, model: ModelConfig, vocab: Vocab, special_ids: dict,
+               labels: list) -> dict:
   hf = {"model_type": arch.model_type, "architectures": [head.hf_class],
         "vocab_size": len(vocab.our_ids), **arch.required}
   for field in arch.fields + head.fields:
     value = getattr(model, field.ours)
     if field.values == COUNT:
-      value = {str(i): f"LABEL_{i}" for i in range(value)}
+      value = {str(i): labels[i] for i in range(value)}
       hf["label2id"] = {v: int(k) for k, v in value.items()}
     elif field.values is not None:
       value = {ours: theirs for theirs, ours in reversed(field.values.items())}[value]
@@ -377,7 +393,8 @@ def export_hf(workdir: str, hf_dir: str, step=None) -> str:
       special_ids["bos"] = special_ids["eos"]
   else:
     special_ids = {"pad": PAD_ID, "bos": BOS_ID, "eos": EOS_ID}
-  hf_config = _hf_config(arch, head, model, vocab, special_ids)
+  labels = _label_names(config, model.num_labels) if model.num_labels else []
+  hf_config = _hf_config(arch, head, model, vocab, special_ids, labels)
   try:
     os.makedirs(hf_dir, exist_ok=True)
   except OSError as e:
