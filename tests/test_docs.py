@@ -46,6 +46,7 @@ OTHERS = {
     "make install && .venv/bin/pip install -U": "the Cloud TPU set-up (inside gcloud ... ssh)",
     "hf download": "the hub's own tool, on a machine with network; test_hf imports what "
                    "transformers' save_pretrained writes",
+    ".venv/bin/python benchmarks/hf_finetune.py": "test_hf (import, train further, export)",
 }
 
 

@@ -169,6 +169,9 @@ def test_vocab_layout_moves_specials_to_our_ids_and_back():
   table = np.arange(6.0)[:, None] + 1
   assert vocab.to_ours(table)[:, 0].tolist() == [0, 6, 6, 1, 2, 3, 4, 5]
   np.testing.assert_array_equal(vocab.to_hf(vocab.to_ours(table)), table)
+  # GPT-2 fine-tuned with <|endoftext|> as padding too: it stays our EOS, padding is a copy.
+  vocab = vocab_layout(6, {"pad": 5, "bos": 5, "eos": 5}, ("pad", "bos", "eos"))
+  assert vocab.hf_ids.tolist()[:3] == [5, 5, 5] and vocab.our_ids[5] == 2
   # BERT: every special exists; a pure permutation.
   vocab = vocab_layout(8, {"pad": 0, "unk": 1, "bos": 2, "eos": 3, "mask": 4},
                        ("pad", "bos", "eos", "unk", "mask"))

@@ -65,7 +65,9 @@ def vocab_layout(hf_vocab_size: int, specials: dict, slots: tuple) -> Vocab:
   return Vocab(hf_ids, our_ids)
 
 
-OWNERS = ("pad", "eos", "unk", "mask", "bos")  # who keeps a row that two specials share
+# Who keeps a row that two specials share: GPT-2's <|endoftext|> is its EOS, also when it
+# doubles as BOS or as the padding of a fine-tuning recipe (our padding row is then a copy).
+OWNERS = ("eos", "unk", "mask", "bos", "pad")
 DECODER_SLOTS = ("pad", "bos", "eos")  # our ids 0, 1, 2
 ENCODER_SLOTS = ("pad", "bos", "eos", "unk", "mask")  # 0..4; BERT's bos/eos are [CLS]/[SEP]
 

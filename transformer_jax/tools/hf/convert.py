@@ -141,8 +141,9 @@ def _special_tokens(arch, hf_dir: str) -> dict:
   return tokens
 
 
-def _tokenizer(arch, hf_dir: str, hf_vocab_size: int):
-  """(their tokenizer.json text, {our special: their token}, {our special: their id})."""
+def _tokenizer(arch, hf_dir: str, hf_vocab_size: int, hf_config: dict):
+  """(their tokenizer.json text, {our special: their token}, {our special: their id}): the ids
+  of the special tokens in the tokenizer, else config.json's pad/bos/eos_token_id."""
   path = os.path.join(hf_dir, TOKENIZER)
   if not os.path.isfile(path):
     raise UserError(f"{hf_dir} holds no {TOKENIZER}; save the model's tokenizer there too "
@@ -164,7 +165,12 @@ def _tokenizer(arch, hf_dir: str, hf_vocab_size: int):
                     f"vocab_size {hf_vocab_size}; the tokenizer belongs to another model")
   tokens = _special_tokens(arch, hf_dir)
   ids = {name: tokenizer.token_to_id(token) for name, token in tokens.items()}
-  return text, {k: v for k, v in tokens.items() if ids[k] is not None}, ids
+  for name in ("pad", "bos", "eos"):
+    configured = hf_config.get(f"{name}_token_id")
+    if ids.get(name) is None and isinstance(configured, int) and 0 <= configured < hf_vocab_size:
+      ids[name] = configured
+      tokens[name] = tokenizer.id_to_token(configured)
+  return text, {k: v for k, v in tokens.items() if ids.get(k) is not None and v}, ids
 
 
 def _shape_error(name: str, shape, expected, path: str) -> UserError:
@@ -274,7 +280,8 @@ def import_hf(hf_dir: str, workdir: str) -> str:
   if not weights.weight_files(hf_dir):
     weights.read(hf_dir)  # raises the missing-weights error
   hf_vocab_size = _field_value(Field("vocab_size", "vocab_size"), hf_config, config_path)
-  tokenizer_text, special_tokens, special_ids = _tokenizer(arch, hf_dir, hf_vocab_size)
+  tokenizer_text, special_tokens, special_ids = _tokenizer(arch, hf_dir, hf_vocab_size,
+                                                          hf_config)
   vocab = vocab_layout(hf_vocab_size, special_ids, arch.slots)
   model = ModelConfig(vocab_size=len(vocab.hf_ids), **options).validate()
   params = _params_from(weights.read(hf_dir), arch, head, model, vocab, config_path)
