@@ -369,10 +369,10 @@ def test_an_imported_gpt2_trains_further_with_its_own_tokenizer(gpt2_dir, tmp_pa
   assert "imported model's tokenizer" in done.stdout
 
 
-@pytest.mark.parametrize("form", ["pytorch_bin", "sharded"])
+@pytest.mark.parametrize("form", ["pytorch_bin", "sharded", "bfloat16"])
 def test_pytorch_and_sharded_weights_import_as_safetensors_do(form, gpt2_dir, tmp_path):
-  """pytorch_model.bin (read with weights_only=True) and sharded safetensors with their index
-  give the parameters that model.safetensors gives."""
+  """pytorch_model.bin (read with weights_only=True), sharded safetensors with their index and
+  bfloat16 safetensors give the parameters that model.safetensors gives (rounded to bfloat16)."""
   import shutil
   other = tmp_path / form
   shutil.copytree(gpt2_dir, other)
@@ -380,13 +380,18 @@ def test_pytorch_and_sharded_weights_import_as_safetensors_do(form, gpt2_dir, tm
   model = transformers.GPT2LMHeadModel.from_pretrained(gpt2_dir)
   if form == "pytorch_bin":
     torch.save(model.state_dict(), other / "pytorch_model.bin")
+  elif form == "bfloat16":
+    model.to(torch.bfloat16).save_pretrained(other)
   else:
     model.save_pretrained(other, max_shard_size="20KB")
     assert len(list(other.glob("model-*.safetensors"))) > 1
   reference = imported(gpt2_dir, tmp_path / "a").params
   params = imported(str(other), tmp_path / "b").params
   for a, b in zip(jax.tree.leaves(reference), jax.tree.leaves(params)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    a = np.asarray(a)
+    if form == "bfloat16":
+      a = a.astype(jnp.bfloat16).astype(np.float32)
+    np.testing.assert_array_equal(a, np.asarray(b))
 
 
 def test_a_model_trained_here_exports_as_gpt2_with_its_own_ids(tmp_path):

@@ -146,7 +146,7 @@ def norm(hf: str, ours: str) -> tuple:
           Rule(f"{hf}.bias", (f"{ours}/bias",), VECTOR))
 
 
-def dense(hf: str, ours: str, transform: Transform, n_in: int = 1) -> tuple:
+def dense(hf: str, ours: str, transform: Transform) -> tuple:
   """A dense layer: their weight and bias, our kernel and bias."""
   return (Rule(f"{hf}.weight", (f"{ours}/kernel",), transform),
           Rule(f"{hf}.bias", (f"{ours}/bias",), VECTOR))

@@ -277,13 +277,15 @@ def import_hf(hf_dir: str, workdir: str) -> str:
   hf_config = _read_json(config_path, "the model")
   arch, head = _architecture(hf_config, config_path)
   options = _model_options(arch, head, hf_config, config_path)
-  if not weights.weight_files(hf_dir):
-    weights.read(hf_dir)  # raises the missing-weights error
+  weights.check_present(hf_dir)
   hf_vocab_size = _field_value(Field("vocab_size", "vocab_size"), hf_config, config_path)
   tokenizer_text, special_tokens, special_ids = _tokenizer(arch, hf_dir, hf_vocab_size,
                                                           hf_config)
   vocab = vocab_layout(hf_vocab_size, special_ids, arch.slots)
-  model = ModelConfig(vocab_size=len(vocab.hf_ids), **options).validate()
+  try:
+    model = ModelConfig(vocab_size=len(vocab.hf_ids), **options).validate()
+  except UserError as e:
+    raise UserError(f"{config_path} maps to a model this project refuses: {e}") from None
   params = _params_from(weights.read(hf_dir), arch, head, model, vocab, config_path)
   config = _experiment_config(model, head.task, hf_config)
   config_lib.validate(config)
@@ -323,7 +325,7 @@ def _target(model: ModelConfig):
     for head in arch.heads:
       fixed = {**arch.fixed, **head.fixed}
       if "num_labels" not in fixed and not model.num_labels:
-        continue
+        continue  # a classifier's class: not for a model without classes
       wrong = [(k, v) for k, v in fixed.items() if getattr(model, k) != v]
       if not wrong:
         for field in arch.fields:

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import warnings
 
+import ml_dtypes
 import numpy as np
 
 from transformer_jax.core.errors import UserError
@@ -21,13 +23,40 @@ INDEX = "model.safetensors.index.json"
 PYTORCH = "pytorch_model.bin"
 
 
+# safetensors' dtype names -> NumPy's (bfloat16 from ml_dtypes, which JAX brings): read here,
+# since safetensors' own NumPy reader does not know bfloat16, the dtype most checkpoints use.
+DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+          "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+          "BOOL": np.bool_}
+
+
 def _safetensors(path: str) -> dict:
-  from safetensors.numpy import load_file
+  """The tensors of a .safetensors file: an 8-byte little-endian header size, a JSON header
+  {name: {dtype, shape, data_offsets}}, then the bytes (memory-mapped, read on use)."""
+  def damaged(reason):
+    return UserError(f"{path} does not read as safetensors ({reason}); download it again")
+
   try:
-    return load_file(path)
-  except Exception as e:  # safetensors raises its own SafetensorError for damaged files
-    raise UserError(f"{path} does not read as safetensors ({str(e).splitlines()[0]}); download "
-                    "it again") from None
+    with open(path, "rb") as f:
+      size = struct.unpack("<Q", f.read(8))[0]
+      header = json.loads(f.read(size))
+    data = np.memmap(path, np.uint8, mode="r", offset=8 + size)
+  except (OSError, ValueError, struct.error) as e:
+    raise damaged(e) from None
+  tensors = {}
+  for name, info in header.items():
+    if name == "__metadata__":
+      continue
+    try:
+      dtype = np.dtype(DTYPES[info["dtype"]])
+      start, end = info["data_offsets"]
+      shape = tuple(info["shape"])
+      tensors[name] = data[start:end].view(dtype).reshape(shape)
+    except KeyError as e:
+      raise damaged(f"{name}: no dtype {e} here") from None
+    except (ValueError, TypeError) as e:
+      raise damaged(f"{name}: {e}") from None
+  return tensors
 
 
 def _sharded(hf_dir: str) -> dict:
@@ -81,17 +110,22 @@ def weight_files(hf_dir: str) -> list:
           if os.path.isfile(os.path.join(hf_dir, name))]
 
 
-def read(hf_dir: str) -> dict:
-  """{name: float32 or integer NumPy array} of every tensor of the model in `hf_dir`."""
-  found = weight_files(hf_dir)
-  if not found:
+def check_present(hf_dir: str) -> None:
+  """Raises UserError when `hf_dir` holds no weight file at all."""
+  if not weight_files(hf_dir):
     raise UserError(f"{hf_dir} holds no weights ({SAFETENSORS}, {INDEX} or {PYTORCH}); "
                     "download the model's weight files into it")
+
+
+def read(hf_dir: str) -> dict:
+  """{name: float32 or integer NumPy array} of every tensor of the model in `hf_dir`."""
+  check_present(hf_dir)
+  found = weight_files(hf_dir)
   path = os.path.join(hf_dir, found[0])
   tensors = {SAFETENSORS: _safetensors, INDEX: lambda _: _sharded(hf_dir),
              PYTORCH: _pytorch}[found[0]](path)
-  return {k: v.astype(np.float32) if np.issubdtype(v.dtype, np.floating) else v
-          for k, v in tensors.items()}
+  floating = (np.float64, np.float16, ml_dtypes.bfloat16)
+  return {k: v.astype(np.float32) if v.dtype in floating else v for k, v in tensors.items()}
 
 
 def write(hf_dir: str, tensors: dict) -> None:
