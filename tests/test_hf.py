@@ -429,3 +429,33 @@ def test_a_model_trained_here_exports_as_gpt2_with_its_own_ids(tmp_path):
   ours = np.asarray(model.apply({"params": state.params}, jnp.zeros((3, 0), jnp.int32),
                                 jnp.asarray(ids, jnp.int32)))
   assert np.abs(ours - their_logits(exported, ids, mask))[mask].max() <= TOLERANCE
+
+
+def test_an_exported_gpt2_converts_with_ctranslate2_and_decodes_as_ours(gpt2_dir, tmp_path):
+  """CTranslate2's own converter reads the export; its greedy continuations of 32 tokens are
+  ours (from the imported workdir, in one padded batch)."""
+  ctranslate2 = pytest.importorskip("ctranslate2")
+  from ctranslate2.converters import TransformersConverter
+  trained = imported(gpt2_dir, tmp_path / "w")
+  hf.export_hf(str(tmp_path / "w"), str(tmp_path / "exported"))
+  TransformersConverter(str(tmp_path / "exported")).convert(str(tmp_path / "ct2"))
+  generator = ctranslate2.Generator(str(tmp_path / "ct2"), device="cpu")
+  vocab = transformers.AutoConfig.from_pretrained(tmp_path / "exported").vocab_size
+  prompts, mask = random_batch(vocab, seed=3, lengths=(5, 2), low=1)
+  ours = np.asarray(decode.greedy_decode(
+      trained.params, trained.model_config.replace(deterministic=True),
+      jnp.asarray(np.where(mask, trained.tokenizer.our_ids[prompts], 0), jnp.int32), 32))
+  tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "exported")
+  compared = 0
+  for row, length in enumerate(mask.sum(1)):
+    tokens = tokenizer.convert_ids_to_tokens(prompts[row, :length].tolist())
+    result = generator.generate_batch([tokens], max_length=32, sampling_topk=1,
+                                      include_prompt_in_result=False)[0]
+    theirs = np.asarray(result.sequences_ids[0])
+    mine = trained.tokenizer.hf_ids[ours[row]]
+    eos = tokenizer.eos_token_id
+    mine = mine[:list(mine).index(eos) if eos in mine else len(mine)]  # CTranslate2 drops EOS
+    np.testing.assert_array_equal(mine, theirs[:len(mine)])
+    assert len(theirs) == len(mine)
+    compared += len(mine)
+  assert compared >= 32  # continuations, not an EOS at once
