@@ -9,6 +9,7 @@ export -> from_pretrained.
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -125,6 +126,25 @@ def bert_classifier_dir(tmp_path_factory):
   return bert_dir(tmp_path_factory, transformers.BertForSequenceClassification, "bert_cls")
 
 
+@pytest.fixture(scope="module")
+def gpt2_workdir(gpt2_dir, tmp_path_factory):
+  """The test GPT-2 imported once (the tests that only read it share it)."""
+  workdir = tmp_path_factory.mktemp("gpt2_workdir") / "w"
+  hf.import_hf(gpt2_dir, str(workdir))
+  return workdir
+
+
+@pytest.fixture(scope="module")
+def gpt2_export(gpt2_workdir, tmp_path_factory):
+  out = tmp_path_factory.mktemp("gpt2_export") / "hf"
+  hf.export_hf(str(gpt2_workdir), str(out))
+  return out
+
+
+def trained_from(workdir):
+  return load_trained(config_lib.from_workdir(str(workdir)), str(workdir))
+
+
 def imported(hf_dir, workdir):
   hf.import_hf(hf_dir, str(workdir))
   config = config_lib.from_workdir(str(workdir))
@@ -183,8 +203,8 @@ def test_vocab_layout_moves_specials_to_our_ids_and_back():
 # ----------------------------------------------------------------------------- GPT-2
 
 
-def test_gpt2_import_matches_transformers_logits_and_greedy(gpt2_dir, tmp_path):
-  trained = imported(gpt2_dir, tmp_path / "w")
+def test_gpt2_import_matches_transformers_logits_and_greedy(gpt2_dir, gpt2_workdir):
+  trained = trained_from(gpt2_workdir)
   reference = transformers.GPT2LMHeadModel.from_pretrained(gpt2_dir).eval()
   vocab = reference.config.vocab_size
   ids, mask = random_batch(vocab)
@@ -207,10 +227,9 @@ def test_gpt2_import_matches_transformers_logits_and_greedy(gpt2_dir, tmp_path):
     np.testing.assert_array_equal(mine, theirs)
 
 
-def test_gpt2_export_loads_in_transformers_and_round_trips(gpt2_dir, tmp_path):
-  trained = imported(gpt2_dir, tmp_path / "w")
-  out = tmp_path / "exported"
-  hf.export_hf(str(tmp_path / "w"), str(out))
+def test_gpt2_export_loads_in_transformers_and_round_trips(gpt2_dir, gpt2_workdir, gpt2_export):
+  trained = trained_from(gpt2_workdir)
+  out = gpt2_export
   exported = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
   original = transformers.GPT2LMHeadModel.from_pretrained(gpt2_dir).eval()
   assert type(exported).__name__ == "GPT2LMHeadModel"
@@ -258,9 +277,9 @@ def test_bert_import_and_export_match_transformers(which, bert_mlm_dir, bert_cla
   assert config["model_type"] == "bert" and config["hidden_act"] == "gelu"
 
 
-def test_export_refuses_a_model_no_architecture_expresses(gpt2_dir, tmp_path):
+def test_export_refuses_a_model_no_architecture_expresses(gpt2_workdir, tmp_path):
   """Our paper-default post-LN decoder-only model has no GPT-2 counterpart: refused by name."""
-  hf.import_hf(gpt2_dir, str(tmp_path / "w"))
+  shutil.copytree(gpt2_workdir, tmp_path / "w")
   config = json.loads((tmp_path / "w" / "config.json").read_text())
   config["model"]["norm"] = "post"
   (tmp_path / "w" / "config.json").write_text(json.dumps(config))
@@ -348,14 +367,14 @@ def test_generate_on_an_imported_gpt2_continues_text_as_transformers_does(gpt2_d
   assert done.stdout.splitlines() == expected
 
 
-def test_an_imported_gpt2_trains_further_with_its_own_tokenizer(gpt2_dir, tmp_path):
+def test_an_imported_gpt2_trains_further_with_its_own_tokenizer(gpt2_workdir, tmp_path):
   """--mode=train on an imported workdir continues from its step-0 checkpoint with the imported
   tokenizer (no SentencePiece model is trained) and the loss falls."""
   workdir, data = tmp_path / "w", tmp_path / "data"
   data.mkdir()
   (data / "train.txt").write_text("\n".join(TEXTS) + "\n")
   (data / "test.txt").write_text("\n".join(TEXTS[:5]) + "\n")
-  hf.import_hf(gpt2_dir, str(workdir))
+  shutil.copytree(gpt2_workdir, workdir)
   done = launch("--mode=train", f"--workdir={workdir}", "--config.data.source=files",
                 f"--config.data.path={data}", "--config.train.steps=30",
                 "--config.train.log_every=10", "--config.train.learning_rate=3e-3",
@@ -370,10 +389,10 @@ def test_an_imported_gpt2_trains_further_with_its_own_tokenizer(gpt2_dir, tmp_pa
 
 
 @pytest.mark.parametrize("form", ["pytorch_bin", "sharded", "bfloat16"])
-def test_pytorch_and_sharded_weights_import_as_safetensors_do(form, gpt2_dir, tmp_path):
+def test_pytorch_and_sharded_weights_import_as_safetensors_do(form, gpt2_dir, gpt2_workdir,
+                                                             tmp_path):
   """pytorch_model.bin (read with weights_only=True), sharded safetensors with their index and
   bfloat16 safetensors give the parameters that model.safetensors gives (rounded to bfloat16)."""
-  import shutil
   other = tmp_path / form
   shutil.copytree(gpt2_dir, other)
   os.remove(other / "model.safetensors")
@@ -385,7 +404,7 @@ def test_pytorch_and_sharded_weights_import_as_safetensors_do(form, gpt2_dir, tm
   else:
     model.save_pretrained(other, max_shard_size="20KB")
     assert len(list(other.glob("model-*.safetensors"))) > 1
-  reference = imported(gpt2_dir, tmp_path / "a").params
+  reference = trained_from(gpt2_workdir).params
   params = imported(str(other), tmp_path / "b").params
   for a, b in zip(jax.tree.leaves(reference), jax.tree.leaves(params)):
     a = np.asarray(a)
@@ -431,21 +450,21 @@ def test_a_model_trained_here_exports_as_gpt2_with_its_own_ids(tmp_path):
   assert np.abs(ours - their_logits(exported, ids, mask))[mask].max() <= TOLERANCE
 
 
-def test_an_exported_gpt2_converts_with_ctranslate2_and_decodes_as_ours(gpt2_dir, tmp_path):
+def test_an_exported_gpt2_converts_with_ctranslate2_and_decodes_as_ours(gpt2_workdir, gpt2_export,
+                                                                       tmp_path):
   """CTranslate2's own converter reads the export; its greedy continuations of 32 tokens are
   ours (from the imported workdir, in one padded batch)."""
   ctranslate2 = pytest.importorskip("ctranslate2")
   from ctranslate2.converters import TransformersConverter
-  trained = imported(gpt2_dir, tmp_path / "w")
-  hf.export_hf(str(tmp_path / "w"), str(tmp_path / "exported"))
-  TransformersConverter(str(tmp_path / "exported")).convert(str(tmp_path / "ct2"))
+  trained = trained_from(gpt2_workdir)
+  TransformersConverter(str(gpt2_export)).convert(str(tmp_path / "ct2"))
   generator = ctranslate2.Generator(str(tmp_path / "ct2"), device="cpu")
-  vocab = transformers.AutoConfig.from_pretrained(tmp_path / "exported").vocab_size
+  vocab = transformers.AutoConfig.from_pretrained(gpt2_export).vocab_size
   prompts, mask = random_batch(vocab, seed=3, lengths=(5, 2), low=1)
   ours = np.asarray(decode.greedy_decode(
       trained.params, trained.model_config.replace(deterministic=True),
       jnp.asarray(np.where(mask, trained.tokenizer.our_ids[prompts], 0), jnp.int32), 32))
-  tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "exported")
+  tokenizer = transformers.AutoTokenizer.from_pretrained(gpt2_export)
   compared = 0
   for row, length in enumerate(mask.sum(1)):
     tokens = tokenizer.convert_ids_to_tokens(prompts[row, :length].tolist())
