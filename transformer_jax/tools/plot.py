@@ -218,7 +218,9 @@ def attention_maps(params, model_config, tokenizer, text: str, max_length: int, 
                                                "self_attention")}
     return maps, pieces, pieces, ""
   if cfg.arch == "decoder_only" and task == "lm":
-    prompt = [BOS_ID] + ids[-(cfg.max_len - max_length):]
+    kept = ids[-(cfg.max_len - max_length):]
+    # As --mode=generate reads it: an imported GPT-2 without BOS (eval/generate.py).
+    prompt = [BOS_ID] + kept if tokenizer.prompt_bos or not kept else kept
     output = _greedy_output(params, cfg, jnp.asarray([prompt], jnp.int32), max_length)
     source = jnp.zeros((1, 0), jnp.int32)
     decoder_inputs = jnp.asarray([prompt + output.tolist()], jnp.int32)
