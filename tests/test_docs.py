@@ -48,6 +48,9 @@ OTHERS = {
     "sbatch": "SLURM",
     "gcloud": "Cloud TPU (its launch.py lines are checked)",
     "make install && .venv/bin/pip install -U": "the Cloud TPU set-up (inside gcloud ... ssh)",
+    "hf download": "the hub's own tool, on a machine with network; test_hf imports what "
+                   "transformers' save_pretrained writes",
+    ".venv/bin/python benchmarks/hf_finetune.py": "test_hf (import, train further, export)",
 }
 
 
@@ -98,11 +101,15 @@ for line in json.loads(sys.argv[1]):
       mode = cli._MODE.value
       assert mode in cli.MODES, mode
       cli._check_flags(mode)
-      if cli._CONFIG.value is None:
-        raise SystemExit("no config")
-      config_lib.validate(cli._CONFIG.value)
-      config = cli._CONFIG.value
-      result = [line, "ok", mode, [config.model.d_model, config.data.source]]
+      if mode in cli.HF_MODES:  # no config: a Hugging Face directory in or out (test_hf runs them)
+        assert cli._HF_DIR.value and cli._WORKDIR.value, "--hf_dir and --workdir are required"
+        result = [line, "ok", mode, [None, None]]
+      else:
+        if cli._CONFIG.value is None:
+          raise SystemExit("no config")
+        config_lib.validate(cli._CONFIG.value)
+        config = cli._CONFIG.value
+        result = [line, "ok", mode, [config.model.d_model, config.data.source]]
     except BaseException as e:
       result = [line, f"{type(e).__name__}: {e}", None, None]
     os.write(write, json.dumps(result).encode())

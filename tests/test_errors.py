@@ -7,7 +7,9 @@ by checkpoint.Manager for the tiny config.
 """
 
 import collections
+import json
 import os
+import pickle
 import shutil
 import socket
 import subprocess
@@ -513,6 +515,130 @@ ROWS = [
      ["model.position_base must be a finite number"]),
 ]
 COUNTS = collections.Counter(_mode(row[1]) for row in ROWS)
+
+
+# --- Hugging Face model directories (tools/hf): --mode=import_hf / export_hf. Each {hf_*}
+# directory is a tiny GPT-2 (written with safetensors and tokenizers, no torch) with one thing
+# wrong; the import's --workdir={fresh} must stay absent.
+IMPORT_HF = ["--mode=import_hf", "--workdir={fresh}"]
+HF_ROWS = [
+    ("import_hf: no --hf_dir", ["--mode=import_hf", "--workdir={fresh}"],
+     ["--hf_dir is required for --mode=import_hf"]),
+    ("import_hf: not a directory", IMPORT_HF + ["--hf_dir={a_file}"], ["is not a directory"]),
+    ("import_hf: no config.json", IMPORT_HF + ["--hf_dir={hf_no_config}"],
+     ["hf_no_config holds no config.json"]),
+    ("import_hf: no weights", IMPORT_HF + ["--hf_dir={hf_no_weights}"],
+     ["hf_no_weights holds no weights", "model.safetensors"]),
+    ("import_hf: unsupported model_type", IMPORT_HF + ["--hf_dir={hf_model_type}"],
+     ["model_type 'mamba'", "supported: gpt2, bert"]),
+    ("import_hf: unknown activation", IMPORT_HF + ["--hf_dir={hf_activation}"],
+     ["activation_function='swoosh'", "model.activation cannot express"]),
+    ("import_hf: a config field with no counterpart", IMPORT_HF + ["--hf_dir={hf_untied}"],
+     ["tie_word_embeddings=False", "cannot be imported"]),
+    ("import_hf: shapes disagree with the config", IMPORT_HF + ["--hf_dir={hf_shapes}"],
+     ["transformer.h.0.mlp.c_fc.weight has shape (8, 24)", "gives (8, 32)"]),
+    ("import_hf: a shard missing", IMPORT_HF + ["--hf_dir={hf_sharded}"],
+     ["names 1 missing shard(s)", "model-00002-of-00002.safetensors"]),
+    ("import_hf: a pickle that is not weights-only", IMPORT_HF + ["--hf_dir={hf_pickle}"],
+     ["pytorch_model.bin is not a weights-only PyTorch file"]),
+    ("import_hf: no tokenizer", IMPORT_HF + ["--hf_dir={hf_no_tokenizer}"],
+     ["holds no tokenizer.json"]),
+    ("import_hf: into a trained workdir", ["--mode=import_hf", "--workdir={trained}",
+                                           "--hf_dir={hf_good}"],
+     ["already holds a run"]),
+    ("export_hf: a model no HF class expresses", ["--mode=export_hf", "--workdir={configured}",
+                                                  "--hf_dir={fresh}"],
+     ["no Hugging Face class", "model.arch=encoder_decoder"]),
+    ("--hf_dir with train", TRAINED + ["--hf_dir={hf_good}"],
+     ["--hf_dir is for --mode=import_hf or export_hf"]),
+]
+COUNTS.update(_mode(row[1]) for row in HF_ROWS)
+
+
+def _gpt2_files(directory, vocab_size=300, d=8, positions=16, **config):
+  """A GPT-2 of one layer that imports: config.json, model.safetensors, tokenizer.json."""
+  import numpy as np
+  from safetensors.numpy import save_file
+  from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+  directory.mkdir()
+  (directory / "config.json").write_text(json.dumps(dict(
+      model_type="gpt2", architectures=["GPT2LMHeadModel"], vocab_size=vocab_size, n_embd=d,
+      n_head=2, n_layer=1, n_positions=positions, **config)))
+  shapes = {"transformer.wte.weight": (vocab_size, d), "transformer.wpe.weight": (positions, d)}
+  for name, shape in (("ln_1", (d,)), ("ln_2", (d,)), ("attn.c_attn", (d, 3 * d)),
+                      ("attn.c_proj", (d, d)), ("mlp.c_fc", (d, 4 * d)),
+                      ("mlp.c_proj", (4 * d, d))):
+    shapes[f"transformer.h.0.{name}.weight"] = shape
+    shapes[f"transformer.h.0.{name}.bias"] = shape[-1:]
+  shapes.update({"transformer.ln_f.weight": (d,), "transformer.ln_f.bias": (d,)})
+  save_file({k: np.ones(v, np.float32) for k, v in shapes.items()},
+            str(directory / "model.safetensors"))
+  tokenizer = Tokenizer(models.BPE())
+  tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel()
+  tokenizer.train_from_iterator(["jump left", "walk right twice"], trainers.BpeTrainer(
+      vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+  tokenizer.save(str(directory / "tokenizer.json"))
+  return directory
+
+
+@pytest.fixture(scope="module")
+def hf_paths(paths):
+  """The {hf_*} directories, under paths["root"] (whose snapshot shows nothing changed)."""
+  pytest.importorskip("safetensors")
+  pytest.importorskip("tokenizers")
+  import numpy as np
+  from safetensors.numpy import load_file, save_file
+  root = paths["root"] / "hf"
+  root.mkdir()
+
+  def variant(name, change=None, **config):
+    directory = _gpt2_files(root / name, **config)
+    if change:
+      change(directory)
+    return directory
+
+  def shapes(directory):
+    tensors = load_file(str(directory / "model.safetensors"))
+    tensors["transformer.h.0.mlp.c_fc.weight"] = np.ones((8, 24), np.float32)
+    save_file(tensors, str(directory / "model.safetensors"))
+
+  def sharded(directory):
+    tensors = load_file(str(directory / "model.safetensors"))
+    os.remove(directory / "model.safetensors")
+    names = sorted(tensors)
+    first = "model-00001-of-00002.safetensors"
+    save_file({k: tensors[k] for k in names[:5]}, str(directory / first))
+    weight_map = {k: first if i < 5 else "model-00002-of-00002.safetensors"
+                  for i, k in enumerate(names)}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": weight_map}))
+
+  def pickle_file(directory):
+    os.remove(directory / "model.safetensors")
+    (directory / "pytorch_model.bin").write_bytes(pickle.dumps(print))
+
+  return {
+      "hf_good": variant("hf_good"),
+      "hf_no_config": variant("hf_no_config", lambda d: os.remove(d / "config.json")),
+      "hf_no_weights": variant("hf_no_weights", lambda d: os.remove(d / "model.safetensors")),
+      "hf_no_tokenizer": variant("hf_no_tokenizer", lambda d: os.remove(d / "tokenizer.json")),
+      "hf_model_type": variant("hf_model_type", lambda d: (d / "config.json").write_text(
+          (d / "config.json").read_text().replace('"gpt2"', '"mamba"'))),
+      "hf_activation": variant("hf_activation", activation_function="swoosh"),
+      "hf_untied": variant("hf_untied", tie_word_embeddings=False),
+      "hf_shapes": variant("hf_shapes", shapes),
+      "hf_sharded": variant("hf_sharded", sharded),
+      "hf_pickle": variant("hf_pickle", pickle_file),
+  }
+
+
+@pytest.mark.parametrize("flags,expected", [row[1:] for row in HF_ROWS],
+                         ids=[row[0] for row in HF_ROWS])
+def test_bad_hf_input_is_one_line_exit_2_and_changes_nothing(launcher, paths, hf_paths, flags,
+                                                             expected):
+  test_bad_input_is_one_line_exit_2_and_changes_nothing(launcher, {**paths, **hf_paths}, flags,
+                                                        expected)
 
 
 def snapshot(path):

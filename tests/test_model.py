@@ -213,6 +213,8 @@ def test_learned_positions_add_two_tables_counted_as_embeddings(tiny_config):
     (dict(arch="gpt"), "model.arch"),
     (dict(arch="decoder_only", num_decoder_layers=0), "num_decoder_layers"),
     (dict(num_labels=2), "num_labels"),
+    (dict(type_vocab_size=-1), "type_vocab_size"),
+    (dict(pooling="max"), "model.pooling"),
 ])
 def test_validate_rejects_impossible_configs(tiny_config, changes, message):
   with pytest.raises(UserError, match=message):
@@ -225,7 +227,10 @@ def test_validate_accepts_every_choice(tiny_config):
                   dict(positional="none"),
                   dict(arch="decoder_only"), dict(arch="encoder_only", num_labels=2),
                   dict(init="normal"), dict(attention_impl="jax"), dict(dtype="bfloat16"),
-                  dict(dropout_rate=0.0), dict(attention_dropout_rate=0.99)):
+                  dict(dropout_rate=0.0), dict(attention_dropout_rate=0.99),
+                  dict(activation="gelu_exact"), dict(embed_scale=False),
+                  dict(type_vocab_size=2, embed_norm=True),
+                  dict(arch="encoder_only", num_labels=2, pooling="first")):
     cfg = tiny_config.replace(**changes)
     assert cfg.validate() is cfg
 
@@ -422,3 +427,36 @@ def test_default_parameter_tree_is_the_encoder_decoders_of_before():
   expected = (["shared_embedding/embedding"] + [f"encoder/layer_0/{p}" for p in encoder]
               + [f"decoder/layer_0/{p}" for p in decoder])
   assert paths == sorted(expected)
+
+
+def test_bert_embedding_options_add_their_tables_and_change_the_embeddings(random_params):
+  """type_vocab_size adds a [types, d] table (counted as embedding), embed_norm a LayerNorm per
+  stack; without embed_scale the embeddings are not multiplied by sqrt(d_model). Each changes
+  the logits; with all three off the model is the one of before."""
+  base = arch_config("encoder_only", positional="learned")
+  bert = base.replace(type_vocab_size=2, embed_norm=True, embed_scale=False)
+  shapes = param_shapes(bert)
+  assert shapes["encoder"]["token_types"]["embedding"].shape == (2, bert.d_model)
+  assert set(shapes["encoder"]["embed_norm"]) == {"scale", "bias"}
+  counts, before = count_params(shapes), count_params(param_shapes(base))
+  assert counts["embedding"] - before["embedding"] == 2 * bert.d_model
+  assert counts["total"] - before["total"] == 4 * bert.d_model
+  tokens = random_tokens(0, (2, 6), base.vocab_size)
+  params = model_params(bert, random_params)
+  reference = np.asarray(logits_fn(bert)(params, tokens))
+  for changes in (dict(embed_scale=True), dict(activation="gelu_exact")):
+    assert not np.allclose(np.asarray(logits_fn(bert.replace(**changes))(params, tokens)),
+                           reference, atol=1e-4)
+
+
+def test_first_token_pooling_reads_the_first_output_only(random_params):
+  cfg = arch_config("encoder_only", positional="learned", num_labels=3, pooling="first")
+  params = model_params(cfg, random_params)
+  tokens = np.asarray(random_tokens(0, (1, 6), cfg.vocab_size))
+  changed = tokens.copy()
+  changed[0, 0] = changed[0, 0] % (cfg.vocab_size - 1) + 1
+  mean = np.asarray(logits_fn(cfg.replace(pooling="mean"))(params, jnp.asarray(tokens)))
+  first = np.asarray(logits_fn(cfg)(params, jnp.asarray(tokens)))
+  assert not np.allclose(mean, first, atol=1e-5)
+  # The output at the first token depends on every token (bidirectional), so it changes too.
+  assert not np.allclose(np.asarray(logits_fn(cfg)(params, jnp.asarray(changed))), first)

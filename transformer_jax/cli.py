@@ -46,8 +46,11 @@ MODE_HELP = {
     "export": "a data split (--split) as source<TAB>target lines",
     "benchmark": "times the train step and decoding on a synthetic batch",
     "compile": "compiles for a TPU slice on any machine: memory, FLOPs, estimated step time",
+    "import_hf": "a Hugging Face model directory (--hf_dir) -> a workdir at step 0",
+    "export_hf": "a workdir -> a Hugging Face model directory (--hf_dir) for from_pretrained",
 }
 MODES = tuple(MODE_HELP)
+HF_MODES = ("import_hf", "export_hf")  # Hugging Face model directories in and out: no --config
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment config: a file (experiments/*.py) or an installed experiment's "
@@ -77,12 +80,14 @@ _KEEP_HOST_MEMORY = flags.DEFINE_enum(
     "large per-step temporaries again every step (about 20% of the CPU benchmark's step); the "
     "process keeps its peak resident memory. auto: only when a step's arrays exceed 32 MiB "
     "(for small steps the shared malloc lock costs more than it saves).")
+_HF_DIR = flags.DEFINE_string("hf_dir", None, "--mode=import_hf / export_hf: the Hugging Face "
+                              "model directory read or written (tools/hf).")
 _CHECKPOINT_STEP = flags.DEFINE_integer(
     "checkpoint_step", None,
     "Checkpoint to evaluate, translate or generate with (default: the latest).")
 _OUR_FLAGS = (_CONFIG, _WORKDIR, _MODE, _CHECKPOINT_STEP, _SPLIT, _TEXT, _SWEEP, _SWEEP_PARALLEL,
               _SWEEP_DRY_RUN, _SWEEP_METRIC, _COORDINATOR, _NUM_PROCESSES, _PROCESS_ID,
-              _KEEP_HOST_MEMORY)
+              _KEEP_HOST_MEMORY, _HF_DIR)
 
 
 def _help() -> str:
@@ -225,7 +230,7 @@ def _check_flags(mode: str) -> None:
                       "leave the flag out")
   for flag, modes in ((_CHECKPOINT_STEP, ("evaluate", "translate", "generate", "plot")),
                       (_TEXT, ("plot",)),
-                      (_SPLIT, ("export", "evaluate"))):
+                      (_SPLIT, ("export", "evaluate")), (_HF_DIR, HF_MODES)):
     if flags.FLAGS[flag.name].present and mode not in modes:
       raise UserError(f"--{flag.name} is for --mode={' or '.join(modes)}, not --mode={mode}"
                       + ("; training always resumes from the newest checkpoint"
@@ -259,8 +264,11 @@ def _check_workdir_config(config, workdir: str) -> None:
     return  # no config.json (or a damaged one): loading the checkpoint decides
   incompatible, _ = checkpoint.compare_configs(saved, config)
   old, new = trees.flatten(saved), trees.flatten(checkpoint.config_json(config))
+  # A workdir that never trained (an imported model: no metrics.jsonl) has no data of its own.
+  trained = any(storage.exists(storage.join(workdir, name))  # a bucket's log is in parts
+                for name in ("metrics.jsonl", "metrics.jsonl.parts"))
   incompatible += [f"{key} {old[key]} -> {new[key]}" for key in checkpoint.DATA_KEYS
-                   if key in old and key in new and old[key] != new[key]]
+                   if trained and key in old and key in new and old[key] != new[key]]
   if incompatible:
     shown = ", ".join(incompatible[:4]) + (f" and {len(incompatible) - 4} more"
                                            if len(incompatible) > 4 else "")
@@ -276,8 +284,8 @@ READING_MODES = ("evaluate", "translate", "generate", "plot")
 def check_trained_workdir(workdir: str) -> None:
   """A --workdir that a reading mode cannot use: missing (with the nearest existing sibling
   directory as a guess), a file, or with a file where its checkpoints directory belongs."""
-  if not workdir.strip():
-    return  # _check_flags says it is empty
+  if not workdir.strip() or storage.is_url(workdir):
+    return  # empty: _check_flags says so; a bucket: loading its config.json says what is missing
   path = os.path.expanduser(workdir)
   if not os.path.lexists(path):
     parent = os.path.dirname(os.path.normpath(workdir))
@@ -307,6 +315,9 @@ def run(argv) -> None:
   if mode not in MODES:
     raise UserError(f"--mode must be one of {', '.join(MODES)}; got {mode!r}")
   _check_flags(mode)
+  if mode in HF_MODES:
+    _run_hf(mode)
+    return
   if mode in READING_MODES and _WORKDIR.value is not None:
     check_trained_workdir(_WORKDIR.value)  # before "--config is required": a typo says so
   if _CONFIG.value is None:
@@ -392,6 +403,20 @@ def run(argv) -> None:
     from transformer_jax.eval import generate
     generate.generate_from_workdir(config, _WORKDIR.value, sys.stdin.buffer, sys.stdout,
                                    step=_CHECKPOINT_STEP.value)
+
+
+def _run_hf(mode: str) -> None:
+  """--mode=import_hf / export_hf: a workdir from a Hugging Face model directory, or back."""
+  for flag in (_HF_DIR, _WORKDIR):
+    if not (flag.value or "").strip():
+      raise UserError(f"--{flag.name} is required for --mode={mode}")
+  from transformer_jax.core import platforms
+  platforms.cpu_only_unless_accelerated()
+  from transformer_jax.tools import hf
+  if mode == "import_hf":
+    print(hf.import_hf(_HF_DIR.value, _WORKDIR.value))
+  else:
+    print(hf.export_hf(_WORKDIR.value, _HF_DIR.value, step=_CHECKPOINT_STEP.value))
 
 
 def _stdout_file():

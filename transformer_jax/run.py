@@ -12,6 +12,7 @@ import jax
 
 from transformer_jax import config as config_lib
 from transformer_jax.core import storage
+from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.eval import evaluate as evaluate_lib
 from transformer_jax.tools import summary
 from transformer_jax.train import checkpoint, loop
@@ -21,11 +22,14 @@ from transformer_jax.train.logger import read_metrics
 def _workdir_map(result: loop.Result, results: list) -> str:
   workdir = result.workdir
   shown = ", ".join(os.path.relpath(path, workdir) for path in results)
+  size = result.tokenizer.vocab_size
+  vocabulary = (f"the SentencePiece vocabulary ({size} pieces)"
+                if result.tokenizer.filename == tokenizer_lib.FILENAME
+                else f"the imported model's tokenizer and id map ({size} tokens)")
   return (f"workdir {workdir} holds:\n"
           f"  checkpoints/       steps {result.checkpoint_steps} (orbax; a rerun resumes from "
           "the latest)\n"
-          f"  tokenizer.model    the SentencePiece vocabulary ({result.tokenizer.vocab_size} "
-          "pieces)\n"
+          f"  {result.tokenizer.filename:<18} {vocabulary}\n"
           f"  config.json        the full experiment config\n"
           f"  metrics.jsonl      training and evaluation metrics, one JSON object per line\n"
           f"  tensorboard/       event files: tensorboard --logdir "

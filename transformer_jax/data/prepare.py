@@ -53,19 +53,28 @@ def prepare_tokenizer(config, workdir: str, train_pairs, vocab_size: int, cache_
   just written the cache entries (`cache.fetch`'s `expected`).
   """
   t = config.data.tokenizer
-  path = os.path.join(workdir, tokenizer_lib.FILENAME)
-  new = not (storage.exists(path) if storage.is_url(path) else os.path.lexists(path))
-  model_path = t.model_path or (os.path.join(os.path.expanduser(config.train.init_from),
-                                             tokenizer_lib.FILENAME)
-                                if config.train.init_from else "")
+  path = storage.join(workdir, tokenizer_lib.FILENAME)
+  existing = tokenizer_lib.load_workdir(workdir, WORKDIR_TOKENIZER_FIX)
+  new = existing is None
+  init_from = config.train.init_from
+  init_from = (init_from if storage.is_url(init_from) else os.path.expanduser(init_from))
+  # The tokenizer of the run in train.init_from: its SentencePiece model or, for an imported
+  # model, its Hugging Face tokenizer.
+  source = (tokenizer_lib.load(t.model_path) if t.model_path
+            else tokenizer_lib.load_workdir(init_from, "fix train.init_from") if init_from
+            else None)
+  if init_from and not t.model_path and source is None:
+    source = tokenizer_lib.load(storage.join(init_from, tokenizer_lib.FILENAME),
+                                "fix train.init_from")  # raises: it has none
+  model_path = t.model_path or init_from
   if not new:
-    tokenizer = tokenizer_lib.load(path, WORKDIR_TOKENIZER_FIX)
-    if model_path and tokenizer_lib.load(model_path).model_proto != tokenizer.model_proto:
-      raise UserError(f"the tokenizer {model_path} is not {path}, the vocabulary this workdir "
-                      "was trained with; drop data.tokenizer.model_path / train.init_from or "
-                      "start a new --workdir")
-  elif model_path:
-    tokenizer = tokenizer_lib.load(model_path)
+    tokenizer = existing
+    if source is not None and source.model_proto != tokenizer.model_proto:
+      raise UserError(f"the tokenizer of {model_path} is not {path}, the vocabulary this "
+                      "workdir was trained with; drop data.tokenizer.model_path / "
+                      "train.init_from or start a new --workdir")
+  elif source is not None:
+    tokenizer = source
   else:
     mask = config.data.task in tasks.MASK_TASKS
 

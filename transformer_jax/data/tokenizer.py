@@ -2,11 +2,17 @@
 
 Ids: 0 = padding, 1 = BOS, 2 = EOS, 3 = unknown. Source and target share one vocabulary (joint
 BPE by default, trained on a random sample of both sides of the training split).
+
+A model imported from Hugging Face (`tools/hf`) keeps its own tokenizer instead: `HFTokenizer`
+reads any `tokenizer.json` (GPT-2's byte-level BPE, BERT's WordPiece, ...) with the `tokenizers`
+library, through the map between its ids and ours that the import wrote (`HF_FILENAME`).
 """
 
 from __future__ import annotations
 
 import io
+import json
+import os
 from typing import Iterable, Iterator, Sequence
 
 import numpy as np
@@ -25,6 +31,7 @@ from transformer_jax.core.tokens import (  # noqa: F401 (re-exported)
 from transformer_jax.data import sources
 
 FILENAME = "tokenizer.model"
+HF_FILENAME = "tokenizer_hf.json"  # an imported model's: its tokenizer.json and the id map
 
 
 class Tokenizer:
@@ -48,6 +55,9 @@ class Tokenizer:
   @property
   def vocab_size(self) -> int:
     return self._sp.get_piece_size()
+
+  prompt_bos = True  # a prompt of a decoder-only model starts with BOS
+  filename = FILENAME  # its file in a workdir
 
   def encode(self, texts: Sequence[str]) -> list[list[int]]:
     """Token ids of each text, without BOS/EOS."""
@@ -118,3 +128,89 @@ def load(path: str, fix: str = "fix data.tokenizer.model_path") -> Tokenizer:
   files.check_readable(path, fix)
   with open(path, "rb") as f:
     return Tokenizer(f.read(), f"tokenizer model {path}", fix)
+
+
+class HFTokenizer:
+  """A Hugging Face `tokenizers` tokenizer read through an imported model's id map: the same
+  interface as `Tokenizer`, the same ids (0 pad, 1 BOS, 2 EOS, ...) on our side.
+
+  The file (`HF_FILENAME`, JSON): "tokenizer" (their tokenizer.json, as a string), "hf_ids"
+  (per our id, their id; -1: a token of ours only, e.g. GPT-2's padding), "our_ids" (per their
+  id, ours), "add_bos" (whether the model reads a text after a BOS: BERT's [CLS]; GPT-2 none),
+  "special_tokens" ({our special: their token}).
+  """
+
+  def __init__(self, data: bytes, name: str = "the imported tokenizer",
+               fix: str = "import the model again with --mode=import_hf"):
+    self.model_proto = data  # what the checkpoints' tokenizer sha256 is taken of
+    try:
+      from tokenizers import Tokenizer as HFTokenizerModel
+    except ImportError:
+      raise UserError(f"{name} needs the tokenizers library; install the hf extra "
+                      "(pip install 'transformer_jax[hf]')") from None
+    try:
+      record = json.loads(data)
+      self._tokenizer = HFTokenizerModel.from_str(record["tokenizer"])
+      self.hf_ids = np.asarray(record["hf_ids"], np.int64)
+      self.our_ids = np.asarray(record["our_ids"], np.int64)
+      self.add_bos = bool(record["add_bos"])
+      self.special_tokens = dict(record.get("special_tokens", {}))
+    except Exception as e:  # any damage: JSON, a missing key, a tokenizer that does not parse
+      raise UserError(f"{name} does not read ({type(e).__name__}: {str(e)[:80]}); {fix}") from None
+
+  @property
+  def vocab_size(self) -> int:
+    return len(self.hf_ids)
+
+  filename = HF_FILENAME
+
+  @property
+  def prompt_bos(self) -> bool:
+    """Whether a prompt starts with BOS: GPT-2's tokenizer adds none, so neither do we."""
+    return self.add_bos
+
+  def encode(self, texts: Sequence[str]) -> list[list[int]]:
+    """Our ids of each text as the model reads it, but for the EOS that our pipeline appends:
+    BERT's "[CLS] text" ([SEP] = our EOS follows), GPT-2's text alone; "" gives []."""
+    texts = list(texts)
+    encodings = self._tokenizer.encode_batch(texts, add_special_tokens=False)
+    start = [BOS_ID] if self.add_bos else []
+    # An empty text stays empty: the pipeline's "no such side" (a text task's other side).
+    return [start + self.our_ids[e.ids].tolist() if text else []
+            for text, e in zip(texts, encodings)]
+
+  def decode(self, ids: Iterable[int]) -> str:
+    """Text of one id sequence; stops at the first EOS, skips padding, BOS and our own tokens."""
+    kept = []
+    for i in np.asarray(ids).tolist():
+      if i == EOS_ID:
+        break
+      if i not in (PAD_ID, BOS_ID) and 0 <= i < len(self.hf_ids) and self.hf_ids[i] >= 0:
+        kept.append(int(self.hf_ids[i]))
+    return self._tokenizer.decode(kept, skip_special_tokens=True)
+
+  def pieces(self, ids: Iterable[int]) -> list[str]:
+    """Their token of each id; "<pad>" for a row of ours only (GPT-2's padding)."""
+    return [self._tokenizer.id_to_token(int(self.hf_ids[int(i)])) if self.hf_ids[int(i)] >= 0
+            else "<pad>" for i in ids]
+
+  def has_mask(self) -> bool:
+    """Whether MASK_ID is the model's mask token (BERT's [MASK])."""
+    return (self.vocab_size > MASK_ID and "mask" in self.special_tokens
+            and self.hf_ids[MASK_ID] == self._tokenizer.token_to_id(self.special_tokens["mask"]))
+
+
+def load_workdir(workdir: str, fix: str):
+  """The tokenizer of a workdir (a local path or a bucket URL): its SentencePiece model
+  (FILENAME) or, for an imported model, its Hugging Face tokenizer (HF_FILENAME). None when it
+  has neither."""
+  local = not storage.is_url(workdir)
+  present = (lambda path: os.path.lexists(path)) if local else storage.exists
+  model_path, hf_path = storage.join(workdir, FILENAME), storage.join(workdir, HF_FILENAME)
+  if not present(model_path) and present(hf_path):
+    if local:
+      files.check_readable(hf_path, fix)
+    return HFTokenizer(storage.read_bytes(hf_path), f"tokenizer {hf_path}", fix)
+  if present(model_path):
+    return load(model_path, fix)
+  return None

@@ -29,7 +29,8 @@ def check_generates(model_config: ModelConfig, config) -> None:
 
 def encode_prompts(tokenizer: tokenizer_lib.Tokenizer, texts, longest: int,
                    rows: int) -> tuple[np.ndarray, np.ndarray]:
-  """Prompts as the model reads them: "BOS text", its last `longest` tokens kept, right-padded.
+  """Prompts as the model reads them: "BOS text" ("text" for an imported GPT-2), its last
+  `longest` tokens kept, right-padded.
 
   Returns (int32 `[rows, longest]`, rows past len(texts) all padding; bool `[len(texts)]`: which
   prompts lost their beginning).
@@ -38,7 +39,9 @@ def encode_prompts(tokenizer: tokenizer_lib.Tokenizer, texts, longest: int,
   prompts = np.zeros((rows, longest), np.int32)
   truncated = np.zeros(len(ids), bool)
   for i, row in enumerate(ids):
-    row = [BOS_ID] + row
+    # An imported GPT-2 reads a prompt without BOS, as its tokenizer gives it; an empty prompt
+    # still starts with one (GPT-2's <|endoftext|>).
+    row = [BOS_ID] + row if tokenizer.prompt_bos or not row else row
     truncated[i] = len(row) > longest
     row = row[-longest:]
     prompts[i, :len(row)] = row

@@ -59,12 +59,10 @@ def load_trained(config, workdir: str, step=None) -> Trained:
   model_config = config_lib.validate(config, jax.default_backend())
   mesh = sharding.make_mesh(config.mesh.to_dict())
   workdir = storage.check(workdir) if storage.is_url(workdir) else os.path.abspath(workdir)
-  tokenizer_path = storage.join(workdir, tokenizer_lib.FILENAME)
-  if not (storage.exists(tokenizer_path) if storage.is_url(workdir)
-          else os.path.lexists(tokenizer_path)):
+  tokenizer = tokenizer_lib.load_workdir(workdir, prepare.WORKDIR_TOKENIZER_FIX)
+  if tokenizer is None:
     raise UserError(f"{workdir} holds no trained model (no {tokenizer_lib.FILENAME}); "
                     "train first with --mode=train")
-  tokenizer = tokenizer_lib.load(tokenizer_path, prepare.WORKDIR_TOKENIZER_FIX)
   # The tokenizer and the config are checked against the checkpoint's record, as train does:
   # another vocabulary would give wrong translations without a word.
   manager = checkpoint.Manager(workdir, config, checkpoint.sha256(tokenizer.model_proto))

@@ -15,6 +15,7 @@ The names:
   mlp       the feed-forward hidden dimension d_ff
   vocab     the vocabulary
   position  rows of a learned position table
+  token_type  rows of a token-type table (BERT's segments)
   relpos_buckets  buckets of relative distance (T5's relative position bias)
   stack     the q/k/v index of a fused projection
 """

@@ -19,7 +19,9 @@ CHOICES = {
     # bidirectional stack (BERT).
     "arch": ("encoder_decoder", "decoder_only", "encoder_only"),
     # swiglu / geglu: the gated FFN (Shazeer, 2020): (act(x W_gate) * x W1) W2.
-    "activation": ("relu", "gelu", "swiglu", "geglu"),
+    # gelu: the tanh approximation (GPT-2's "gelu_new"); gelu_exact: x * Phi(x) with the error
+  # function (BERT's "gelu").
+  "activation": ("relu", "gelu", "gelu_exact", "swiglu", "geglu"),
     "norm": ("post", "pre"),
     "norm_type": ("layernorm", "rmsnorm"),
     # rotary: RoPE (Su et al., 2021) on queries and keys; relative_bias: T5's learned per-head
@@ -29,6 +31,9 @@ CHOICES = {
     "init": ("xavier", "normal"),
     "attention_impl": ("plain", "jax"),  # see attention.dot_product_attention
     "dtype": ("float32", "bfloat16"),
+  # The classification head's summary of a row: the mean over its real tokens, or the output at
+  # its first token (BERT's [CLS]).
+  "pooling": ("mean", "first"),
     "remat": ("none", "full", "dots"),
 }
 
@@ -62,9 +67,14 @@ class ModelConfig:
   parallel_block: bool = False
   positional: str = "sinusoidal"  # sinusoidal | learned | rotary | relative_bias | none
   position_base: float = 10000.0  # sinusoidal and rotary: the base of the wavelengths
-  relative_buckets: int = 32  # relative_bias: buckets of the distance (per direction, encoder)
-  relative_max_distance: int = 128  # relative_bias: farther distances share the last bucket
+  relative_buckets: int = 32  # relative_bias: buckets of the relative distance (per direction
+  relative_max_distance: int = 128  # in an encoder); beyond max_distance all share the last one
   max_len: int = 256  # longest sequence the positions (and decoding) allow
+  embed_scale: bool = True  # token embeddings times sqrt(d_model), as the paper (not GPT-2, BERT)
+  # > 0: a learned table of that many token types (BERT's segment A/B) whose row 0 is added to
+  # every token's embedding: the model reads one segment, as BERT does a single sentence.
+  type_vocab_size: int = 0
+  embed_norm: bool = False  # a norm of the summed embeddings before the first layer (BERT)
   share_embeddings: bool = True  # one table for source and target tokens
   tie_output: bool = True  # the output projection is the (target) embedding table transposed
   fused_qkv: bool = False  # one matmul for queries, keys and values (another parameter layout)
@@ -75,6 +85,7 @@ class ModelConfig:
   dtype: str = "float32"  # compute dtype; parameters stay float32
   remat: str = "none"  # recompute layer activations in the backward pass: none | full | dots
   num_labels: int = 0  # encoder_only: > 0 adds a sequence-classification head of that many classes
+  pooling: str = "mean"  # the classification head's summary of a row (see CHOICES)
   deterministic: bool = False  # True disables dropout (evaluation, decoding)
   decode: bool = False  # True: incremental decoding with a KV cache
 
@@ -140,6 +151,9 @@ class ModelConfig:
     if self.relative_buckets < 2 or self.relative_max_distance < self.relative_buckets:
       raise UserError(f"model.relative_buckets ({self.relative_buckets}) must be >= 2 and at "
                       f"most model.relative_max_distance ({self.relative_max_distance})")
+    if self.type_vocab_size < 0:
+      raise UserError(f"model.type_vocab_size must be >= 0 (0 = no token types), got "
+                      f"{self.type_vocab_size}")
     if self.num_labels < 0 or (self.num_labels and self.arch != "encoder_only"):
       raise UserError(f"model.num_labels ({self.num_labels}) is for model.arch=encoder_only "
                       "(a classification head); leave it 0 otherwise")

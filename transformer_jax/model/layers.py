@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional, Sequence
 
 import flax.linen as nn
@@ -14,7 +15,10 @@ from transformer_jax.model.config import ModelConfig
 Array = jax.Array
 
 # The nonlinearity of each FFN activation; the gated ones multiply it by a second projection.
-ACTIVATIONS = {"relu": nn.relu, "gelu": nn.gelu, "swiglu": nn.swish, "geglu": nn.gelu}
+# gelu is the tanh approximation (flax's default), gelu_exact the error-function form.
+ACTIVATIONS = {"relu": nn.relu, "gelu": nn.gelu,
+               "gelu_exact": functools.partial(nn.gelu, approximate=False),
+               "swiglu": nn.swish, "geglu": nn.gelu}
 
 
 def kernel_init(config: ModelConfig):

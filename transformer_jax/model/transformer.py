@@ -52,9 +52,23 @@ def _embed(cfg: ModelConfig, name: str) -> nn.Embed:
 
 def _embed_tokens(cfg: ModelConfig, embed: nn.Embed, positions_module: AddPositions,
                   tokens: Array, positions: Array, deterministic: bool) -> Array:
-  """Token embedding scaled by sqrt(d_model), plus positions, then dropout."""
-  x = embed(tokens) * jnp.sqrt(jnp.asarray(cfg.d_model, cfg.compute_dtype))
-  x = constrain(positions_module(x, positions), "batch", "length", "embed")
+  """Token embedding (scaled by sqrt(d_model) with model.embed_scale), plus positions, plus
+  token type 0 (model.type_vocab_size), normalised (model.embed_norm), then dropout.
+
+  Called in a stack's compact scope: the type table and the norm are that stack's
+  "token_types" and "embed_norm"."""
+  x = embed(tokens)
+  if cfg.embed_scale:
+    x = x * jnp.sqrt(jnp.asarray(cfg.d_model, cfg.compute_dtype))
+  x = positions_module(x, positions)
+  if cfg.type_vocab_size:
+    types = nn.Embed(cfg.type_vocab_size, cfg.d_model, dtype=cfg.compute_dtype,
+                     embedding_init=param_init(nn.initializers.normal(stddev=0.02), "token_type",
+                                               "embed"), name="token_types")
+    x = x + types(jnp.zeros((), jnp.int32))
+  if cfg.embed_norm:
+    x = norm_layer(cfg, "embed_norm")(x)
+  x = constrain(x, "batch", "length", "embed")
   return attention.Dropout(rate=cfg.dropout_rate)(x, deterministic)
 
 
@@ -325,7 +339,8 @@ class EncoderOnly(nn.Module):
   """An encoder-only (BERT-style) model: the bidirectional stack with a masked-language-model
   head (a dense layer, the activation and a norm, then the output projection with a bias, as
   BERT's), or, with model.num_labels > 0, a sequence-classification head (the mean of the
-  outputs over the real tokens, a tanh dense layer, then the classes)."""
+  outputs over the real tokens, or with model.pooling=first the first token's output, a tanh
+  dense layer, then the classes)."""
 
   config: ModelConfig
 
@@ -344,8 +359,11 @@ class EncoderOnly(nn.Module):
                       bias_init=param_init(nn.initializers.zeros_init(), names[-1]), name=name)
 
     if cfg.num_labels:
-      valid = (tokens > 0)[:, :, None].astype(x.dtype)
-      pooled = jnp.sum(x * valid, axis=1) / jnp.maximum(jnp.sum(valid, axis=1), 1.0)
+      if cfg.pooling == "first":
+        pooled = x[:, 0]
+      else:
+        valid = (tokens > 0)[:, :, None].astype(x.dtype)
+        pooled = jnp.sum(x * valid, axis=1) / jnp.maximum(jnp.sum(valid, axis=1), 1.0)
       pooled = jnp.tanh(dense(cfg.d_model, ("embed", "mlp"), "pooler")(pooled))
       logits = dense(cfg.num_labels, ("mlp", None), "classifier")(pooled)
       return logits[:, None, :].astype(jnp.float32)
@@ -415,6 +433,12 @@ def describe(config: ModelConfig) -> str:
   kv = f", {c.kv_heads} key/value heads" if c.kv_heads != c.num_heads else ""
   block = f"{c.norm}-{c.norm_type}, {c.activation}" + (", parallel blocks" if c.parallel_block
                                                        else "")
+  embeddings = [name for name, on in (("unscaled embeddings", not c.embed_scale),
+                                      (f"{c.type_vocab_size} token types", c.type_vocab_size),
+                                      ("embedding norm", c.embed_norm),
+                                      (f"{c.pooling}-pooled", c.num_labels and
+                                       c.pooling != "mean")) if on]
+  block += "".join(", " + name for name in embeddings)
   lines = [
       f"Transformer{head}: {stacks}, d_model {c.d_model}, d_ff {c.d_ff}, {c.num_heads} heads "
       f"(head_dim {c.head_dim}{kv}), model.vocab_size {c.vocab_size}, {block}, "

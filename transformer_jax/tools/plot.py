@@ -218,7 +218,9 @@ def attention_maps(params, model_config, tokenizer, text: str, max_length: int, 
                                                "self_attention")}
     return maps, pieces, pieces, ""
   if cfg.arch == "decoder_only" and task == "lm":
-    prompt = [BOS_ID] + ids[-(cfg.max_len - max_length):]
+    kept = ids[-(cfg.max_len - max_length):]
+    # As --mode=generate reads it: an imported GPT-2 without BOS (eval/generate.py).
+    prompt = [BOS_ID] + kept if tokenizer.prompt_bos or not kept else kept
     output = _greedy_output(params, cfg, jnp.asarray([prompt], jnp.int32), max_length)
     source = jnp.zeros((1, 0), jnp.int32)
     decoder_inputs = jnp.asarray([prompt + output.tolist()], jnp.int32)
@@ -277,7 +279,9 @@ def plot_workdir(config, workdir: str, text: Optional[str] = None,
   """Writes every plot for a run into WORKDIR/plots; returns the paths."""
   workdir = storage.check(workdir)
   out = storage.join(workdir, "plots")
-  records = logger.read_metrics(workdir, required=True)
+  # Curves need a training run; attention maps (--text) need only a checkpoint, which an
+  # imported model (--mode=import_hf) has before it ever trains.
+  records = logger.read_metrics(workdir, required=text is None)
   model_config = config_lib.validate(config)
   if not storage.is_url(out) and os.path.lexists(out) and not os.path.isdir(out):
     raise UserError(f"{out} is not a directory, where plots are written; move it away")
@@ -288,7 +292,7 @@ def plot_workdir(config, workdir: str, text: Optional[str] = None,
       or step is not None):
     model_config, params, tokenizer = load.load_trained(config, workdir, step)[:3]
   storage.makedirs(out)
-  paths = [plot_curves(records, storage.join(out, "curves.png"))]
+  paths = [plot_curves(records, storage.join(out, "curves.png"))] if records else []
 
   picture = position_picture(model_config, params)
   if picture is not None:

@@ -162,7 +162,7 @@ def train(config, workdir: str, evaluate_fn: EvaluateFn) -> Result:
   checkpoint.create_workdir(workdir)
   lock = checkpoint.claim_workdir(workdir, seen_steps)  # held until training and its eval end
   if is_main and new_tokenizer:
-    storage.write(storage.join(workdir, tokenizer_lib.FILENAME), tokenizer.model_proto)
+    storage.write(storage.join(workdir, tokenizer.filename), tokenizer.model_proto)
   if is_main:
     storage.write(storage.join(workdir, "config.json"), config_json)
   set_aside = reader.set_aside_unreadable()

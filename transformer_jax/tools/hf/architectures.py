@@ -1,0 +1,302 @@
+"""What maps to what, as data: for each Hugging Face architecture, its config fields and our model
+options, and its tensors and our parameters, each with the transform between the two.
+
+`convert.py` reads these tables in both directions; nothing here knows about files. A tensor's
+shape is checked against the one its transform expects from our parameter's shape (itself from
+the mapped config), so weights that disagree with their config.json are refused by name.
+
+Tensor names are the full names of the HF class's `state_dict`; `{i}` stands for a layer's
+index, in theirs and ours. Our parameter paths are '/'-joined (see `model.param_shapes`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, NamedTuple, Optional
+
+import numpy as np
+
+# ----------------------------------------------------------------------------- the vocabulary
+
+
+class Vocab(NamedTuple):
+  """How our token ids relate to theirs. Our ids 0, 1, 2 (and 3, 4 in an encoder-only model) are
+  the project's pad, BOS, EOS (unknown, <mask>) (`core/tokens.py`): the model's own special
+  tokens move there, and a special it lacks gets a row of its own (GPT-2 has no padding).
+
+  hf_ids: int `[our vocab]`, the HF row each of our rows comes from (-1: a new row of zeros; a
+    row may repeat another's: GPT-2's BOS starts as a copy of its <|endoftext|>).
+  our_ids: int `[their vocab]`, our row that each HF row becomes (and returns from).
+  """
+
+  hf_ids: np.ndarray
+  our_ids: np.ndarray
+
+  def to_ours(self, hf_table: np.ndarray) -> np.ndarray:
+    """Rows (or entries) in our order: `[their vocab, ...]` -> `[our vocab, ...]`."""
+    rows = hf_table[np.maximum(self.hf_ids, 0)]
+    rows[self.hf_ids < 0] = 0
+    return rows
+
+  def to_hf(self, table: np.ndarray) -> np.ndarray:
+    return table[self.our_ids]
+
+
+def vocab_layout(hf_vocab_size: int, specials: dict, slots: tuple) -> Vocab:
+  """Our vocabulary: the `slots` (our special ids, in order 0, 1, ...: names of `specials`),
+  then every other HF row in its order.
+
+  specials: {name: HF id or None}. When two names share an HF id (GPT-2's bos and eos), the one
+  listed first in OWNERS owns the row; the other gets a copy of it.
+  """
+  hf_ids, owner = [-1] * len(slots), {}
+  for name in sorted(slots, key=OWNERS.index):
+    hf_id = specials.get(name)
+    if hf_id is not None:
+      hf_ids[slots.index(name)] = hf_id
+      owner.setdefault(hf_id, slots.index(name))
+  rest = [h for h in range(hf_vocab_size) if h not in owner]
+  hf_ids = np.asarray(hf_ids + rest, np.int64)
+  our_ids = np.empty(hf_vocab_size, np.int64)
+  our_ids[rest] = np.arange(len(slots), len(hf_ids))
+  for hf_id, ours in owner.items():
+    our_ids[hf_id] = ours
+  return Vocab(hf_ids, our_ids)
+
+
+# Who keeps a row that two specials share: GPT-2's <|endoftext|> is its EOS, also when it
+# doubles as BOS or as the padding of a fine-tuning recipe (our padding row is then a copy).
+OWNERS = ("eos", "unk", "mask", "bos", "pad")
+DECODER_SLOTS = ("pad", "bos", "eos")  # our ids 0, 1, 2
+ENCODER_SLOTS = ("pad", "bos", "eos", "unk", "mask")  # 0..4; BERT's bos/eos are [CLS]/[SEP]
+
+
+# ----------------------------------------------------------------------------- tensor transforms
+
+
+class Transform(NamedTuple):
+  """A tensor of theirs <-> one or more parameters of ours.
+
+  hf_shape(shapes, vocab): the shape their tensor must have, given ours.
+  to_ours(tensor, shapes, vocab): our parameters, a list in the rule's order.
+  to_hf(arrays, vocab): their tensor.
+  """
+
+  hf_shape: Callable
+  to_ours: Callable
+  to_hf: Callable
+
+
+def _size(shape) -> int:
+  return math.prod(shape)
+
+
+def linear(n_in: int = 1) -> Transform:
+  """torch.nn.Linear's weight `[out, in]` <-> a kernel whose first n_in axes are the input."""
+  return Transform(
+      lambda s, v: (_size(s[0][n_in:]), _size(s[0][:n_in])),
+      lambda w, s, v: [w.T.reshape(s[0])],
+      lambda a, v: a[0].reshape(_size(a[0].shape[:n_in]), -1).T)
+
+
+def conv1d(n_in: int = 1) -> Transform:
+  """GPT-2's Conv1D weight `[in, out]` (a Linear stored transposed) <-> a kernel."""
+  return Transform(
+      lambda s, v: (_size(s[0][:n_in]), _size(s[0][n_in:])),
+      lambda w, s, v: [w.reshape(s[0])],
+      lambda a, v: a[0].reshape(_size(a[0].shape[:n_in]), -1))
+
+
+def fused_conv1d() -> Transform:
+  """GPT-2's c_attn `[d, 3 d]` (queries, keys, values side by side) <-> three kernels
+  `[d, heads, head_dim]`."""
+  return Transform(
+      lambda s, v: (s[0][0], sum(_size(x[1:]) for x in s)),
+      lambda w, s, v: [part.reshape(x) for part, x in
+                       zip(np.split(w, np.cumsum([_size(x[1:]) for x in s])[:-1], axis=1), s)],
+      lambda a, v: np.concatenate([x.reshape(x.shape[0], -1) for x in a], axis=1))
+
+
+def fused_vector() -> Transform:
+  """GPT-2's c_attn bias `[3 d]` <-> three biases `[heads, head_dim]`."""
+  return Transform(
+      lambda s, v: (sum(_size(x) for x in s),),
+      lambda w, s, v: [part.reshape(x) for part, x in
+                       zip(np.split(w, np.cumsum([_size(x) for x in s])[:-1]), s)],
+      lambda a, v: np.concatenate([x.reshape(-1) for x in a]))
+
+
+VECTOR = Transform(lambda s, v: (_size(s[0]),), lambda w, s, v: [w.reshape(s[0])],
+                   lambda a, v: a[0].reshape(-1))
+TABLE = Transform(lambda s, v: tuple(s[0]), lambda w, s, v: [w], lambda a, v: a[0])
+VOCAB = Transform(lambda s, v: (len(v.our_ids),) + tuple(s[0][1:]),
+                  lambda w, s, v: [v.to_ours(w)], lambda a, v: v.to_hf(a[0]))
+
+
+class Rule(NamedTuple):
+  hf: str  # their tensor's name
+  ours: tuple  # our parameter path(s)
+  transform: Transform
+
+
+def norm(hf: str, ours: str) -> tuple:
+  """A LayerNorm: their weight and bias, our scale and bias."""
+  return (Rule(f"{hf}.weight", (f"{ours}/scale",), VECTOR),
+          Rule(f"{hf}.bias", (f"{ours}/bias",), VECTOR))
+
+
+def dense(hf: str, ours: str, transform: Transform) -> tuple:
+  """A dense layer: their weight and bias, our kernel and bias."""
+  return (Rule(f"{hf}.weight", (f"{ours}/kernel",), transform),
+          Rule(f"{hf}.bias", (f"{ours}/bias",), VECTOR))
+
+
+# ----------------------------------------------------------------------------- config fields
+
+
+class Field(NamedTuple):
+  """Our option `ours` <-> their config field `hf`.
+
+  values: {their value: ours} for a choice (a value outside it cannot be mapped); None: the
+    same number; COUNT: ours is the number of their entries (id2label -> num_labels).
+  default: their value when the field is absent (a callable of their config).
+  """
+
+  ours: str
+  hf: str
+  values: Optional[dict] = None
+  default: object = None
+
+
+COUNT = "count"
+
+
+@dataclasses.dataclass(frozen=True)
+class Head:
+  """One HF class of an architecture: its tensors beyond the base model's, our options that
+  go with it, and the data task our workdir trains it on."""
+
+  hf_class: str
+  task: str
+  rules: tuple
+  fixed: dict
+  fields: tuple = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Architecture:
+  model_type: str
+  prefix: str  # the base model's name prefix in the HF class's state_dict
+  fields: tuple  # Field rules
+  fixed: dict  # our options that this architecture always has (export refuses others)
+  required: dict  # their config fields we cannot map unless they have this value (or default)
+  layer_rules: tuple  # per layer, `{i}` in the names
+  rules: tuple  # the rest of the base model
+  heads: tuple  # Head, by HF class
+  special_tokens: dict  # {our special: their default token} (tokenizer_config.json overrides)
+  slots: tuple  # our special ids, in order
+  add_bos: bool  # whether its tokenizer starts a text with BOS (BERT's [CLS]); GPT-2's does not
+  ignored: tuple  # regular expressions of their tensors that hold no parameter (buffers, ties)
+
+
+# HF activation names <-> ours. GPT-2's "gelu_new" and "gelu_pytorch_tanh" are the tanh
+# approximation; BERT's "gelu" the error function.
+ACTIVATIONS = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "gelu": "gelu_exact",
+               "relu": "relu"}
+
+GPT2 = Architecture(
+    model_type="gpt2",
+    prefix="transformer.",
+    fields=(Field("d_model", "n_embd"), Field("num_heads", "n_head"),
+            Field("num_decoder_layers", "n_layer"), Field("max_len", "n_positions"),
+            Field("d_ff", "n_inner", default=lambda c: 4 * c["n_embd"]),
+            Field("layer_norm_eps", "layer_norm_epsilon", default=1e-5),
+            Field("activation", "activation_function", ACTIVATIONS, "gelu_new"),
+            Field("dropout_rate", "resid_pdrop", default=0.1),
+            Field("attention_dropout_rate", "attn_pdrop", default=0.1)),
+    fixed=dict(arch="decoder_only", num_encoder_layers=0, norm="pre", norm_type="layernorm",
+               positional="learned", embed_scale=False, tie_output=True, qkv_bias=True,
+               num_kv_heads=0, parallel_block=False, type_vocab_size=0, embed_norm=False),
+    required=dict(tie_word_embeddings=True, scale_attn_weights=True,
+                  scale_attn_by_inverse_layer_idx=False, add_cross_attention=False),
+    layer_rules=(
+        *norm("transformer.h.{i}.ln_1", "decoder/layer_{i}/self_attention_block/norm"),
+        Rule("transformer.h.{i}.attn.c_attn.weight",
+             tuple(f"decoder/layer_{{i}}/self_attention/{x}/kernel"
+                   for x in ("query", "key", "value")), fused_conv1d()),
+        Rule("transformer.h.{i}.attn.c_attn.bias",
+             tuple(f"decoder/layer_{{i}}/self_attention/{x}/bias"
+                   for x in ("query", "key", "value")), fused_vector()),
+        *dense("transformer.h.{i}.attn.c_proj", "decoder/layer_{i}/self_attention/out",
+               conv1d(2)),
+        *norm("transformer.h.{i}.ln_2", "decoder/layer_{i}/ffn_block/norm"),
+        *dense("transformer.h.{i}.mlp.c_fc", "decoder/layer_{i}/ffn/wi", conv1d()),
+        *dense("transformer.h.{i}.mlp.c_proj", "decoder/layer_{i}/ffn/wo", conv1d()),
+    ),
+    rules=(Rule("transformer.wte.weight", ("token_embedding/embedding",), VOCAB),
+           Rule("transformer.wpe.weight", ("decoder/positions/table",), TABLE),
+           *norm("transformer.ln_f", "decoder/final_norm")),
+    heads=(Head("GPT2LMHeadModel", "lm", (), dict(num_labels=0)),),
+    special_tokens={"bos": "<|endoftext|>", "eos": "<|endoftext|>"},
+    slots=DECODER_SLOTS,
+    add_bos=False,
+    ignored=(r"\.attn\.(masked_)?bias$", r"^lm_head\.weight$"),
+)
+
+
+def _bert_layer(i: str = "{i}") -> tuple:
+  base, ours = f"bert.encoder.layer.{i}", f"encoder/layer_{i}"
+  return (*dense(f"{base}.attention.self.query", f"{ours}/self_attention/query", linear()),
+          *dense(f"{base}.attention.self.key", f"{ours}/self_attention/key", linear()),
+          *dense(f"{base}.attention.self.value", f"{ours}/self_attention/value", linear()),
+          *dense(f"{base}.attention.output.dense", f"{ours}/self_attention/out", linear(2)),
+          *norm(f"{base}.attention.output.LayerNorm", f"{ours}/attention_block/norm"),
+          *dense(f"{base}.intermediate.dense", f"{ours}/ffn/wi", linear()),
+          *dense(f"{base}.output.dense", f"{ours}/ffn/wo", linear()),
+          *norm(f"{base}.output.LayerNorm", f"{ours}/ffn_block/norm"))
+
+
+BERT = Architecture(
+    model_type="bert",
+    prefix="bert.",
+    fields=(Field("d_model", "hidden_size"), Field("num_heads", "num_attention_heads"),
+            Field("num_encoder_layers", "num_hidden_layers"),
+            Field("max_len", "max_position_embeddings"), Field("d_ff", "intermediate_size"),
+            Field("layer_norm_eps", "layer_norm_eps", default=1e-12),
+            Field("type_vocab_size", "type_vocab_size", default=2),
+            Field("activation", "hidden_act", ACTIVATIONS, "gelu"),
+            Field("dropout_rate", "hidden_dropout_prob", default=0.1),
+            Field("attention_dropout_rate", "attention_probs_dropout_prob", default=0.1)),
+    fixed=dict(arch="encoder_only", num_decoder_layers=0, norm="post", norm_type="layernorm",
+               positional="learned", embed_scale=False, tie_output=True, qkv_bias=True,
+               num_kv_heads=0, parallel_block=False, embed_norm=True),
+    required=dict(tie_word_embeddings=True, position_embedding_type="absolute",
+                  is_decoder=False, add_cross_attention=False),
+    layer_rules=_bert_layer(),
+    rules=(Rule("bert.embeddings.word_embeddings.weight", ("token_embedding/embedding",), VOCAB),
+           Rule("bert.embeddings.position_embeddings.weight", ("encoder/positions/table",),
+                TABLE),
+           Rule("bert.embeddings.token_type_embeddings.weight",
+                ("encoder/token_types/embedding",), TABLE),
+           *norm("bert.embeddings.LayerNorm", "encoder/embed_norm")),
+    heads=(
+        Head("BertForMaskedLM", "mlm",
+             (*dense("cls.predictions.transform.dense", "mlm_dense", linear()),
+              *norm("cls.predictions.transform.LayerNorm", "mlm_norm"),
+              Rule("cls.predictions.bias", ("mlm_bias",), VOCAB)),
+             dict(num_labels=0)),
+        Head("BertForSequenceClassification", "classify",
+             (*dense("bert.pooler.dense", "pooler", linear()),
+              *dense("classifier", "classifier", linear())),
+             dict(pooling="first"), (Field("num_labels", "id2label", COUNT, {"0": 0, "1": 1}),)),
+    ),
+    special_tokens={"pad": "[PAD]", "bos": "[CLS]", "eos": "[SEP]", "unk": "[UNK]",
+                    "mask": "[MASK]"},
+    slots=ENCODER_SLOTS,
+    add_bos=True,
+    ignored=(r"position_ids$", r"^cls\.predictions\.decoder\.(weight|bias)$",
+             r"^cls\.seq_relationship\.", r"^bert\.pooler\."),
+)
+
+ARCHITECTURES = {a.model_type: a for a in (GPT2, BERT)}

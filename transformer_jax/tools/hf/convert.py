@@ -1,0 +1,428 @@
+"""Hugging Face model directories in and out: `import_hf` (theirs -> a workdir) and `export_hf`
+(a workdir -> theirs), one function per direction, driven by the tables of `architectures.py`.
+
+An imported workdir is a normal one: config.json (the mapped model and a fine-tuning recipe),
+the tokenizer (`data.tokenizer.HF_FILENAME`: their tokenizer.json and the id map) and an orbax
+checkpoint at step 0 written by `train/checkpoint.py`, so every mode reads it as a trained run.
+Everything is read and checked before anything is written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from transformer_jax import config as config_lib
+from transformer_jax.core import files
+from transformer_jax.core.errors import UserError
+from transformer_jax.core.tokens import BOS_ID, EOS_ID, PAD_ID
+from transformer_jax.data import tokenizer as tokenizer_lib
+from transformer_jax.model import ModelConfig, param_shapes
+from transformer_jax.tools.hf import weights
+from transformer_jax.tools.hf.architectures import (
+  ARCHITECTURES,
+  COUNT,
+  Field,
+  Vocab,
+  vocab_layout,
+)
+from transformer_jax.train import checkpoint
+from transformer_jax.train import state as state_lib
+
+CONFIG = "config.json"
+TOKENIZER = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+
+# Our training recipe for an imported model: fine-tuning rates (AdamW, a short warmup, cosine
+# decay), no label smoothing. Any of it can be changed with --config.train.KEY=VALUE.
+FINE_TUNING = {"train.schedule": "cosine", "train.learning_rate": 5e-5,
+               "train.warmup_steps": 100, "train.adam_b2": 0.999, "train.adam_eps": 1e-8,
+               "train.weight_decay": 0.01, "train.label_smoothing": 0.0}
+
+
+def _flat(tree) -> dict:
+  """{"a/b/c": leaf} of a nested dict of arrays (our parameter paths)."""
+  return {"/".join(p.key for p in path): leaf
+          for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def _nested(flat: dict) -> dict:
+  tree = {}
+  for path, leaf in flat.items():
+    *parents, name = path.split("/")
+    node = tree
+    for part in parents:
+      node = node.setdefault(part, {})
+    node[name] = leaf
+  return tree
+
+
+# ----------------------------------------------------------------------------- reading theirs
+
+
+def _read_json(path: str, what: str) -> dict:
+  try:
+    with open(path, encoding="utf-8") as f:
+      value = json.load(f)
+  except (OSError, ValueError) as e:
+    raise UserError(f"cannot read {path} ({e}); download {what} again") from None
+  if not isinstance(value, dict):
+    raise UserError(f"{path} is not a JSON object; download {what} again")
+  return value
+
+
+def _architecture(hf_config: dict, path: str):
+  """(Architecture, Head) of their config: by model_type, then by its `architectures` class."""
+  model_type = hf_config.get("model_type")
+  if model_type not in ARCHITECTURES:
+    raise UserError(f"{path} has model_type {model_type!r}, which cannot be imported (supported: "
+                    f"{', '.join(ARCHITECTURES)}); import a model of one of those types")
+  arch = ARCHITECTURES[model_type]
+  classes = hf_config.get("architectures") or [arch.heads[0].hf_class]
+  for head in arch.heads:
+    if head.hf_class in classes:
+      return arch, head
+  raise UserError(f"{path} is a {', '.join(classes)}; the {model_type} classes that import are "
+                  f"{', '.join(h.hf_class for h in arch.heads)} (set \"architectures\" to one of "
+                  "them if the weights have its head)")
+
+
+def _field_value(field, hf_config: dict, path: str):
+  """Our value of a Field, from their config."""
+  if field.hf in hf_config and hf_config[field.hf] is not None:
+    value = hf_config[field.hf]
+  else:
+    value = field.default(hf_config) if callable(field.default) else field.default
+  if value is None:
+    raise UserError(f"{path} lacks {field.hf}, which sets model.{field.ours}; download the "
+                    "model's config.json again")
+  if field.values == COUNT:
+    return len(value)
+  if field.values is not None:
+    if value not in field.values:
+      raise UserError(f"{path} has {field.hf}={value!r}, which model.{field.ours} cannot express "
+                      f"(it maps {', '.join(map(repr, field.values))}); this model cannot be "
+                      "imported")
+    return field.values[value]
+  return value
+
+
+def _model_options(arch, head, hf_config: dict, path: str) -> dict:
+  """Our model options (without vocab_size) from their config; refuses what we cannot map."""
+  for key, value in arch.required.items():
+    if hf_config.get(key, value) != value:
+      raise UserError(f"{path} has {key}={hf_config[key]!r}; this project's {arch.model_type} "
+                      f"import needs {key}={value!r}, so this model cannot be imported")
+  options = {f.ours: _field_value(f, hf_config, path) for f in arch.fields + head.fields}
+  return {**options, **arch.fixed, **head.fixed}
+
+
+def _special_tokens(arch, hf_dir: str) -> dict:
+  """{our special: their token}: the architecture's defaults, then tokenizer_config.json's."""
+  tokens = dict(arch.special_tokens)
+  path = os.path.join(hf_dir, TOKENIZER_CONFIG)
+  if os.path.isfile(path):
+    saved = _read_json(path, "the tokenizer")
+    names = {"pad": ("pad_token",), "bos": ("cls_token", "bos_token"),
+             "eos": ("sep_token", "eos_token"), "unk": ("unk_token",), "mask": ("mask_token",)}
+    for ours, theirs in names.items():
+      for name in theirs:
+        value = saved.get(name)
+        value = value.get("content") if isinstance(value, dict) else value
+        if isinstance(value, str) and ours in tokens:
+          tokens[ours] = value
+          break
+  return tokens
+
+
+def _tokenizer(arch, hf_dir: str, hf_vocab_size: int, hf_config: dict):
+  """(their tokenizer.json text, {our special: their token}, {our special: their id}): the ids
+  of the special tokens in the tokenizer, else config.json's pad/bos/eos_token_id."""
+  path = os.path.join(hf_dir, TOKENIZER)
+  if not os.path.isfile(path):
+    raise UserError(f"{hf_dir} holds no {TOKENIZER}; save the model's tokenizer there too "
+                    "(AutoTokenizer.from_pretrained(...).save_pretrained(DIR), or download it)")
+  try:
+    from tokenizers import Tokenizer
+  except ImportError:
+    raise UserError("importing a Hugging Face model needs its libraries; install the hf extra "
+                    "(pip install 'transformer_jax[hf]')") from None
+  with open(path, encoding="utf-8") as f:
+    text = f.read()
+  try:
+    tokenizer = Tokenizer.from_str(text)
+  except Exception as e:  # the tokenizers library's own exception type
+    raise UserError(f"{path} does not load with the tokenizers library ({e}); download the "
+                    "tokenizer again") from None
+  if tokenizer.get_vocab_size() > hf_vocab_size:
+    raise UserError(f"{path} has {tokenizer.get_vocab_size()} tokens, more than the model's "
+                    f"vocab_size {hf_vocab_size}; the tokenizer belongs to another model")
+  tokens = _special_tokens(arch, hf_dir)
+  ids = {name: tokenizer.token_to_id(token) for name, token in tokens.items()}
+  for name in ("pad", "bos", "eos"):
+    configured = hf_config.get(f"{name}_token_id")
+    if ids.get(name) is None and isinstance(configured, int) and 0 <= configured < hf_vocab_size:
+      ids[name] = configured
+      tokens[name] = tokenizer.id_to_token(configured)
+  return text, {k: v for k, v in tokens.items() if ids.get(k) is not None and v}, ids
+
+
+def _shape_error(name: str, shape, expected, path: str) -> UserError:
+  return UserError(f"the weights' {name} has shape {tuple(shape)}, but {path} gives "
+                   f"{tuple(expected)}; the weights and config.json must come from the same model")
+
+
+def _expand(rules: tuple, layers: int) -> list:
+  """The rules with `{i}` replaced by each layer's index (rules without it once)."""
+  out = []
+  for rule in rules:
+    if "{i}" in rule.hf:
+      out += [rule._replace(hf=rule.hf.format(i=i), ours=tuple(p.format(i=i) for p in rule.ours))
+              for i in range(layers)]
+    else:
+      out.append(rule)
+  return out
+
+
+def _rules(arch, head, model: ModelConfig) -> list:
+  layers = max(model.num_encoder_layers, model.num_decoder_layers)
+  return _expand(arch.layer_rules, layers) + list(arch.rules) + list(head.rules)
+
+
+def _params_from(tensors: dict, arch, head, model: ModelConfig, vocab: Vocab, path: str) -> dict:
+  """Our parameter tree from their tensors, each checked against the shape our config gives."""
+  if arch.prefix and not any(k.startswith(arch.prefix) for k in tensors):
+    # Saved from the base class (GPT2Model, BertModel): names without the prefix.
+    tensors = {(k if k.startswith(("cls.", "lm_head.", "classifier.")) else arch.prefix + k): v
+               for k, v in tensors.items()}
+  shapes = {k: tuple(v.shape) for k, v in _flat(param_shapes(model)).items()}
+  flat, used = {}, set()
+  for rule in _rules(arch, head, model):
+    if rule.hf not in tensors:
+      raise UserError(f"the weights in {os.path.dirname(path)} lack {rule.hf}, which a "
+                      f"{head.hf_class} has; download the complete model")
+    ours = [shapes[p] for p in rule.ours]
+    expected = rule.transform.hf_shape(ours, vocab)
+    tensor = tensors[rule.hf]
+    if tuple(tensor.shape) != tuple(expected):
+      raise _shape_error(rule.hf, tensor.shape, expected, path)
+    for p, value in zip(rule.ours, rule.transform.to_ours(tensor, ours, vocab)):
+      flat[p] = np.asarray(value, np.float32)
+    used.add(rule.hf)
+  assert set(flat) == set(shapes), sorted(set(shapes) ^ set(flat))  # the table covers the model
+  unused = [k for k in sorted(set(tensors) - used)
+            if not any(re.search(pattern, k) for pattern in arch.ignored)]
+  if unused:
+    print(f"note: {len(unused)} tensor(s) of the checkpoint have no counterpart here and are "
+          f"left out: {', '.join(unused[:3])}{' ...' if len(unused) > 3 else ''}",
+          file=sys.stderr)
+  return _nested(flat)
+
+
+def _experiment_config(model: ModelConfig, task: str, hf_config: dict):
+  """The full experiment config of the imported model: defaults, the model, its task (with a
+  classifier's class names), limits that fit its positions, and the fine-tuning recipe."""
+  config = config_lib.default_config()
+  for key, value in dict(model.__dict__).items():
+    if key in config.model:
+      config.model[key] = value
+  config.model.vocab_size = model.vocab_size
+  config.model.dtype = "auto"
+  config.data.task = task
+  # The data to fine-tune on is the user's to name (--config.data.source=files, data.path=...);
+  # until then the config keeps the built-in SCAN data, which needs no files, so it validates.
+  config.data.source = "scan"
+  config.data.format = {"lm": "text", "mlm": "text", "classify": "tsv"}.get(task, "parallel")
+  names = [str((hf_config.get("id2label") or {}).get(str(i), "")) for i in range(model.num_labels)]
+  if task == "classify" and names != [f"LABEL_{i}" for i in range(model.num_labels)] and all(
+      name and "," not in name for name in names):
+    config.data.labels = ",".join(names)  # their class names, in the order of their ids
+  longest = model.max_len // 2 if task == "seq2seq" else model.max_len
+  config.data.max_source_len = min(config.data.max_source_len, longest)
+  config.data.max_target_len = min(config.data.max_target_len, longest)
+  for key, value in FINE_TUNING.items():
+    section, name = key.split(".")
+    config[section][name] = value
+  return config
+
+
+def _check_new_workdir(workdir: str) -> str:
+  entries = dict(checkpoint.WORKDIR_ENTRIES, **{tokenizer_lib.HF_FILENAME: False})
+  workdir = checkpoint.check_workdir(workdir, entries)
+  held = [name for name in ("config.json", "checkpoints", tokenizer_lib.FILENAME,
+                            tokenizer_lib.HF_FILENAME)
+          if os.path.lexists(os.path.join(workdir, name))]
+  if held:
+    raise UserError(f"--workdir {workdir} already holds a run ({held[0]}); import into a new "
+                    "--workdir")
+  return workdir
+
+
+def import_hf(hf_dir: str, workdir: str) -> str:
+  """Writes the Hugging Face model in `hf_dir` as a workdir at `workdir`; returns a summary."""
+  if not hf_dir or not os.path.isdir(hf_dir):
+    raise UserError(f"--hf_dir {hf_dir!r} is not a directory; give the directory of a Hugging "
+                    "Face model (config.json, model.safetensors, tokenizer.json)")
+  workdir = _check_new_workdir(workdir)
+  config_path = os.path.join(hf_dir, CONFIG)
+  if not os.path.isfile(config_path):
+    raise UserError(f"{hf_dir} holds no {CONFIG}; download the model's config.json with its "
+                    "weights")
+  hf_config = _read_json(config_path, "the model")
+  arch, head = _architecture(hf_config, config_path)
+  options = _model_options(arch, head, hf_config, config_path)
+  weights.check_present(hf_dir)
+  hf_vocab_size = _field_value(Field("vocab_size", "vocab_size"), hf_config, config_path)
+  tokenizer_text, special_tokens, special_ids = _tokenizer(arch, hf_dir, hf_vocab_size,
+                                                          hf_config)
+  vocab = vocab_layout(hf_vocab_size, special_ids, arch.slots)
+  try:
+    model = ModelConfig(vocab_size=len(vocab.hf_ids), **options).validate()
+  except UserError as e:
+    raise UserError(f"{config_path} maps to a model this project refuses: {e}") from None
+  params = _params_from(weights.read(hf_dir), arch, head, model, vocab, config_path)
+  config = _experiment_config(model, head.task, hf_config)
+  config_lib.validate(config)
+  tokenizer_file = json.dumps({
+      "tokenizer": tokenizer_text, "hf_ids": vocab.hf_ids.tolist(),
+      "our_ids": vocab.our_ids.tolist(), "add_bos": arch.add_bos,
+      "special_tokens": special_tokens, "model_type": arch.model_type}).encode()
+  tokenizer_lib.HFTokenizer(tokenizer_file)  # reads back
+
+  optimizer = state_lib.make_optimizer(config.train, model.d_model)
+  params = jax.tree.map(jnp.asarray, params)
+  state = state_lib.TrainState(step=jnp.array(0, jnp.int32), params=params,
+                               opt_state=optimizer.init(params))
+  checkpoint.create_workdir(workdir)
+  files.atomic_write(os.path.join(workdir, tokenizer_lib.HF_FILENAME), tokenizer_file)
+  files.atomic_write(os.path.join(workdir, "config.json"), config.to_json_best_effort(indent=2))
+  manager = checkpoint.Manager(workdir, config, checkpoint.sha256(tokenizer_file), writable=True)
+  try:
+    manager.save(0, state)
+    manager.wait()
+  finally:
+    manager.close()
+  return (f"imported {hf_config.get('model_type')} ({head.hf_class}) from {hf_dir} into "
+          f"{workdir}: {model.arch}, {len(jax.tree.leaves(params))} parameter arrays, "
+          f"vocabulary {model.vocab_size} (theirs {hf_vocab_size}), data.task={head.task}")
+
+
+# ----------------------------------------------------------------------------- writing theirs
+
+
+def _target(model: ModelConfig):
+  """(Architecture, Head) that expresses our model; refuses, naming the option, when none does."""
+  reasons = []
+  for arch in ARCHITECTURES.values():
+    if arch.fixed["arch"] != model.arch:
+      continue
+    for head in arch.heads:
+      fixed = {**arch.fixed, **head.fixed}
+      if "num_labels" not in fixed and not model.num_labels:
+        continue  # a classifier's class: not for a model without classes
+      wrong = [(k, v) for k, v in fixed.items() if getattr(model, k) != v]
+      if not wrong:
+        for field in arch.fields:
+          if field.values not in (None, COUNT):
+            inverse = {ours: theirs for theirs, ours in reversed(field.values.items())}
+            if getattr(model, field.ours) not in inverse:
+              wrong.append((field.ours, "/".join(sorted(set(field.values.values())))))
+      if not wrong:
+        return arch, head
+      key, value = wrong[0]
+      reasons.append(f"{head.hf_class} needs model.{key}={value}, not {getattr(model, key)!r}")
+  raise UserError(f"no Hugging Face class that this project exports expresses this model.arch="
+                  f"{model.arch} ({'; '.join(reasons) or 'none for this architecture'}); "
+                  "train with the options of one of them to export")
+
+
+def _label_names(config, count: int) -> list:
+  """The class names of a classifier: data.labels, or the train split's (when it can still be
+  read), else LABEL_0, LABEL_1, ... as transformers names them."""
+  from transformer_jax.data import tasks
+  try:
+    names = list(tasks.label_names(config.data))
+  except (UserError, OSError):
+    names = []
+  return names if len(names) == count else [f"LABEL_{i}" for i in range(count)]
+
+
+def _hf_config(arch, head, model: ModelConfig, vocab: Vocab, special_ids: dict,
+               labels: list) -> dict:
+  hf = {"model_type": arch.model_type, "architectures": [head.hf_class],
+        "vocab_size": len(vocab.our_ids), **arch.required}
+  for field in arch.fields + head.fields:
+    value = getattr(model, field.ours)
+    if field.values == COUNT:
+      value = {str(i): labels[i] for i in range(value)}
+      hf["label2id"] = {v: int(k) for k, v in value.items()}
+    elif field.values is not None:
+      value = {ours: theirs for theirs, ours in reversed(field.values.items())}[value]
+    hf[field.hf] = value
+  if arch.model_type == "gpt2":
+    hf["embd_pdrop"] = model.dropout_rate
+  for name in ("pad", "bos", "eos"):
+    if special_ids.get(name) is not None:
+      hf[f"{name}_token_id"] = int(special_ids[name])
+  return hf
+
+
+def export_hf(workdir: str, hf_dir: str, step=None) -> str:
+  """Writes the model of `workdir` (its latest checkpoint, or `step`) as a Hugging Face model
+  directory `hf_dir` that `transformers` loads with its Auto classes; returns a summary."""
+  from transformer_jax.eval.load import load_trained
+  workdir = os.path.abspath(os.path.expanduser(workdir))
+  config = config_lib.from_workdir(workdir)
+  model = config_lib.validate(config)
+  arch, head = _target(model)
+  if hf_dir and os.path.isfile(os.path.join(hf_dir, CONFIG)):
+    raise UserError(f"--hf_dir {hf_dir} already holds a model ({CONFIG}); export into a new or "
+                    "empty directory")
+  trained = load_trained(config, workdir, step)
+  tokenizer = trained.tokenizer
+  if isinstance(tokenizer, tokenizer_lib.HFTokenizer):
+    vocab = Vocab(tokenizer.hf_ids, tokenizer.our_ids)
+  else:  # our own SentencePiece vocabulary: the ids stay as they are, pad 0, BOS 1, EOS 2
+    ids = np.arange(model.vocab_size)
+    vocab = Vocab(ids, ids)
+  flat = {k: np.asarray(v, np.float32) for k, v in _flat(jax.device_get(trained.params)).items()}
+  tensors = {}
+  for rule in _rules(arch, head, model):
+    tensors[rule.hf] = rule.transform.to_hf([flat[p] for p in rule.ours], vocab)
+  if isinstance(tokenizer, tokenizer_lib.HFTokenizer):
+    special_ids = {name: int(tokenizer.hf_ids[slot]) for slot, name in
+                   ((PAD_ID, "pad"), (EOS_ID, "eos")) if tokenizer.hf_ids[slot] >= 0}
+    if arch.model_type == "gpt2":
+      special_ids["bos"] = special_ids["eos"]
+  else:
+    special_ids = {"pad": PAD_ID, "bos": BOS_ID, "eos": EOS_ID}
+  labels = _label_names(config, model.num_labels) if model.num_labels else []
+  hf_config = _hf_config(arch, head, model, vocab, special_ids, labels)
+  try:
+    os.makedirs(hf_dir, exist_ok=True)
+  except OSError as e:
+    raise files.write_error(hf_dir, e) from None
+  files.atomic_write(os.path.join(hf_dir, CONFIG), json.dumps(hf_config, indent=2))
+  weights.write(hf_dir, tensors)
+  wrote = [CONFIG, weights.SAFETENSORS]
+  if isinstance(tokenizer, tokenizer_lib.HFTokenizer):
+    record = json.loads(tokenizer.model_proto)
+    files.atomic_write(os.path.join(hf_dir, TOKENIZER), record["tokenizer"])
+    names = {"pad": "pad_token", "unk": "unk_token", "mask": "mask_token"}
+    names.update({"bos": "cls_token", "eos": "sep_token"} if arch.model_type == "bert" else
+                 {"bos": "bos_token", "eos": "eos_token"})
+    tokenizer_config = {names[k]: v for k, v in tokenizer.special_tokens.items() if k in names}
+    tokenizer_config["model_max_length"] = model.max_len
+    if arch.model_type == "gpt2":
+      tokenizer_config["unk_token"] = tokenizer.special_tokens.get("eos")
+    files.atomic_write(os.path.join(hf_dir, TOKENIZER_CONFIG),
+                       json.dumps(tokenizer_config, indent=2))
+    wrote += [TOKENIZER, TOKENIZER_CONFIG]
+  return (f"exported {workdir} (step {trained.step}) as {head.hf_class} to {hf_dir}: "
+          f"{', '.join(wrote)}")
