@@ -43,7 +43,7 @@ OTHERS = {
     "cd \"$SLURM_SUBMIT_DIR\"": "a SLURM job script (its launch.py line is checked)",
     "sbatch": "SLURM",
     "gcloud": "Cloud TPU (its launch.py lines are checked)",
-    "make install && .venv/bin/pip install -U": "the Cloud TPU set-up (inside gcloud ... ssh)",
+    "make install && .venv/bin/pip install -e": "the Cloud TPU set-up (inside gcloud ... ssh)",
 }
 
 
