@@ -8,13 +8,20 @@ WORKDIR ?= runs/scan_simple
 
 install: $(VENV)/.installed
 
+# What training, evaluation, the demo and TensorBoard need, with the tested JAX (setup.cfg's extras).
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[cpu,tensorboard]'
 	touch $@
 
-lint: $(VENV)/.installed
+# The test extras on top (pytest, ruff, torch and libtpu for the tests of those modes): a stamp of
+# their own, so that `make test` after `make demo` adds them and `make demo` never needs them.
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PY) -m pip install --quiet -e '.[cpu,test]'
+	touch $@
+
+lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check .
 
 test: lint

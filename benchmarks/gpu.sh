@@ -18,7 +18,7 @@
 # --dry_run: no venv and no installs; the suite's CPU dry run with $PYTHON (default python3).
 #
 # Environment: PYTHON (python3), VENV (/tmp/transformer_jax_gpu_venv), JAX_VERSION (0.10.2, the
-# version the project is developed and measured with), TORCH_VERSION (2.13.0, the [torch] extra).
+# version setup.cfg's cpu, cuda12 and tpu extras pin), TORCH_VERSION (2.13.0, the [torch] extra).
 set -uo pipefail
 
 if [ $# -lt 1 ] || [ "${1#-}" != "$1" ]; then

@@ -1,7 +1,12 @@
-"""Shared fixtures: a tiny model config, parameters that cost no compiled initialiser, and the
-data cache in a temporary directory."""
+"""Shared fixtures: a tiny model config, parameters that cost no compiled initialiser, the data
+cache and the compilation cache of the tests' subprocesses in temporary directories, and
+directories built once per test session (a trained workdir that several test files read)."""
 
+import fcntl
 import os
+import shutil
+import subprocess
+import sys
 
 import flax.linen as nn
 import jax
@@ -13,6 +18,8 @@ from transformer_jax.core import platforms
 from transformer_jax.data import cache
 from transformer_jax.model import ModelConfig
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 platforms.cpu_only_unless_accelerated()  # before JAX starts: no TPU runtime warnings
 
 
@@ -23,6 +30,45 @@ def data_cache(tmp_path_factory):
   directory = tmp_path_factory.mktemp("data_cache")
   os.environ[cache.ENV] = str(directory)
   return directory
+
+
+@pytest.fixture(autouse=True, scope="session")
+def compilation_cache(tmp_path_factory):
+  """A persistent compilation cache for every subprocess of the tests (launch.py runs, sweep
+  trials, scripts), through the environment, one per test worker: a program that several runs
+  compile (the tiny model's train step, its evaluation's decoding) compiles once per worker, the
+  others read it. This process's JAX has read its configuration already and keeps none. Tests
+  that want a cache of their own pass one (launcher.environment)."""
+  directory = tmp_path_factory.mktemp("jax_cache")
+  os.environ.update(JAX_COMPILATION_CACHE_DIR=str(directory),
+                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+  return directory
+
+
+@pytest.fixture(scope="session")
+def shared_directory(tmp_path_factory):
+  """Returns `make(name, build)`: the path `build(path)` made, built once per test session,
+  whichever test file asks first, on whichever worker (pytest-xdist's workers share the parent of
+  their temporary directories; a file lock makes the others wait for the first). For read-only
+  inputs that several test files need, such as a trained workdir: a test that changes one
+  works on a copy."""
+  root = tmp_path_factory.getbasetemp()
+  if os.environ.get("PYTEST_XDIST_WORKER"):
+    root = root.parent
+  (root / "shared").mkdir(exist_ok=True)
+
+  def make(name: str, build):
+    path = root / "shared" / name
+    with open(root / "shared" / f"{name}.lock", "w") as lock:
+      fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+      if not (root / "shared" / f"{name}.done").exists():
+        shutil.rmtree(path, ignore_errors=True)  # what a failed build left
+        build(path)
+        (root / "shared" / f"{name}.done").touch()
+    return path
+
+  return make
 
 
 @pytest.fixture
@@ -55,3 +101,17 @@ def random_params():
     return jax.tree_util.tree_map_with_path(draw, shapes)
 
   return make
+
+
+@pytest.fixture(scope="session")
+def tiny_run(shared_directory):
+  """A workdir of experiments/tiny.py as `launch.py --mode=train` leaves it (20 steps, evaluated
+  at steps 10 and 20), trained once per session: test_train's end-to-end test and test_plot work
+  on copies of it."""
+
+  def train(workdir):
+    subprocess.run([sys.executable, "launch.py", "--config=experiments/tiny.py",
+                    f"--workdir={workdir}", "--mode=train", "--config.train.eval_every=10"],
+                   check=True, cwd=ROOT, capture_output=True)
+
+  return shared_directory("tiny_run", train)

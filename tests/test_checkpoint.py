@@ -90,13 +90,20 @@ def assert_same_state(a, b):
     np.testing.assert_array_equal(x, y)  # bitwise: same values, same dtypes
 
 
+def reference_run(launcher, shared_directory):
+  """An uninterrupted run of STEPS steps, trained once per test session (test_faults.py reads
+  the same run); tests copy it before they change anything."""
+
+  def train(workdir):
+    code, out = train_run(launcher, workdir)
+    assert code == 0, out
+
+  return shared_directory("reference_run", train)
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, launcher):
-  """An uninterrupted run of STEPS steps."""
-  workdir = tmp_path_factory.mktemp("reference") / "run"
-  code, out = train_run(launcher, workdir)
-  assert code == 0, out
-  return workdir
+def reference(launcher, shared_directory):
+  return reference_run(launcher, shared_directory)
 
 
 def alive(pid: int) -> bool:

@@ -47,7 +47,7 @@ OTHERS = {
     "cd \"$SLURM_SUBMIT_DIR\"": "a SLURM job script (its launch.py line is checked)",
     "sbatch": "SLURM",
     "gcloud": "Cloud TPU (its launch.py lines are checked)",
-    "make install && .venv/bin/pip install -U": "the Cloud TPU set-up (inside gcloud ... ssh)",
+    "make install && .venv/bin/pip install -e": "the Cloud TPU set-up (inside gcloud ... ssh)",
     "hf download": "the hub's own tool, on a machine with network; test_hf imports what "
                    "transformers' save_pretrained writes",
     ".venv/bin/python benchmarks/hf_finetune.py": "test_hf (import, train further, export)",

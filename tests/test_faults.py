@@ -26,6 +26,7 @@ from test_checkpoint import (
   assert_same_state,
   last_logged_step,
   logged_steps,
+  reference_run,
   restore_latest,
 )
 
@@ -47,12 +48,9 @@ def launcher(cache_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, launcher):
-  """An uninterrupted run of STEPS steps."""
-  workdir = tmp_path_factory.mktemp("reference") / "run"
-  code, out, err = launcher.run(*RUN, f"--workdir={workdir}")
-  assert code == 0, out + err
-  return workdir
+def reference(launcher, shared_directory):
+  """An uninterrupted run of STEPS steps: test_checkpoint.py's, trained once per session."""
+  return reference_run(launcher, shared_directory)
 
 
 def one_error(err: str) -> str:

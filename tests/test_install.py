@@ -70,3 +70,37 @@ def test_sweep_dry_run_and_benchmark_by_experiment_name(installed):
                 "--config.benchmark.warmup=1", "--config.benchmark.decode_steps=0")
   assert result.returncode == 0, result.stderr
   assert json.loads(result.stdout.splitlines()[-1])["step_ms"] > 0
+
+
+def test_one_tested_jax_for_every_platform():
+  """setup.cfg's cpu, cuda12 and tpu extras (and the test extras' libtpu) pin one JAX release,
+  inside the range the package asks for; every install command in the docs and gpu.sh's default
+  use it, and it is the JAX these tests run on (`make test` installs [cpu,test])."""
+  import configparser
+  import re
+
+  import jax
+
+  setup = configparser.ConfigParser()
+  setup.read(ROOT / "setup.cfg")
+  extras = setup["options.extras_require"]
+  pins = {}
+  for extra in ("cpu", "cuda12", "tpu", "test"):
+    for line in extras[extra].splitlines():
+      found = re.fullmatch(r"(jaxlib|jax(?:\[\w+\])?)\s*(==.*|[<>~!].*)?", line.strip())
+      if found:
+        pins[f"{extra}: {found[1]}"] = found[2]
+  assert set(pins) >= {"cpu: jax", "cpu: jaxlib", "cuda12: jax[cuda12]", "tpu: jax[tpu]",
+                       "test: jax[tpu]"}, pins
+  assert len(set(pins.values())) == 1 and next(iter(pins.values())).startswith("=="), pins
+  version = next(iter(pins.values()))[2:]
+  [floor] = re.findall(r"^\s*jax>=([\d.]+)\s*$", setup["options"]["install_requires"], re.M)
+  as_tuple = lambda v: tuple(int(x) for x in v.split("."))
+  assert as_tuple(floor) <= as_tuple(version), (floor, version)
+  assert jax.__version__ == version, f"tests run on jax {jax.__version__}, setup.cfg pins {version}"
+
+  texts = {p: (ROOT / p).read_text() for p in ("README.md", "docs/cloud.md", "docs/benchmarks.md")}
+  for path, text in texts.items():
+    for spec in re.findall(r"jax\[\w+\][^\s'\"`]*", text):
+      assert spec.endswith(f"=={version}"), (path, spec)  # no unpinned or other accelerator JAX
+  assert f"JAX_VERSION=${{JAX_VERSION:-{version}}}" in (ROOT / "benchmarks" / "gpu.sh").read_text()

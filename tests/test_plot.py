@@ -1,6 +1,7 @@
 """Every plot kind renders a real picture; attention maps obey their masks; the run summary."""
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -18,11 +19,10 @@ TEXT = "jump twice after walk left"
 
 
 @pytest.fixture(scope="module")
-def trained_workdir(tmp_path_factory):
+def trained_workdir(tmp_path_factory, tiny_run):
+  """A copy of the session's trained tiny workdir (conftest.py), which plots go into."""
   workdir = tmp_path_factory.mktemp("plot") / "run"
-  subprocess.run([sys.executable, "launch.py", "--config=experiments/tiny.py",
-                  f"--workdir={workdir}", "--mode=train", "--config.train.eval_every=10"],
-                 check=True, cwd=ROOT, capture_output=True)
+  shutil.copytree(tiny_run, workdir)
   return workdir
 
 

@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -278,10 +279,9 @@ np.testing.assert_array_equal(first, noisy.module.apply({"params": noisy.params}
 """
 
 
-def test_train_then_evaluate_end_to_end(tmp_path):
-  workdir = tmp_path / "run"
-  base = [sys.executable, "launch.py", "--config=experiments/tiny.py", f"--workdir={workdir}"]
-  subprocess.run(base + ["--mode=train"], check=True, cwd=ROOT, capture_output=True)
+def test_train_then_evaluate_end_to_end(tmp_path, tiny_run):
+  workdir = tmp_path / "run"  # launch.py --mode=train of experiments/tiny.py (conftest.py)
+  shutil.copytree(tiny_run, workdir)
   for name in ("tokenizer.model", "config.json", "metrics.jsonl", "checkpoints", "tensorboard"):
     assert (workdir / name).exists(), name
   records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
