@@ -124,6 +124,13 @@ def filesystem(scheme: str):
   with _FILESYSTEMS_LOCK:
     if key not in _FILESYSTEMS:
       timeout = min(_timeout(), 30.0)
+      client = {"gs": "gcsfs", "s3": "s3fs"}[scheme]
+      try:
+        __import__(client)
+      except ImportError:
+        extra = {"gs": "gcs", "s3": "s3"}[scheme]
+        raise UserError(f"a {scheme}:// workdir needs {client}, which is not installed; "
+                        f"pip install -e '.[{extra}]' (or pip install {client})") from None
       if scheme == "gs":
         import logging  # gcsfs logs a warning per bucket when it cannot ask for the bucket's kind
         logging.getLogger("gcsfs").setLevel(logging.ERROR)
