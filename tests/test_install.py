@@ -43,6 +43,7 @@ def test_the_installed_copy_is_the_one_that_runs(installed):
   assert package.startswith(str(target)) and experiments.startswith(str(target))
   assert (target / "transformer_jax" / "experiments" / "tiny.py").is_file()
   assert not (target / "experiments").exists()  # installed inside the package, not top level
+  assert (target / "transformer_jax" / "model" / "gpus" / "h100.txtpb").is_file()  # GPU targets
 
 
 def test_train_from_outside_the_checkout(installed):
