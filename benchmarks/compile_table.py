@@ -3,6 +3,7 @@ batches.
 
   python benchmarks/compile_table.py OUT_DIR [--models base,big,xl] [--topologies v5e:2x4,...]
   python benchmarks/compile_table.py OUT_DIR --topologies h100,h100-8   # NVIDIA GPUs
+  python benchmarks/compile_table.py OUT_DIR --models xl --topologies h100-8 --meshes fsdp
 
 Each row is one `transformer-jax --mode=compile` run in its own process (a compile of `big` takes
 minutes on two cores, `xl` longer). Rows are appended to OUT_DIR/rows.jsonl as they finish and a
@@ -126,6 +127,8 @@ def main() -> None:
   parser.add_argument("out")
   parser.add_argument("--models", default=",".join(MODELS))
   parser.add_argument("--topologies", default=",".join(TOPOLOGIES))
+  parser.add_argument("--meshes", default="", help="only these meshes, e.g. fsdp,data")
+  parser.add_argument("--tokens", default="", help="only these tokens per device, e.g. 8192")
   args = parser.parse_args()
   os.makedirs(args.out, exist_ok=True)
   path = os.path.join(args.out, "rows.jsonl")
@@ -135,7 +138,8 @@ def main() -> None:
       results = [json.loads(line) for line in f if line.strip()]
   done = {key(r) for r in results}
   for row in plan(args.models.split(","), args.topologies.split(",")):
-    if key(row) in done:
+    if key(row) in done or (args.meshes and row["mesh_name"] not in args.meshes.split(",")) or (
+        args.tokens and str(row["tokens_per_chip"]) not in args.tokens.split(",")):
       continue
     print(f"{key(row)} ...", flush=True)
     result = run(row)

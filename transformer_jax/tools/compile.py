@@ -182,7 +182,7 @@ _CUBLAS_ONLY = {"xla_gpu_enable_triton_gemm": False}
 CUBLAS_NOTE = "GEMMs through cuBLAS: XLA's untuned Triton GEMMs found no tiling"
 
 
-def _compile(lowered, what: str, chip_name: str, mesh, held: str = ""):
+def compile_lowered(lowered, what: str, chip_name: str, mesh, held: str = ""):
   """(the compiled program, a note on how it was compiled or "")."""
   try:
     try:
@@ -192,6 +192,9 @@ def _compile(lowered, what: str, chip_name: str, mesh, held: str = ""):
         raise
       return lowered.compile(compiler_options=_CUBLAS_ONLY), CUBLAS_NOTE
   except Exception as e:  # XlaRuntimeError: the program does not fit the chip, or worse
+    if "PTX compilation provider" in str(e) or "libdevice not found" in str(e):
+      raise UserError("XLA's GPU compiler finds no ptxas or libdevice (CUDA's nvcc): pip "
+                      "install -e '.[gpu-compile]'") from None
     reason = _fails_to_fit(e)
     if reason is None:
       raise
@@ -240,7 +243,7 @@ class MatrixProduct(NamedTuple):
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([\w\-]+)\((.*)$")
 _ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([\d,]*)\]")
 _GEMM_CALLS = ("__cublas$gemm", "__cublas$lt$matmul", "__cudnn$matmul")
-_ITEM_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
+ITEM_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
                "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
 
 
@@ -250,7 +253,7 @@ def _array(shape: str) -> tuple[list, int]:
   if not match:
     return [], 0
   return ([int(n) for n in match.group(2).split(",") if n],
-          _ITEM_BYTES.get(match.group(1), 1))  # f8 types and the like: one byte
+          ITEM_BYTES.get(match.group(1), 1))  # f8 types and the like: one byte
 
 
 def matrix_products(hlo: str) -> list:
@@ -316,7 +319,9 @@ def _state_bytes_per_chip(abstract_state) -> tuple[int, int]:
   return held(abstract_state.params), held(abstract_state.opt_state)
 
 
-def compile_train_step(config, model_config: ModelConfig, mesh, spec) -> dict:
+def lower_train_step(config, model_config: ModelConfig, mesh) -> tuple:
+  """(the train step lowered on an abstract state and batch for `mesh`, the batch's Shapes,
+  the abstract state)."""
   optimizer = state_lib.make_optimizer(config.train, model_config.d_model)
   step = step_lib.make_train_step(model_config, config, mesh, optimizer)
   state = state_lib.abstract_state(model_config, optimizer, mesh)
@@ -328,12 +333,16 @@ def compile_train_step(config, model_config: ModelConfig, mesh, spec) -> dict:
   batch = {k: _abstract((shapes.rows, shapes.source_len if k.startswith("inputs") else
                          shapes.target_len), jnp.int32, rows) for k in keys}
   rng = _abstract((2,), jnp.uint32, sharding.replicated(mesh))
+  return step.lower(state, batch, rng), shapes, state
+
+
+def compile_train_step(config, model_config: ModelConfig, mesh, spec) -> dict:
+  lowered, shapes, state = lower_train_step(config, model_config, mesh)
   params_bytes, optimizer_bytes = _state_bytes_per_chip(state)
   held = (f", where each chip holds parameters of {_gib(params_bytes)} and optimizer state of "
           f"{_gib(optimizer_bytes)}")
   start = time.perf_counter()
-  compiled, note = _compile(step.lower(state, batch, rng), "the train step", spec.name, mesh,
-                            held)
+  compiled, note = compile_lowered(lowered, "the train step", spec.name, mesh, held)
   seconds_to_compile = time.perf_counter() - start
   cost, memory = _cost(compiled), _memory(compiled)
   chips = mesh.devices.size
@@ -382,7 +391,7 @@ def compile_decode_step(config, model_config: ModelConfig, mesh, spec) -> dict |
     return jnp.argmax(logits, axis=-1), cache
 
   step = sharding.jit(one_position, mesh, donate_argnums=(1,))
-  compiled, note = _compile(step.lower(params, cache, context, tokens, tokens),
+  compiled, note = compile_lowered(step.lower(params, cache, context, tokens, tokens),
                             "the decode step", spec.name, mesh)
   cost, memory = _cost(compiled), _memory(compiled)
   seconds, method = estimate_seconds(cost, spec)
@@ -424,18 +433,26 @@ def report(name: str, mesh, train: dict, decode_: dict, spec, unit: str = "chip"
   return "\n".join(lines)
 
 
-def run_compile(config) -> dict:
-  """Everything `--mode=compile` prints; the last stdout line is one JSON object."""
+def target(config) -> tuple:
+  """(the model config, the mesh of compile-only devices, their Chip, "GPU" or "chip") of
+  config.compile.topology and config.mesh."""
   name = config.compile.topology
   gpus = gpu_topology(name) if name else None
   devices = gpu_devices(*gpus) if gpus else topology_devices(name)
-  unit = "GPU" if gpus else "chip"
   model_config = config_lib.validate(config, platform="gpu" if gpus else "tpu")  # bfloat16
   spec = chip(devices[0])
   if spec is None:
     raise UserError(f"no HBM and peak figures for device kind {devices[0].device_kind!r}; "
                     f"use one of {EXAMPLES}")
-  mesh = sharding.make_mesh(config.mesh.to_dict(), devices)
+  return (model_config, sharding.make_mesh(config.mesh.to_dict(), devices), spec,
+          "GPU" if gpus else "chip")
+
+
+def run_compile(config) -> dict:
+  """Everything `--mode=compile` prints; the last stdout line is one JSON object."""
+  name = config.compile.topology
+  model_config, mesh, spec, unit = target(config)
+  gpus, devices = unit == "GPU", list(mesh.devices.flat)
   print(f"compiling for {name} ({len(devices)} x {spec.name}), mesh "
         f"{sharding.describe_mesh(mesh)}...", flush=True)
   train = compile_train_step(config, model_config, mesh, spec)
