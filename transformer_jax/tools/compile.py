@@ -244,7 +244,7 @@ _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([\w\-]+)\
 _ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([\d,]*)\]")
 _GEMM_CALLS = ("__cublas$gemm", "__cublas$lt$matmul", "__cudnn$matmul")
 ITEM_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
-               "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+              "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
 
 
 def _array(shape: str) -> tuple[list, int]:
@@ -392,7 +392,7 @@ def compile_decode_step(config, model_config: ModelConfig, mesh, spec) -> dict |
 
   step = sharding.jit(one_position, mesh, donate_argnums=(1,))
   compiled, note = compile_lowered(step.lower(params, cache, context, tokens, tokens),
-                            "the decode step", spec.name, mesh)
+                                   "the decode step", spec.name, mesh)
   cost, memory = _cost(compiled), _memory(compiled)
   seconds, method = estimate_seconds(cost, spec)
   method += f"; {note}" if note else ""
