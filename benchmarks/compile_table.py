@@ -1,6 +1,9 @@
-"""The `--mode=compile` table of docs/benchmarks.md: models x TPU slices x meshes x batches.
+"""The `--mode=compile` tables of docs/benchmarks.md: models x TPU slices or GPUs x meshes x
+batches.
 
   python benchmarks/compile_table.py OUT_DIR [--models base,big,xl] [--topologies v5e:2x4,...]
+  python benchmarks/compile_table.py OUT_DIR --topologies h100,h100-8   # NVIDIA GPUs
+  python benchmarks/compile_table.py OUT_DIR --models xl --topologies h100-8 --meshes fsdp
 
 Each row is one `transformer-jax --mode=compile` run in its own process (a compile of `big` takes
 minutes on two cores, `xl` longer). Rows are appended to OUT_DIR/rows.jsonl as they finish and a
@@ -14,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -21,20 +25,32 @@ import time
 MODELS = ("base", "big", "xl")
 TOPOLOGIES = ("v5e:2x4", "v5p:2x2x1", "v6e:2x4")
 LENGTH = 64  # source and target positions of every compiled row (a typical WMT length bucket)
-# Tokens per chip and side for the per-chip batch sweep (base and big); xl only the first.
+# Tokens per chip and side for the per-chip batch sweep (base and big); xl only the first. A GPU
+# (80 GB or more of HBM, against 16 to 95 GiB a TPU chip) gets 4 times as many.
 TOKENS_PER_CHIP = (2048, 8192)
+TOKENS_PER_GPU = (8192, 32768)
 
 
 def chips(topology: str) -> int:
-  dims = [int(n) for n in topology.split(":")[1].split("x")]
+  """Devices of a TPU slice (v5e:2x4) or of GPUs (h100, h100-8, h100-2x8)."""
+  if ":" not in topology:
+    size = topology.rsplit("-", 1)[-1]
+    return product(size) if re.fullmatch(r"(\d+x)?\d+", size) else 1
+  return product(topology.split(":")[1])
+
+
+def product(dims: str) -> int:
   count = 1
-  for n in dims:
-    count *= n
+  for n in dims.split("x"):
+    count *= int(n)
   return count
 
 
 def meshes(count: int) -> dict:
-  """Data parallel, fully sharded data parallel, and FSDP with 2-way tensor parallelism."""
+  """Data parallel, fully sharded data parallel, and FSDP with 2-way tensor parallelism (one
+  device: data parallel alone, which is all of them)."""
+  if count == 1:
+    return {"data": {"data": 1, "fsdp": 1, "tensor": 1}}
   return {"data": {"data": count, "fsdp": 1, "tensor": 1},
           "fsdp": {"data": 1, "fsdp": count, "tensor": 1},
           "fsdp+tensor": {"data": 1, "fsdp": count // 2, "tensor": 2}}
@@ -44,8 +60,9 @@ def plan(models, topologies) -> list:
   rows = []
   for model in models:
     for topology in topologies:
+      batches = TOKENS_PER_CHIP if ":" in topology else TOKENS_PER_GPU
       for mesh_name, mesh in meshes(chips(topology)).items():
-        for tokens in TOKENS_PER_CHIP[:1] if model == "xl" else TOKENS_PER_CHIP:
+        for tokens in batches[:1] if model == "xl" else batches:
           rows.append({"model": model, "topology": topology, "mesh_name": mesh_name,
                        "mesh": mesh, "tokens_per_chip": tokens,
                        "rows": chips(topology) * tokens // LENGTH})
@@ -87,8 +104,10 @@ def table(results: list) -> str:
     head = (f"| {r['model']} | {r['topology']} | {r['mesh_name']} ({mesh}) | "
             f"{r['tokens_per_chip']:,} |")
     if "report" not in r:
-      hbm = r["error"].split("(Ran out of memory on HBM, ")[-1].split(")")[0] if (
-          "does not fit" in r["error"]) else r["error"][:80]
+      needs = re.search(r"it needs (.*? over its [\d.]+ GiB)", r["error"])  # a GPU's
+      hbm = (needs.group(1) if needs else
+             r["error"].split("(Ran out of memory on HBM, ")[-1].split(")")[0] if (
+                 "does not fit" in r["error"]) else r["error"][:80])
       lines.append(f"{head} {hbm} | no | | | | |")
       continue
     t = r["report"]["train"]
@@ -108,6 +127,8 @@ def main() -> None:
   parser.add_argument("out")
   parser.add_argument("--models", default=",".join(MODELS))
   parser.add_argument("--topologies", default=",".join(TOPOLOGIES))
+  parser.add_argument("--meshes", default="", help="only these meshes, e.g. fsdp,data")
+  parser.add_argument("--tokens", default="", help="only these tokens per device, e.g. 8192")
   args = parser.parse_args()
   os.makedirs(args.out, exist_ok=True)
   path = os.path.join(args.out, "rows.jsonl")
@@ -117,7 +138,8 @@ def main() -> None:
       results = [json.loads(line) for line in f if line.strip()]
   done = {key(r) for r in results}
   for row in plan(args.models.split(","), args.topologies.split(",")):
-    if key(row) in done:
+    if key(row) in done or (args.meshes and row["mesh_name"] not in args.meshes.split(",")) or (
+        args.tokens and str(row["tokens_per_chip"]) not in args.tokens.split(",")):
       continue
     print(f"{key(row)} ...", flush=True)
     result = run(row)

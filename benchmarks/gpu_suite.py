@@ -21,6 +21,11 @@ guessed cost on an H100 (process start, compile, timed steps); the plan prints t
 --dry_run runs every case's command on the CPU with tiny overrides (model dims, a few steps,
 float32, a fake Multi30k), so that every command line, config key and output parse is exercised
 in about a minute; the numbers it produces mean nothing.
+
+After the cases, each measured train step is compiled once more for an H100 on the CPU
+(`--mode=compile --config.compile.topology=h100`, no GPU time) and the compiler's estimate of its
+step time and MFU is shown beside the measured one: the first GPU window checks the estimates
+of docs/benchmarks.md too (`--no_estimates` leaves them out).
 """
 
 from __future__ import annotations
@@ -196,7 +201,10 @@ def dry_overrides(command: Command) -> dict:
   """The command's overrides with a tiny model and a few steps: seconds on a CPU, same keys."""
   values = dict(command.overrides)
   values.update(TINY_MODEL)
-  if command.mode == "benchmark":
+  if command.mode == "compile":
+    values.update({"compile.batch_size": 2, "compile.source_len": 8, "compile.target_len": 8,
+                   "compile.decode_batch": 2, "model.dtype": "bfloat16"})
+  elif command.mode == "benchmark":
     values.update({"benchmark.batch_size": 2, "benchmark.source_len": 8,
                    "benchmark.target_len": 8, "benchmark.warmup": 1, "benchmark.steps": 2})
     if values.get("benchmark.decode_steps"):
@@ -369,6 +377,63 @@ def run_case(case: Case, outdir: pathlib.Path, python: str, base_env: dict, dry_
   return row
 
 
+# ----------------------------------------------------------------------------- the estimates
+
+ESTIMATE_TOPOLOGY = "h100"
+
+
+def estimate_command(case: Case) -> Command:
+  """The `--mode=compile` run of a train case's step for an H100: the same model, batch and
+  options, compiled on the CPU (XLA_FLAGS as the case's: they steer the GPU compiler too)."""
+  bench = case.commands[0]
+  overrides = {k: v for k, v in bench.overrides.items() if not k.startswith("benchmark.")}
+  overrides.update({"compile.topology": ESTIMATE_TOPOLOGY,
+                    "compile.batch_size": bench.overrides["benchmark.batch_size"],
+                    "compile.source_len": bench.overrides["benchmark.source_len"],
+                    "compile.target_len": bench.overrides["benchmark.target_len"]})
+  return Command("compile", bench.config, overrides, env=dict(bench.env), timeout_min=10)
+
+
+def run_estimate(case: Case, row: dict, outdir: pathlib.Path, python: str, base_env: dict,
+                 dry_run: bool) -> None:
+  """Adds row["estimate"] (the compile report's train part) or row["estimate_error"]; the case's
+  own status stays as measured."""
+  command = estimate_command(case)
+  if dry_run:
+    command = dataclasses.replace(command, overrides=dry_overrides(command), timeout_min=3)
+  env = dict(base_env, **command.env)
+  status, _, _, output = run_command(command.argv(python, outdir), env, command.timeout_min * 60,
+                                     outdir / "logs" / f"{case.name}.estimate.log")
+  report = last_json(output) if status == "ok" else None
+  if report and "train" in report:
+    row["estimate"] = {k: report["train"][k] for k in ("step_s", "mfu", "estimate", "fits",
+                                                      "total_bytes", "target_tokens_per_s")}
+    row.pop("estimate_error", None)
+  else:
+    row["estimate_error"] = _error_line(output) or status
+
+
+def run_estimates(cases: list, state: dict, args, outdir: pathlib.Path, env: dict,
+                  started: float) -> None:
+  """The H100 compile estimate of every measured train case that has none yet."""
+  todo = [(case, row) for case, row in zip(cases, state["cases"])
+          if case.table == "train" and row["status"] == "ok" and "estimate" not in row]
+  jobs = 1 if not args.dry_run else args.jobs or min(4, os.cpu_count() or 1)
+  with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+    futures = {pool.submit(run_estimate, case, row, outdir, args.python, env, args.dry_run): row
+               for case, row in todo}
+    for future in concurrent.futures.as_completed(futures):
+      row = futures[future]
+      try:
+        future.result()
+      except Exception as e:  # pylint: disable=broad-except  # the measurements stay
+        row["estimate_error"] = f"{type(e).__name__}: {e}"
+      shown = row.get("estimate_error") or (
+          f"{row['estimate']['step_s'] * 1e3:.1f} ms, MFU {row['estimate']['mfu']:.1%}")
+      print(f"          {row['name']} estimate for {ESTIMATE_TOPOLOGY}: {shown}", flush=True)
+      write_results(outdir, state, cases, started)
+
+
 # ----------------------------------------------------------------------------- reporting
 
 
@@ -400,6 +465,10 @@ TABLES = {
          if r.get("mfu_989") is not None else "-"),
         ("peak GiB", lambda c, r: _num(_m(r, "peak_memory_gib"))),
         ("XLA temp GiB", lambda c, r: _num(_m(r, "temp_memory_gib"))),
+        ("estimate ms (h100)", lambda c, r: _num((r.get("estimate") or {}).get("step_s"),
+                                                 scale=1e3)),
+        ("estimated MFU", lambda c, r: _num(r["estimate"]["mfu"], scale=100) + "%"
+         if r.get("estimate") else "-"),
     )),
     "torch": ("Against PyTorch: torch.nn.Transformer, bf16 autocast, torch.compile, same process", (
         ("model", lambda c, r: c.describe["model"]),
@@ -444,7 +513,10 @@ def render_markdown(state: dict, cases: list) -> str:
             f"({env.get('backend', '?')}); torch {env.get('torch', '?')}; "
             f"python {env.get('python', '?')}",
             f"- MFU is against {PEAK_TFLOPS:g} TFLOP/s (H100 dense bf16); FLOPs as in "
-            "transformer_jax/benchmark.py", ""]
+            "transformer_jax/benchmark.py",
+            f"- estimate: the same step compiled for `{ESTIMATE_TOPOLOGY}` on the CPU "
+            "(`--mode=compile`): the compiler's roofline for a program it has not run, not "
+            "autotuned; MFU by the model's FLOP formula", ""]
   for table, (title, columns) in TABLES.items():
     members = [c for c in cases if c.table == table]
     if not members:
@@ -555,6 +627,8 @@ def main(argv=None) -> int:
   parser.add_argument("--budget_min", type=float, default=0.0,
                       help="skip a case whose estimate no longer fits in this many minutes "
                       "since the start, and cap its timeout to what is left (0 = no budget)")
+  parser.add_argument("--no_estimates", action="store_true",
+                      help="leave out the H100 compile estimates after the cases")
   parser.add_argument("--python", default=sys.executable, help="interpreter for launch.py")
   parser.add_argument("--jobs", type=int, default=0,
                       help="cases at a time in a dry run (default: up to 4, one per core); a "
@@ -652,6 +726,8 @@ def _run_all(cases, state, args, outdir, env, started, previous) -> int:
       print(f"interrupted; the finished cases are in {outdir}", flush=True)
       pool.shutdown(wait=False, cancel_futures=True)
       return 130
+  if not args.no_estimates:
+    run_estimates(cases, state, args, outdir, env, started)
   print((outdir / "results.md").read_text(), flush=True)
   return 0 if all(row["status"] == "ok" for row in state["cases"]) else 1
 

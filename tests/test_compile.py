@@ -1,4 +1,5 @@
-"""--mode=compile: the train and decode steps compiled for a TPU slice on this CPU machine.
+"""--mode=compile: the train and decode steps compiled for a TPU slice or NVIDIA GPUs on this CPU
+machine.
 
 What cannot compile (an unknown topology, a mesh that does not divide the slice, a step that
 does not fit) has its rows in test_errors.py."""
@@ -6,11 +7,18 @@ does not fit) has its rows in test_errors.py."""
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
+import types
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
+from transformer_jax.core.errors import UserError
+from transformer_jax.model import flops
 from transformer_jax.model.flops import CHIPS, Chip
 from transformer_jax.tools import compile as compile_lib
 
@@ -77,3 +85,124 @@ def test_compile_mode_compiles_a_decoder_only_model_with_its_prompt_cache():
   assert train["batch"] == "16 rows x (source 12 + target 50)"  # one sequence of both
   assert 0.9 < train["compiled_flops"] / train["model_flops"] < 1.6
   assert report["decode"]["fits"] and report["decode"]["tokens_per_s"] > 0
+
+
+# --- NVIDIA GPUs: XLA's GPU compiler, from the CUDA plugin of JAX (the gpu-compile extra)
+
+def needs_cuda_compiler():
+  """Skips a test where the CUDA plugin of JAX is not installed (pip install -e '.[gpu-compile]',
+  part of the test extra)."""
+  pytest.importorskip("jax_plugins.xla_cuda12",
+                      reason="compiling for GPUs needs the gpu-compile extra (jax-cuda12-plugin)")
+
+
+def test_gpu_topology_names():
+  assert compile_lib.gpu_topology("h100") == ("h100", 1, 1)
+  assert compile_lib.gpu_topology("h100-8") == ("h100", 1, 8)
+  assert compile_lib.gpu_topology("h100-2x8") == ("h100", 2, 8)
+  assert compile_lib.gpu_topology("a100-80g") == ("a100-80g", 1, 1)
+  assert compile_lib.gpu_topology("a100-80g-4") == ("a100-80g", 1, 4)
+  assert compile_lib.gpu_topology("h200-8") == ("h200", 1, 8)
+  assert compile_lib.gpu_topology("v5e:2x4") is None and compile_lib.gpu_topology("h800") is None
+  for bad in ("h100-", "h100-8x", "h100-0", "h100-2x0", "h100-eight"):
+    with pytest.raises(UserError, match="unknown GPU topology"):
+      compile_lib.gpu_topology(bad)
+
+
+def _field(text: str, name: str) -> str:
+  return re.search(rf"^\s*{name}: (\"[^\"]*\"|\S+)", text, re.M).group(1)
+
+
+@pytest.mark.parametrize("part", compile_lib.gpu_parts())
+def test_a_gpu_description_parses_and_agrees_with_the_chip_table(part):
+  text = (compile_lib.GPU_TARGETS / f"{part}.txtpb").read_text()
+  kind = _field(text, "device_description_str").strip('"')
+  spec = flops.chip(types.SimpleNamespace(device_kind=kind))
+  assert spec is not None, kind
+  assert float(_field(text, "device_memory_size")) == spec.hbm_bytes
+  assert float(_field(text, "memory_bandwidth")) == spec.hbm_bytes_per_s
+  # Every SM's FP32 lanes at the clock: the datasheet's FP32 peak (19.5 TFLOP/s and up).
+  fp32 = (2 * int(_field(text, "core_count")) * int(_field(text, "fpus_per_core"))
+          * float(_field(text, "clock_rate_ghz")) * 1e9)
+  assert 19e12 < fp32 < spec.peak_flops / 10
+  needs_cuda_compiler()
+  devices = compile_lib.gpu_devices(part, 1, 2)  # the installed jaxlib's schema parses it
+  assert len(devices) == 2 and devices[0].device_kind == kind
+  assert compile_lib.gpu_devices(part, 2, 8)[15].device_kind == kind
+
+
+def test_the_cost_of_a_gpu_program_counts_its_matrix_products(monkeypatch):
+  """On a matrix product of known size: the cost analysis (and its fallback, the HLO's matrix
+  products) against 2 m n k FLOPs, and at least the operands and the result in bytes."""
+  needs_cuda_compiler()
+  devices = compile_lib.gpu_devices("h100", 1, 1)
+  mesh = jax.sharding.Mesh(np.array(devices), ("d",))
+  place = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  m, k, n = 512, 1024, 768
+  x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16, sharding=place)
+  w = jax.ShapeDtypeStruct((k, n), jnp.bfloat16, sharding=place)
+  compiled = jax.jit(lambda x, w: jax.nn.relu(x @ w)).lower(x, w).compile()
+  cost = compile_lib.optimized_cost(compiled)
+  assert "fallback" not in cost
+  assert 2 * m * n * k <= cost["flops"] < 1.01 * 2 * m * n * k
+  assert cost["bytes accessed"] >= 2 * (m * k + k * n + m * n)
+  products = compile_lib.matrix_products(compiled.as_text())
+  assert sum(p.flops for p in products) == 2 * m * n * k
+  # The same GEMM through cuBLAS (a custom call, which XLA's generic analysis cannot see into).
+  compiled = jax.jit(lambda x, w: jax.nn.relu(x @ w)).lower(x, w).compile(
+      compiler_options={"xla_gpu_enable_triton_gemm": False})
+  assert "custom_call_target=\"__cublas" in compiled.as_text()
+  cost = compile_lib.optimized_cost(compiled)
+  assert 2 * m * n * k <= cost["flops"] < 1.01 * 2 * m * n * k
+  assert cost["bytes accessed"] >= 2 * (m * k + k * n + m * n)
+  # A later jaxlib without the private analysis: the matrix products' FLOPs, no bytes.
+  from jax._src.lib import _jax
+  monkeypatch.delattr(_jax, "hlo_module_cost_analysis")
+  assert compile_lib.optimized_cost(compiled) == {
+      "flops": 2 * m * n * k, "fallback": "FLOPs of the HLO's dots"}
+
+
+def gpu_launch(*flags):
+  needs_cuda_compiler()
+  return launch(*TINY, "--config.compile.batch_size=16", *flags)
+
+
+def test_compile_mode_reports_for_one_h100():
+  result = gpu_launch("--config.compile.topology=h100")
+  assert result.returncode == 0, result.stderr
+  assert result.stderr == ""  # no CUDA driver warnings on a machine without a GPU
+  lines = result.stdout.strip().splitlines()
+  report, text = json.loads(lines[-1]), "\n".join(lines[:-1])
+  assert "not autotuned" in text and "NVLink and network transfers not counted" in text
+  assert "memory per GPU" in text and "fits" in text and "989 TFLOP/s" in text
+  assert report["platform"] == "gpu" and report["chips"] == 1 and report["chip"] == "H100"
+  train = report["train"]
+  assert train["fits"] and train["params_bytes"] == 22_400 * 4
+  assert 0.9 < train["compiled_flops"] / train["model_flops"] < 1.6
+  assert train["bytes_accessed"] > train["params_bytes"]
+  assert 0 < train["mfu"] < 1 and report["decode"]["tokens_per_s"] > 0
+
+
+def test_compile_mode_splits_a_step_over_eight_h100s():
+  result = gpu_launch("--config.compile.topology=h100-8", "--config.mesh.data=2",
+                      "--config.mesh.fsdp=2", "--config.mesh.tensor=2")
+  assert result.returncode == 0, result.stderr
+  report = json.loads(result.stdout.strip().splitlines()[-1])
+  assert report["chips"] == 8 and report["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2}
+  train = report["train"]
+  assert 22_400 * 4 / 4 <= train["params_bytes"] < 22_400 * 4 / 2
+  assert 0.9 < train["compiled_flops"] / train["model_flops"] < 1.6
+
+
+@pytest.mark.parametrize("flags,expected", [
+    (["--config.compile.topology=h100-8x"], "unknown GPU topology 'h100-8x'"),
+    (["--config.compile.topology=h100-8", "--config.mesh.fsdp=3"],
+     "do not split into groups of 3"),
+    (["--config.compile.topology=h100", "--config.model.d_ff=100000000"],
+     "does not fit H100 HBM"),
+], ids=["bad name", "bad mesh", "does not fit"])
+def test_compile_mode_refuses_in_one_line(flags, expected):
+  result = gpu_launch(*flags)
+  assert result.returncode == 2, result.stderr
+  assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, result.stderr
+  assert expected in result.stderr

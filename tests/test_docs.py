@@ -35,6 +35,7 @@ OTHERS = {
     "setsid nohup bash benchmarks/gpu.sh": "the same GPU run, detached",
     "sleep": "waiting on the GPU machine",
     ".venv/bin/python benchmarks/compile_table.py": "test_compile (its --mode=compile rows)",
+    ".venv/bin/python benchmarks/top_fusions.py": "test_top_fusions (its kernel accounting)",
     # Timings of the input path (minutes on a 1.3 GB corpus); the code they time is tested.
     ".venv/bin/python benchmarks/synthetic_wmt.py": "writes the timing corpus, never committed",
     ".venv/bin/python benchmarks/second_start.py": "test_cache (a second start from the cache)",

@@ -131,6 +131,11 @@ def test_dry_run_fills_a_row_per_case_with_the_parsed_numbers(tmp_path):
       assert "--config.benchmark.torch_compile=eager" in row["commands"][0]
     if case.table == "decode":
       assert m["greedy_tokens_per_s"] > 0 and m["beam4_tokens_per_s"] > 0
+    if case.table == "train" and importlib.util.find_spec("jax_plugins.xla_cuda12"):
+      # The same step compiled for an H100 on the CPU, beside the measured one.
+      assert "--config.compile.topology=h100" in (out / f"logs/{case.name}.estimate.log"
+                                                   ).read_text()
+      assert row["estimate"]["step_s"] > 0 and 0 < row["estimate"]["mfu"] < 1, row
     line = next(row for row in markdown.splitlines() if row.startswith(f"| {case.name} |"))
     assert line.endswith("| ok |")
     shown = m["step_ms"] if case.table != "decode" else m["greedy_tokens_per_s"]
@@ -148,19 +153,20 @@ def test_a_failing_case_is_recorded_and_the_suite_goes_on(tmp_path, monkeypatch)
       "benchmark", "experiments/base.py", {"model.no_such_key": 1})], {})
   good = gpu_suite.plan(None)[0]
   monkeypatch.setattr(gpu_suite, "plan", lambda multi30k: [bad, good])
-  code = gpu_suite.main([str(tmp_path), "--dry_run", "--jobs", "1"])
+  code = gpu_suite.main([str(tmp_path), "--dry_run", "--jobs", "1", "--no_estimates"])
   assert code == 1
   state = json.loads((tmp_path / "results.json").read_text())
   assert [row["status"] for row in state["cases"]] == ["failed", "ok"]
   assert "no_such_key" in state["cases"][0]["error"]
-  assert state["cases"][1]["metrics"]["step_ms"] > 0
+  assert state["cases"][1]["metrics"]["step_ms"] > 0 and "estimate" not in state["cases"][1]
   assert "- bad: failed" in (tmp_path / "results.md").read_text()
 
 
 def test_gpu_sh_dry_run_skips_the_install_and_passes_the_data_on(tmp_path):
   data = make_fake_multi30k(tmp_path / "multi30k")
   out, venv = tmp_path / "out", tmp_path / "venv"
-  result = run(["bash", "benchmarks/gpu.sh", str(out), "--dry_run", "--only", "base_bf16"],
+  result = run(["bash", "benchmarks/gpu.sh", str(out), "--dry_run", "--only", "base_bf16",
+                "--no_estimates"],
                env={"PYTHON": sys.executable, "VENV": str(venv), "MULTI30K": str(data)})
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
   assert not venv.exists()

@@ -43,6 +43,7 @@ def test_the_installed_copy_is_the_one_that_runs(installed):
   assert package.startswith(str(target)) and experiments.startswith(str(target))
   assert (target / "transformer_jax" / "experiments" / "tiny.py").is_file()
   assert not (target / "experiments").exists()  # installed inside the package, not top level
+  assert (target / "transformer_jax" / "model" / "gpus" / "h100.txtpb").is_file()  # GPU targets
 
 
 def test_train_from_outside_the_checkout(installed):
@@ -85,13 +86,14 @@ def test_one_tested_jax_for_every_platform():
   setup.read(ROOT / "setup.cfg")
   extras = setup["options.extras_require"]
   pins = {}
-  for extra in ("cpu", "cuda12", "tpu", "test"):
+  for extra in ("cpu", "cuda12", "tpu", "test", "gpu-compile"):
     for line in extras[extra].splitlines():
-      found = re.fullmatch(r"(jaxlib|jax(?:\[\w+\])?)\s*(==.*|[<>~!].*)?", line.strip())
+      found = re.fullmatch(r"(jaxlib|jax(?:\[[\w-]+\])?)\s*(==.*|[<>~!].*)?", line.strip())
       if found:
         pins[f"{extra}: {found[1]}"] = found[2]
   assert set(pins) >= {"cpu: jax", "cpu: jaxlib", "cuda12: jax[cuda12]", "tpu: jax[tpu]",
-                       "test: jax[tpu]"}, pins
+                       "test: jax[tpu]", "test: jax[cuda12-local]",
+                       "gpu-compile: jax[cuda12-local]"}, pins
   assert len(set(pins.values())) == 1 and next(iter(pins.values())).startswith("=="), pins
   version = next(iter(pins.values()))[2:]
   [floor] = re.findall(r"^\s*jax>=([\d.]+)\s*$", setup["options"]["install_requires"], re.M)

@@ -195,6 +195,9 @@ def _parse_flags(argv):
   sys.argv[:] = _workdir_config_flags(_resolve_config_flags(sys.argv))
   # ml_collections logs a warning when get_config() returns None; run() reports that as an error.
   logging.getLogger("absl").setLevel(logging.ERROR)
+  if _flag_value(argv, "mode") == "compile":
+    from transformer_jax.core import platforms
+    platforms.quiet_compiler_logs()  # before the config file imports JAX
   try:
     remaining = flags.FLAGS(argv)
   except flags.Error as e:

@@ -127,7 +127,7 @@ def default_config() -> ml_collections.ConfigDict:
   c.eval.average_last = 0  # evaluate/translate with the mean of the last N checkpoints; 0 = off
 
   c.compile = ml_collections.ConfigDict()  # --mode=compile (tools/compile.py)
-  c.compile.topology = ""  # a TPU slice, e.g. v5e:2x4, v5p:2x2x1, v6e:2x4 (or v5litepod-8)
+  c.compile.topology = ""  # a TPU slice (v5e:2x4, v5p:2x2x1, v5litepod-8) or GPUs (h100, h100-8)
   c.compile.batch_size = 0  # rows of the compiled train batch; 0 = the data config's largest
   c.compile.source_len = 0  # tokens per compiled source row; 0 = data.max_source_len
   c.compile.target_len = 0  # tokens per compiled target row; 0 = data.max_target_len

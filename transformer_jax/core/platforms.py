@@ -5,7 +5,8 @@ a TPU runtime on every machine, and on one without a TPU that runtime prints fiv
 warnings before JAX falls back to the CPU. So on a machine with neither a TPU nor a GPU the
 command line asks JAX for the CPU only, before JAX starts; an explicit `JAX_PLATFORMS` always
 wins. Compiling for a TPU slice (`tools/compile.py`) loads libtpu on its own and quietly
-(`quiet_tpu_compiler`).
+(`quiet_tpu_compiler`); compiling for GPUs that are not here starts the CPU backend alone, on
+any machine (`cpu_only_to_compile_for_gpus`).
 """
 
 from __future__ import annotations
@@ -57,3 +58,23 @@ def quiet_tpu_compiler() -> None:
     # Without a TPU there is no chip to guard: let several processes load libtpu at once (the
     # runtime's lock file would otherwise refuse the second compile on this machine).
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+
+def cpu_only_to_compile_for_gpus() -> None:
+  """Asks JAX for the CPU backend alone (JAX_PLATFORMS=cpu, overriding any value), before a
+  backend starts: the CUDA plugin then registers its compiler, which `get_topology_desc`
+  needs, without a driver. Asked for the CUDA backend, the plugin looks for a GPU, fails at
+  cuInit on a machine without one and never registers; on a GPU machine it would take the GPUs
+  (and their memory) that a compile does not use."""
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  if "jax" in sys.modules:  # imported already (no backend started yet): it read the variable
+    sys.modules["jax"].config.update("jax_platforms", "cpu")
+
+
+def quiet_compiler_logs() -> None:
+  """Keeps XLA's C++ log lines off stderr (TF_CPP_MIN_LOG_LEVEL=3, over any lower level: libtpu
+  sets 1 in the environment it leaves to child processes) for a process that only compiles:
+  XLA:GPU logs its doubts about a program larger than the part (the scheduler's memory limit,
+  rematerialisation), and `--mode=compile` reports what does not fit in one line itself. Call it
+  before JAX is imported: XLA reads the level when it loads."""
+  os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"

@@ -47,10 +47,14 @@ GiB = 2**30
 
 # By device kind (substring match, first hit wins). TPUs report device_kind "TPU v4", "TPU v5
 # lite" (v5e), "TPU v5" (v5p), "TPU v6 lite" (v6e); each "lite" entry comes before the name it
-# extends. Figures from the vendors' spec sheets (HBM per chip; A100 40 GB).
+# extends, as the A100 80GB comes before the 40 GB one. Figures from the vendors' spec sheets
+# (HBM per chip, in the units the sheet writes: "80GB" is 80e9 bytes, "16 GiB" 16 * GiB; the SXM
+# parts of NVIDIA's). The GPUs that `--mode=compile` targets also have XLA's description of the
+# part in gpus/PART.txtpb, whose HBM figures must equal these (tests/test_compile.py checks).
 CHIPS = (
     ("H200", Chip("H200", 989e12, 141e9, 4.8e12)),
     ("H100", Chip("H100", 989e12, 80e9, 3.35e12)),
+    ("A100-SXM4-80GB", Chip("A100 80GB", 312e12, 80e9, 2.039e12)),
     ("A100", Chip("A100", 312e12, 40e9, 1.555e12)),
     ("TPU v6 lite", Chip("TPU v6e", 918e12, 32 * GiB, 1.64e12)),
     ("TPU v5 lite", Chip("TPU v5e", 197e12, 16 * GiB, 0.819e12)),

@@ -1,19 +1,28 @@
-"""`--mode=compile`: the real train step (and a greedy decode step) compiled for a TPU slice on a
-machine without one, and what the compiler says of it: memory per chip against the chip's HBM,
-FLOPs against the model's formula, and a step time estimated by XLA's cost model (or, where that
-gives no usable number, a roofline). The way MaxText's `train_compile.py` checks a config before
-a slice is paid for.
+"""`--mode=compile`: the real train step (and a greedy decode step) compiled for a TPU slice or
+NVIDIA GPUs on a machine without them, and what the compiler says of it: memory per chip against
+the chip's HBM, FLOPs against the model's formula, and a step time estimated by XLA's cost model
+(or, where that gives no usable number, a roofline). The way MaxText's `train_compile.py` checks a
+config before a slice is paid for.
 
 Everything printed is the compiler's estimate for a program it has not run: no measurement.
 The roofline takes the larger of (compiled FLOPs / the chip's peak) and (bytes accessed / its
-HBM bandwidth) and ignores communication between chips.
+HBM bandwidth) and ignores communication between chips (ICI, NVLink, the network).
+
+GPUs: XLA's GPU compiler, given a description of the part (model/gpus/PART.txtpb) instead of a
+device, compiles for `--config.compile.topology=PART`, `PART-GPUS` (one host) or
+`PART-HOSTSxGPUS`. Without a device nothing is autotuned (GEMMs get default tiles), and the
+executable has no cost analysis: XLA's HLO cost analysis runs on its optimised module instead
+(`optimized_cost`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import pathlib
+import re
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +33,7 @@ from transformer_jax.core import platforms
 from transformer_jax.core.errors import UserError
 from transformer_jax.data import tasks
 from transformer_jax.eval import decode
-from transformer_jax.model import ModelConfig
+from transformer_jax.model import ModelConfig, flops
 from transformer_jax.model.flops import GiB, chip, train_flops_per_step
 from transformer_jax.train import sharding
 from transformer_jax.train import state as state_lib
@@ -35,8 +44,64 @@ from transformer_jax.train import step as step_lib
 ALIASES = {"v5litepod-4": "v5e:2x2", "v5litepod-8": "v5e:2x4", "v5e-4": "v5e:2x2",
            "v5e-8": "v5e:2x4", "v6e-4": "v6e:2x2", "v6e-8": "v6e:2x4", "v5p-8": "v5p:2x2x1",
            "v4-8": "v4:2x2x1"}
-EXAMPLES = "v5e:2x4, v5p:2x2x1, v6e:2x4, v4:2x2x1 (or v5litepod-8, v5p-8, v6e-8, v4-8)"
+EXAMPLES = ("v5e:2x4, v5p:2x2x1, v6e:2x4, v4:2x2x1 (or v5litepod-8, v5p-8, v6e-8, v4-8), or "
+            "GPUs: h100, h100-8, h100-2x8")
 SAY = "compiler's estimates for a program it has not run, not measurements"
+# XLA's description of each NVIDIA part it compiles for: model/gpus/PART.txtpb.
+GPU_TARGETS = pathlib.Path(flops.__file__).parent / "gpus"
+GPU_SAY = ("not autotuned (default GEMM tiles; temporaries depend on the GEMM backend chosen); "
+           "NVLink and network transfers not counted")
+
+
+def gpu_parts() -> list:
+  return sorted(path.stem for path in GPU_TARGETS.glob("*.txtpb"))
+
+
+def gpu_topology(name: str) -> tuple | None:
+  """(part, hosts, GPUs per host) of a GPU topology name (h100, h100-8, h100-2x8), or None if
+  `name` names no GPU part (a TPU slice)."""
+  for part in sorted(gpu_parts(), key=len, reverse=True):  # a100-80g before a prefix of it
+    if name != part and not name.startswith(part + "-"):
+      continue
+    match = re.fullmatch(r"(?:(\d+)x)?(\d+)", name[len(part) + 1:]) if name != part else None
+    hosts, gpus = (int(match.group(1) or 1), int(match.group(2))) if match else (1, 1)
+    if (name != part and not match) or hosts < 1 or gpus < 1:
+      raise UserError(f"unknown GPU topology {name!r}: write PART, PART-GPUS or "
+                      f"PART-HOSTSxGPUS (GPUs per host), e.g. {part}-8 or {part}-2x8; parts: "
+                      f"{', '.join(gpu_parts())}")
+    return part, hosts, gpus
+  return None
+
+
+def gpu_devices(part: str, hosts: int, gpus: int) -> list:
+  """Compile-only devices of `hosts` x `gpus` NVIDIA GPUs of `part`, on any machine."""
+  try:
+    import jax_plugins.xla_cuda12  # noqa: F401  (the CUDA compiler; also to say what to install)
+  except ImportError:
+    raise UserError("--mode=compile needs the CUDA plugin of JAX to compile for GPUs: "
+                    "pip install -e '.[gpu-compile]'") from None
+  platforms.cpu_only_to_compile_for_gpus()  # before a backend starts
+  from jax.experimental import topologies
+  target = (GPU_TARGETS / f"{part}.txtpb").read_text(encoding="utf-8")
+  try:
+    return list(topologies.get_topology_desc(platform="cuda", topology=f"1x{hosts}x{gpus}",
+                                             target_config=target).devices)
+  except (NotImplementedError, RuntimeError) as e:  # a backend other than the CPU's started
+    first = " ".join(str(e).split())[:200] or type(e).__name__
+    raise UserError(f"JAX could not describe {hosts} x {gpus} {part} GPUs: {first}; run with "
+                    "JAX_PLATFORMS=cpu") from None
+
+
+def gpu_fit_error(what: str, spec, mesh, train: dict) -> UserError:
+  """The GPU compiler leaves memory to the runtime: a program larger than the part's HBM
+  compiles, and is refused here, as libtpu refuses it for a TPU."""
+  return UserError(
+      f"{what} does not fit {spec.name} HBM on mesh {sharding.describe_mesh(mesh)}: it needs "
+      f"{_gib(train['total_bytes'])} per GPU (parameters {_gib(train['params_bytes'])} + "
+      f"optimizer {_gib(train['optimizer_bytes'])} + temporaries {_gib(train['temp_bytes'])}), "
+      f"{_gib(train['total_bytes'] - spec.hbm_bytes)} over its {_gib(spec.hbm_bytes)}; split the "
+      "parameters and optimizer state with --config.mesh.fsdp (and --config.mesh.tensor), use "
+      "--config.model.remat=full, or compile a smaller batch")
 
 
 def topology_devices(name: str) -> list:
@@ -110,10 +175,26 @@ def _fails_to_fit(error: Exception) -> str | None:
   return text[:300]
 
 
-def _compile(lowered, what: str, chip_name: str, mesh, held: str = ""):
+# Without autotuning, XLA:GPU's Triton GEMM emitter finds no tiling for some small matrix
+# products ("Couldn't find output tile sizes"); such a program is compiled again with every GEMM
+# through cuBLAS, and its estimates say so.
+_CUBLAS_ONLY = {"xla_gpu_enable_triton_gemm": False}
+CUBLAS_NOTE = "GEMMs through cuBLAS: XLA's untuned Triton GEMMs found no tiling"
+
+
+def compile_lowered(lowered, what: str, chip_name: str, mesh, held: str = ""):
+  """(the compiled program, a note on how it was compiled or "")."""
   try:
-    return lowered.compile()
+    try:
+      return lowered.compile(), ""
+    except Exception as e:
+      if "find output tile sizes" not in str(e):
+        raise
+      return lowered.compile(compiler_options=_CUBLAS_ONLY), CUBLAS_NOTE
   except Exception as e:  # XlaRuntimeError: the program does not fit the chip, or worse
+    if "PTX compilation provider" in str(e) or "libdevice not found" in str(e):
+      raise UserError("XLA's GPU compiler finds no ptxas or libdevice (CUDA's nvcc): pip "
+                      "install -e '.[gpu-compile]'") from None
     reason = _fails_to_fit(e)
     if reason is None:
       raise
@@ -127,7 +208,83 @@ def _cost(compiled) -> dict:
   cost = compiled.cost_analysis()
   if isinstance(cost, (list, tuple)):  # older JAX: one dict per program
     cost = cost[0] if cost else {}
-  return dict(cost or {})
+  return dict(cost or {}) or optimized_cost(compiled)
+
+
+def optimized_cost(compiled) -> dict:
+  """XLA's HLO cost analysis ("flops", "bytes accessed") of a compiled program's optimised
+  module, for a compiler whose executable has none without a device (XLA:GPU).
+
+  The analysis is XLA's generic one, run through the CPU client by a private jaxlib function
+  (`hlo_module_cost_analysis`). It knows nothing of cuBLAS/cuDNN calls (each counts -1 FLOP and
+  -1 byte): their FLOPs and the bytes of their operands and result come from the HLO text
+  (`matrix_products`). Where a later jaxlib lacks the function, the FLOPs of every matrix
+  product in the HLO text, without bytes. Either way a loop body counts once, as in XLA's own
+  figures for TPUs."""
+  text = compiled.as_text()
+  products = matrix_products(text)
+  try:
+    from jax._src.lib import _jax
+    module = compiled.runtime_executable().hlo_modules()[0]
+    generic = _jax.hlo_module_cost_analysis(jax.devices("cpu")[0].client, module)
+    calls = [p for p in products if p.call]
+    return {"flops": generic["flops"] + sum(p.flops + 1 for p in calls),
+            "bytes accessed": generic["bytes accessed"] + sum(p.bytes + 1 for p in calls)}
+  except Exception:  # private: moved, renamed or changed
+    return {"flops": sum(p.flops for p in products), "fallback": "FLOPs of the HLO's dots"}
+
+
+class MatrixProduct(NamedTuple):
+  flops: float
+  bytes: float  # operands and result in HBM (cuBLAS/cuDNN calls only; a dot sits in a fusion)
+  call: bool  # a cuBLAS/cuDNN custom call rather than a `dot` instruction
+
+
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([\w\-]+)\((.*)$")
+_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([\d,]*)\]")
+_GEMM_CALLS = ("__cublas$gemm", "__cublas$lt$matmul", "__cudnn$matmul")
+ITEM_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
+              "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+
+
+def _array(shape: str) -> tuple[list, int]:
+  """(dimensions, bytes per element) of an HLO shape, or of a tuple's first element."""
+  match = _ARRAY.search(shape)
+  if not match:
+    return [], 0
+  return ([int(n) for n in match.group(2).split(",") if n],
+          ITEM_BYTES.get(match.group(1), 1))  # f8 types and the like: one byte
+
+
+def matrix_products(hlo: str) -> list:
+  """Every matrix product of an optimised HLO module: `dot` instructions (in fusions too) and
+  cuBLAS/cuDNN GEMM calls, each with 2 x output elements x contracted size FLOPs."""
+  arrays, found = {}, []
+  for line in hlo.splitlines():
+    instruction = _INSTRUCTION.match(line)
+    if not instruction:
+      continue
+    name, shape, op, rest = instruction.groups()
+    arrays[name] = _array(shape)
+    target = re.search(r'custom_call_target="([^"]+)"', rest)
+    call = op == "custom-call" and target is not None and target.group(1) in _GEMM_CALLS
+    if op == "dot":
+      contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", rest)
+    elif call:
+      contracting = re.search(r'"lhs_contracting_dimensions":\[([\d",]*)\]', rest)
+    else:
+      continue
+    operands = re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
+    lhs = arrays.get(operands[0], ([], 0))[0] if operands else []
+    size = 1
+    for axis in re.findall(r"\d+", contracting.group(1)) if contracting else []:
+      size *= lhs[int(axis)] if int(axis) < len(lhs) else 1
+    dims, item = arrays[name]
+    outputs = float(np.prod(dims)) if dims else 1.0
+    moved = outputs * item + sum(float(np.prod(arrays[o][0])) * arrays[o][1]
+                                 for o in operands if o in arrays)
+    found.append(MatrixProduct(2.0 * outputs * size, moved if call else 0.0, call))
+  return found
 
 
 def estimate_seconds(cost: dict, spec) -> tuple[float, str]:
@@ -139,8 +296,11 @@ def estimate_seconds(cost: dict, spec) -> tuple[float, str]:
   flops, accessed = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
   compute, memory = flops / spec.peak_flops, accessed / spec.hbm_bytes_per_s
   bound = "compute" if compute >= memory else "HBM bandwidth"
-  return (max(compute, memory),
-          f"roofline, {bound}-bound (XLA's cost model gave {optimal:.3g} s: not usable)")
+  if "fallback" in cost:  # no bytes: the compute time alone
+    return compute, f"roofline of FLOPs alone ({cost['fallback']}; no cost analysis)"
+  why = (f" (XLA's cost model gave {optimal:.3g} s: not usable)" if "optimal_seconds" in cost
+         else "")
+  return max(compute, memory), f"roofline, {bound}-bound{why}"
 
 
 def _memory(compiled) -> dict:
@@ -159,7 +319,9 @@ def _state_bytes_per_chip(abstract_state) -> tuple[int, int]:
   return held(abstract_state.params), held(abstract_state.opt_state)
 
 
-def compile_train_step(config, model_config: ModelConfig, mesh, spec) -> dict:
+def lower_train_step(config, model_config: ModelConfig, mesh) -> tuple:
+  """(the train step lowered on an abstract state and batch for `mesh`, the batch's Shapes,
+  the abstract state)."""
   optimizer = state_lib.make_optimizer(config.train, model_config.d_model)
   step = step_lib.make_train_step(model_config, config, mesh, optimizer)
   state = state_lib.abstract_state(model_config, optimizer, mesh)
@@ -171,11 +333,16 @@ def compile_train_step(config, model_config: ModelConfig, mesh, spec) -> dict:
   batch = {k: _abstract((shapes.rows, shapes.source_len if k.startswith("inputs") else
                          shapes.target_len), jnp.int32, rows) for k in keys}
   rng = _abstract((2,), jnp.uint32, sharding.replicated(mesh))
+  return step.lower(state, batch, rng), shapes, state
+
+
+def compile_train_step(config, model_config: ModelConfig, mesh, spec) -> dict:
+  lowered, shapes, state = lower_train_step(config, model_config, mesh)
   params_bytes, optimizer_bytes = _state_bytes_per_chip(state)
   held = (f", where each chip holds parameters of {_gib(params_bytes)} and optimizer state of "
           f"{_gib(optimizer_bytes)}")
   start = time.perf_counter()
-  compiled = _compile(step.lower(state, batch, rng), "the train step", spec.name, mesh, held)
+  compiled, note = compile_lowered(lowered, "the train step", spec.name, mesh, held)
   seconds_to_compile = time.perf_counter() - start
   cost, memory = _cost(compiled), _memory(compiled)
   chips = mesh.devices.size
@@ -184,6 +351,7 @@ def compile_train_step(config, model_config: ModelConfig, mesh, spec) -> dict:
   cost["flops"] = float(cost.get("flops", 0.0)) * accum
   cost["bytes accessed"] = float(cost.get("bytes accessed", 0.0)) * accum
   seconds, method = estimate_seconds(cost, spec)
+  method += f"; {note}" if note else ""
   model_flops = train_flops_per_step(model_config, shapes.rows, shapes.source_len,
                                      shapes.target_len)
   return {
@@ -223,10 +391,11 @@ def compile_decode_step(config, model_config: ModelConfig, mesh, spec) -> dict |
     return jnp.argmax(logits, axis=-1), cache
 
   step = sharding.jit(one_position, mesh, donate_argnums=(1,))
-  compiled = _compile(step.lower(params, cache, context, tokens, tokens), "the decode step",
-                      spec.name, mesh)
+  compiled, note = compile_lowered(step.lower(params, cache, context, tokens, tokens),
+                                   "the decode step", spec.name, mesh)
   cost, memory = _cost(compiled), _memory(compiled)
   seconds, method = estimate_seconds(cost, spec)
+  method += f"; {note}" if note else ""
   return {"batch": f"{rows} rows, cache of {length} positions", **memory,
           "fits": memory["total_bytes"] <= spec.hbm_bytes, "step_s": seconds,
           "estimate": method, "tokens_per_s": rows / seconds / mesh.devices.size}
@@ -236,47 +405,63 @@ def _gib(n: float) -> str:
   return f"{n / GiB:.2f} GiB"
 
 
-def report(name: str, mesh, train: dict, decode_: dict, spec) -> str:
+def report(name: str, mesh, train: dict, decode_: dict, spec, unit: str = "chip") -> str:
   spare = spec.hbm_bytes - train["total_bytes"]
   fit = (f"fits, {_gib(spare)} to spare" if spare >= 0 else
          f"DOES NOT FIT, {_gib(-spare)} over")
+  roofline = (f"dense bf16 peak {spec.peak_flops / 1e12:,.0f} TFLOP/s and HBM "
+              f"{spec.hbm_bytes_per_s / 1e12:.2f} TB/s per {unit}")
   lines = [
       f"compiled for {name}: {mesh.devices.size} x {spec.name}, mesh "
-      f"{sharding.describe_mesh(mesh)}; the {SAY}",
+      f"{sharding.describe_mesh(mesh)}; the {SAY}"
+      + (f"; {GPU_SAY}" if unit == "GPU" else ""),
       f"train step, batch {train['batch']}, compiled in {train['compile_s']:.1f} s on this machine",
-      f"  memory per chip: parameters {_gib(train['params_bytes'])} + optimizer "
+      f"  memory per {unit}: parameters {_gib(train['params_bytes'])} + optimizer "
       f"{_gib(train['optimizer_bytes'])} + temporaries {_gib(train['temp_bytes'])} = "
       f"{_gib(train['total_bytes'])} of {_gib(spec.hbm_bytes)} HBM: {fit}",
-      f"  FLOPs per chip: compiled {train['compiled_flops'] / 1e12:.3f} T, model formula "
+      f"  FLOPs per {unit}: compiled {train['compiled_flops'] / 1e12:.3f} T, model formula "
       f"{train['model_flops'] / 1e12:.3f} T",
-      f"  step time {train['step_s'] * 1e3:.1f} ms ({train['estimate']}): MFU "
-      f"{train['mfu']:.1%}, {train['target_tokens_per_s']:,.0f} target tokens/s per chip",
+      f"  step time {train['step_s'] * 1e3:.1f} ms ({train['estimate']}; {roofline}): MFU "
+      f"{train['mfu']:.1%}, {train['target_tokens_per_s']:,.0f} target tokens/s per {unit}",
   ]
   if decode_ is None:
     lines.append("no decode step: an encoder-only model does not decode")
   else:
     lines.append(f"greedy decode step, {decode_['batch']}: {_gib(decode_['total_bytes'])} per "
-                 f"chip, {decode_['step_s'] * 1e3:.2f} ms ({decode_['estimate']}): "
-                 f"{decode_['tokens_per_s']:,.0f} tokens/s per chip")
+                 f"{unit}, {decode_['step_s'] * 1e3:.2f} ms ({decode_['estimate']}): "
+                 f"{decode_['tokens_per_s']:,.0f} tokens/s per {unit}")
   return "\n".join(lines)
+
+
+def target(config) -> tuple:
+  """(the model config, the mesh of compile-only devices, their Chip, "GPU" or "chip") of
+  config.compile.topology and config.mesh."""
+  name = config.compile.topology
+  gpus = gpu_topology(name) if name else None
+  devices = gpu_devices(*gpus) if gpus else topology_devices(name)
+  model_config = config_lib.validate(config, platform="gpu" if gpus else "tpu")  # bfloat16
+  spec = chip(devices[0])
+  if spec is None:
+    raise UserError(f"no HBM and peak figures for device kind {devices[0].device_kind!r}; "
+                    f"use one of {EXAMPLES}")
+  return (model_config, sharding.make_mesh(config.mesh.to_dict(), devices), spec,
+          "GPU" if gpus else "chip")
 
 
 def run_compile(config) -> dict:
   """Everything `--mode=compile` prints; the last stdout line is one JSON object."""
   name = config.compile.topology
-  devices = topology_devices(name)
-  model_config = config_lib.validate(config, platform="tpu")  # dtype auto: bfloat16
-  spec = chip(devices[0])
-  if spec is None:
-    raise UserError(f"no HBM and peak figures for device kind {devices[0].device_kind!r}; "
-                    f"use one of {EXAMPLES}")
-  mesh = sharding.make_mesh(config.mesh.to_dict(), devices)
+  model_config, mesh, spec, unit = target(config)
+  gpus, devices = unit == "GPU", list(mesh.devices.flat)
   print(f"compiling for {name} ({len(devices)} x {spec.name}), mesh "
         f"{sharding.describe_mesh(mesh)}...", flush=True)
   train = compile_train_step(config, model_config, mesh, spec)
+  if gpus and not train["fits"]:
+    raise gpu_fit_error("the train step", spec, mesh, train)
   decode_ = compile_decode_step(config, model_config, mesh, spec)
-  print(report(name, mesh, train, decode_, spec), flush=True)
+  print(report(name, mesh, train, decode_, spec, unit), flush=True)
   result = {"topology": name, "chips": len(devices), "chip": spec.name,
-            "mesh": dict(mesh.shape), "note": SAY, "train": train, "decode": decode_}
+            "platform": "gpu" if gpus else "tpu", "mesh": dict(mesh.shape),
+            "note": SAY + (f"; {GPU_SAY}" if gpus else ""), "train": train, "decode": decode_}
   print(json.dumps(result), flush=True)
   return result
