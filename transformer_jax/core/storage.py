@@ -479,6 +479,21 @@ class _Uploads:
       self._pool.shutdown(wait=True)
 
 
+class _Chunks:
+  """Appends on an object store: each `append` uploads one object `name(n)`, n = start, start + 1,
+  ..., on `_Uploads`' background thread (`close` waits for them)."""
+
+  def __init__(self, name, start: int = 0):
+    self._name, self._next, self._uploads = name, start, _Uploads()
+
+  def append(self, data: bytes) -> None:
+    self._uploads.put(self._name(self._next), data)
+    self._next += 1
+
+  def close(self) -> None:
+    self._uploads.close()
+
+
 class JsonLog:
   """Appends one JSON object per line to the log `path`.
 
@@ -492,27 +507,21 @@ class JsonLog:
   def __init__(self, path: str, err=None):
     self.path = path
     if not is_url(path):
-      self._local = files.JsonLog(path, err)
+      self._local, self._chunks = files.JsonLog(path, err), None
       return
-    self._local = None
     names = [basename(p) for p in _parts(path)]
-    self._next = 1 + max((int(n.split(".")[0]) for n in names if n.split(".")[0].isdigit()),
-                         default=0)
-    self._uploads = _Uploads()
+    after = max((int(n.split(".")[0]) for n in names if n.split(".")[0].isdigit()), default=0)
+    self._local = None
+    self._chunks = _Chunks(lambda n: join(path + PARTS_SUFFIX, f"{n:09d}.jsonl"), after + 1)
 
   def append(self, record: dict) -> None:
     if self._local is not None:
       self._local.append(record)
-      return
-    data = (json.dumps(record) + "\n").encode("utf-8")
-    self._uploads.put(join(self.path + PARTS_SUFFIX, f"{self._next:09d}.jsonl"), data)
-    self._next += 1
+    else:
+      self._chunks.append((json.dumps(record) + "\n").encode("utf-8"))
 
   def close(self) -> None:
-    if self._local is not None:
-      self._local.close()
-    else:
-      self._uploads.close()
+    (self._chunks if self._local is None else self._local).close()
 
 
 class AppendFile:
@@ -522,22 +531,14 @@ class AppendFile:
 
   def __init__(self, path: str):
     self.path = path
-    self._local = None if is_url(path) else files.AppendFile(path)
-    self._uploads = _Uploads() if is_url(path) else None
-    self._next = 0
+    self._file = (_Chunks(lambda n: f"{path}.{n:06d}") if is_url(path)
+                  else files.AppendFile(path))
 
   def append(self, data: bytes) -> None:
-    if self._local is not None:
-      self._local.append(data)
-      return
-    self._uploads.put(f"{self.path}.{self._next:06d}", data)
-    self._next += 1
+    self._file.append(data)
 
   def close(self) -> None:
-    if self._local is not None:
-      self._local.close()
-    else:
-      self._uploads.close()
+    self._file.close()
 
 
 def append_jsonl(path: str, record: dict) -> None:
