@@ -10,6 +10,7 @@ own processes, reached through the same environment variables a user sets for a 
 """
 
 import contextlib
+import os
 import socket
 import subprocess
 import sys
@@ -122,3 +123,19 @@ def make_bucket(url: str) -> None:
   from transformer_jax.core import storage
   scheme, rest = url.split("://", 1)
   storage.filesystem(scheme).mkdir(rest.split("/")[0])
+
+
+@contextlib.contextmanager
+def buckets():
+  """Both emulators, os.environ pointing at them (restored after), and gs://bucket and
+  s3://bucket made; yields the GCS and S3 endpoints."""
+  with gcs() as gcs_url, s3() as s3_url:
+    saved = dict(os.environ)
+    os.environ.update(environment(gcs_url, s3_url))
+    try:
+      for bucket in ("gs://bucket", "s3://bucket"):
+        make_bucket(bucket)
+      yield gcs_url, s3_url
+    finally:
+      os.environ.clear()
+      os.environ.update(saved)

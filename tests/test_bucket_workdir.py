@@ -24,16 +24,8 @@ TINY = ["--config=experiments/tiny.py", "--config.train.steps=2", "--config.trai
 
 @pytest.fixture(scope="module")
 def buckets():
-  with emulators.gcs() as gcs_url, emulators.s3() as s3_url:
-    saved = dict(os.environ)
-    os.environ.update(emulators.environment(gcs_url, s3_url))
-    try:
-      for bucket in ("gs://bucket", "s3://bucket"):
-        emulators.make_bucket(bucket)
-      yield dict(os.environ)
-    finally:
-      os.environ.clear()
-      os.environ.update(saved)
+  with emulators.buckets():
+    yield dict(os.environ)
 
 
 @pytest.fixture(scope="module")

@@ -17,16 +17,8 @@ from transformer_jax.core.errors import UserError
 @pytest.fixture(scope="module")
 def stores():
   """Both emulators, the environment pointing at them, and one bucket on each."""
-  with emulators.gcs() as gcs_url, emulators.s3() as s3_url:
-    saved = dict(os.environ)
-    os.environ.update(emulators.environment(gcs_url, s3_url))
-    try:
-      for bucket in ("gs://bucket", "s3://bucket"):
-        emulators.make_bucket(bucket)
-      yield {"gs": gcs_url, "s3": s3_url}
-    finally:
-      os.environ.clear()
-      os.environ.update(saved)
+  with emulators.buckets() as (gcs_url, s3_url):
+    yield {"gs": gcs_url, "s3": s3_url}
 
 
 _COUNT = iter(range(10**6))
