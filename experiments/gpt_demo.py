@@ -31,6 +31,6 @@ def get_config():
   c.data.tokenizer.update(model_type="bpe")
   c.train.update(steps=1200, schedule="cosine", learning_rate=3e-3, warmup_steps=100,
                  grad_clip_norm=1.0, label_smoothing=0.0, log_every=100, eval_every=200,
-                 checkpoint_every=200)
+                 checkpoint_every=200, best_metric="perplexity")
   c.eval.update(decode="sample", temperature=0.8, top_k=40, max_decode_len=32, batch_size=256)
   return c

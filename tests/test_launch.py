@@ -48,6 +48,11 @@ def test_help_lists_the_modes_our_flags_and_the_config_keys_without_importing_ja
     assert sum(line.split()[:1] == [f"--{holder.name}"] for line in lines) == 1, holder.name
   assert "--mode=config" in result.stdout and "transformer_jax/config.py" in result.stdout
   assert "Try --helpfull" not in result.stdout
+  full = subprocess.run([sys.executable, "launch.py", "--helpfull"], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=120)
+  assert full.returncode == 0, full.stderr  # absl's own exits 1
+  assert full.stdout.startswith(result.stdout.rstrip("\n"))  # our map first
+  assert "--[no]logtostderr" in full.stdout and "--workdir" in full.stdout
 
 
 def test_mode_config_prints_every_key_with_its_value_and_description():

@@ -108,7 +108,7 @@ def _help() -> str:
             "their defaults",
             "  and comments are in transformer_jax/config.py.",
             "installed experiments (--config=NAME): " + ", ".join(experiments.names()),
-            "", "--helpfull also lists the flags of the libraries (absl)."]
+            "", "--helpfull adds the flags of the libraries (absl)."]
   return "\n".join(lines)
 
 
@@ -186,6 +186,9 @@ def _parse_flags(argv):
   """absl parsing, with every flag error turned into one line and exit code 2."""
   if any(arg in ("--help", "-h", "-?", "--helpshort") for arg in argv[1:]):
     print(_help())  # absl's would print "Try --helpfull" and exit 1
+    sys.exit(0)
+  if "--helpfull" in argv[1:]:  # absl's lists its own flags first and exits 1
+    print(_help() + "\n\nevery flag, the libraries' (absl) included:\n" + flags.FLAGS.get_help())
     sys.exit(0)
   if "--config=" in argv:
     _fail("--config is empty (an unset shell variable?); give an experiment file or name, e.g. "
