@@ -269,3 +269,13 @@ def test_shared_layers_with_remat_give_the_same_gradients():
 
   for a, b in zip(jax.tree.leaves(grads(cfg)), jax.tree.leaves(grads(cfg.replace(remat="full")))):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("changes, key", [
+    (dict(share_layers=True), "share_layers"),
+    (dict(positional="learned", random_positions_max=64), "random_positions_max")])
+def test_export_to_hugging_face_refuses_shared_layers_and_a_widened_table(changes, key):
+  from transformer_jax.tools.hf import convert
+  model = config("decoder_only", norm="pre", activation="gelu", embed_scale=False, **changes)
+  with pytest.raises(UserError, match=f"model.{key}"):
+    convert._target(model)
