@@ -43,4 +43,12 @@ def get_sweep():
       # Added after the first six: shorter buckets helped both architectures there.
       {"model.positional": "relative_bias", **SHORTER_BUCKETS},
       {**DECODER_ONLY, "model.positional": "relative_bias", **SHORTER_BUCKETS},
+      # Issue 29's position schemes: Transformer-XL relative attention (Csordás et al. 2021 found
+      # relative positions the main fix), randomised training positions (Ruoss et al. 2023) and
+      # shared ("universal") layers.
+      {"model.positional": "relative_xl"},
+      {**DECODER_ONLY, "model.positional": "relative_xl"},
+      {"model.positional": "relative_xl", "model.share_layers": True},
+      {"model.positional": "relative_xl", "model.random_positions_max": 256},
+      {**DECODER_ONLY, "model.positional": "rotary", "model.random_positions_max": 256},
   ]

@@ -181,23 +181,33 @@ def cached_and_full_decoder_only(config, params, source, decoder_inputs):
     ("decoder_only", dict(positional="rotary", num_kv_heads=1, norm_type="rmsnorm",
                           activation="swiglu")),
     ("decoder_only", dict(positional="relative_bias", num_heads=4, num_kv_heads=2,
-                          parallel_block=True))])
+                          parallel_block=True)),
+    # Transformer-XL relative attention, randomised training positions, shared layers (one
+    # cache per application of the shared layer).
+    ("encoder_decoder", dict(positional="relative_xl", share_layers=True)),
+    ("decoder_only", dict(positional="relative_xl", num_heads=4, num_kv_heads=2,
+                          random_positions_max=64)),
+    ("decoder_only", dict(positional="rotary", share_layers=True, random_positions_max=64))])
 def test_cached_steps_match_the_full_model_for_every_option(arch, changes):
   config = make_config(arch=arch, **changes)
   params = random_params(config, 0)
   source, decoder_inputs = teacher_forced_batch()
+  layer = "shared_layer" if config.share_layers else "layer_0"
   if arch == "encoder_decoder":
     full, cached, _, cache = cached_and_full(config, params, source, decoder_inputs)
-    kv_cache = cache["decoder"]["layer_0"]["self_attention"]["cached_key"]
+    kv_cache = cache["decoder"][layer]["self_attention"]["cached_key"]
   else:
     full, cached, begin = cached_and_full_decoder_only(config, params, source, decoder_inputs)
     lengths = np.sum(np.asarray(source) != 0, axis=1)
     # The prompt "source EOS BOS" minus its last token is in the cache: lengths + 1 - 1 slots.
     np.testing.assert_array_equal(begin.first_positions, lengths)
     np.testing.assert_array_equal(begin.first_tokens, np.full(len(source), BOS))
-    kv_cache = begin.cache["decoder"]["layer_0"]["self_attention"]["cached_key"]
+    cache = begin.cache
+    kv_cache = cache["decoder"][layer]["self_attention"]["cached_key"]
   np.testing.assert_allclose(cached, full, atol=2e-5, rtol=2e-5)
   assert kv_cache.shape[2:] == (config.kv_heads, config.head_dim)  # the key/value heads only
+  if config.share_layers:  # the second application of the shared layer has its own cache
+    assert cache["decoder"][layer]["self_attention"]["cached_key_1"].shape == kv_cache.shape
 
 
 def test_decoder_only_searches_agree_with_the_full_model():

@@ -1,5 +1,5 @@
 """The model FLOP formula against XLA's count of the lowered train step, for every architecture
-and the options that change a matrix product (grouped-query attention, gated FFN)."""
+and the options that change a matrix product (grouped-query attention, gated FFN, relative_xl)."""
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +18,11 @@ from transformer_jax.train import step as step_lib
     ("decoder_only", "seq2seq", dict(num_kv_heads=1, activation="swiglu"), (24, 16)),
     ("decoder_only", "lm", dict(positional="rotary"), (0, 32)),
     ("encoder_only", "mlm", dict(positional="relative_bias"), (32, 0)),
+    # Transformer-XL's position term (W_r and the position scores) is counted; a shared layer
+    # costs what separate layers do.
+    ("encoder_decoder", "seq2seq", dict(positional="relative_xl", share_layers=True), (24, 16)),
+    ("decoder_only", "seq2seq", dict(positional="relative_xl", random_positions_max=96),
+     (24, 16)),
 ])
 def test_formula_matches_the_compiled_step(arch, task, changes, lengths):
   # Sizes at which the matrix products dominate, as they do in any real model: what XLA counts
@@ -42,3 +47,6 @@ def test_formula_matches_the_compiled_step(arch, task, changes, lengths):
   assert 1.0 <= counted / formula < 1.06, (counted, formula)
   # Each term matters: without the attention scores or the FFN the formula falls short.
   assert counted / train_flops_per_step(model_config.replace(d_ff=0), 8, *lengths) > 1.3
+  if model_config.positional == "relative_xl":  # nor without relative_xl's position term
+    without = train_flops_per_step(model_config.replace(positional="rotary"), 8, *lengths)
+    assert counted / without > 1.04

@@ -138,19 +138,22 @@ def test_summary_lists_config_differences_and_metrics():
   assert "200 tokens/s" in text
 
 
-@pytest.mark.parametrize("arch, positional", [("decoder_only", "relative_bias"),
-                                              ("encoder_only", "rotary")])
+@pytest.mark.parametrize("arch, positional, share_layers", [
+    ("decoder_only", "relative_bias", False), ("encoder_only", "rotary", False),
+    ("decoder_only", "relative_xl", True)])  # one shared layer applied twice: two maps
 def test_one_stack_models_have_their_attention_maps_and_positions(tmp_path, random_params, arch,
-                                                                  positional):
+                                                                  positional, share_layers):
   from transformer_jax.data import scan
   from transformer_jax.data import tokenizer as tokenizer_lib
   from transformer_jax.model import ModelConfig, init_params
   tokenizer = tokenizer_lib.train([t for p in scan.load("simple", "train") for t in p], 32,
                                   "word")
   cfg = ModelConfig(vocab_size=32, arch=arch, d_model=16, num_heads=2, num_encoder_layers=2,
-                    num_decoder_layers=2, d_ff=32, max_len=32, positional=positional)
+                    num_decoder_layers=2, d_ff=32, max_len=32, positional=positional,
+                    share_layers=share_layers)
   params = random_params(lambda rng: {"params": init_params(cfg, rng)})
   maps, keys, queries, output = plot.attention_maps(params, cfg, tokenizer, TEXT, 8)
+  assert all(len(m) == 2 for m in maps.values())  # a map per layer (application)
   words = len(TEXT.split()) + 1  # and EOS
   if arch == "decoder_only":  # one sequence: "source EOS BOS output", causal
     (kind,) = maps
@@ -164,7 +167,7 @@ def test_one_stack_models_have_their_attention_maps_and_positions(tmp_path, rand
     assert maps["encoder_self_attention"].min() > 0.0  # nothing masked
   np.testing.assert_allclose(next(iter(maps.values())).sum(-1), 1.0, rtol=1e-5)
   table, title = plot.position_picture(cfg, params)
-  assert table.shape == ((2, 32) if positional == "relative_bias" else (32, 4)), title
+  assert table.shape == ((32, 4) if positional == "rotary" else (2, 32)), title
   assert_real_picture(plot.plot_positional_encoding(table, str(tmp_path / "p.png"), title))
 
 

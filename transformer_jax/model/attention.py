@@ -16,7 +16,12 @@ import jax.numpy as jnp
 
 from transformer_jax.model.axes import constrain, param_init
 from transformer_jax.model.config import CHOICES, check_attention_dropout
-from transformer_jax.model.positions import apply_rotary
+from transformer_jax.model.positions import (
+  apply_rotary,
+  relative_distances,
+  relative_position_logits,
+  relative_sinusoids,
+)
 
 Array = jax.Array
 
@@ -204,6 +209,10 @@ class MultiHeadAttention(nn.Module):
   With `num_kv_heads` < `num_heads` (grouped-query attention, Ainslie et al. 2023), each key/value
   head serves num_heads / num_kv_heads query heads; 1 is multi-query attention. With
   `rotary_base` > 0, self-attention queries and keys are rotated by their positions (RoPE).
+  With `relative_base` > 0, self-attention is Transformer-XL's relative attention (Dai et al.,
+  2019): logits (q + u).k + (q + v).(W_r R_{i-j}), scaled by 1 / sqrt(head_dim), with R the
+  sinusoids of the distance i - j (see `positions.relative_sinusoids`), W_r a learned projection
+  ("position"), u and v learned per head ("content_bias", "position_bias"), one set per layer.
 
   With `decode=True` it keeps a `cache` collection for incremental decoding: self-attention
   appends each call's keys/values (one step, or a whole prompt) at the cache index, and a query
@@ -220,6 +229,9 @@ class MultiHeadAttention(nn.Module):
   fused_qkv: bool = False
   use_bias: bool = True
   rotary_base: float = 0.0  # > 0: rotary position embedding of queries and keys (self-attention)
+  relative_base: float = 0.0  # > 0: Transformer-XL relative attention, sinusoids of this base
+  relative_bidirectional: bool = True  # relative_xl: embed negative distances too (an encoder)
+  relative_span: int = 0  # relative_xl: embed distances below at least this (0: the lengths)
   implementation: str = "plain"
   decode: bool = False
   dtype: jnp.dtype = jnp.float32
@@ -228,12 +240,16 @@ class MultiHeadAttention(nn.Module):
   @nn.compact
   def __call__(self, inputs_q: Array, inputs_kv: Optional[Array] = None,
                mask: Optional[Array] = None, deterministic: bool = True, *,
-               bias: Optional[Array] = None, positions: Optional[Array] = None) -> Array:
+               bias: Optional[Array] = None, positions: Optional[Array] = None,
+               distances: Optional[Array] = None, cache_slot: int = 0) -> Array:
     """inputs_q `[batch, q_len, d_model]`, inputs_kv `[batch, kv_len, d_model]` or None (self-
     attention) -> `[batch, q_len, d_model]`.
 
     mask: bool, broadcastable to `[batch, heads, q_len, kv_len]`; bias: float, the same shape,
-    added to the logits; positions: int `[batch, q_len]`, the positions rotary embeddings use.
+    added to the logits; positions: int `[batch, q_len]`, the positions rotary embeddings use;
+    distances: int `[batch, q_len, kv_len]`, query position - key position (relative_xl; in
+    decode mode kv_len is the cache's); cache_slot: which of the decoding caches this call
+    extends (a layer applied several times, model.share_layers, keeps one per application).
     """
     head_dim = self.d_model // self.num_heads
     kv_heads = self.num_kv_heads or self.num_heads
@@ -283,7 +299,9 @@ class MultiHeadAttention(nn.Module):
       query = apply_rotary(query, positions, self.rotary_base)
       key = apply_rotary(key, positions, self.rotary_base)
     if self.decode and self_attention:
-      key, value, mask = self._extend_cache(key, value, mask)
+      key, value, mask = self._extend_cache(key, value, mask, cache_slot)
+    if self.relative_base and self_attention:
+      bias, query = self._relative_xl(query, key.shape[1], distances, bias, head_dim)
     if kv_heads != self.num_heads:  # each key/value head serves a group of query heads
       key = heads(jnp.repeat(key, self.num_heads // kv_heads, axis=2))
       value = heads(jnp.repeat(value, self.num_heads // kv_heads, axis=2))
@@ -304,13 +322,34 @@ class MultiHeadAttention(nn.Module):
     out = constrain(out, "batch", "length", "embed")
     return Dropout(rate=self.output_dropout_rate)(out, deterministic)
 
-  def _extend_cache(self, key, value, mask):
+  def _relative_xl(self, query, kv_len, distances, bias, head_dim):
+    """Transformer-XL: the position term (q + v).(W_r R_{i-j}) / sqrt(head_dim) added to `bias`,
+    and the query q + u of the content term. Returns (bias, query)."""
+    span = max(query.shape[1], kv_len, self.relative_span)
+    rows = relative_distances(span, self.relative_bidirectional)
+    table = jnp.asarray(relative_sinusoids(rows, self.d_model, self.relative_base), self.dtype)
+    embeddings = nn.DenseGeneral(
+        features=(self.num_heads, head_dim), use_bias=False, dtype=self.dtype,
+        kernel_init=param_init(self.kernel_init, "embed", "heads", "kv"), name="position")(table)
+    zeros = param_init(nn.initializers.zeros_init(), "heads", "kv")
+    u = self.param("content_bias", zeros, (self.num_heads, head_dim))
+    v = self.param("position_bias", zeros, (self.num_heads, head_dim))
+    logits = relative_position_logits(query + v.astype(query.dtype), embeddings, distances,
+                                      int(rows[0]))
+    logits = logits / jnp.sqrt(jnp.float32(head_dim))
+    return (logits if bias is None else bias + logits), query + u.astype(query.dtype)
+
+  def _extend_cache(self, key, value, mask, slot=0):
     """Writes this call's keys/values at the cache index; a query sees the cache positions
-    written before it and its own (never those not yet written)."""
-    initialized = self.has_variable("cache", "cached_key")
-    cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
-    cached_value = self.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
-    cache_index = self.variable("cache", "cache_index", lambda: jnp.array(0, dtype=jnp.int32))
+    written before it and its own (never those not yet written). Slot s > 0 keeps its cache in
+    variables named with the suffix _s."""
+    suffix = f"_{slot}" if slot else ""
+    initialized = self.has_variable("cache", "cached_key" + suffix)
+    cached_key = self.variable("cache", "cached_key" + suffix, jnp.zeros, key.shape, key.dtype)
+    cached_value = self.variable("cache", "cached_value" + suffix, jnp.zeros, value.shape,
+                                 value.dtype)
+    cache_index = self.variable("cache", "cache_index" + suffix,
+                                lambda: jnp.array(0, dtype=jnp.int32))
     if not initialized:
       return key, value, mask  # cache-creating call: a plain full-length pass
     steps = key.shape[1]

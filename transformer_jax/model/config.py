@@ -27,7 +27,9 @@ CHOICES = {
     # rotary: RoPE (Su et al., 2021) on queries and keys; relative_bias: T5's learned per-head
     # bias of bucketed relative distances; both leave the embeddings without positions. none:
     # no position information at all (NoPE; a causal stack still tells positions apart).
-    "positional": ("sinusoidal", "learned", "rotary", "relative_bias", "none"),
+    # relative_xl: Transformer-XL's relative attention (Dai et al., 2019) in self-attention:
+    # logits (q + u).k + (q + v).(W_r R_{i-j}), R sinusoids of the distance i - j.
+    "positional": ("sinusoidal", "learned", "rotary", "relative_bias", "relative_xl", "none"),
     "init": ("xavier", "normal"),
     "attention_impl": ("plain", "jax"),  # see attention.dot_product_attention
     "dtype": ("float32", "bfloat16"),
@@ -65,11 +67,18 @@ class ModelConfig:
   # True: the sublayers of a layer read the same input and their outputs are summed
   # (GPT-J, PaLM): x + Attention(LN(x)) + FFN(LN(x)) pre-LN, LN(x + Attention(x) + FFN(x)) post-LN.
   parallel_block: bool = False
-  positional: str = "sinusoidal"  # sinusoidal | learned | rotary | relative_bias | none
-  position_base: float = 10000.0  # sinusoidal and rotary: the base of the wavelengths
+  # True: each stack has one layer's parameters, applied num_*_layers times (the universal
+  # Transformer of Dehghani et al., 2019, without adaptive computation time).
+  share_layers: bool = False
+  positional: str = "sinusoidal"  # (see CHOICES)
+  position_base: float = 10000.0  # sinusoidal, rotary and relative_xl: the base of the wavelengths
   relative_buckets: int = 32  # relative_bias: buckets of the relative distance (per direction
   relative_max_distance: int = 128  # in an encoder); beyond max_distance all share the last one
   max_len: int = 256  # longest sequence the positions (and decoding) allow
+  # > 0: in training, each row's positions are a sorted random subset of [0, this) (Ruoss et al.,
+  # 2023), so that the positions of longer test sequences were all seen; at least max_len.
+  # Evaluation and decoding use 0, 1, ... as always. 0 = off.
+  random_positions_max: int = 0
   embed_scale: bool = True  # token embeddings times sqrt(d_model), as the paper (not GPT-2, BERT)
   # > 0: a learned table of that many token types (BERT's segment A/B) whose row 0 is added to
   # every token's embedding: the model reads one segment, as BERT does a single sentence.
@@ -121,8 +130,9 @@ class ModelConfig:
     if self.d_model % self.num_heads:
       raise UserError(f"model.d_model ({self.d_model}) must be divisible by model.num_heads "
                       f"({self.num_heads}); change one of them")
-    if self.positional == "sinusoidal" and self.d_model % 2:
-      raise UserError(f"model.d_model ({self.d_model}) must be even for sinusoidal positions")
+    if self.positional in ("sinusoidal", "relative_xl") and self.d_model % 2:
+      raise UserError(f"model.d_model ({self.d_model}) must be even for {self.positional} "
+                      "positions")
     for name in ("dropout_rate", "attention_dropout_rate"):
       value = getattr(self, name)
       if not 0.0 <= value < 1.0:
@@ -157,6 +167,12 @@ class ModelConfig:
     if self.num_labels < 0 or (self.num_labels and self.arch != "encoder_only"):
       raise UserError(f"model.num_labels ({self.num_labels}) is for model.arch=encoder_only "
                       "(a classification head); leave it 0 otherwise")
+    if self.random_positions_max and self.positional == "none":
+      raise UserError("model.random_positions_max draws positions, which model.positional=none "
+                      "never reads; set model.random_positions_max=0 or choose positions")
+    if self.random_positions_max and self.random_positions_max < self.max_len:
+      raise UserError(f"model.random_positions_max ({self.random_positions_max}) must be at least "
+                      f"model.max_len ({self.max_len}), or 0 (off)")
     stack = {"decoder_only": "num_decoder_layers", "encoder_only": "num_encoder_layers"}
     if self.arch in stack and getattr(self, stack[self.arch]) == 0:
       raise UserError(f"model.arch={self.arch} needs model.{stack[self.arch]} > 0")

@@ -21,6 +21,12 @@ tokens, attention over (S + T)^2) and projects the target only (d V * B T); the 
 model runs L_enc layers over B S tokens and its masked-LM head (d^2 + d V per token; a
 classifier's head is per row and left out). train = 3 * forward.
 
+With model.positional=relative_xl each self-attention also projects the sinusoids of its R
+embedded distances (W_r: 2 d^2 R per layer, once per batch) and scores every query against
+them (2 d R per query token); R = 2 span - 1 in the encoder (distances of both signs), span in
+a causal decoder, where span is the sequence length (source S, target T, or S + T), or
+model.random_positions_max when that is larger.
+
 This is the usual "6 x parameters per token" with each weight matrix charged for the tokens it
 actually sees, plus the attention term (the causal mask's zeros are counted, as in most MFU
 reports). Positions, token types, norms and the parallel block change no matrix product.
@@ -97,4 +103,25 @@ def train_flops_per_step(cfg: ModelConfig, batch: int, source_len: int, target_l
     matmuls = (le * layer * s_tokens + ld * (layer + 2 * d * d) * t_tokens
                + ld * 2 * d * d_kv * s_tokens + d * v * t_tokens)
     scores = le * source_len**2 + ld * target_len**2 + ld * target_len * source_len
-  return 3.0 * (2.0 * matmuls + 4.0 * d * batch * scores)
+  return 3.0 * (2.0 * matmuls + 4.0 * d * batch * scores
+                + _relative_xl_flops(cfg, batch, source_len, target_len))
+
+
+def _relative_xl_flops(cfg: ModelConfig, batch: int, source_len: int, target_len: int) -> float:
+  """Forward FLOPs of relative_xl's position term: W_r times the embedded distances and the
+  queries times the result, in every self-attention (0 for other position options)."""
+  if cfg.positional != "relative_xl":
+    return 0.0
+  d = cfg.d_model
+
+  def attention(layers, length, bidirectional):
+    span = max(length, cfg.random_positions_max)
+    rows = 2 * span - 1 if bidirectional else span
+    return layers * (2.0 * d * d * rows + 2.0 * d * batch * length * rows)
+
+  if cfg.arch == "decoder_only":
+    return attention(cfg.num_decoder_layers, source_len + target_len, False)
+  if cfg.arch == "encoder_only":
+    return attention(cfg.num_encoder_layers, source_len, True)
+  return (attention(cfg.num_encoder_layers, source_len, True)
+          + attention(cfg.num_decoder_layers, target_len, False))

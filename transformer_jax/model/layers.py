@@ -62,13 +62,20 @@ class FeedForward(nn.Module):
     return Dropout(rate=cfg.dropout_rate)(h, deterministic)
 
 
-def attention(cfg: ModelConfig, name: str, decode: bool = False,
-              rotary: bool = False) -> MultiHeadAttention:
+def attention(cfg: ModelConfig, name: str, decode: bool = False, rotary: bool = False,
+              bidirectional: bool = True) -> MultiHeadAttention:
+  """The attention of a layer; `rotary` (self-attention) applies the position options that act
+  inside attention (rotary, relative_xl), `bidirectional` says whether keys follow queries."""
+  relative = rotary and cfg.positional == "relative_xl"
+  # Randomised training positions reach random_positions_max: embed every distance below it.
+  span = 0 if cfg.deterministic else cfg.random_positions_max
   return MultiHeadAttention(
       num_heads=cfg.num_heads, d_model=cfg.d_model, num_kv_heads=cfg.num_kv_heads,
       dropout_rate=cfg.attention_dropout_rate, output_dropout_rate=cfg.dropout_rate,
       fused_qkv=cfg.fused_qkv, use_bias=cfg.qkv_bias,
       rotary_base=cfg.position_base if rotary and cfg.positional == "rotary" else 0.0,
+      relative_base=cfg.position_base if relative else 0.0,
+      relative_bidirectional=bidirectional, relative_span=span,
       implementation=cfg.attention_impl, decode=decode, dtype=cfg.compute_dtype,
       kernel_init=kernel_init(cfg), name=name)
 
@@ -121,15 +128,17 @@ class EncoderLayer(nn.Module):
 
   @nn.compact
   def __call__(self, x: Array, mask: Optional[Array], deterministic: bool,
-               bias: Optional[Array] = None, positions: Optional[Array] = None) -> Array:
+               bias: Optional[Array] = None, positions: Optional[Array] = None,
+               distances: Optional[Array] = None) -> Array:
     """x `[batch, src_len, d_model]`, mask bool `[batch, 1, src_len, src_len]`; bias (relative
-    positions) `[batch, heads, src_len, src_len]`; positions (rotary) int `[batch, src_len]`."""
+    positions) `[batch, heads, src_len, src_len]`; positions (rotary) int `[batch, src_len]`;
+    distances (relative_xl) int `[batch, src_len, src_len]`."""
     cfg = self.config
     self_attention = attention(cfg, "self_attention", rotary=True)
     ffn = FeedForward(cfg, name="ffn")
     return residual_blocks(cfg, x, [
         ("attention_block", lambda h: self_attention(h, None, mask, deterministic, bias=bias,
-                                                     positions=positions)),
+                                                     positions=positions, distances=distances)),
         ("ffn_block", lambda h: ffn(h, deterministic))])
 
 
@@ -143,17 +152,21 @@ class DecoderLayer(nn.Module):
   @nn.compact
   def __call__(self, y: Array, encoded: Optional[Array], self_mask: Optional[Array],
                cross_mask: Optional[Array], deterministic: bool, bias: Optional[Array] = None,
-               positions: Optional[Array] = None) -> Array:
+               positions: Optional[Array] = None, distances: Optional[Array] = None,
+               cache_slot: int = 0) -> Array:
     """y `[batch, tgt_len, d_model]`, encoded `[batch, src_len, d_model]` or None.
 
     self_mask `[batch, 1, tgt_len, tgt_len]` (causal and padding), cross_mask
     `[batch, 1, tgt_len, src_len]`; bias (relative positions) `[batch, heads, tgt_len, tgt_len]`;
-    positions (rotary) int `[batch, tgt_len]`.
+    positions (rotary) int `[batch, tgt_len]`; distances (relative_xl) int
+    `[batch, tgt_len, tgt_len or cache_len]`; cache_slot: see MultiHeadAttention.
     """
     cfg = self.config
-    self_attention = attention(cfg, "self_attention", self.decode, rotary=True)
+    self_attention = attention(cfg, "self_attention", self.decode, rotary=True,
+                               bidirectional=False)
     blocks = [("self_attention_block", lambda h: self_attention(
-        h, None, self_mask, deterministic, bias=bias, positions=positions))]
+        h, None, self_mask, deterministic, bias=bias, positions=positions, distances=distances,
+        cache_slot=cache_slot))]
     if encoded is not None:
       cross_attention = attention(cfg, "cross_attention", self.decode)
       blocks.append(("cross_attention_block",

@@ -1,6 +1,7 @@
 """Position information: the paper's sinusoidal table or a learned one (added to the embeddings),
-rotary position embeddings (applied to queries and keys), and T5's relative position bias (added
-to the attention logits)."""
+rotary position embeddings (applied to queries and keys), T5's relative position bias (added
+to the attention logits), Transformer-XL's relative position term (computed in attention from
+the queries), and randomised positions for training (Ruoss et al., 2023)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from transformer_jax.core.errors import UserError
 from transformer_jax.model.axes import param_init
 from transformer_jax.model.config import ModelConfig
 
@@ -45,11 +47,12 @@ class AddPositions(nn.Module):
     cfg = self.config
     if cfg.positional not in ADDITIVE:
       return x
+    rows = max(cfg.max_len, cfg.random_positions_max)  # randomised positions reach further
     if cfg.positional == "learned":
       table = self.param("table", param_init(nn.initializers.normal(stddev=0.02), "position",
-                                             "embed"), (cfg.max_len, cfg.d_model))
+                                             "embed"), (rows, cfg.d_model))
     else:
-      table = jnp.asarray(sinusoidal_positions(cfg.max_len, cfg.d_model, cfg.position_base))
+      table = jnp.asarray(sinusoidal_positions(rows, cfg.d_model, cfg.position_base))
     return x + jnp.take(table, jnp.maximum(positions, 0), axis=0).astype(x.dtype)
 
 
@@ -133,3 +136,74 @@ class RelativePositionBias(nn.Module):
                                        self.bidirectional, cfg.relative_buckets,
                                        cfg.relative_max_distance)
     return jnp.take(table, buckets, axis=0).transpose(0, 3, 1, 2)  # [b, q, k, h] -> [b, h, q, k]
+
+
+# ----------------------------------------------------------------------------- Transformer-XL
+
+
+def relative_distances(span: int, bidirectional: bool) -> np.ndarray:
+  """The distances i - j (query position - key position) that relative_xl embeds, in the order
+  of its rows: 0 .. span - 1 (causal), or -(span - 1) .. span - 1 (bidirectional). int64."""
+  return np.arange(-(span - 1) if bidirectional else 0, span)
+
+
+def relative_sinusoids(distances: np.ndarray, d_model: int, base: float = 10000.0) -> np.ndarray:
+  """Transformer-XL's R: sinusoids of each (signed) distance, [sin | cos] halves.
+
+  R[r, i] = sin(distance_r / base^(2i/d)), R[r, d/2 + i] = cos(same), i < d/2. Returns float32
+  `[len(distances), d_model]` (a NumPy constant).
+  """
+  inverse_wavelengths = base ** (-np.arange(0, d_model, 2, dtype=np.float64) / d_model)
+  angles = np.asarray(distances, np.float64)[:, None] * inverse_wavelengths
+  return np.concatenate([np.sin(angles), np.cos(angles)], axis=-1).astype(np.float32)
+
+
+def relative_position_logits(query: Array, embeddings: Array, distances: Array,
+                             lowest: int) -> Array:
+  """The position term of Transformer-XL's logits, query . W_r R_{i-j}, for every pair (i, j).
+
+  The term is computed against every embedded distance (one product per row of `embeddings`,
+  not one per key) and then each pair's distance is looked up, so the positions can be any
+  integers: packed rows, a decoding cache, randomised positions. Distances outside the rows
+  take the nearest row (never happens for positions within the span).
+
+  Args:
+    query: `[batch, q_len, heads, head_dim]` (with Transformer-XL's bias v added).
+    embeddings: W_r R, `[rows, heads, head_dim]`; row r embeds the distance lowest + r.
+    distances: int `[batch, q_len, kv_len]`, query position - key position.
+    lowest: the distance of row 0.
+
+  Returns:
+    float32 `[batch, heads, q_len, kv_len]` (not yet scaled by 1 / sqrt(head_dim)).
+  """
+  every = jnp.einsum("bqhd,rhd->bhqr", query, embeddings, preferred_element_type=jnp.float32)
+  rows = jnp.clip(distances - lowest, 0, embeddings.shape[0] - 1)
+  index = jnp.broadcast_to(rows[:, None], every.shape[:3] + (distances.shape[-1],))
+  return jnp.take_along_axis(every, index, axis=-1)
+
+
+# ----------------------------------------------------------------------------- random offsets
+
+
+def random_positions(rng: Array, positions: Array, max_positions: int) -> Array:
+  """Randomised positions (Ruoss et al., 2023): position p of a row becomes the p-th smallest of
+  a random subset of [0, max_positions) drawn for that row, so positions stay increasing and
+  distinct within each example (packed examples of a row share the row's draw).
+
+  Args:
+    rng: PRNG key.
+    positions: int `[batch, length]`, each in [0, length) (negative: padding, kept as is).
+    max_positions: the range drawn from; at least length.
+
+  Returns:
+    int32 `[batch, length]`.
+  """
+  batch, length = positions.shape
+  if length > max_positions:
+    raise UserError(f"a sequence of {length} positions cannot draw distinct positions from "
+                    f"model.random_positions_max={max_positions}; raise it")
+  # The indices of the `length` largest of uniform scores: a uniform random subset.
+  scores = jax.random.uniform(rng, (batch, max_positions))
+  drawn = jnp.sort(jax.lax.top_k(scores, length)[1], axis=-1).astype(jnp.int32)
+  taken = jnp.take_along_axis(drawn, jnp.clip(positions, 0, length - 1), axis=-1)
+  return jnp.where(positions >= 0, taken, positions).astype(jnp.int32)

@@ -22,7 +22,7 @@ from transformer_jax.model.layers import (
   kernel_init,
   norm_layer,
 )
-from transformer_jax.model.positions import AddPositions, RelativePositionBias
+from transformer_jax.model.positions import AddPositions, RelativePositionBias, random_positions
 
 Array = jax.Array
 
@@ -91,6 +91,23 @@ def _position_bias(cfg: ModelConfig, bidirectional: bool, query_positions: Array
                                                                          key_positions)
 
 
+def _relative_distances(cfg: ModelConfig, query_positions: Array,
+                        key_positions: Array) -> Optional[Array]:
+  """relative_xl: int `[batch, q_len, kv_len]`, query position - key position; else None."""
+  if cfg.positional != "relative_xl":
+    return None
+  return query_positions[:, :, None] - key_positions[:, None, :]
+
+
+def _training_positions(module: nn.Module, cfg: ModelConfig, positions: Array) -> Array:
+  """With model.random_positions_max, in training (not deterministic): the positions mapped to
+  a sorted random subset of [0, random_positions_max), drawn from the "dropout" RNG stream;
+  otherwise (evaluation, decoding) unchanged."""
+  if not cfg.random_positions_max or cfg.deterministic:
+    return positions
+  return random_positions(module.make_rng("dropout"), positions, cfg.random_positions_max)
+
+
 @jax.custom_vjp
 def output_projection(x: Array, embedding: Array) -> Array:
   """Logits of the tied output layer: x `[batch, length, d]` times the `[vocab, d]` table^T.
@@ -143,6 +160,14 @@ def _maybe_remat(layer_class, cfg: ModelConfig, deterministic_argnum: int):
                   policy=REMAT_POLICIES[cfg.remat])
 
 
+def _stack_layers(layer_class, cfg: ModelConfig, count: int, **kwargs) -> list:
+  """The `count` layers of a stack, in order: layer_0, layer_1, ..., or with model.share_layers
+  one module, "shared_layer", `count` times (one set of parameters applied repeatedly)."""
+  if cfg.share_layers:
+    return [layer_class(cfg, name="shared_layer", **kwargs)] * count
+  return [layer_class(cfg, name=f"layer_{i}", **kwargs) for i in range(count)]
+
+
 def _cached_key_positions(module: nn.Module, positions: Array) -> Optional[Array]:
   """Decode mode: the position of every cache slot once this call's `positions` (int
   `[batch, n]`) are written at the cache index, int `[batch, cache_len]`, -1 where nothing (or
@@ -175,6 +200,7 @@ class Encoder(nn.Module):
     cfg = self.config
     deterministic = cfg.deterministic
     positions = _default_positions(tokens) if positions is None else positions
+    positions = _training_positions(self, cfg, positions)
     valid = tokens > 0
     mask = attention.padding_mask(valid, valid)
     if segments is not None:
@@ -182,9 +208,10 @@ class Encoder(nn.Module):
     x = _embed_tokens(cfg, self.embed, AddPositions(cfg, name="positions"), tokens, positions,
                       deterministic)
     bias = _position_bias(cfg, True, positions, positions)
-    layer = _maybe_remat(EncoderLayer, cfg, deterministic_argnum=3)
-    for i in range(cfg.num_encoder_layers):
-      x = layer(cfg, name=f"layer_{i}")(x, mask, deterministic, bias, positions)
+    distances = _relative_distances(cfg, positions, positions)
+    layer_class = _maybe_remat(EncoderLayer, cfg, deterministic_argnum=3)
+    for layer in _stack_layers(layer_class, cfg, cfg.num_encoder_layers):
+      x = layer(x, mask, deterministic, bias, positions, distances)
     if cfg.norm == "pre":
       x = norm_layer(cfg, "final_norm")(x)
     return x
@@ -216,6 +243,7 @@ class Decoder(nn.Module):
     """
     cfg = self.config
     deterministic = cfg.deterministic
+    positions = _training_positions(self, cfg, positions)
     key_positions = _cached_key_positions(self, positions) if cfg.decode else None
     if key_positions is not None:
       # A decoding step (or prompt): the cache says which slots hold keys of real positions;
@@ -229,10 +257,14 @@ class Decoder(nn.Module):
     y = _embed_tokens(cfg, self.embed, AddPositions(cfg, name="positions"), tokens, positions,
                       deterministic)
     bias = _position_bias(cfg, False, positions, key_positions)
-    layer = _maybe_remat(DecoderLayer, cfg, deterministic_argnum=5)
-    for i in range(cfg.num_decoder_layers):
-      y = layer(cfg, decode=cfg.decode, name=f"layer_{i}")(
-          y, encoded, self_mask, cross_mask, deterministic, bias, positions)
+    distances = _relative_distances(cfg, positions, key_positions)
+    layer_class = _maybe_remat(DecoderLayer, cfg, deterministic_argnum=5)
+    layers = _stack_layers(layer_class, cfg, cfg.num_decoder_layers, decode=cfg.decode)
+    for i, layer in enumerate(layers):
+      # A shared layer keeps one decoding cache per application (no remat when decoding).
+      slot = (i,) if cfg.share_layers and cfg.decode else ()
+      y = layer(y, encoded, self_mask, cross_mask, deterministic, bias, positions, distances,
+                *slot)
     y = y[:, output_from:]
     if cfg.norm == "pre":
       y = norm_layer(cfg, "final_norm")(y)
@@ -429,6 +461,10 @@ def describe(config: ModelConfig) -> str:
                                "layers",
             "decoder_only": f"decoder-only, {c.num_decoder_layers} layers",
             "encoder_only": f"encoder-only, {c.num_encoder_layers} layers"}[c.arch]
+  if c.share_layers:
+    stacks += " (one shared layer per stack)"
+  drawn = (f" (drawn from [0, {c.random_positions_max}) in training)" if c.random_positions_max
+           else "")
   head = f" ({c.num_labels} classes)" if c.num_labels else ""
   kv = f", {c.kv_heads} key/value heads" if c.kv_heads != c.num_heads else ""
   block = f"{c.norm}-{c.norm_type}, {c.activation}" + (", parallel blocks" if c.parallel_block
@@ -442,7 +478,7 @@ def describe(config: ModelConfig) -> str:
   lines = [
       f"Transformer{head}: {stacks}, d_model {c.d_model}, d_ff {c.d_ff}, {c.num_heads} heads "
       f"(head_dim {c.head_dim}{kv}), model.vocab_size {c.vocab_size}, {block}, "
-      f"{c.positional} positions, dtype {c.dtype}",
+      f"{c.positional} positions{drawn}, dtype {c.dtype}",
       f"parameters: {counts['total']:,} total, {counts['non_embedding']:,} without embeddings "
       f"({counts['embedding']:,} in embedding and position tables)",
   ]

@@ -23,7 +23,11 @@ from transformer_jax.core.errors import UserError
 from transformer_jax.core.tokens import BOS_ID, EOS_ID, UNK_ID
 from transformer_jax.eval import decode, load, search
 from transformer_jax.model import make_model, shift_right
-from transformer_jax.model.positions import relative_position_bucket, sinusoidal_positions
+from transformer_jax.model.positions import (
+  relative_position_bucket,
+  relative_sinusoids,
+  sinusoidal_positions,
+)
 from transformer_jax.train import logger
 
 ATTENTION_KINDS = ("encoder_self_attention", "decoder_self_attention", "cross_attention")
@@ -174,7 +178,11 @@ def attention_figure(weights: np.ndarray, query_tokens: list[str], key_tokens: l
 
 
 def _stacked(inter, stack: str, count: int, module: str) -> np.ndarray:
-  """`[layers, heads, q_len, kv_len]`: the sown weights of `module` in each layer of a stack."""
+  """`[layers, heads, q_len, kv_len]`: the sown weights of `module` in each layer of a stack
+  (with model.share_layers, in each application of the stack's one layer)."""
+  if "shared_layer" in inter[stack]:
+    sown = inter[stack]["shared_layer"][module]["attention_weights"]  # one per application
+    return np.stack([weights[0] for weights in sown[:count]])
   return np.stack([inter[stack][f"layer_{i}"][module]["attention_weights"][0][0]
                    for i in range(count)])
 
@@ -246,8 +254,10 @@ def attention_maps(params, model_config, tokenizer, text: str, max_length: int, 
 
 def position_picture(model_config, params) -> Optional[tuple[np.ndarray, str]]:
   """(table, title) of the model's positions: the sinusoidal or learned table `[positions,
-  d_model]`, the rotary angles' cosines `[positions, head_dim / 2]`, or the relative bias of each
-  head by distance `[heads, distances]`; None without positions."""
+  d_model]`, the rotary angles' cosines `[positions, head_dim / 2]`, the relative bias of each
+  head by distance `[heads, distances]`, or relative_xl's query-independent position term
+  v.(W_r R_{i-j}) of each head of the first layer by distance `[heads, distances]`; None without
+  positions."""
   cfg = model_config
   length = min(cfg.max_len, 100)
   stack = "decoder" if cfg.arch == "decoder_only" else "encoder"
@@ -271,6 +281,17 @@ def position_picture(model_config, params) -> Optional[tuple[np.ndarray, str]]:
     scale = max(float(np.abs(bias).max()), 1e-6)
     return (bias / scale, f"relative position bias ({stack}) by head and distance query - key "
                           f"({distances[0]} .. {distances[-1]}), divided by {scale:.3g}")
+  if cfg.positional == "relative_xl":
+    distances = np.arange(-length + 1, length) if stack == "encoder" else np.arange(length)
+    layer = params[stack]["shared_layer" if cfg.share_layers else "layer_0"]["self_attention"]
+    sinusoids = relative_sinusoids(distances, cfg.d_model, cfg.position_base)
+    embedded = np.einsum("rd,dhk->rhk", sinusoids, np.asarray(layer["position"]["kernel"]))
+    term = np.einsum("hk,rhk->hr", np.asarray(layer["position_bias"]), embedded)
+    term = term / np.sqrt(cfg.head_dim)
+    scale = max(float(np.abs(term).max()), 1e-6)
+    return (term / scale, f"relative_xl position term v.(W_r R) ({stack}, first layer) by head "
+                          f"and distance query - key ({distances[0]} .. {distances[-1]}), "
+                          f"divided by {scale:.3g}")
   return None
 
 
@@ -288,7 +309,7 @@ def plot_workdir(config, workdir: str, text: Optional[str] = None,
   params = tokenizer = None  # loaded (and checked) before anything is written
   # A --checkpoint_step is checked even where no picture needs the parameters: a step that
   # does not exist must not redraw the pictures of another.
-  if (text is not None or model_config.positional in ("learned", "relative_bias")
+  if (text is not None or model_config.positional in ("learned", "relative_bias", "relative_xl")
       or step is not None):
     model_config, params, tokenizer = load.load_trained(config, workdir, step)[:3]
   storage.makedirs(out)
