@@ -124,7 +124,7 @@ def _logits(cfg: ModelConfig, embed: nn.Embed, y: Array) -> Array:
     embedding = jnp.asarray(embed.embedding, cfg.compute_dtype)
     logits = output_projection(y.astype(cfg.compute_dtype), embedding)
   else:
-    logits = nn.Dense(cfg.vocab_size, dtype=cfg.compute_dtype,
+    logits = nn.Dense(cfg.vocab_size, use_bias=cfg.use_bias, dtype=cfg.compute_dtype,
                       kernel_init=param_init(kernel_init(cfg), "embed", "vocab"),
                       bias_init=param_init(nn.initializers.zeros_init(), "vocab"),
                       name="logits")(y)
@@ -354,7 +354,7 @@ class EncoderOnly(nn.Module):
     x = Encoder(cfg, embed, name="encoder")(tokens, positions, segments)
 
     def dense(features, names, name):
-      return nn.Dense(features, dtype=cfg.compute_dtype,
+      return nn.Dense(features, use_bias=cfg.use_bias, dtype=cfg.compute_dtype,
                       kernel_init=param_init(kernel_init(cfg), *names),
                       bias_init=param_init(nn.initializers.zeros_init(), names[-1]), name=name)
 
@@ -369,7 +369,7 @@ class EncoderOnly(nn.Module):
       return logits[:, None, :].astype(jnp.float32)
     h = ACTIVATIONS[cfg.activation](dense(cfg.d_model, ("embed", "mlp"), "mlm_dense")(x))
     h = norm_layer(cfg, "mlm_norm")(h)
-    if not cfg.tie_output:
+    if not cfg.tie_output or not cfg.use_bias:
       return _logits(cfg, embed, h)
     bias = self.param("mlm_bias", param_init(nn.initializers.zeros_init(), "vocab"),
                       (cfg.vocab_size,))
@@ -433,6 +433,9 @@ def describe(config: ModelConfig) -> str:
   kv = f", {c.kv_heads} key/value heads" if c.kv_heads != c.num_heads else ""
   block = f"{c.norm}-{c.norm_type}, {c.activation}" + (", parallel blocks" if c.parallel_block
                                                        else "")
+  biases = {(True, True): "", (False, False): ", no biases", (True, False): ", q/k/v biases only",
+            (False, True): ", no q/k/v biases"}[(c.qkv_bias, c.use_bias)]
+  block += biases + ("" if c.tie_output else ", untied output layer")
   embeddings = [name for name, on in (("unscaled embeddings", not c.embed_scale),
                                       (f"{c.type_vocab_size} token types", c.type_vocab_size),
                                       ("embedding norm", c.embed_norm),
