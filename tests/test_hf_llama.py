@@ -37,6 +37,7 @@ from transformer_jax.core.errors import UserError  # noqa: E402
 from transformer_jax.core.tokens import BOS_ID, EOS_ID  # noqa: E402
 from transformer_jax.data import tokenizer as tokenizer_lib  # noqa: E402
 from transformer_jax.eval import decode  # noqa: E402
+from transformer_jax.eval.generate import encode_prompts  # noqa: E402
 from transformer_jax.model import ModelConfig, describe, param_shapes  # noqa: E402
 from transformer_jax.tools import hf  # noqa: E402
 
@@ -104,6 +105,13 @@ def test_llama_import_matches_transformers_logits_and_greedy(llama):
   expected = their_logits(reference, ids, mask)
   assert np.abs(our_logits(trained, ids, mask) - expected)[mask].max() <= TOLERANCE
   assert np.abs(expected).max() > 1.0  # the comparison has something to compare
+
+  # generate's prompts are their tokenizer's ids (<s> first); an empty one is <s> alone.
+  prompts, _ = encode_prompts(trained.tokenizer, [TEXTS[0], ""], 24, 2)
+  theirs = transformers.AutoTokenizer.from_pretrained(hf_dir)(TEXTS[0])["input_ids"]
+  assert theirs[0] == 1 and len(theirs) > 3
+  assert prompts.tolist() == [trained.tokenizer.our_ids[theirs].tolist() + [0] * (24 - len(
+      theirs)), [BOS_ID] + [0] * 23]
 
   # Greedy continuations of 32 tokens of prompts that start with <s>, as Llama reads them (ours
   # in one right-padded batch with the KV cache; theirs one by one). Our decoding never emits
@@ -254,8 +262,9 @@ def test_llama_configs_we_cannot_map_are_refused(llama, change, match, tmp_path)
 @pytest.mark.skipif(not os.path.isdir(MULTI30K),
                     reason="../shared/data/multi30k not present")
 def test_imported_llama_tokenizer_reads_text_as_transformers_does(tmp_path):
-  """1,000 English and 1,000 German Multi30k sentences: our ids (BOS first, as Llama reads a
-  text), mapped back to theirs, are LlamaTokenizer's; decoding gives their text back."""
+  """1,000 English and 1,000 German Multi30k sentences: our ids after BOS (as our pipeline and
+  prompts read a text, and Llama's tokenizer gives it), mapped back to theirs, are
+  LlamaTokenizer's; decoding gives their text back."""
   train = multi30k("train", "en", 3000) + multi30k("train", "de", 3000)
   sentences = multi30k("val", "en", 1000) + multi30k("val", "de", 1000)
   tokenizer = llama_tokenizer(train, tmp_path, 2000)
@@ -269,7 +278,8 @@ def test_imported_llama_tokenizer_reads_text_as_transformers_does(tmp_path):
   assert ours.prompt_bos
   expected = tokenizer(sentences)["input_ids"]
   assert all(row[0] == 1 for row in expected)
-  assert [ours.hf_ids[row].tolist() for row in ours.encode(sentences)] == expected
+  # Our texts come without BOS, which the pipeline and decoding put before them.
+  assert [ours.hf_ids[[BOS_ID] + row].tolist() for row in ours.encode(sentences)] == expected
   assert sum(map(len, expected)) > 10 * len(sentences)
   decoded = [ours.decode(row + [EOS_ID]) for row in ours.encode(sentences[:50])]
   assert decoded == tokenizer.batch_decode(expected[:50], skip_special_tokens=True)

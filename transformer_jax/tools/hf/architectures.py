@@ -210,6 +210,9 @@ class Architecture:
   # head_dim: {their field: callable of our ModelConfig}.
   derived: tuple = ()
   imported: dict = dataclasses.field(default_factory=dict)  # our options set on import only
+  # A decoder-only model's prompt starts with BOS (Llama's <s>; GPT-2's none). Its texts are
+  # encoded without it (add_bos False): our pipeline and decoding put BOS first themselves.
+  prompt_bos: bool = False
 
 
 # HF activation names <-> ours. GPT-2's "gelu_new" and "gelu_pytorch_tanh" are the tanh
@@ -378,7 +381,8 @@ LLAMA = Architecture(
     heads=(Head("LlamaForCausalLM", "lm", (), dict(num_labels=0)),),
     special_tokens={"bos": "<s>", "eos": "</s>"},
     slots=DECODER_SLOTS,
-    add_bos=True,
+    add_bos=False,
+    prompt_bos=True,
     ignored=(r"rotary_emb\.inv_freq$", r"^lm_head\.weight$"),
     checks=(_llama_checks,),
     derived=(("head_dim", lambda m: m.head_dim), ("num_key_value_heads", lambda m: m.kv_heads),

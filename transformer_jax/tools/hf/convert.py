@@ -305,6 +305,7 @@ def import_hf(hf_dir: str, workdir: str) -> str:
   tokenizer_file = json.dumps({
       "tokenizer": tokenizer_text, "hf_ids": vocab.hf_ids.tolist(),
       "our_ids": vocab.our_ids.tolist(), "add_bos": arch.add_bos,
+      "prompt_bos": arch.prompt_bos,
       "special_tokens": special_tokens, "model_type": arch.model_type}).encode()
   tokenizer_lib.HFTokenizer(tokenizer_file)  # reads back
 
