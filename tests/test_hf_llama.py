@@ -284,3 +284,45 @@ def test_imported_llama_tokenizer_reads_text_as_transformers_does(tmp_path):
   decoded = [ours.decode(row + [EOS_ID]) for row in ours.encode(sentences[:50])]
   assert decoded == tokenizer.batch_decode(expected[:50], skip_special_tokens=True)
   assert ours.hf_ids[BOS_ID] == 1 and ours.hf_ids[EOS_ID] == 2
+
+
+# ----------------------------------------------------------------------------- BERT's segment B
+
+
+@pytest.mark.parametrize("head", ["BertForMaskedLM", "BertForSequenceClassification"])
+def test_bert_rows_of_two_segments_read_as_transformers_does(head, tmp_path_factory):
+  """Token types other than 0: "[CLS] A [SEP] B [SEP]" with B's tokens of type 1 (and padding),
+  our EncoderOnly given the same token_types, equals transformers given token_type_ids."""
+  from test_hf import bert_dir
+
+  from transformer_jax.model import make_model
+  hf_dir = bert_dir(tmp_path_factory, getattr(transformers, head), f"bert_types_{head}")
+  reference = getattr(transformers, head).from_pretrained(hf_dir).eval()
+  with torch.no_grad():  # type rows far apart, so that a type read wrongly shows
+    reference.bert.embeddings.token_type_embeddings.weight.mul_(5.0)
+  reference.save_pretrained(hf_dir)
+  workdir = tmp_path_factory.mktemp("bert_types_w") / "w"
+  hf.import_hf(hf_dir, str(workdir))
+  trained = trained_from(workdir)
+  ids, mask = random_batch(reference.config.vocab_size, seed=5, lengths=(12, 9, 6), low=5)
+  ids[:, 0] = 2  # [CLS]
+  types = np.zeros_like(ids)
+  for row, (middle, length) in enumerate(((5, 12), (4, 9), (3, 6))):
+    ids[row, middle] = ids[row, length - 1] = 3  # [SEP] after each segment
+    types[row, middle + 1:length] = 1
+  with torch.no_grad():
+    expected = reference(input_ids=torch.tensor(ids), token_type_ids=torch.tensor(types),
+                         attention_mask=torch.tensor(mask.astype(np.int64))).logits.numpy()
+  one_segment = their_logits(reference, ids, mask)
+  tokenizer = trained.tokenizer
+  tokens = jnp.asarray(np.where(mask, tokenizer.our_ids[ids], 0), jnp.int32)
+  model = make_model(trained.model_config.replace(deterministic=True))
+  ours = np.asarray(model.apply({"params": trained.params}, tokens,
+                                token_types=jnp.asarray(types, jnp.int32)))
+  if head == "BertForMaskedLM":
+    ours, valid = ours[..., tokenizer.our_ids], mask
+  else:
+    ours, valid = ours[:, 0], np.ones(len(ids), bool)
+  assert np.abs(ours - expected)[valid].max() <= TOLERANCE
+  # Type 1 changes their output by far more than the tolerance: ours without it would fail.
+  assert np.abs(one_segment - expected)[valid].max() > 20 * TOLERANCE

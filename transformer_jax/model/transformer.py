@@ -51,9 +51,11 @@ def _embed(cfg: ModelConfig, name: str) -> nn.Embed:
 
 
 def _embed_tokens(cfg: ModelConfig, embed: nn.Embed, positions_module: AddPositions,
-                  tokens: Array, positions: Array, deterministic: bool) -> Array:
+                  tokens: Array, positions: Array, deterministic: bool,
+                  token_types: Optional[Array] = None) -> Array:
   """Token embedding (scaled by sqrt(d_model) with model.embed_scale), plus positions, plus
-  token type 0 (model.type_vocab_size), normalised (model.embed_norm), then dropout.
+  each token's type (model.type_vocab_size; `token_types` int `[batch, length]`, None: type 0,
+  one segment), normalised (model.embed_norm), then dropout.
 
   Called in a stack's compact scope: the type table and the norm are that stack's
   "token_types" and "embed_norm"."""
@@ -65,7 +67,7 @@ def _embed_tokens(cfg: ModelConfig, embed: nn.Embed, positions_module: AddPositi
     types = nn.Embed(cfg.type_vocab_size, cfg.d_model, dtype=cfg.compute_dtype,
                      embedding_init=param_init(nn.initializers.normal(stddev=0.02), "token_type",
                                                "embed"), name="token_types")
-    x = x + types(jnp.zeros((), jnp.int32))
+    x = x + types(jnp.zeros((), jnp.int32) if token_types is None else token_types)
   if cfg.embed_norm:
     x = norm_layer(cfg, "embed_norm")(x)
   x = constrain(x, "batch", "length", "embed")
@@ -167,10 +169,11 @@ class Encoder(nn.Module):
 
   @nn.compact
   def __call__(self, tokens: Array, positions: Optional[Array] = None,
-               segments: Optional[Array] = None) -> Array:
+               segments: Optional[Array] = None, token_types: Optional[Array] = None) -> Array:
     """tokens int `[batch, src_len]` (0 = padding) -> `[batch, src_len, d_model]`.
 
-    positions / segments are given for packed rows (several examples per row).
+    positions / segments are given for packed rows (several examples per row); token_types
+    (int, the same shape; model.type_vocab_size) for rows of two segments (BERT's A and B).
     """
     cfg = self.config
     deterministic = cfg.deterministic
@@ -180,7 +183,7 @@ class Encoder(nn.Module):
     if segments is not None:
       mask = attention.combine_masks(mask, attention.segment_mask(segments, segments))
     x = _embed_tokens(cfg, self.embed, AddPositions(cfg, name="positions"), tokens, positions,
-                      deterministic)
+                      deterministic, token_types)
     bias = _position_bias(cfg, True, positions, positions)
     layer = _maybe_remat(EncoderLayer, cfg, deterministic_argnum=3)
     for i in range(cfg.num_encoder_layers):
@@ -346,12 +349,13 @@ class EncoderOnly(nn.Module):
 
   @nn.compact
   def __call__(self, tokens: Array, positions: Optional[Array] = None,
-               segments: Optional[Array] = None) -> Array:
+               segments: Optional[Array] = None, token_types: Optional[Array] = None) -> Array:
     """tokens int `[batch, length]` -> float32 logits: `[batch, length, vocab]` (masked LM) or
-    `[batch, 1, num_labels]` (classification)."""
+    `[batch, 1, num_labels]` (classification). token_types: int `[batch, length]` (BERT's
+    segment A 0 / B 1; None: all 0)."""
     cfg = self.config
     embed = _embed(cfg, "token_embedding")
-    x = Encoder(cfg, embed, name="encoder")(tokens, positions, segments)
+    x = Encoder(cfg, embed, name="encoder")(tokens, positions, segments, token_types)
 
     def dense(features, names, name):
       return nn.Dense(features, use_bias=cfg.use_bias, dtype=cfg.compute_dtype,
