@@ -198,6 +198,49 @@ def test_an_exported_llama_converts_with_ctranslate2_and_decodes_as_ours(llama, 
   assert compared >= 32
 
 
+def test_a_model_trained_here_with_llama_options_exports_as_llama(tmp_path):
+  """A workdir of our own (a SentencePiece vocabulary; num_kv_heads 0, i.e. as many as the
+  heads; a tied output) exports as LlamaForCausalLM with our ids, and transformers' logits are
+  ours."""
+  from transformer_jax import config as config_lib
+  from transformer_jax.model import make_model
+  from transformer_jax.train import checkpoint
+  from transformer_jax.train import state as state_lib
+  tokenizer = tokenizer_lib.train(TEXTS, 40, "word")
+  config = config_lib.default_config()
+  config.model.update(dict(
+      vocab_size=tokenizer.vocab_size, arch="decoder_only", d_model=32, num_heads=4, d_ff=48,
+      num_encoder_layers=0, num_decoder_layers=2, norm="pre", norm_type="rmsnorm",
+      positional="rotary", position_base=1000.0, activation="swiglu", embed_scale=False,
+      qkv_bias=False, use_bias=False, layer_norm_eps=1e-5, max_len=64, init="normal"))
+  config.data.task = "lm"
+  model_config = config_lib.validate(config)
+  optimizer = state_lib.make_optimizer(config.train, model_config.d_model)
+  state = state_lib.create_state(model_config, optimizer, seed=3)
+  state = state.replace(params=jax.tree.map(  # norm scales away from 1 too
+      lambda x: x + 0.3 * jax.random.normal(jax.random.PRNGKey(x.size), x.shape), state.params))
+  workdir = tmp_path / "w"
+  workdir.mkdir()
+  (workdir / tokenizer_lib.FILENAME).write_bytes(tokenizer.model_proto)
+  (workdir / "config.json").write_text(config.to_json_best_effort())
+  manager = checkpoint.Manager(str(workdir), config, checkpoint.sha256(tokenizer.model_proto),
+                               writable=True)
+  manager.save(5, state)
+  manager.wait()
+  manager.close()
+  hf.export_hf(str(workdir), str(tmp_path / "out"))
+  exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+  assert type(exported).__name__ == "LlamaForCausalLM"
+  assert exported.config.num_key_value_heads == 4 and exported.config.tie_word_embeddings
+  assert (exported.config.pad_token_id, exported.config.bos_token_id,
+          exported.config.eos_token_id) == (0, BOS_ID, EOS_ID)
+  ids, mask = random_batch(tokenizer.vocab_size, low=1)
+  model = make_model(model_config.replace(deterministic=True))
+  ours = np.asarray(model.apply({"params": state.params}, jnp.zeros((3, 0), jnp.int32),
+                                jnp.asarray(ids, jnp.int32)))
+  assert np.abs(ours - their_logits(exported, ids, mask))[mask].max() <= TOLERANCE
+
+
 # ----------------------------------------------------------------------------- the options
 
 
