@@ -179,7 +179,8 @@ def cached_and_full_decoder_only(config, params, source, decoder_inputs):
     ("decoder_only", dict(positional="learned", norm="post", tie_output=True)),
     ("decoder_only", dict(positional="none")),
     ("decoder_only", dict(positional="rotary", num_kv_heads=1, norm_type="rmsnorm",
-                          activation="swiglu")),
+                          activation="swiglu", qkv_bias=False, use_bias=False,  # Llama's
+                          tie_output=False)),
     ("decoder_only", dict(positional="relative_bias", num_heads=4, num_kv_heads=2,
                           parallel_block=True)),
     # Transformer-XL relative attention, randomised training positions, shared layers (one

@@ -52,6 +52,8 @@ OTHERS = {
     "hf download": "the hub's own tool, on a machine with network; test_hf imports what "
                    "transformers' save_pretrained writes",
     ".venv/bin/python benchmarks/hf_finetune.py": "test_hf (import, train further, export)",
+    "JAX_PLATFORMS=cpu .venv/bin/python benchmarks/ct2_decode.py": "test_hf_llama (the Llama "
+    "export that CTranslate2 converts and decodes as ours)",
 }
 
 

@@ -137,7 +137,8 @@ class HFTokenizer:
   The file (`HF_FILENAME`, JSON): "tokenizer" (their tokenizer.json, as a string), "hf_ids"
   (per our id, their id; -1: a token of ours only, e.g. GPT-2's padding), "our_ids" (per their
   id, ours), "add_bos" (whether the model reads a text after a BOS: BERT's [CLS]; GPT-2 none),
-  "special_tokens" ({our special: their token}).
+  "prompt_bos" (a decoder-only model's: whether a prompt starts with BOS, as Llama's does; absent:
+  add_bos), "special_tokens" ({our special: their token}).
   """
 
   def __init__(self, data: bytes, name: str = "the imported tokenizer",
@@ -154,6 +155,7 @@ class HFTokenizer:
       self.hf_ids = np.asarray(record["hf_ids"], np.int64)
       self.our_ids = np.asarray(record["our_ids"], np.int64)
       self.add_bos = bool(record["add_bos"])
+      self._prompt_bos = bool(record.get("prompt_bos", self.add_bos))
       self.special_tokens = dict(record.get("special_tokens", {}))
     except Exception as e:  # any damage: JSON, a missing key, a tokenizer that does not parse
       raise UserError(f"{name} does not read ({type(e).__name__}: {str(e)[:80]}); {fix}") from None
@@ -166,12 +168,14 @@ class HFTokenizer:
 
   @property
   def prompt_bos(self) -> bool:
-    """Whether a prompt starts with BOS: GPT-2's tokenizer adds none, so neither do we."""
-    return self.add_bos
+    """Whether a prompt starts with BOS: GPT-2's tokenizer adds none, so neither do we;
+    Llama's adds <s> (our BOS, which the pipeline also puts before every training text)."""
+    return self._prompt_bos
 
   def encode(self, texts: Sequence[str]) -> list[list[int]]:
     """Our ids of each text as the model reads it, but for the EOS that our pipeline appends:
-    BERT's "[CLS] text" ([SEP] = our EOS follows), GPT-2's text alone; "" gives []."""
+    BERT's "[CLS] text" ([SEP] = our EOS follows), GPT-2's and Llama's text alone (BOS before
+    a decoder-only model's text is the pipeline's); "" gives []."""
     texts = list(texts)
     encodings = self._tokenizer.encode_batch(texts, add_special_tokens=False)
     start = [BOS_ID] if self.add_bos else []

@@ -227,7 +227,8 @@ class MultiHeadAttention(nn.Module):
   dropout_rate: float = 0.0  # on attention weights
   output_dropout_rate: float = 0.0  # on the output projection
   fused_qkv: bool = False
-  use_bias: bool = True
+  use_bias: bool = True  # on the query, key and value projections
+  out_bias: bool = True  # on the output projection
   rotary_base: float = 0.0  # > 0: rotary position embedding of queries and keys (self-attention)
   relative_base: float = 0.0  # > 0: Transformer-XL relative attention, sinusoids of this base
   relative_bidirectional: bool = True  # relative_xl: embed negative distances too (an encoder)
@@ -316,7 +317,8 @@ class MultiHeadAttention(nn.Module):
     out = dot_product_attention(query, key, value, mask, bias=bias,
                                 dropout_rate=self.dropout_rate, dropout_rng=dropout_rng,
                                 deterministic=deterministic, implementation=self.implementation)
-    out = nn.DenseGeneral(features=self.d_model, axis=(-2, -1), dtype=self.dtype,
+    out = nn.DenseGeneral(features=self.d_model, axis=(-2, -1), use_bias=self.out_bias,
+                          dtype=self.dtype,
                           kernel_init=param_init(self.kernel_init, "heads", "kv", "embed"),
                           bias_init=param_init(bias_init, "embed"), name="out")(heads(out))
     out = constrain(out, "batch", "length", "embed")

@@ -88,6 +88,9 @@ class ModelConfig:
   tie_output: bool = True  # the output projection is the (target) embedding table transposed
   fused_qkv: bool = False  # one matmul for queries, keys and values (another parameter layout)
   qkv_bias: bool = True  # biases on the query, key and value projections
+  # False: no bias in any other dense layer (attention output, FFN, an untied output layer, the
+  # encoder-only heads) nor in LayerNorm (Llama, T5); the q/k/v biases follow model.qkv_bias.
+  use_bias: bool = True
   init: str = "xavier"  # parameter init: xavier (uniform, the paper's) | normal (GPT-2's 0.02)
   attention_impl: str = "plain"  # plain (ours, with dropout) | jax (jax.nn.dot_product_attention)
   layer_norm_eps: float = 1e-6  # epsilon of LayerNorm / RMSNorm
@@ -142,6 +145,9 @@ class ModelConfig:
         raise UserError(f"model.{name} must be one of {', '.join(choices)}; "
                         f"got {getattr(self, name)!r}")
     check_attention_dropout(self.attention_impl, self.attention_dropout_rate)
+    for name in ("qkv_bias", "use_bias"):
+      if not isinstance(getattr(self, name), bool):
+        raise UserError(f"model.{name} must be True or False, got {getattr(self, name)!r}")
     if self.position_base <= 1.0:
       raise UserError(f"model.position_base must be > 1, got {self.position_base}")
     self._validate_options()

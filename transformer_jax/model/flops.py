@@ -29,7 +29,8 @@ model.random_positions_max when that is larger.
 
 This is the usual "6 x parameters per token" with each weight matrix charged for the tokens it
 actually sees, plus the attention term (the causal mask's zeros are counted, as in most MFU
-reports). Positions, token types, norms and the parallel block change no matrix product.
+reports). Positions, token types, norms, biases and the parallel block change no matrix
+product.
 MFU = achieved FLOP/s / the device's peak dense bf16 FLOP/s.
 """
 

@@ -49,7 +49,7 @@ class FeedForward(nn.Module):
     cfg = self.config
 
     def dense(features, names, name):
-      return nn.Dense(features, dtype=cfg.compute_dtype,
+      return nn.Dense(features, use_bias=cfg.use_bias, dtype=cfg.compute_dtype,
                       kernel_init=param_init(kernel_init(cfg), *names),
                       bias_init=param_init(nn.initializers.zeros_init(), names[-1]), name=name)
 
@@ -72,7 +72,7 @@ def attention(cfg: ModelConfig, name: str, decode: bool = False, rotary: bool = 
   return MultiHeadAttention(
       num_heads=cfg.num_heads, d_model=cfg.d_model, num_kv_heads=cfg.num_kv_heads,
       dropout_rate=cfg.attention_dropout_rate, output_dropout_rate=cfg.dropout_rate,
-      fused_qkv=cfg.fused_qkv, use_bias=cfg.qkv_bias,
+      fused_qkv=cfg.fused_qkv, use_bias=cfg.qkv_bias, out_bias=cfg.use_bias,
       rotary_base=cfg.position_base if rotary and cfg.positional == "rotary" else 0.0,
       relative_base=cfg.position_base if relative else 0.0,
       relative_bidirectional=bidirectional, relative_span=span,
@@ -81,14 +81,14 @@ def attention(cfg: ModelConfig, name: str, decode: bool = False, rotary: bool = 
 
 
 def norm_layer(config: ModelConfig, name: str) -> nn.Module:
-  """LayerNorm (scale and bias), or RMSNorm (scale only: x / rms(x) * scale; Zhang & Sennrich,
-  2019)."""
+  """LayerNorm (scale and bias; no bias with model.use_bias=False), or RMSNorm (scale only:
+  x / rms(x) * scale, the statistics in float32; Zhang & Sennrich, 2019)."""
   scale_init = param_init(nn.initializers.ones_init(), "embed")
   if config.norm_type == "rmsnorm":
     return nn.RMSNorm(epsilon=config.layer_norm_eps, dtype=config.compute_dtype,
                       scale_init=scale_init, name=name)
   return nn.LayerNorm(epsilon=config.layer_norm_eps, dtype=config.compute_dtype,
-                      scale_init=scale_init,
+                      use_bias=config.use_bias, scale_init=scale_init,
                       bias_init=param_init(nn.initializers.zeros_init(), "embed"), name=name)
 
 

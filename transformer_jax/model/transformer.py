@@ -51,9 +51,11 @@ def _embed(cfg: ModelConfig, name: str) -> nn.Embed:
 
 
 def _embed_tokens(cfg: ModelConfig, embed: nn.Embed, positions_module: AddPositions,
-                  tokens: Array, positions: Array, deterministic: bool) -> Array:
+                  tokens: Array, positions: Array, deterministic: bool,
+                  token_types: Optional[Array] = None) -> Array:
   """Token embedding (scaled by sqrt(d_model) with model.embed_scale), plus positions, plus
-  token type 0 (model.type_vocab_size), normalised (model.embed_norm), then dropout.
+  each token's type (model.type_vocab_size; `token_types` int `[batch, length]`, None: type 0,
+  one segment), normalised (model.embed_norm), then dropout.
 
   Called in a stack's compact scope: the type table and the norm are that stack's
   "token_types" and "embed_norm"."""
@@ -65,7 +67,7 @@ def _embed_tokens(cfg: ModelConfig, embed: nn.Embed, positions_module: AddPositi
     types = nn.Embed(cfg.type_vocab_size, cfg.d_model, dtype=cfg.compute_dtype,
                      embedding_init=param_init(nn.initializers.normal(stddev=0.02), "token_type",
                                                "embed"), name="token_types")
-    x = x + types(jnp.zeros((), jnp.int32))
+    x = x + types(jnp.zeros((), jnp.int32) if token_types is None else token_types)
   if cfg.embed_norm:
     x = norm_layer(cfg, "embed_norm")(x)
   x = constrain(x, "batch", "length", "embed")
@@ -141,7 +143,7 @@ def _logits(cfg: ModelConfig, embed: nn.Embed, y: Array) -> Array:
     embedding = jnp.asarray(embed.embedding, cfg.compute_dtype)
     logits = output_projection(y.astype(cfg.compute_dtype), embedding)
   else:
-    logits = nn.Dense(cfg.vocab_size, dtype=cfg.compute_dtype,
+    logits = nn.Dense(cfg.vocab_size, use_bias=cfg.use_bias, dtype=cfg.compute_dtype,
                       kernel_init=param_init(kernel_init(cfg), "embed", "vocab"),
                       bias_init=param_init(nn.initializers.zeros_init(), "vocab"),
                       name="logits")(y)
@@ -192,10 +194,11 @@ class Encoder(nn.Module):
 
   @nn.compact
   def __call__(self, tokens: Array, positions: Optional[Array] = None,
-               segments: Optional[Array] = None) -> Array:
+               segments: Optional[Array] = None, token_types: Optional[Array] = None) -> Array:
     """tokens int `[batch, src_len]` (0 = padding) -> `[batch, src_len, d_model]`.
 
-    positions / segments are given for packed rows (several examples per row).
+    positions / segments are given for packed rows (several examples per row); token_types
+    (int, the same shape; model.type_vocab_size) for rows of two segments (BERT's A and B).
     """
     cfg = self.config
     deterministic = cfg.deterministic
@@ -206,7 +209,7 @@ class Encoder(nn.Module):
     if segments is not None:
       mask = attention.combine_masks(mask, attention.segment_mask(segments, segments))
     x = _embed_tokens(cfg, self.embed, AddPositions(cfg, name="positions"), tokens, positions,
-                      deterministic)
+                      deterministic, token_types)
     bias = _position_bias(cfg, True, positions, positions)
     distances = _relative_distances(cfg, positions, positions)
     layer_class = _maybe_remat(EncoderLayer, cfg, deterministic_argnum=3)
@@ -378,15 +381,16 @@ class EncoderOnly(nn.Module):
 
   @nn.compact
   def __call__(self, tokens: Array, positions: Optional[Array] = None,
-               segments: Optional[Array] = None) -> Array:
+               segments: Optional[Array] = None, token_types: Optional[Array] = None) -> Array:
     """tokens int `[batch, length]` -> float32 logits: `[batch, length, vocab]` (masked LM) or
-    `[batch, 1, num_labels]` (classification)."""
+    `[batch, 1, num_labels]` (classification). token_types: int `[batch, length]` (BERT's
+    segment A 0 / B 1; None: all 0)."""
     cfg = self.config
     embed = _embed(cfg, "token_embedding")
-    x = Encoder(cfg, embed, name="encoder")(tokens, positions, segments)
+    x = Encoder(cfg, embed, name="encoder")(tokens, positions, segments, token_types)
 
     def dense(features, names, name):
-      return nn.Dense(features, dtype=cfg.compute_dtype,
+      return nn.Dense(features, use_bias=cfg.use_bias, dtype=cfg.compute_dtype,
                       kernel_init=param_init(kernel_init(cfg), *names),
                       bias_init=param_init(nn.initializers.zeros_init(), names[-1]), name=name)
 
@@ -401,7 +405,7 @@ class EncoderOnly(nn.Module):
       return logits[:, None, :].astype(jnp.float32)
     h = ACTIVATIONS[cfg.activation](dense(cfg.d_model, ("embed", "mlp"), "mlm_dense")(x))
     h = norm_layer(cfg, "mlm_norm")(h)
-    if not cfg.tie_output:
+    if not cfg.tie_output or not cfg.use_bias:
       return _logits(cfg, embed, h)
     bias = self.param("mlm_bias", param_init(nn.initializers.zeros_init(), "vocab"),
                       (cfg.vocab_size,))
@@ -469,6 +473,9 @@ def describe(config: ModelConfig) -> str:
   kv = f", {c.kv_heads} key/value heads" if c.kv_heads != c.num_heads else ""
   block = f"{c.norm}-{c.norm_type}, {c.activation}" + (", parallel blocks" if c.parallel_block
                                                        else "")
+  biases = {(True, True): "", (False, False): ", no biases", (True, False): ", q/k/v biases only",
+            (False, True): ", no q/k/v biases"}[(c.qkv_bias, c.use_bias)]
+  block += biases + ("" if c.tie_output else ", untied output layer")
   embeddings = [name for name, on in (("unscaled embeddings", not c.embed_scale),
                                       (f"{c.type_vocab_size} token types", c.type_vocab_size),
                                       ("embedding norm", c.embed_norm),

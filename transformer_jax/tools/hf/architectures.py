@@ -132,12 +132,17 @@ VECTOR = Transform(lambda s, v: (_size(s[0]),), lambda w, s, v: [w.reshape(s[0])
 TABLE = Transform(lambda s, v: tuple(s[0]), lambda w, s, v: [w], lambda a, v: a[0])
 VOCAB = Transform(lambda s, v: (len(v.our_ids),) + tuple(s[0][1:]),
                   lambda w, s, v: [v.to_ours(w)], lambda a, v: v.to_hf(a[0]))
+# An untied output layer: torch.nn.Linear `[their vocab, d]` <-> our kernel `[d, our vocab]`.
+VOCAB_OUT = Transform(lambda s, v: (len(v.our_ids), s[0][0]),
+                      lambda w, s, v: [v.to_ours(w).T], lambda a, v: v.to_hf(a[0].T))
 
 
 class Rule(NamedTuple):
   hf: str  # their tensor's name
   ours: tuple  # our parameter path(s)
   transform: Transform
+  when: Optional[str] = None  # a boolean model option: the rule holds when it is True ("not X":
+  # when it is False), e.g. Llama's lm_head.weight only with an untied output layer
 
 
 def norm(hf: str, ours: str) -> tuple:
@@ -198,6 +203,16 @@ class Architecture:
   slots: tuple  # our special ids, in order
   add_bos: bool  # whether its tokenizer starts a text with BOS (BERT's [CLS]); GPT-2's does not
   ignored: tuple  # regular expressions of their tensors that hold no parameter (buffers, ties)
+  # Checks of their config beyond `required`: callables of it returning what we cannot map (a
+  # sentence naming the field), or None.
+  checks: tuple = ()
+  # Their config fields that export derives from our model (not read on import), e.g. Llama's
+  # head_dim: {their field: callable of our ModelConfig}.
+  derived: tuple = ()
+  imported: dict = dataclasses.field(default_factory=dict)  # our options set on import only
+  # A decoder-only model's prompt starts with BOS (Llama's <s>; GPT-2's none). Its texts are
+  # encoded without it (add_bos False): our pipeline and decoding put BOS first themselves.
+  prompt_bos: bool = False
 
 
 # HF activation names <-> ours. GPT-2's "gelu_new" and "gelu_pytorch_tanh" are the tanh
@@ -217,7 +232,8 @@ GPT2 = Architecture(
             Field("attention_dropout_rate", "attn_pdrop", default=0.1)),
     fixed=dict(arch="decoder_only", num_encoder_layers=0, norm="pre", norm_type="layernorm",
                positional="learned", embed_scale=False, tie_output=True, qkv_bias=True,
-               num_kv_heads=0, parallel_block=False, type_vocab_size=0, embed_norm=False),
+               num_kv_heads=0, parallel_block=False, type_vocab_size=0, embed_norm=False,
+               use_bias=True),
     required=dict(tie_word_embeddings=True, scale_attn_weights=True,
                   scale_attn_by_inverse_layer_idx=False, add_cross_attention=False),
     layer_rules=(
@@ -270,7 +286,7 @@ BERT = Architecture(
             Field("attention_dropout_rate", "attention_probs_dropout_prob", default=0.1)),
     fixed=dict(arch="encoder_only", num_decoder_layers=0, norm="post", norm_type="layernorm",
                positional="learned", embed_scale=False, tie_output=True, qkv_bias=True,
-               num_kv_heads=0, parallel_block=False, embed_norm=True),
+               num_kv_heads=0, parallel_block=False, embed_norm=True, use_bias=True),
     required=dict(tie_word_embeddings=True, position_embedding_type="absolute",
                   is_decoder=False, add_cross_attention=False),
     layer_rules=_bert_layer(),
@@ -299,4 +315,84 @@ BERT = Architecture(
              r"^cls\.seq_relationship\.", r"^bert\.pooler\."),
 )
 
-ARCHITECTURES = {a.model_type: a for a in (GPT2, BERT)}
+
+
+def _rope(hf_config: dict) -> dict:
+  """Their rotary settings: transformers 5's rope_parameters, or the top-level fields of older
+  configs (rope_theta, rope_scaling)."""
+  return hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {}
+
+
+def _llama_checks(hf_config: dict):
+  rope_type = _rope(hf_config).get("rope_type", _rope(hf_config).get("type", "default"))
+  if rope_type != "default":
+    return (f"rotary scaling {rope_type!r} (rope_parameters / rope_scaling; Llama 3.1 and "
+            "later) has no model option here; only plain rotary positions (rope_type default) "
+            "import")
+  heads, width = hf_config.get("num_attention_heads"), hf_config.get("hidden_size")
+  head_dim = hf_config.get("head_dim")
+  if head_dim is not None and heads and width and head_dim * heads != width:
+    return (f"head_dim={head_dim} is not hidden_size / num_attention_heads ({width} / {heads}); "
+            "this project's head_dim is always model.d_model / model.num_heads")
+  return None
+
+
+def _llama_layer(i: str = "{i}") -> tuple:
+  base, ours = f"model.layers.{i}", f"decoder/layer_{i}"
+  return (
+      Rule(f"{base}.input_layernorm.weight", (f"{ours}/self_attention_block/norm/scale",),
+           VECTOR),
+      *(Rule(f"{base}.self_attn.{x}_proj.weight", (f"{ours}/self_attention/{name}/kernel",),
+             linear()) for x, name in (("q", "query"), ("k", "key"), ("v", "value"))),
+      Rule(f"{base}.self_attn.o_proj.weight", (f"{ours}/self_attention/out/kernel",), linear(2)),
+      Rule(f"{base}.post_attention_layernorm.weight", (f"{ours}/ffn_block/norm/scale",), VECTOR),
+      # SwiGLU: down(silu(gate(x)) * up(x)); ours wo(swish(wi_gate(x)) * wi(x)).
+      Rule(f"{base}.mlp.gate_proj.weight", (f"{ours}/ffn/wi_gate/kernel",), linear()),
+      Rule(f"{base}.mlp.up_proj.weight", (f"{ours}/ffn/wi/kernel",), linear()),
+      Rule(f"{base}.mlp.down_proj.weight", (f"{ours}/ffn/wo/kernel",), linear()))
+
+
+# Llama (and the decoders that share its layout: Mistral without sliding windows, Llama 2, small
+# Llama-architecture models). Rotary positions: HF's rotate_half pairs feature i with i + d/2,
+# which is our model.positional=rotary layout, so q and k need no permutation.
+LLAMA = Architecture(
+    model_type="llama",
+    prefix="model.",
+    fields=(Field("d_model", "hidden_size"), Field("num_heads", "num_attention_heads"),
+            Field("num_kv_heads", "num_key_value_heads",
+                  default=lambda c: c.get("num_attention_heads")),
+            Field("num_decoder_layers", "num_hidden_layers"),
+            Field("max_len", "max_position_embeddings", default=2048),
+            Field("d_ff", "intermediate_size"),
+            Field("layer_norm_eps", "rms_norm_eps", default=1e-6),
+            Field("position_base", "rope_theta",
+                  default=lambda c: _rope(c).get("rope_theta", 10000.0)),
+            Field("activation", "hidden_act", {"silu": "swiglu"}, "silu"),
+            Field("tie_output", "tie_word_embeddings", {False: False, True: True}, False),
+            Field("attention_dropout_rate", "attention_dropout", default=0.0)),
+    fixed=dict(arch="decoder_only", num_encoder_layers=0, norm="pre", norm_type="rmsnorm",
+               positional="rotary", embed_scale=False, qkv_bias=False, use_bias=False,
+               fused_qkv=False, parallel_block=False, type_vocab_size=0, embed_norm=False),
+    required=dict(attention_bias=False, mlp_bias=False, add_cross_attention=False),
+    layer_rules=_llama_layer(),
+    rules=(Rule("model.embed_tokens.weight", ("token_embedding/embedding",), VOCAB),
+           Rule("model.norm.weight", ("decoder/final_norm/scale",), VECTOR),
+           Rule("lm_head.weight", ("decoder/logits/kernel",), VOCAB_OUT, when="not tie_output")),
+    heads=(Head("LlamaForCausalLM", "lm", (), dict(num_labels=0)),),
+    special_tokens={"bos": "<s>", "eos": "</s>"},
+    slots=DECODER_SLOTS,
+    add_bos=False,
+    prompt_bos=True,
+    ignored=(r"rotary_emb\.inv_freq$", r"^lm_head\.weight$"),
+    checks=(_llama_checks,),
+    derived=(("head_dim", lambda m: m.head_dim), ("num_key_value_heads", lambda m: m.kv_heads),
+             ("rope_parameters", lambda m: {"rope_type": "default",
+                                            "rope_theta": m.position_base}),
+             ("rope_theta", lambda m: m.position_base), ("pretraining_tp", lambda m: 1)),
+    imported=dict(dropout_rate=0.0),  # Llama has no residual dropout
+)
+
+# Export picks the first architecture (in this order) whose fixed options all equal the model's:
+# GPT-2 (learned positions, LayerNorm with biases) and Llama (rotary, RMSNorm, no biases) share
+# none, so a decoder-only model goes out as the one its options match, or is refused.
+ARCHITECTURES = {a.model_type: a for a in (GPT2, BERT, LLAMA)}

@@ -119,8 +119,12 @@ def _model_options(arch, head, hf_config: dict, path: str) -> dict:
     if hf_config.get(key, value) != value:
       raise UserError(f"{path} has {key}={hf_config[key]!r}; this project's {arch.model_type} "
                       f"import needs {key}={value!r}, so this model cannot be imported")
+  for check in arch.checks:
+    problem = check(hf_config)
+    if problem:
+      raise UserError(f"{path} has {problem}, so this model cannot be imported")
   options = {f.ours: _field_value(f, hf_config, path) for f in arch.fields + head.fields}
-  return {**options, **arch.fixed, **head.fixed}
+  return {**arch.imported, **options, **arch.fixed, **head.fixed}
 
 
 def _special_tokens(arch, hf_dir: str) -> dict:
@@ -190,9 +194,18 @@ def _expand(rules: tuple, layers: int) -> list:
   return out
 
 
+def _holds(rule, model: ModelConfig) -> bool:
+  """Whether the rule's tensor exists for this model (Rule.when)."""
+  if rule.when is None:
+    return True
+  negated = rule.when.startswith("not ")
+  return bool(getattr(model, rule.when.removeprefix("not "))) != negated
+
+
 def _rules(arch, head, model: ModelConfig) -> list:
   layers = max(model.num_encoder_layers, model.num_decoder_layers)
-  return _expand(arch.layer_rules, layers) + list(arch.rules) + list(head.rules)
+  rules = _expand(arch.layer_rules, layers) + list(arch.rules) + list(head.rules)
+  return [rule for rule in rules if _holds(rule, model)]
 
 
 def _params_from(tensors: dict, arch, head, model: ModelConfig, vocab: Vocab, path: str) -> dict:
@@ -292,6 +305,7 @@ def import_hf(hf_dir: str, workdir: str) -> str:
   tokenizer_file = json.dumps({
       "tokenizer": tokenizer_text, "hf_ids": vocab.hf_ids.tolist(),
       "our_ids": vocab.our_ids.tolist(), "add_bos": arch.add_bos,
+      "prompt_bos": arch.prompt_bos,
       "special_tokens": special_tokens, "model_type": arch.model_type}).encode()
   tokenizer_lib.HFTokenizer(tokenizer_file)  # reads back
 
@@ -373,6 +387,8 @@ def _hf_config(arch, head, model: ModelConfig, vocab: Vocab, special_ids: dict,
     hf[field.hf] = value
   if arch.model_type == "gpt2":
     hf["embd_pdrop"] = model.dropout_rate
+  for name, value in arch.derived:
+    hf[name] = value(model)
   for name in ("pad", "bos", "eos"):
     if special_ids.get(name) is not None:
       hf[f"{name}_token_id"] = int(special_ids[name])
@@ -406,6 +422,8 @@ def export_hf(workdir: str, hf_dir: str, step=None) -> str:
                    ((PAD_ID, "pad"), (EOS_ID, "eos")) if tokenizer.hf_ids[slot] >= 0}
     if arch.model_type == "gpt2":
       special_ids["bos"] = special_ids["eos"]
+    elif arch.model_type == "llama" and tokenizer.hf_ids[BOS_ID] >= 0:
+      special_ids["bos"] = int(tokenizer.hf_ids[BOS_ID])
   else:
     special_ids = {"pad": PAD_ID, "bos": BOS_ID, "eos": EOS_ID}
   labels = _label_names(config, model.num_labels) if model.num_labels else []
