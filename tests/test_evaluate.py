@@ -323,7 +323,7 @@ def test_translate_reproduces_evaluate_and_averaging_reads_the_last_checkpoints(
   assert ours["chrf"] == pytest.approx(metrics["chrf"])
   saved = json.loads((workdir / "eval" / "400.test.greedy.limit64.json").read_text())
   assert saved["exact_match"] == metrics["exact_match"]
-  assert saved["decoding"] == {"decode": "greedy"}
+  assert saved["decoding"] == {"decode": "greedy", "oracle_length": True}
 
   # Averaging the last 2 checkpoints (200 and 400) gives the mean of their parameters.
   c = tiny_config()

@@ -86,7 +86,8 @@ def evaluate(params, model_config: ModelConfig, config, tokenizer: tokenizer_lib
   # Counted in sentences, not batches: a split is a handful of batches, and beam search spends
   # most of the time, inside one compiled loop per batch.
   shown = progress.bar(total=len(examples), unit="sentence",
-                       desc=f"evaluating ({decode_name(config)})")
+                       desc=f"evaluating ({decode_name(config)})"
+                            + (" and oracle length" if oracle_length else ""))
   for index, (batch, n_real) in enumerate(pipeline.eval_batches(examples, e.batch_size)):
     out = sharding.to_host(step(params, sharding.shard_batch(batch, mesh),
                                 batch_rng(config, index)))
