@@ -9,15 +9,17 @@ on `dev`, the other 2,848 train commands (outputs of 17-22 actions: six lengths,
 times the longest trained on, as test's 24-48 are 1.09-2.2 times 22). It evaluates `dev` every
 500 steps and keeps the checkpoint with the best dev exact match (train.keep_best=1). Until
 2026-11-23 the cut was at 21 (dev = the 576 commands of 22 actions, one action past training):
-that dev reached 73-93% while test stayed under 10%, so it did not tell the options apart;
-`--config.data.scan_dev_cutoff=21` reproduces it.
+that dev reached 73-93% while test stayed under 10%, and the option best on dev was not the
+best on test; `--config.data.scan_dev_cutoff=21` reproduces it.
 
 Test is scored once per run, on the best dev checkpoint: in a sweep by --sweep_test_best (each
 run trains without data.test_split, then its best checkpoint is evaluated on test; the test_*
-columns of results.md, never used to sort), or by hand for a single run:
+columns of results.md, never used to sort), or by hand for a single run trained with
+`--config.data.test_split=` (otherwise training scores test at its last step, which need not be
+the best dev checkpoint):
 
   .venv/bin/python launch.py --config=experiments/scan_length.py --workdir=runs/scan_length \
-    --mode=evaluate --split=test --checkpoint_step=BEST_DEV_STEP
+    --mode=evaluate --split=test --checkpoint_step=BEST_DEV_STEP --config.data.test_split=
 
 Every evaluation also reports exact match with the oracle length (EOS masked out, decoding
 stopped at the reference's length: the gap to exact match is the model's error in stopping),
