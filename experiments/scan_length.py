@@ -1,17 +1,39 @@
 """SCAN, length split: train on action sequences of at most 22 actions, test on longer ones.
 
-Transformers famously fail this split (exact match near 0-20%). Model selection never sees the
-test split: the run trains on `train_without_dev` (outputs of at most 21 actions), evaluates on
-`dev` (the 576 train commands with 22-action outputs: the longest of the train split) every
-500 steps, and keeps the checkpoint with the best dev exact match. Then, once per run:
+Transformers famously fail this split (exact match near 0-20%).
+
+Model selection never reads the test split. The train split (16,990 commands, outputs of 1-22
+actions) is cut once more at data.scan_dev_cutoff = 16 actions: the run trains on
+`train_without_dev`, the 14,142 train commands with outputs of at most 16 actions, and selects
+on `dev`, the other 2,848 train commands (outputs of 17-22 actions: six lengths, up to 1.375
+times the longest trained on, as test's 24-48 are 1.09-2.2 times 22). It evaluates `dev` every
+500 steps and keeps the checkpoint with the best dev exact match (train.keep_best=1). Until
+2026-11-23 the cut was at 21 (dev = the 576 commands of 22 actions, one action past training):
+that dev reached 73-93% while test stayed under 10%, and the option best on dev was not the
+best on test; `--config.data.scan_dev_cutoff=21` reproduces it.
+
+Test is scored once per run, on the best dev checkpoint: in a sweep by --sweep_test_best (each
+run trains without data.test_split, then its best checkpoint is evaluated on test; the test_*
+columns of results.md, never used to sort), or by hand for a single run trained with
+`--config.data.test_split=` (otherwise training scores test at its last step, which need not be
+the best dev checkpoint):
 
   .venv/bin/python launch.py --config=experiments/scan_length.py --workdir=runs/scan_length \
-    --mode=evaluate --config.data.eval_split=test --checkpoint_step=BEST_DEV_STEP
+    --mode=evaluate --split=test --checkpoint_step=BEST_DEV_STEP --config.data.test_split=
+
+Every evaluation of this recipe also reports exact match with the oracle length (EOS masked out,
+decoding stopped at the reference's length: the gap to exact match is the error in stopping),
+and both by output length (results json, summary.md, `--mode=plot`'s by_length pictures).
 
 `get_sweep()` holds the position and architecture options compared in docs/benchmarks.md: the
 paper's model (sinusoidal positions), T5's relative position bias (with the default buckets, and
 with 16 or 8 buckets up to distance 16 or 8, so that every distance of a longer test output falls
-in a bucket trained on), and a decoder-only model with relative bias, no positions (NoPE) or RoPE.
+in a bucket trained on), and a decoder-only model with relative bias, no positions (NoPE) or RoPE;
+each with SEEDS seeds (the trial's "seeds" entry; --sweep_seeds=N overrides it), reported as
+median, min and max over seeds:
+
+  .venv/bin/python launch.py --config=experiments/scan_length.py --workdir=runs/scan_sweep \
+    --sweep --sweep_metric=exact_match --sweep_test_best
 """
 
 from transformer_jax.experiments import scan_simple
@@ -20,20 +42,22 @@ from transformer_jax.experiments import scan_simple
 DECODER_ONLY = {"model.arch": "decoder_only", "model.num_decoder_layers": 4, "model.norm": "pre"}
 SHORT_BUCKETS = {"model.relative_buckets": 16, "model.relative_max_distance": 16}
 SHORTER_BUCKETS = {"model.relative_buckets": 8, "model.relative_max_distance": 8}
+SEEDS = 5  # runs of each trial of get_sweep(), seeds 0..4
 
 
 def get_config():
   c = scan_simple.get_config()
   c.model.max_len = 128  # the decoder-only model reads source and target as one sequence
-  c.data.update(scan_split="length", train_split="train_without_dev", eval_split="dev",
-                test_split="test")
+  c.data.update(scan_split="length", scan_dev_cutoff=16, train_split="train_without_dev",
+                eval_split="dev", test_split="test")
   # 3,000 steps: on the 2-core CPU a trial takes 5-10 minutes; dev exact match mostly peaks by then.
   c.train.update(steps=3000, eval_every=500, keep_best=1, best_metric="exact_match")
+  c.eval.oracle_length = True  # the stopping error beside exact match (costs one more decode)
   return c
 
 
 def get_sweep():
-  return [
+  trials = [
       {},
       {"model.positional": "relative_bias"},
       {"model.positional": "relative_bias", **SHORT_BUCKETS},
@@ -52,3 +76,4 @@ def get_sweep():
       {"model.positional": "relative_xl", "model.random_positions_max": 256},
       {**DECODER_ONLY, "model.positional": "rotary", "model.random_positions_max": 256},
   ]
+  return [{**trial, "seeds": SEEDS} for trial in trials]

@@ -76,24 +76,29 @@ def assert_well_formed(tokens):
     assert np.all((row[:end] != PAD) & (row[:end] != BOS)), row
 
 
-def reference_greedy(params, config, source, max_length):
+def reference_greedy(params, config, source, max_length, lengths=None):
   """Greedy decoding by re-running the full, uncached model on the whole prefix at every step.
 
   PAD and BOS are never chosen. Positions after the prefix are padding, which the causal mask
-  keeps from affecting the prefix, so one compiled shape serves every step.
+  keeps from affecting the prefix, so one compiled shape serves every step. With `lengths`
+  (oracle length): EOS is never chosen either, and row r stops after lengths[r] tokens.
   """
   batch = source.shape[0]
   out = np.zeros((batch, max_length), np.int64)
-  done = np.zeros(batch, bool)
+  done = np.zeros(batch, bool) if lengths is None else np.asarray(lengths) <= 0
   for t in range(max_length):
     inputs = np.zeros((batch, max_length), np.int32)
     inputs[:, 0] = BOS
     inputs[:, 1:t + 1] = out[:, :t]
     logits = np.array(full_logits(params, config, source, jnp.asarray(inputs)))[:, t]
     logits[:, [PAD, BOS]] = -np.inf
+    if lengths is not None:
+      logits[:, EOS] = -np.inf
     chosen = np.argmax(logits, axis=-1)
     out[~done, t] = chosen[~done]
     done |= chosen == EOS
+    if lengths is not None:
+      done |= t + 1 >= np.asarray(lengths)
     if done.all():
       break
   return out
@@ -290,6 +295,39 @@ def test_greedy_matches_naive_loop_over_full_model(searched):
 
 
 # ----------------------------------------------------------------------------- beam search
+
+
+def test_oracle_length_greedy_never_stops_early_and_has_the_reference_length(searched):
+  """EOS masked out and decoding stopped at the given length: the full model's argmax without
+  EOS at every step; exactly `lengths` tokens; where plain greedy put its EOS right after
+  lengths[r] tokens, the same tokens as plain greedy."""
+  config, params, source, max_length, greedy, _, _ = searched
+  greedy = np.asarray(greedy)
+  ended = np.array([np.flatnonzero(row == EOS)[0] if EOS in row else -1 for row in greedy])
+  assert (ended >= 0).any() and (ended < 0).any()  # rows that stop and rows that run on
+  lengths = np.where(ended >= 0, ended, np.arange(len(greedy)) % (max_length + 1))
+  lengths[0] = max_length + 3  # capped at max_length
+  oracle = np.asarray(decode.greedy_decode(params, config, source, max_length,
+                                           lengths=jnp.asarray(lengths)))
+  np.testing.assert_array_equal(
+      oracle, reference_greedy(params, config, source, max_length, np.minimum(lengths, max_length)))
+  assert not np.any(oracle == EOS)
+  np.testing.assert_array_equal((oracle != PAD).sum(-1), np.minimum(lengths, max_length))
+  same = (ended >= 0) & (np.arange(len(greedy)) > 0)
+  assert same.any()
+  np.testing.assert_array_equal(oracle[same], np.where(greedy[same] == EOS, PAD, greedy[same]))
+
+
+def test_oracle_length_decoding_of_a_decoder_only_model():
+  config = make_config(arch="decoder_only", positional="rotary")
+  params = random_params(config, 13, 3.0)  # a strong EOS bias: plain greedy stops at once
+  source = random_sources(seed=8, batch=4, length=5)
+  lengths = jnp.asarray([1, 3, 6, 0])
+  oracle = np.asarray(decode.greedy_decode(params, config, decode.seq2seq_prompt(source), 6,
+                                           lengths=lengths))
+  np.testing.assert_array_equal(oracle, reference_greedy(params, config, source, 6, lengths))
+  np.testing.assert_array_equal((oracle != PAD).sum(-1), lengths)
+  assert not np.any(oracle == EOS)
 
 
 def test_beam_scores_are_the_full_models_penalised_log_probs(searched):

@@ -19,8 +19,8 @@ from transformer_jax.core import progress
 from transformer_jax.core.errors import UserError
 from transformer_jax.data import scan
 from transformer_jax.data import tokenizer as tokenizer_lib
+from transformer_jax.eval import diagnostics, load, search
 from transformer_jax.eval import evaluate as evaluate_lib
-from transformer_jax.eval import load, search
 from transformer_jax.eval import translate as translate_lib
 from transformer_jax.eval.metrics import classification_metrics, text_metrics
 from transformer_jax.experiments import tiny
@@ -143,6 +143,51 @@ def test_evaluation_bar_counts_sentences_and_names_the_search(model, monkeypatch
   assert metrics["examples"] == 10
   assert "evaluating (beam2-lp0.6)" in drawn and "sentence" in drawn
   assert [f"{n}/10" in drawn for n in (4, 8, 10)] == [True] * 3  # batch by batch
+
+
+def test_diagnostics_by_hand():
+  references = ["a b c", "a b c", "a b", "a b", "x"]
+  standard = ["a b c", "a b", "a b c d", "a c", ""]
+  oracle = ["a b c", "a b d", "a b", "b b", "x"]
+  found = diagnostics.diagnose(references, {"standard": standard, "oracle": oracle})
+  assert found["by_length"] == [
+      {"length": 1, "examples": 1, "exact_match": 0.0, "token_accuracy": 0.0,
+       "oracle_exact_match": 1.0, "oracle_token_accuracy": 1.0},
+      {"length": 2, "examples": 2, "exact_match": 0.0, "token_accuracy": 3 / 4,
+       "oracle_exact_match": 0.5, "oracle_token_accuracy": 3 / 4},
+      {"length": 3, "examples": 2, "exact_match": 0.5, "token_accuracy": 5 / 6,
+       "oracle_exact_match": 0.5, "oracle_token_accuracy": 5 / 6}]
+  # standard: "a b" stops at 2, "a b c d" runs on at 2, "a c" errs at 1, "" stops at 0
+  assert found["first_error"] == {"standard": {"0": 1, "1": 1, "2": 2},
+                                  "oracle": {"0": 1, "2": 1}}
+  assert found["errors"] == {"standard": {"stopped_early": 2, "ran_on": 1, "wrong_token": 1},
+                             "oracle": {"stopped_early": 0, "ran_on": 0, "wrong_token": 2}}
+  table = diagnostics.by_length_table(found)
+  assert table.splitlines()[2] == "| 1 | 1 | 0.0% | 0.0% | 100.0% | 100.0% |"
+
+
+def test_evaluate_reports_oracle_length_and_by_length_diagnostics(model):
+  """A random model (a word vocabulary: one token per word): the oracle-length outputs never
+  stop early nor run on, and the by-length rows add up to the split's exact match."""
+  c, model_config, params, tokenizer = model
+  c = copy.deepcopy(c)
+  c.eval.update(batch_size=16, max_examples=40, oracle_length=True)
+  pairs = scan.load("simple", "test")
+  metrics = evaluate_lib.evaluate(params, model_config, c, tokenizer, pairs)
+  rows = metrics["by_length"]
+  assert sum(r["examples"] for r in rows) == metrics["examples"] == 40
+  for key in ("exact_match", "oracle_exact_match"):
+    assert metrics[key] == pytest.approx(sum(r[key] * r["examples"] for r in rows) / 40)
+  assert metrics["errors"]["oracle"]["stopped_early"] == metrics["errors"]["oracle"]["ran_on"] == 0
+  for sample in metrics["samples"]:
+    assert len(sample["oracle_length_hypothesis"].split()) == len(sample["reference"].split())
+  for name in ("standard", "oracle"):
+    assert sum(metrics["first_error"][name].values()) == sum(metrics["errors"][name].values())
+  assert metrics["decoding"]["oracle_length"] is True
+  c.eval.oracle_length = False
+  plain = evaluate_lib.evaluate(params, model_config, c, tokenizer, pairs)
+  assert "oracle_exact_match" not in plain and list(plain["errors"]) == ["standard"]
+  assert plain["exact_match"] == metrics["exact_match"]
 
 
 LONG_LINE = " and ".join(["walk left twice"] * 4)  # 15 words, more than max_source_len - 1 = 11
@@ -278,7 +323,7 @@ def test_translate_reproduces_evaluate_and_averaging_reads_the_last_checkpoints(
   assert ours["chrf"] == pytest.approx(metrics["chrf"])
   saved = json.loads((workdir / "eval" / "400.test.greedy.limit64.json").read_text())
   assert saved["exact_match"] == metrics["exact_match"]
-  assert saved["decoding"] == {"decode": "greedy"}
+  assert saved["decoding"] == {"decode": "greedy", "oracle_length": False}
 
   # Averaging the last 2 checkpoints (200 and 400) gives the mean of their parameters.
   c = tiny_config()

@@ -46,7 +46,8 @@ def test_plot_mode_renders_every_kind(trained_workdir):
   paths = out.strip().splitlines()
   names = sorted(os.path.basename(p) for p in paths)
   assert names == sorted(["curves.png", "positional_encoding.png", "encoder_self_attention.png",
-                          "decoder_self_attention.png", "cross_attention.png"])
+                          "decoder_self_attention.png", "cross_attention.png",
+                          "by_length.test.greedy.limit64.png"])
   for path in paths:
     assert os.path.dirname(path) == str(trained_workdir / "plots")
     assert_real_picture(path)

@@ -5,7 +5,9 @@ import sys
 
 import pytest
 
-from transformer_jax.data import scan
+from transformer_jax import config as config_lib
+from transformer_jax.core.errors import UserError
+from transformer_jax.data import scan, sources
 
 
 def test_grammar_yields_exactly_20910_distinct_commands():
@@ -43,6 +45,33 @@ def test_length_split_dev_is_the_longest_train_outputs_held_out():
   assert (len(dev), len(rest)) == (576, 16414)
   assert sorted(dev + rest) == sorted(train) and not set(dev) & set(rest)
   assert {len(a.split()) for _, a in dev} == {22} and max(len(a.split()) for _, a in rest) == 21
+
+
+@pytest.mark.parametrize("cutoff", [16, 12])
+def test_length_split_dev_cutoff_partitions_the_train_split_only(cutoff):
+  """dev and train_without_dev are drawn from the train split only, disjoint, and together all
+  of it; the cut falls at data.scan_dev_cutoff, through the config as through scan.load."""
+  c = config_lib.default_config()
+  c.data.update(scan_split="length", scan_dev_cutoff=cutoff)
+  train, test = set(scan.load("length", "train")), set(scan.load("length", "test"))
+  dev, rest = sources.load_split(c.data, "dev"), sources.load_split(c.data, "train_without_dev")
+  assert set(dev) <= train and set(rest) <= train and not (set(dev) | set(rest)) & test
+  assert not set(dev) & set(rest) and len(dev) + len(rest) == len(train)
+  assert max(len(a.split()) for _, a in rest) == cutoff
+  assert min(len(a.split()) for _, a in dev) == cutoff + 1
+  assert max(len(a.split()) for _, a in dev) == 22
+  if cutoff == 16:
+    assert (len(dev), len(rest)) == (2848, 14142)  # as the scan_length recipe says
+  assert sources.split_key(c.data, "dev") != sources.split_key(
+      config_lib.default_config().data, "dev")  # a cached dev of another cutoff is not reused
+  assert "scan_dev_cutoff" not in sources.split_key(c.data, "train")  # train's cache stays
+
+
+def test_a_dev_cutoff_out_of_range_is_a_user_error():
+  c = config_lib.default_config()
+  c.data.scan_dev_cutoff = 22
+  with pytest.raises(UserError, match="scan_dev_cutoff"):
+    config_lib.validate(c)
 
 
 def test_texts_and_classes_of_the_commands():

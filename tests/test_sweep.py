@@ -7,10 +7,13 @@ import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from transformer_jax.core import lock
+from transformer_jax.core.errors import UserError
 from transformer_jax.tools import sweep
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -137,3 +140,121 @@ def test_sweep_bar_counts_every_trials_steps_from_their_metrics(tmp_path, monkey
     drawn = capsys.readouterr().err
   assert "trial_001 5/20 loss 2.500" in drawn and "sweep" in drawn
   assert sweep._last_train_record(str(tmp_path / "absent.jsonl")) == {}
+
+
+# ----------------------------------------------------------------------------- seeds
+
+
+def test_seeds_per_trial_by_entry_or_flag():
+  trials = [{"a": 1, "seeds": 3}, {"a": 2}]
+  assert sweep.seed_counts(trials) == [3, None]
+  assert sweep.seed_counts(trials, seeds=2) == [2, 2]  # the flag wins over the entries
+  configs = [sweep.trial_config("experiments/tiny.py", {"seed": s}, {}) for s in (7, 0)]
+  runs = sweep.expand_runs([{"a": 1}, {"a": 2}], configs, [3, None])
+  assert [r.name for r in runs] == ["trial_000_seed7", "trial_000_seed8", "trial_000_seed9",
+                                    "trial_001"]
+  assert [r.overrides for r in runs] == [{"a": 1, "seed": 7}, {"a": 1, "seed": 8},
+                                         {"a": 1, "seed": 9}, {"a": 2}]
+  for bad, why in (([{"seeds": 0}], "positive"), ([{"seeds": "5"}], "positive"),
+                   ([{"seeds": 2, "seed": 1}], "leave out one")):
+    with pytest.raises(UserError, match=why):
+      sweep.seed_counts(bad)
+  with pytest.raises(UserError, match="sweep_seeds"):
+    sweep.seed_counts(trials, seeds=-1)
+
+
+def test_dry_run_with_seeds_names_each_run_by_trial_and_seed(tmp_path):
+  out = subprocess.run([sys.executable, "launch.py", "--config=experiments/tiny.py",
+                        f"--workdir={tmp_path}", "--sweep_dry_run", "--sweep_seeds=2",
+                        "--sweep_test_best"],
+                       cwd=ROOT, check=True, capture_output=True, text=True).stdout.splitlines()
+  assert len(out) == 8
+  for i, line in enumerate(out):
+    assert f"trial_{i // 2:03d}_seed{i % 2} " in line and f"--config.seed={i % 2}" in line
+    assert line.endswith("--config.data.test_split=")  # trained without the test split
+  assert not list(tmp_path.iterdir())
+
+
+def _result(loss, best_em, test_em, status="done"):
+  return {"status": status, "metrics": {"loss": loss, "exact_match": best_em / 2},
+          "best": {"metric": "exact_match", "step": 2, "metrics": {"exact_match": best_em}},
+          "test": {"split": "test", "step": 2, "metrics": {"exact_match": test_em}},
+          "best_step": 2, "wall_time_s": 1.0}
+
+
+def test_results_over_seeds_are_median_min_and_max(tmp_path):
+  runs = sweep.expand_runs([{"x": 1}, {"x": 2}], [SimpleNamespace(seed=0)] * 2, [3, 3])
+  values = {"trial_000": [(0.5, 0.2, 0.1), (0.4, 0.6, 0.3), (0.3, 0.4, 0.0)],
+            "trial_001": [(0.9, 0.9, 0.05), (0.8, 0.7, 0.5)]}  # its third seed failed
+  results = {}
+  for run in runs:
+    name = f"trial_{run.trial:03d}"
+    if run.seed < len(values[name]):
+      results[run.name] = _result(*values[name][run.seed])
+    else:
+      results[run.name] = {"status": "failed (exit 1)", "wall_time_s": 1.0}
+  _, md_path, text = sweep.write_results(str(tmp_path), runs, results, "exact_match", "dev")
+  with open(tmp_path / "results_seeds.csv", encoding="utf-8") as f:
+    rows = list(csv.DictReader(f))
+  assert [r["trial"] for r in rows] == ["trial_001", "trial_000"]  # by median best dev EM
+  assert [r["seeds"] for r in rows] == ["2/3", "3/3"]
+  for row in rows:
+    got = np.array(values[row["trial"]])
+    for column, k in (("best_exact_match", 1), ("test_exact_match", 2)):
+      assert float(row[f"{column}_median"]) == pytest.approx(np.median(got[:, k]))
+      assert float(row[f"{column}_min"]) == pytest.approx(got[:, k].min())
+      assert float(row[f"{column}_max"]) == pytest.approx(got[:, k].max())
+    assert float(row["final_exact_match_median"]) == pytest.approx(np.median(got[:, 1] / 2))
+  assert "| trial_000 | 3/3 | 1 | 0.4 [0.2, 0.6] |" in text
+  with open(tmp_path / "results.csv", encoding="utf-8") as f:
+    per_run = list(csv.DictReader(f))
+  assert len(per_run) == 6 and {r["seed"] for r in per_run} == {"0", "1", "2"}
+  assert open(md_path, encoding="utf-8").read() == text
+
+
+SEEDED = """from transformer_jax.experiments import tiny
+
+get_config = tiny.get_config
+
+
+def get_sweep():
+  return [{"train.learning_rate": 1e-3, "seeds": 2}]
+"""
+LENGTH = ["--config.data.scan_split=length", "--config.data.train_split=train_without_dev",
+          "--config.data.eval_split=dev", "--config.data.test_split=test",
+          "--config.train.keep_best=1", "--config.train.eval_every=1"]
+
+
+def test_seeded_sweep_scores_test_once_per_run_and_resumes_with_more_seeds(tmp_path):
+  """Seeds of a tiny trial, each trained without the test split and its best dev checkpoint
+  scored on test once. First one seed (--sweep_seeds=1), then the trial's own two: the second
+  sweep resumes, running only the new seed. (Two runs in all: about a minute of CPU.)"""
+  experiment = tmp_path / "seeded.py"
+  experiment.write_text(SEEDED)
+  workdir = tmp_path / "sweep"
+  command = [sys.executable, "launch.py", f"--config={experiment}", f"--workdir={workdir}",
+             "--sweep", "--sweep_metric=exact_match", "--sweep_test_best"] + FAST + LENGTH
+  subprocess.run(command + ["--sweep_seeds=1"], cwd=ROOT, check=True, capture_output=True,
+                 text=True)
+  out = subprocess.run(command, cwd=ROOT, check=True, capture_output=True, text=True).stdout
+  assert "1 trials in 2 runs (seeds), 1 already finished, running 1" in out
+  with open(workdir / "sweep_log.jsonl", encoding="utf-8") as f:
+    starts = [r["run"] for r in map(json.loads, f) if r["event"] == "start"]
+  assert sorted(starts) == ["trial_000_seed0", "trial_000_seed1"]
+  tests = []
+  for seed in range(2):
+    run = workdir / f"trial_000_seed{seed}"
+    result = json.loads((run / sweep.RESULT_FILE).read_text())
+    assert result["overrides"]["seed"] == seed and result["test"]["split"] == "test"
+    step = result["best"]["step"]
+    assert result["test"]["step"] == step
+    assert [p.name for p in (run / "eval").glob("*.test.*")] == [
+        f"{step}.test.greedy.limit8.json"]  # test read once, at the best dev step
+    records = [json.loads(line) for line in open(run / "metrics.jsonl", encoding="utf-8")]
+    assert not [r for r in records if r.get("split") == "test"]  # training never read test
+    tests.append(result["test"]["metrics"]["exact_match"])
+  with open(workdir / "results_seeds.csv", encoding="utf-8") as f:
+    (row,) = list(csv.DictReader(f))
+  assert row["seeds"] == "2/2"
+  assert float(row["test_exact_match_median"]) == pytest.approx(float(np.median(tests)))
+  assert "## Over seeds" in (workdir / "results.md").read_text()

@@ -65,6 +65,14 @@ _TEXT = flags.DEFINE_string("text", None, "--mode=plot: an input sentence whose 
 _SWEEP = flags.DEFINE_bool("sweep", False, "Run every trial of the experiment's get_sweep(), each "
                            "in WORKDIR/trial_NNN; finished trials are skipped on a rerun.")
 _SWEEP_PARALLEL = flags.DEFINE_integer("sweep_parallel", 1, "Trials run at the same time.")
+_SWEEP_SEEDS = flags.DEFINE_integer(
+    "sweep_seeds", 0, "Runs of every trial, with seeds S, S+1, ... (S: the trial's config seed), "
+    "in WORKDIR/trial_NNN_seedK; results.md adds the median, min and max over seeds. 0 = as "
+    "get_sweep() says: a trial's 'seeds' entry, else one run.")
+_SWEEP_TEST_BEST = flags.DEFINE_bool(
+    "sweep_test_best", False, "Train each trial without data.test_split, then score its "
+    "checkpoint with the best train.best_metric on data.test_split once (test_* columns; "
+    "never used to sort).")
 _SWEEP_DRY_RUN = flags.DEFINE_bool("sweep_dry_run", False, "Print the trial commands (one per "
                                    "line, e.g. for a SLURM job array) instead of running them.")
 _SWEEP_METRIC = flags.DEFINE_string("sweep_metric", "loss", "Final eval metric that orders the "
@@ -384,7 +392,8 @@ def run(argv) -> None:
     sweep.run_sweep(config_flags.get_config_filename(flags.FLAGS["config"]), _WORKDIR.value,
                     config_flags.get_override_values(flags.FLAGS["config"]),
                     parallel=_SWEEP_PARALLEL.value, dry_run=_SWEEP_DRY_RUN.value,
-                    metric=_SWEEP_METRIC.value)
+                    metric=_SWEEP_METRIC.value, seeds=_SWEEP_SEEDS.value,
+                    test_best=_SWEEP_TEST_BEST.value)
     return
   from transformer_jax.train import sharding
   sharding.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)

@@ -50,6 +50,9 @@ def default_config() -> ml_collections.ConfigDict:
   c.data.task = "seq2seq"
   c.data.source = "scan"  # scan | tfds | files
   c.data.scan_split = "simple"  # source=scan: the split of SCAN, simple | length
+  # scan_split=length: the parts dev / train_without_dev cut the train split (outputs of at
+  # most 22 actions) here: train_without_dev = at most this many actions, dev = more (1..21).
+  c.data.scan_dev_cutoff = 21
   c.data.tfds_name = ""  # source=tfds: a TFDS translation dataset, e.g. wmt14_translate/de-en
   c.data.tfds_data_dir = ""  # source=tfds: "" = $TFDS_DATA_DIR or ~/tensorflow_datasets
   c.data.tfds_download = True  # source=tfds: download and prepare the dataset if it is not there
@@ -125,6 +128,9 @@ def default_config() -> ml_collections.ConfigDict:
   c.eval.top_k = 0  # decode=sample: sample among the k most probable tokens; 0 = all
   c.eval.max_examples = 0  # examples evaluated, the first of the split; 0 = the whole split
   c.eval.average_last = 0  # evaluate/translate with the mean of the last N checkpoints; 0 = off
+  # seq2seq: decode every evaluation a second time, greedy with the reference's length (EOS
+  # masked out, stopped there): oracle_exact_match and its diagnostics; costs one more decode.
+  c.eval.oracle_length = False
 
   c.compile = ml_collections.ConfigDict()  # --mode=compile (tools/compile.py)
   c.compile.topology = ""  # a TPU slice (v5e:2x4, v5p:2x2x1, v5litepod-8) or GPUs (h100, h100-8)
@@ -312,6 +318,9 @@ def _check_numbers(config) -> None:
     raise UserError(f"model.vocab_size ({config.model.vocab_size}) must exceed the {UNK_ID + 1} "
                     "special tokens (padding, BOS, EOS, unknown) to leave pieces for the text; "
                     "raise model.vocab_size")
+  if not 1 <= config.data.scan_dev_cutoff < 22:
+    raise UserError(f"data.scan_dev_cutoff must be in [1, 21] (SCAN's length split trains on "
+                    f"outputs of at most 22 actions), got {config.data.scan_dev_cutoff}")
   if config.eval.top_k > config.model.vocab_size:
     raise UserError(f"eval.top_k ({config.eval.top_k}) exceeds model.vocab_size "
                     f"({config.model.vocab_size}); lower it (0 = sample from all tokens)")

@@ -6,8 +6,8 @@ from typing import Optional
 
 LOWER_IS_BETTER = ("loss", "perplexity")
 # Every metric that `eval.evaluate` reports as a number (the choices of train.best_metric).
-EVAL_METRICS = ("loss", "perplexity", "token_accuracy", "exact_match", "bleu",
-                "bleu_lowercase_tokenized", "chrf", "accuracy", "macro_f1")
+EVAL_METRICS = ("loss", "perplexity", "token_accuracy", "exact_match", "oracle_exact_match",
+                "bleu", "bleu_lowercase_tokenized", "chrf", "accuracy", "macro_f1")
 
 
 def lower_is_better(metric: str) -> bool:

@@ -14,9 +14,13 @@ Grammar (commands) and interpretation (action sequences):
 The grammar admits exactly 20,910 commands. Splits:
   simple: a random 80/20 split with a fixed seed;
   length: train = commands whose action sequence has at most 22 actions, test = the rest. For
-    model selection without the test set, `dev` holds the train commands with the longest
-    outputs (22 actions, 576 commands) and `train_without_dev` the other 16,414: selecting on
-    `dev` rewards extrapolating past the lengths trained on, as the test split asks.
+    model selection without the test set, the train split is cut once more at `dev_cutoff`
+    (data.scan_dev_cutoff) actions: `train_without_dev` holds the train commands with at most
+    that many actions, `dev` the train commands with more (up to 22). Selecting on `dev` rewards
+    extrapolating past the lengths trained on, as the test split asks, and never reads test.
+    The default cutoff, 21, makes `dev` the 576 commands of 22 actions (16,414 left to train
+    on); cutoff 16 makes it the 2,848 commands of 17-22 actions (six lengths, up to 1.375 times
+    the longest trained on; 14,142 left).
 
 For the tasks other than translation (data/tasks.py) the same parts give texts, "command
 actions" (a language model learns to continue a command with its actions, a masked LM to fill
@@ -36,6 +40,7 @@ DIRECTIONS = {"left": "I_TURN_LEFT", "right": "I_TURN_RIGHT"}
 SPLITS = ("simple", "length")
 PARTS = {"simple": ("train", "test"), "length": ("train", "test", "dev", "train_without_dev")}
 LENGTH_SPLIT_MAX_ACTIONS = 22
+DEV_CUTOFF = LENGTH_SPLIT_MAX_ACTIONS - 1  # the default of data.scan_dev_cutoff
 SIMPLE_SPLIT_SEED = 0
 SIMPLE_SPLIT_TRAIN_FRACTION = 0.8
 
@@ -72,8 +77,11 @@ def all_pairs() -> tuple[tuple[str, str], ...]:
   return tuple(sorted((" ".join(w), " ".join(a)) for w, a in pairs))
 
 
-def load(split: str, part: str) -> list[tuple[str, str]]:
-  """The `part` (see PARTS) of a SCAN `split` ("simple" or "length")."""
+def load(split: str, part: str, dev_cutoff: int = DEV_CUTOFF) -> list[tuple[str, str]]:
+  """The `part` (see PARTS) of a SCAN `split` ("simple" or "length"); `dev_cutoff` (in
+  [1, 21]): the most actions of a train_without_dev output (see the module docstring)."""
+  if not 1 <= dev_cutoff < LENGTH_SPLIT_MAX_ACTIONS:
+    raise ValueError(f"dev_cutoff must be in [1, {LENGTH_SPLIT_MAX_ACTIONS - 1}]")
   if split not in SPLITS:
     raise ValueError(f"unknown SCAN split {split!r}")
   if part not in PARTS[split]:
@@ -87,17 +95,18 @@ def load(split: str, part: str) -> list[tuple[str, str]]:
   actions = [len(a.split()) for _, a in pairs]
   keep = {"train": lambda n: n <= LENGTH_SPLIT_MAX_ACTIONS,
           "test": lambda n: n > LENGTH_SPLIT_MAX_ACTIONS,
-          "dev": lambda n: n == LENGTH_SPLIT_MAX_ACTIONS,
-          "train_without_dev": lambda n: n < LENGTH_SPLIT_MAX_ACTIONS}[part]
+          "dev": lambda n: dev_cutoff < n <= LENGTH_SPLIT_MAX_ACTIONS,
+          "train_without_dev": lambda n: n <= dev_cutoff}[part]
   return [p for p, n in zip(pairs, actions) if keep(n)]
 
 
-def texts(split: str, part: str) -> list[tuple[str, str]]:
+def texts(split: str, part: str, dev_cutoff: int = DEV_CUTOFF) -> list[tuple[str, str]]:
   """(command + " " + actions, "") for each command of the part: text for lm and mlm."""
-  return [(f"{command} {actions}", "") for command, actions in load(split, part)]
+  return [(f"{command} {actions}", "") for command, actions in load(split, part, dev_cutoff)]
 
 
-def lengths_classified(split: str, part: str) -> list[tuple[str, str]]:
+def lengths_classified(split: str, part: str,
+                       dev_cutoff: int = DEV_CUTOFF) -> list[tuple[str, str]]:
   """(command, "long" or "short"): whether its actions number more than 22."""
   return [(command, "long" if len(actions.split()) > LENGTH_SPLIT_MAX_ACTIONS else "short")
-          for command, actions in load(split, part)]
+          for command, actions in load(split, part, dev_cutoff)]

@@ -241,13 +241,18 @@ def length_penalty(length: Array, alpha: float) -> Array:
 
 
 def _left_to_right(params, config: ModelConfig, source_tokens: Array, max_length: int,
-                   choose: Callable[[Array, Array], Array], bos_id: int, eos_id: int) -> Array:
+                   choose: Callable[[Array, Array], Array], bos_id: int, eos_id: int,
+                   lengths: Array | None = None) -> Array:
   """One token per row per step, chosen by `choose(log_probs [batch, vocab], step) -> [batch]`.
 
   Stops once every row has emitted EOS (or after `max_length` steps); returns `[batch, max_length]`.
+  With `lengths` (int `[batch]`, the oracle length): EOS is forbidden and row r stops after
+  exactly lengths[r] tokens (capped at max_length), so that only the tokens are the model's.
   """
   batch = source_tokens.shape[0]
   begin = start(params, config, source_tokens, max_length, bos_id=bos_id)
+  if lengths is not None:
+    lengths = jnp.minimum(jnp.asarray(lengths, jnp.int32), max_length)
 
   def not_done(state):
     step, _, _, _, finished = state
@@ -257,29 +262,43 @@ def _left_to_right(params, config: ModelConfig, source_tokens: Array, max_length
     step, last, tokens, cache, finished = state
     log_probs, cache = _step_log_probs(params, config, cache, begin.context, last,
                                        begin.first_positions + step, bos_id)
+    if lengths is not None:
+      log_probs = log_probs.at[:, eos_id].set(NEG_INF)
     chosen = jnp.where(finished, 0, choose(log_probs, step)).astype(jnp.int32)
     tokens = tokens.at[:, step].set(chosen)
-    return step + 1, chosen, tokens, cache, finished | (chosen == eos_id)
+    finished = finished | (chosen == eos_id)
+    if lengths is not None:
+      finished = finished | (step + 1 >= lengths)
+    return step + 1, chosen, tokens, cache, finished
 
+  empty = _empty_rows(source_tokens)
+  if lengths is not None:
+    empty = empty | (lengths <= 0)
   state = (jnp.array(0, jnp.int32), begin.first_tokens,
-           jnp.zeros((batch, max_length), jnp.int32), begin.cache, _empty_rows(source_tokens))
+           jnp.zeros((batch, max_length), jnp.int32), begin.cache, empty)
   return jax.lax.while_loop(not_done, advance, state)[2]
 
 
 @functools.partial(jax.jit, static_argnames=("config", "max_length", "bos_id", "eos_id"))
 def greedy_decode(params, config: ModelConfig, source_tokens: Array, max_length: int,
-                  bos_id: int = 1, eos_id: int = 2) -> Array:
+                  bos_id: int = 1, eos_id: int = 2, lengths: Array | None = None) -> Array:
   """Picks the most probable token at every step.
 
   Args:
     source_tokens: int `[batch, src_len]` (0 = padding).
     max_length: output positions, EOS included (static; at most `config.max_len`).
+    lengths: oracle-length decoding: int `[batch]`, the length each output must have (the
+      reference's, EOS not counted). EOS is masked out of the choice and row r stops after
+      lengths[r] tokens; its output has exactly min(lengths[r], max_length) tokens and no EOS.
+      The gap between this and plain greedy decoding is the error of the model's decision to
+      stop. None (default): plain greedy decoding.
 
   Returns:
     int32 `[batch, max_length]`: no BOS, EOS included, zeros after EOS.
   """
   return _left_to_right(params, config, source_tokens, max_length,
-                        lambda log_probs, step: jnp.argmax(log_probs, axis=-1), bos_id, eos_id)
+                        lambda log_probs, step: jnp.argmax(log_probs, axis=-1), bos_id, eos_id,
+                        lengths)
 
 
 @functools.partial(jax.jit,

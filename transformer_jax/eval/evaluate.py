@@ -1,6 +1,7 @@
 """Metrics of a model over a split: loss, perplexity and token accuracy by teacher forcing;
-BLEU, chrF and exact match of the decoded, detokenized text; accuracy and macro-F1 of a
-classifier."""
+BLEU, chrF and exact match of the decoded, detokenized text, with the diagnostics of
+eval/diagnostics.py (by reference length, first error, oracle-length decoding); accuracy and
+macro-F1 of a classifier."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ import math
 import os
 
 import jax.numpy as jnp
+import numpy as np
 
 from transformer_jax.core import files, progress, storage
 from transformer_jax.core.errors import UserError
 from transformer_jax.data import pipeline, sources, tasks
 from transformer_jax.data import tokenizer as tokenizer_lib
+from transformer_jax.eval import diagnostics
 from transformer_jax.eval.load import load_trained
 from transformer_jax.eval.metrics import classification_metrics, text_metrics
 from transformer_jax.eval.search import (
@@ -58,9 +61,14 @@ def evaluate(params, model_config: ModelConfig, config, tokenizer: tokenizer_lib
   """Metrics of `params` on the (source, reference) `pairs` of a split, and the decode settings.
 
   Every task: loss and perplexity (per target token, or per masked token, or per example) and
-  accuracy by teacher forcing; seq2seq also decodes (BLEU, chrF, exact match); classify reports
-  accuracy and macro-F1 over the classes. `params` live on `mesh` (default: the mesh of
-  config.mesh), sharded as in training or not; batches are split over its data x fsdp devices.
+  accuracy by teacher forcing; seq2seq also decodes (BLEU, chrF, exact match) and reports the
+  diagnostics of eval/diagnostics.py: exact match and decoded token accuracy by reference
+  length (`by_length`), where the first wrong token falls (`first_error`, `errors`), and, with
+  eval.oracle_length (off by default; scan_length.py turns it on), the same for a second,
+  oracle-length greedy decode (EOS masked out, stopped at the reference's length:
+  `oracle_exact_match`), which costs one more decode of the split; classify reports accuracy
+  and macro-F1 over the classes. `params` live on `mesh` (default: the mesh of config.mesh),
+  sharded as in training or not; batches are split over its data x fsdp devices.
   With several processes every process calls this with the same pairs and gets the same metrics.
   """
   mesh = sharding.make_mesh(config.mesh.to_dict()) if mesh is None else mesh
@@ -73,11 +81,13 @@ def evaluate(params, model_config: ModelConfig, config, tokenizer: tokenizer_lib
   max_length = max_decode_length(config)
   step = _eval_step(model_config, d.task, d.mask_rate, mesh)
   sums = {"nll": 0.0, "correct": 0.0, "tokens": 0.0}
-  hypotheses, predicted = [], []
+  hypotheses, oracle, predicted = [], [], []
+  oracle_length = d.task == "seq2seq" and e.oracle_length
   # Counted in sentences, not batches: a split is a handful of batches, and beam search spends
   # most of the time, inside one compiled loop per batch.
   shown = progress.bar(total=len(examples), unit="sentence",
-                       desc=f"evaluating ({decode_name(config)})")
+                       desc=f"evaluating ({decode_name(config)})"
+                            + (" and oracle length" if oracle_length else ""))
   for index, (batch, n_real) in enumerate(pipeline.eval_batches(examples, e.batch_size)):
     out = sharding.to_host(step(params, sharding.shard_batch(batch, mesh),
                                 batch_rng(config, index)))
@@ -88,6 +98,11 @@ def evaluate(params, model_config: ModelConfig, config, tokenizer: tokenizer_lib
       outputs = decode_batch(params, model_config, e, batch["inputs"], max_length,
                              batch_rng(config, index), mesh=mesh)
       hypotheses += [detokenize(tokenizer, row) for row in outputs[:n_real]]
+      if oracle_length:  # the reference's tokens, EOS not counted (padding rows: 0)
+        lengths = np.maximum(np.sum(batch["targets"] != 0, axis=-1) - 1, 0)
+        outputs = decode_batch(params, model_config, e, batch["inputs"], max_length,
+                               mesh=mesh, lengths=lengths)
+        oracle += [detokenize(tokenizer, row) for row in outputs[:n_real]]
     shown.update(n_real)
   shown.close()
   nll = sums["nll"] / sums["tokens"]
@@ -108,14 +123,21 @@ def evaluate(params, model_config: ModelConfig, config, tokenizer: tokenizer_lib
   references = [target for _, target in kept]
   text = text_metrics(hypotheses, references)
   signature = text.pop("bleu_signature")
+  outputs = {"standard": hypotheses}
+  if oracle_length:
+    outputs["oracle"] = oracle
+    text["oracle_exact_match"] = text_metrics(oracle, references)["exact_match"]
   return {
       **metrics,
       **text,
       **counts,
       "bleu_signature": signature,
-      "decoding": decode_settings(e),
-      "samples": [{"source": source, "hypothesis": hypothesis, "reference": reference}
-                  for (source, reference), hypothesis in zip(kept[:SAMPLES], hypotheses)],
+      "decoding": {**decode_settings(e), "oracle_length": bool(oracle_length)},
+      **diagnostics.diagnose(references, outputs),
+      "samples": [{"source": source, "hypothesis": hypothesis, "reference": reference,
+                   **({"oracle_length_hypothesis": oracle[i]} if oracle_length else {})}
+                  for i, ((source, reference), hypothesis) in enumerate(
+                      zip(kept[:SAMPLES], hypotheses))],
   }
 
 

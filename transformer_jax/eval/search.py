@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from transformer_jax.core.tokens import UNK_ID
@@ -35,7 +36,7 @@ def max_decode_length(config) -> int:
 
 
 def decode_batch(params, model_config: ModelConfig, eval_config, inputs, max_length: int,
-                 rng=None, mesh=None, prompts: bool = False) -> np.ndarray:
+                 rng=None, mesh=None, prompts: bool = False, lengths=None) -> np.ndarray:
   """Output token ids `[batch, max_length]` of source ids `inputs` by the configured search.
 
   Rows of `inputs` that are all padding come back as zeros at no cost. `rng` (a PRNG key) is
@@ -43,6 +44,9 @@ def decode_batch(params, model_config: ModelConfig, eval_config, inputs, max_len
   its data x fsdp devices and every process gets all outputs. A decoder-only model continues
   the prompt "source EOS BOS", as it was trained; or, with `prompts`, the rows of `inputs`
   themselves (`generate.py`).
+
+  `lengths` (int `[batch]`): oracle-length decoding (see `decode.greedy_decode`): greedy,
+  whatever eval.decode says, with EOS masked out and row r stopped after lengths[r] tokens.
   """
   cfg = model_config.replace(deterministic=True)
   e = eval_config
@@ -51,10 +55,16 @@ def decode_batch(params, model_config: ModelConfig, eval_config, inputs, max_len
     inputs = np.asarray(decode.seq2seq_prompt(np.asarray(inputs)))
   context = contextlib.nullcontext()
   if mesh is not None:
-    inputs = sharding.shard_batch({"inputs": np.asarray(inputs)}, mesh)["inputs"]
+    placed = {"inputs": np.asarray(inputs)}
+    if lengths is not None:
+      placed["lengths"] = np.asarray(lengths, np.int32)
+    placed = sharding.shard_batch(placed, mesh)
+    inputs, lengths = placed["inputs"], placed.get("lengths", lengths)
     context = sharding.context(mesh)
   with context:
-    if e.decode == "beam":
+    if lengths is not None:
+      tokens = decode.greedy_decode(params, cfg, inputs, max_length, lengths=jnp.asarray(lengths))
+    elif e.decode == "beam":
       tokens, _ = decode.beam_search(params, cfg, inputs, max_length, beam_size=e.beam_size,
                                      alpha=e.length_penalty)
     elif e.decode == "sample":

@@ -1,4 +1,5 @@
-"""Pictures of a run: training curves, the model's positions, and attention maps.
+"""Pictures of a run: training curves, the model's positions, attention maps, and a seq2seq
+evaluation's outputs by reference length with where their first error falls.
 
 Everything renders headless into PNG files: figures are made with matplotlib's object API
 (`Figure`), never pyplot, so no GUI backend or global figure state is involved.
@@ -22,6 +23,7 @@ from transformer_jax.core import storage
 from transformer_jax.core.errors import UserError
 from transformer_jax.core.tokens import BOS_ID, EOS_ID, UNK_ID
 from transformer_jax.eval import decode, load, search
+from transformer_jax.eval import evaluate as evaluate_lib
 from transformer_jax.model import make_model, shift_right
 from transformer_jax.model.positions import (
   relative_position_bucket,
@@ -90,6 +92,48 @@ def plot_curves(records: list[dict], path: str) -> str:
       ax.legend(fontsize=7)
   fig.tight_layout()
   return _save(fig, path, dpi=110)
+
+
+def plot_by_length(result: dict, path: str, title: str = "") -> str:
+  """A seq2seq evaluation's diagnostics (eval/diagnostics.py): exact match and decoded token
+  accuracy by reference length, standard and oracle-length decoding, and the histogram of the
+  first wrong token's position of each."""
+  rows = result["by_length"]
+  lengths = [row["length"] for row in rows]
+  fig = Figure(figsize=(13.0, 3.6))
+  axes = fig.subplots(1, 3)
+  for ax, metric, name in ((axes[0], "exact_match", "exact match"),
+                           (axes[1], "token_accuracy", "decoded token accuracy")):
+    for prefix, label in (("", "standard (own EOS)"), ("oracle_", "oracle length")):
+      if f"{prefix}{metric}" in rows[0]:
+        ax.plot(lengths, [100.0 * row[f"{prefix}{metric}"] for row in rows], marker="o",
+                markersize=3, label=label)
+    ax.set(title=f"{name} by reference length", xlabel="reference length (tokens)",
+           ylabel="%", ylim=(-2, 102))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+  width = 0.4
+  for k, (name, positions) in enumerate(result.get("first_error", {}).items()):
+    x = np.array([int(p) for p in positions], dtype=float)
+    axes[2].bar(x + (k - 0.5) * width, list(positions.values()), width=width,
+                label=f"{name} decoding")
+  axes[2].set(title="first wrong token of the wrong outputs", xlabel="position (0-based)",
+              ylabel="outputs")
+  axes[2].legend(fontsize=8)
+  if title:
+    fig.suptitle(title, fontsize=9)
+  fig.tight_layout()
+  return _save(fig, path, dpi=100)
+
+
+def by_length_results(workdir: str) -> list[dict]:
+  """The newest evaluation (highest step) of each split of WORKDIR/eval that has by-length
+  diagnostics, by split name."""
+  newest = {}
+  for result in evaluate_lib.read_results(workdir):
+    if result.get("by_length"):
+      newest[result["split"]] = result  # read_results sorts by step
+  return [newest[split] for split in sorted(newest)]
 
 
 def plot_positional_encoding(table: np.ndarray, path: str, title: str) -> str:
@@ -314,6 +358,11 @@ def plot_workdir(config, workdir: str, text: Optional[str] = None,
     model_config, params, tokenizer = load.load_trained(config, workdir, step)[:3]
   storage.makedirs(out)
   paths = [plot_curves(records, storage.join(out, "curves.png"))] if records else []
+
+  for result in by_length_results(workdir):
+    name = result["file"][:-len(".json")].split(".", 1)[1]  # SPLIT.DECODE[...], step left out
+    paths.append(plot_by_length(result, storage.join(out, f"by_length.{name}.png"),
+                                f"{result['split']} at step {result['step']} ({result['file']})"))
 
   picture = position_picture(model_config, params)
   if picture is not None:

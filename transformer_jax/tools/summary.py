@@ -8,6 +8,7 @@ from typing import Any, Sequence
 from transformer_jax.config import default_config
 from transformer_jax.core import metric_names, storage
 from transformer_jax.core.trees import flatten
+from transformer_jax.eval import diagnostics
 
 
 def config_diff(config) -> list[tuple[str, Any, Any]]:
@@ -71,6 +72,11 @@ def render(config, finals: dict, records: list[dict], final_step: int,
             "| --- |" + " --- |" * len(splits)]
   lines += [f"| {k} | " + " | ".join(_format(finals[s].get(k, "")) for s in splits) + " |"
             for k in names]
+  for split, metrics in finals.items():
+    table = diagnostics.by_length_table(metrics)
+    if table:
+      lines += ["", f"## {split}: decoded outputs by reference length (tokens of the output)", "",
+                table, "", diagnostics.errors_line(metrics)]
   eval_split = config.data.eval_split
   lines += ["", f"## Best evaluation on {eval_split} and checkpoints", ""]
   for metric in ranked_metrics(config, records):

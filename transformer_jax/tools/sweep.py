@@ -10,6 +10,16 @@ keys -> values), usually built with `grid(...)` or `random_search(...)`:
 DIR/trial_NNN (sequentially, or N at a time with --sweep_parallel=N). A finished trial leaves
 DIR/trial_NNN/trial_result.json and is never run again; an interrupted one resumes from its own
 checkpoints. DIR/results.csv and DIR/results.md list every trial, sorted by the chosen metric.
+
+Seeds: a trial with a "seeds" entry ({"model.positional": "rotary", "seeds": 5}), or every trial
+with --sweep_seeds=N (which wins over the entries), is run once per seed: seeds S, S+1, ...,
+S+N-1, S being the trial's config seed, each in DIR/trial_NNN_seedK. results.md then also
+holds one row per trial with the median, min and max over its seeds of each reported metric.
+
+--sweep_test_best: each run trains with data.test_split left out (so training never reads it)
+and, once finished, its checkpoint with the best train.best_metric on data.eval_split (the one
+train.keep_best keeps) is scored once on data.test_split (--mode=evaluate in the run's
+directory): the test_* columns. They are reported, never used to sort or select.
 """
 
 from __future__ import annotations
@@ -23,11 +33,12 @@ import math
 import os
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import threading
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import numpy as np
 from absl import flags
@@ -90,6 +101,51 @@ def load_sweep(config_path: str) -> list[dict]:
       raise UserError(f"trial_{i:03d} of get_sweep() in {config_path} nests a dict ({trial}); "
                       f"write its keys dotted: {_dotted(trial)}")
   return list(trials)
+
+
+SEEDS = "seeds"  # the trial entry that asks for runs with several seeds (not a config key)
+
+
+class Run(NamedTuple):
+  """One training run of a sweep: a trial, with one seed of it where seeds were asked for."""
+
+  trial: int  # index into get_sweep()'s list
+  seed: Optional[int]  # None: the trial's config seed, in a directory named by the trial alone
+  overrides: dict  # the trial's config overrides, with "seed" where seeded
+
+  @property
+  def name(self) -> str:
+    return f"trial_{self.trial:03d}" + ("" if self.seed is None else f"_seed{self.seed}")
+
+
+def seed_counts(trials: list, seeds: int = 0) -> list[Optional[int]]:
+  """How many seeds each trial runs: --sweep_seeds (`seeds`) if given, else its "seeds" entry,
+  else None (one run with the config's seed, named as before seeds existed)."""
+  if seeds < 0:
+    raise UserError(f"--sweep_seeds must be >= 0 (0 = as get_sweep() says), got {seeds}")
+  counts = []
+  for i, trial in enumerate(trials):
+    count = seeds or trial.get(SEEDS)
+    if count is not None and (isinstance(count, bool) or not isinstance(count, int)
+                              or count < 1):
+      raise UserError(f"trial_{i:03d} of get_sweep() asks for {SEEDS}={count!r}; give a "
+                      "positive number of seeds")
+    if count is not None and "seed" in trial:
+      raise UserError(f"trial_{i:03d} of get_sweep() sets seed={trial['seed']} and asks for "
+                      f"{count} seeds; leave out one of the two")
+    counts.append(count)
+  return counts
+
+
+def expand_runs(trials: list, configs: list, counts: list) -> list[Run]:
+  """The runs of the trials (`trials` without their "seeds" entries; `configs` their configs)."""
+  runs = []
+  for i, (trial, config, count) in enumerate(zip(trials, configs, counts)):
+    if count is None:
+      runs.append(Run(i, None, dict(trial)))
+    else:
+      runs += [Run(i, config.seed + k, {**trial, "seed": config.seed + k}) for k in range(count)]
+  return runs
 
 
 def _dotted(trial: dict, prefix: str = "") -> dict:
@@ -155,8 +211,8 @@ def _log(workdir: str, **record) -> None:
   files.append_jsonl(os.path.join(workdir, "sweep_log.jsonl"), {"time": time.time(), **record})
 
 
-def _trial_dir(workdir: str, index: int) -> str:
-  return os.path.join(workdir, f"trial_{index:03d}")
+def _trial_dir(workdir: str, run: Run) -> str:
+  return os.path.join(workdir, run.name)
 
 
 def _read_json(path: str, what: str) -> dict:
@@ -191,57 +247,206 @@ def _metrics_of(directory: str, config) -> tuple[Optional[dict], list[dict]]:
   return final, logger.read_metrics(directory)
 
 
+def _numbers(record: dict) -> dict:
+  return {k: v for k, v in record.items() if isinstance(v, (int, float))
+          and not isinstance(v, bool) and k not in ("step", "time", "eval_s")}
+
+
+def _test_best(directory: str, test: "TestPass", overrides: dict, config,
+               records: list) -> dict:
+  """The run's checkpoint with the best train.best_metric scored once on data.test_split
+  (--mode=evaluate in a subprocess, its output appended to the run's train.log); its result
+  file is read back if an earlier sweep wrote it. {"test": {...}} or {"test_status": why not}."""
+  split, metric = config.data.test_split, config.train.best_metric
+  if not split or split == config.data.eval_split:
+    return {"test_status": "no data.test_split apart from data.eval_split"}
+  best = metric_names.best_record(records, metric)
+  if best is None:
+    return {"test_status": f"no evaluation reported {metric}"}
+  step = best["step"]
+  if step not in checkpoint.saved_steps(directory):
+    return {"test_status": f"the best {metric} was at step {step}, whose checkpoint is gone "
+                           "(keep it with train.keep_best >= 1)"}
+  path = evaluate.result_path(directory, step, split, config)
+  if not os.path.exists(path):
+    command = [*COMMAND, f"--config={test.config_path}", f"--workdir={directory}",
+               "--mode=evaluate", f"--checkpoint_step={step}", f"--split={split}",
+               *trial_command(test.config_path, directory, {**overrides, **TEST_LEFT_OUT},
+                              test.base_overrides)[len(COMMAND) + 3:]]
+    with open(os.path.join(directory, "train.log"), "a", encoding="utf-8") as log:
+      code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT).returncode
+    if code != 0 or not os.path.exists(path):
+      return {"test_status": f"the evaluation on {split} failed (exit {code}); see "
+                             f"{directory}/train.log"}
+  return {"test": {"split": split, "step": step, "selected_by": metric,
+                   "metrics": _read_json(path, "the run's test result")}}
+
+
+class TestPass(NamedTuple):
+  """--sweep_test_best: what scoring a run's best checkpoint on the test split needs."""
+
+  config_path: str
+  base_overrides: dict
+
+
+# What a run trains without under --sweep_test_best: the test split is read once, afterwards.
+TEST_LEFT_OUT = {"data.test_split": ""}
+
+
 def _finish_trial(directory: str, overrides: dict, wall_time_s: float, metric: str,
-                  config) -> Optional[dict]:
+                  config, test: Optional[TestPass] = None) -> Optional[dict]:
   """The result of a trial that ended with exit code 0, written to its directory; None if it
-  stopped early (a signal) and has no final metrics."""
+  stopped early (a signal) and has no final metrics.
+
+  best: the evaluation on data.eval_split with the best train.best_metric (the checkpoint
+  keep_best keeps); with `test`, that checkpoint scored on data.test_split (see _test_best),
+  before the result file is written: a sweep stopped meanwhile redoes only that.
+  """
   final, records = _metrics_of(directory, config)
   if final is None:
     return None
   best = metric_names.best_record(records, metric)
   best_step = best["step"] if best else None
+  selected = metric_names.best_record(records, config.train.best_metric)
   result = {"overrides": overrides, "metrics": final, "best_step": best_step,
             "wall_time_s": wall_time_s, "status": "done"}
+  if selected is not None:
+    result["best"] = {"metric": config.train.best_metric, "step": selected["step"],
+                      "metrics": _numbers(selected)}
+  if test is not None:
+    result.update(_test_best(directory, test, overrides, config, records))
   logger.write_hparams(directory, overrides, final, final["step"])  # before the result: a
   # trial with its result file is finished and never revisited
   files.atomic_write(os.path.join(directory, RESULT_FILE), json.dumps(result, indent=2))
   return result
 
 
-def write_results(workdir: str, results: list[tuple[int, dict]], metric: str,
-                  split: str) -> tuple[str, str, str]:
-  """results.csv and results.md, sorted by `metric` (best first); failed trials last.
+# The metrics of a run's best evaluation and of its test pass that the tables show (those it
+# reported), after the sweep's own metric.
+SHOWN = ("exact_match", "oracle_exact_match", "token_accuracy", "bleu", "accuracy", "loss")
 
-  split: the data split the final metrics are of (data.eval_split), named in results.md.
-  Returns the two paths and the Markdown table.
-  """
-  keys = sorted({k for _, r in results for k in r["overrides"]})
-  columns = sorted({k for _, r in results for k, v in r.get("metrics", {}).items()
-                    if isinstance(v, (int, float))
-                    and k not in ("step", "max_examples", "max_decode_len")})
 
-  def order(item):
-    value = item[1].get("metrics", {}).get(metric)
-    return (value is None, metric_names.sort_key(metric, value) if value is not None else 0.0,
-            item[0])
+def _shown(metric: str, results: list) -> list[str]:
+  reported = {k for _, r in results for part in ("best", "test")
+              for k in (r.get(part) or {}).get("metrics", {})}
+  return [m for m in dict.fromkeys((metric, *SHOWN)) if m in reported]
 
+
+def _run_values(result: dict, shown: list) -> dict:
+  """best_M and test_M of a run's result (see _finish_trial), for each M of `shown`."""
+  values = {}
+  for part in ("best", "test"):
+    metrics = (result.get(part) or {}).get("metrics", {})
+    values.update({f"{part}_{m}": metrics[m] for m in shown if m in metrics})
+  return values
+
+
+def _cell(v) -> str:
+  return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def seed_rows(runs: list, results: dict, metric: str, shown: list) -> list[dict]:
+  """One row per trial: its overrides (seed left out), the seeds done, and for the final
+  `metric` and each best_M / test_M (see _run_values) the median, min and max over its
+  finished runs. Sorted by the median best `metric` (dev, the selection), else final; best
+  first."""
+  keys = sorted({k for run in runs for k in run.overrides if k != "seed"})
+  by_trial = {}
+  for run in runs:
+    by_trial.setdefault(run.trial, []).append(run)
   rows = []
-  for index, r in sorted(results, key=order):
-    row = {"trial": f"trial_{index:03d}", "status": r["status"]}
-    row.update({k: r["overrides"].get(k, "") for k in keys})
-    row.update({m: r.get("metrics", {}).get(m, "") for m in columns})
-    row.update({"best_step": r.get("best_step", ""),
-                "wall_time_s": round(r.get("wall_time_s", 0), 1)})
+  for trial, members in by_trial.items():
+    done = [results[run.name] for run in members
+            if results.get(run.name, {}).get("status") == "done"]
+    row = {"trial": f"trial_{trial:03d}", "seeds": f"{len(done)}/{len(members)}"}
+    row.update({k: members[0].overrides.get(k, "") for k in keys})
+    values = {}
+    for r in done:
+      for name, value in {f"final_{metric}": r.get("metrics", {}).get(metric),
+                          **_run_values(r, shown)}.items():
+        if isinstance(value, (int, float)):
+          values.setdefault(name, []).append(float(value))
+    columns = [f"best_{m}" for m in shown] + [f"final_{metric}"] + [f"test_{m}" for m in shown]
+    for name in columns:
+      found = values.get(name, [])
+      row.update({f"{name}_median": statistics.median(found) if found else "",
+                  f"{name}_min": min(found) if found else "",
+                  f"{name}_max": max(found) if found else ""})
     rows.append(row)
-  columns = list(rows[0])
+
+  def order(row):
+    for name in (f"best_{metric}_median", f"final_{metric}_median"):
+      if row.get(name, "") != "":
+        return (False, metric_names.sort_key(metric, row[name]), row["trial"])
+    return (True, 0.0, row["trial"])
+
+  return sorted(rows, key=order)
+
+
+def _seed_table(rows: list, metric: str) -> list[str]:
+  """The Markdown lines of `seed_rows`: each metric as "median [min, max]"."""
+  fixed = [k for k in rows[0] if not k.endswith(("_median", "_min", "_max"))]
+  metrics = [k[:-len("_median")] for k in rows[0] if k.endswith("_median")
+             and any(row[k] != "" for row in rows)]
+  lines = ["| " + " | ".join(fixed + metrics) + " |",
+           "| " + " | ".join("---" for _ in fixed + metrics) + " |"]
+  for row in rows:
+    cells = [_cell(row[k]) for k in fixed] + [
+        "" if row[f"{m}_median"] == "" else
+        f"{_cell(row[f'{m}_median'])} [{_cell(row[f'{m}_min'])}, {_cell(row[f'{m}_max'])}]"
+        for m in metrics]
+    lines.append("| " + " | ".join(cells) + " |")
+  return lines
+
+
+def _write_csv(path: str, rows: list) -> str:
   table = io.StringIO(newline="")
-  writer = csv.DictWriter(table, fieldnames=columns)
+  writer = csv.DictWriter(table, fieldnames=list(rows[0]))
   writer.writeheader()
   writer.writerows(rows)
-  csv_path = files.atomic_write(os.path.join(workdir, "results.csv"), table.getvalue())
+  return files.atomic_write(path, table.getvalue())
 
-  def cell(v):
-    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+def write_results(workdir: str, runs: list, results: dict, metric: str,
+                  split: str) -> tuple[str, str, str]:
+  """results.csv and results.md, sorted by `metric` (best first); failed trials last. With
+  seeded trials, also results_seeds.csv and a second table in results.md (see seed_rows).
+
+  runs: the sweep's runs (`Run`); results: {run name: its result} of those that have one.
+  split: the data split the final metrics are of (data.eval_split), named in results.md.
+  Returns the path of results.csv and results.md, and the Markdown text.
+  """
+  listed = [(run, results[run.name]) for run in runs if run.name in results]
+  seeded = any(run.seed is not None for run in runs)
+  keys = sorted({k for run, _ in listed for k in run.overrides if k != "seed"})
+  columns = sorted({k for _, r in listed for k, v in r.get("metrics", {}).items()
+                    if isinstance(v, (int, float)) and not isinstance(v, bool)
+                    and k not in ("step", "max_examples", "max_decode_len")})
+  shown = _shown(metric, [(run.name, r) for run, r in listed])
+  extra = [f"{part}_{m}" for part in ("best", "test") for m in shown]
+
+  def order(item):
+    run, r = item
+    value = r.get("metrics", {}).get(metric)
+    return (value is None, metric_names.sort_key(metric, value) if value is not None else 0.0,
+            run.name)
+
+  rows = []
+  for run, r in sorted(listed, key=order):
+    row = {"trial": run.name, "status": r["status"]}
+    if seeded:
+      row["seed"] = "" if run.seed is None else run.seed
+    row.update({k: run.overrides.get(k, "") for k in keys})
+    row.update({m: r.get("metrics", {}).get(m, "") for m in columns})
+    values = _run_values(r, shown)
+    row.update({k: values.get(k, "") for k in extra})
+    row.update({"best_step": r.get("best_step", ""),
+                "wall_time_s": round(r.get("wall_time_s", 0), 1)})
+    if r.get("test_status"):
+      row["status"] += f" ({r['test_status']})"
+    rows.append(row)
+  columns = list(rows[0])
+  csv_path = _write_csv(os.path.join(workdir, "results.csv"), rows)
 
   better = "lower" if metric_names.lower_is_better(metric) else "higher"
   lines = [f"# Sweep results: {metric} on split {split!r}, best first", "",
@@ -249,7 +454,20 @@ def write_results(workdir: str, results: list[tuple[int, dict]], metric: str,
            f"{metric} ({better} is better); best_step: the trial's evaluation with the best "
            f"{metric} during training.", "",
            "| " + " | ".join(columns) + " |", "| " + " | ".join("---" for _ in columns) + " |"]
-  lines += ["| " + " | ".join(cell(row[c]) for c in columns) + " |" for row in rows]
+  lines += ["| " + " | ".join(_cell(row[c]) for c in columns) + " |" for row in rows]
+  if extra:
+    lines[3:3] = [
+        "best_M: the run's evaluation of data.eval_split with the best train.best_metric (the "
+        "checkpoint keep_best keeps); test_M: that checkpoint on data.test_split, scored once "
+        "(--sweep_test_best), never used to sort."]
+  if seeded:
+    by_trial = seed_rows(runs, results, metric, shown)
+    _write_csv(os.path.join(workdir, "results_seeds.csv"), by_trial)
+    lines += ["", "## Over seeds: median [min, max] of each trial's finished runs", "",
+              f"Sorted by the median best_{metric} (the selection on {split}), else the median "
+              f"final_{metric} (data.eval_split at train.steps); seeds: runs finished / asked "
+              "for (results_seeds.csv has the numbers).", ""]
+    lines += _seed_table(by_trial, metric)
   text = "\n".join(lines) + "\n"
   md_path = files.atomic_write(os.path.join(workdir, "results.md"), text)
   return csv_path, md_path, text
@@ -282,26 +500,29 @@ class _Signals:
         process.send_signal(signum)  # a second Ctrl-C stops a trial at once, as it does train
 
 
-def _launchable(workdir: str, pending: list, waiting: set) -> Optional[int]:
-  """The first pending trial whose directory no other run holds. A held one (a trial left running
+def _launchable(workdir: str, runs: list, pending: list, waiting: set) -> Optional[int]:
+  """The first pending run whose directory no other run holds. A held one (a run left running
   by a sweep that was killed) is waited for, with one line saying so."""
-  for i in pending:
+  for j in pending:
     try:
-      lock.DirectoryLock(_trial_dir(workdir, i), "trial").check()
-      return i
+      lock.DirectoryLock(_trial_dir(workdir, runs[j]), "trial").check()
+      return j
     except UserError as e:
-      if i not in waiting:
-        waiting.add(i)
-        print(f"trial_{i:03d}: waiting for the run that holds it ({e})", flush=True)
+      if j not in waiting:
+        waiting.add(j)
+        print(f"{runs[j].name}: waiting for the run that holds it ({e})", flush=True)
   return None
 
 
 def run_sweep(config_path: str, workdir: str, base_overrides: Optional[dict] = None,
               parallel: int = 1, dry_run: bool = False, metric: str = "loss",
-              out=sys.stdout) -> list[tuple[int, dict]]:
-  """Runs (or with dry_run, prints) every trial not yet finished; writes the results table.
+              out=sys.stdout, seeds: int = 0,
+              test_best: bool = False) -> list[tuple[str, dict]]:
+  """Runs (or with dry_run, prints) every run not yet finished; writes the results tables.
 
   Every trial's config is validated first: a bad one is refused before any trial runs.
+  seeds: --sweep_seeds (0: each trial's "seeds" entry, else one run); test_best:
+  --sweep_test_best (see the module docstring). Returns [(run name, result)].
   """
   if parallel < 1:
     raise UserError(f"--sweep_parallel must be >= 1, got {parallel}")
@@ -310,27 +531,33 @@ def run_sweep(config_path: str, workdir: str, base_overrides: Optional[dict] = N
                     f"got {metric!r}")
   config_path = os.path.abspath(config_path)
   trials = load_sweep(config_path)
+  counts = seed_counts(trials, seeds)
+  trials = [{k: v for k, v in t.items() if k != SEEDS} for t in trials]
   base_overrides = dict(base_overrides or {})
   configs = check_trials(config_path, trials, base_overrides)
+  runs = expand_runs(trials, configs, counts)
+  test = TestPass(config_path, base_overrides) if test_best else None
   if storage.is_url(storage.check(workdir)):  # before anything is written, locally or not
     raise UserError(f"--workdir {workdir}: a sweep writes its trials on a local or shared file "
                     "system for now, not in a bucket; give a local directory (each trial may "
                     "still be trained into a bucket with --mode=train)")
   workdir = checkpoint.check_workdir(workdir, entries={})
-  commands = [trial_command(config_path, _trial_dir(workdir, i), t, base_overrides)
-              for i, t in enumerate(trials)]
+  left_out = TEST_LEFT_OUT if test_best else {}
+  commands = [trial_command(config_path, _trial_dir(workdir, run), {**run.overrides, **left_out},
+                            base_overrides) for run in runs]
   if dry_run:
     for command in commands:
       out.write(shlex.join(command) + "\n")
     return []
 
-  for i, trial in enumerate(trials):  # all checked before anything is written
-    _check_trial_dir(_trial_dir(workdir, i), trial)
+  for run in runs:  # all checked before anything is written
+    _check_trial_dir(_trial_dir(workdir, run), run.overrides)
   checkpoint.create_workdir(workdir)
   sweep_lock = lock.DirectoryLock(workdir, "the sweep's --workdir")
   sweep_lock.acquire()
   with sweep_lock:
-    return _run_trials(workdir, trials, configs, commands, parallel, metric)
+    return _run_trials(workdir, runs, [configs[run.trial] for run in runs], commands, parallel,
+                       metric, test)
 
 
 class _Progress:
@@ -338,8 +565,9 @@ class _Progress:
   the running trials' step and loss, read from their metrics.jsonl (trials run in subprocesses
   that write to their own logs). Drawn only for a person watching (core/progress.py)."""
 
-  def __init__(self, workdir: str, configs: list, done: list):
+  def __init__(self, workdir: str, configs: list, done: list, names: Optional[list] = None):
     self._workdir, self._steps = workdir, [c.train.steps for c in configs]
+    self._names = names or [f"trial_{i:03d}" for i in range(len(configs))]
     self._finished = sum(self._steps[i] for i in done)
     self._bar = progress.bar(total=sum(self._steps), initial=self._finished, desc="sweep",
                              unit="step")
@@ -360,12 +588,12 @@ class _Progress:
     self._last_read = time.time()
     shown, steps = [], self._finished
     for i in sorted(running):
-      record = _last_train_record(os.path.join(_trial_dir(self._workdir, i),
+      record = _last_train_record(os.path.join(self._workdir, self._names[i],
                                                 logger.METRICS_FILE))
       step = min(int(record.get("step", 0)), self._steps[i])
       steps += step
       loss = f" loss {record['loss']:.3f}" if "loss" in record else ""
-      shown.append(f"trial_{i:03d} {step}/{self._steps[i]}{loss}")
+      shown.append(f"{self._names[i]} {step}/{self._steps[i]}{loss}")
     self._bar.n = max(self._bar.n, steps)
     self._bar.set_postfix_str("; ".join(shown), refresh=True)
 
@@ -389,13 +617,16 @@ def _last_train_record(path: str) -> dict:
   return {}
 
 
-def _run_trials(workdir, trials, configs, commands, parallel, metric) -> list[tuple[int, dict]]:
+def _run_trials(workdir, runs, configs, commands, parallel, metric,
+                test=None) -> list[tuple[str, dict]]:
+  """Runs the `runs` not finished yet; configs[j] and commands[j] are run j's."""
   results, pending = {}, []
-  for i, trial in enumerate(trials):
-    directory = _trial_dir(workdir, i)
+  for j, run in enumerate(runs):
+    directory = _trial_dir(workdir, run)
     if not os.path.exists(os.path.join(directory, "trial.json")):
       checkpoint.create_workdir(directory)
-      files.atomic_write(os.path.join(directory, "trial.json"), json.dumps({"overrides": trial}))
+      files.atomic_write(os.path.join(directory, "trial.json"),
+                         json.dumps({"overrides": run.overrides}))
     path = os.path.join(directory, RESULT_FILE)
     result = None
     if os.path.exists(path):
@@ -404,59 +635,70 @@ def _run_trials(workdir, trials, configs, commands, parallel, metric) -> list[tu
       except UserError as e:
         print(f"warning: {e}", file=sys.stderr, flush=True)
     if result is not None:
-      results[i] = result
+      results[run.name] = result
     else:
-      pending.append(i)
-  print(f"sweep: {len(trials)} trials, {len(results)} already finished, running {len(pending)} "
+      pending.append(j)
+  seeded = any(run.seed is not None for run in runs)
+  what = (f"{len({run.trial for run in runs})} trials in {len(runs)} runs (seeds)" if seeded
+          else f"{len(runs)} trials")
+  print(f"sweep: {what}, {len(results)} already finished, running {len(pending)} "
         f"({parallel} at a time) in {workdir}", flush=True)
 
   running, waiting = {}, set()  # running: index -> (process, start time, log file)
-  watch = _Progress(workdir, configs, done=[i for i in range(len(trials)) if i not in pending])
+  watch = _Progress(workdir, configs, done=[j for j in range(len(runs)) if j not in pending],
+                    names=[run.name for run in runs])
   with _Signals(running) as signals, watch:
     while (pending and not signals.signal) or running:
       while pending and len(running) < parallel and not signals.signal:
-        i = _launchable(workdir, pending, waiting)
-        if i is None:
+        j = _launchable(workdir, runs, pending, waiting)
+        if j is None:
           break
-        pending.remove(i)
-        log = open(os.path.join(_trial_dir(workdir, i), "train.log"), "a", encoding="utf-8")
-        _log(workdir, trial=i, event="start", overrides=trials[i])
-        process = subprocess.Popen(commands[i], stdout=log, stderr=subprocess.STDOUT,
+        pending.remove(j)
+        run = runs[j]
+        log = open(os.path.join(_trial_dir(workdir, run), "train.log"), "a", encoding="utf-8")
+        _log(workdir, trial=run.trial, run=run.name, event="start", overrides=run.overrides)
+        process = subprocess.Popen(commands[j], stdout=log, stderr=subprocess.STDOUT,
                                    start_new_session=True)
-        running[i] = (process, time.time(), log)
-        progress.write(f"trial_{i:03d} started: {trials[i]}")
+        running[j] = (process, time.time(), log)
+        progress.write(f"{run.name} started: {run.overrides}")
       time.sleep(0.2)
       watch.update(running)
-      for i, (process, start, log) in list(running.items()):
+      for j, (process, start, log) in list(running.items()):
         if process.poll() is None:
           continue
         log.close()
-        del running[i]
+        del running[j]
         wall = time.time() - start
-        directory = _trial_dir(workdir, i)
+        run = runs[j]
+        directory = _trial_dir(workdir, run)
         result = None
         if process.returncode == 0:
-          result = _finish_trial(directory, trials[i], wall, metric, configs[i])
+          result = _finish_trial(directory, run.overrides, wall, metric, configs[j], test)
         if result is not None:
-          results[i] = result
-          watch.finished(i)
-          progress.write(f"trial_{i:03d} done in {wall:.0f}s: {metric} "
-                         f"{result['metrics'].get(metric)}")
+          results[run.name] = result
+          watch.finished(j)
+          tested = (f"; test {result['test']['metrics'].get(metric)}" if "test" in result
+                    else "")
+          progress.write(f"{run.name} done in {wall:.0f}s: {metric} "
+                         f"{result['metrics'].get(metric)}{tested}")
         elif process.returncode == 0 or signals.signal:
-          results[i] = {"overrides": trials[i], "status": "interrupted", "wall_time_s": wall}
-          progress.write(f"trial_{i:03d} stopped ({signals.signal or 'a signal'}); a rerun "
+          results[run.name] = {"overrides": run.overrides, "status": "interrupted",
+                               "wall_time_s": wall}
+          progress.write(f"{run.name} stopped ({signals.signal or 'a signal'}); a rerun "
                          "resumes it")
         else:
-          results[i] = {"overrides": trials[i], "status": f"failed (exit {process.returncode})",
-                        "wall_time_s": wall}
-          progress.write(f"trial_{i:03d} failed with exit code {process.returncode}; see "
+          results[run.name] = {"overrides": run.overrides,
+                               "status": f"failed (exit {process.returncode})",
+                               "wall_time_s": wall}
+          progress.write(f"{run.name} failed with exit code {process.returncode}; see "
                          f"{directory}/train.log")
-        _log(workdir, trial=i, event="end", status=results[i]["status"])
+        _log(workdir, trial=run.trial, run=run.name, event="end",
+             status=results[run.name]["status"])
 
-  ordered = sorted(results.items())
+  ordered = [(run.name, results[run.name]) for run in runs if run.name in results]
   if ordered:
     split = ", ".join(sorted({c.data.eval_split for c in configs}))
-    csv_path, md_path, table = write_results(workdir, ordered, metric, split)
+    csv_path, md_path, table = write_results(workdir, runs, results, metric, split)
     print(f"\n{table}\nresults: {md_path} and {csv_path}", flush=True)
   if signals.signal:
     print(f"{signals.signal}: the sweep stopped; its running trials saved checkpoints; run the "
