@@ -97,7 +97,6 @@ def test_a_second_trainer_is_refused_while_a_lease_is_live(launcher):
     ("gs:/bucket/run", "not a gs:// URL", "--mode=train"),
     ("gs://no-such-bucket/run", "the bucket gs://no-such-bucket does not exist", "--mode=train"),
     ("s3://no-such-bucket/run", "the bucket s3://no-such-bucket does not exist", "--mode=train"),
-    ("gs://bucket/sweep", "a sweep writes its trials on a local or shared file system", "--sweep"),
     ("gcs://bucket/run", "unknown storage scheme gcs://", "--mode=evaluate")])
 def test_a_bad_bucket_workdir_is_one_line_exit_2(launcher, workdir, says, mode):
   code, out, err = launcher.run(*TINY, f"--workdir={workdir}", mode)
@@ -170,4 +169,50 @@ def test_an_s3_workdir_holds_the_checkpoints_a_gs_one_does(launcher, gs_run):
   model = transformer_jax.load(workdir)  # in this process, from the bucket
   assert model.step == 2
   assert_same_state(model.params, restore_latest(gs_run).state.params)
+  assert local_entries() == set()
+
+
+TWO_TRIALS = """from experiments.tiny import get_config  # noqa: F401
+
+
+def get_sweep():
+  return [{"train.learning_rate": 1e-3}, {"train.learning_rate": 3e-3}]
+"""
+
+
+def test_a_sweep_into_a_gs_workdir_ranks_its_trials_and_resumes(launcher, tmp_path):
+  """--sweep with a bucket workdir: each trial trains into WORKDIR/trial_NNN there, results.md
+  and results.csv rank them; run again after an interruption, a finished trial is not redone
+  and an unfinished one is finished."""
+  experiment = tmp_path / "two_trials.py"
+  experiment.write_text(TWO_TRIALS)
+  workdir = "gs://bucket/sweep"
+  command = [f"--config={experiment}", f"--workdir={workdir}", "--sweep", "--sweep_parallel=2",
+             *TINY[1:]]
+  code, out, err = launcher.run(*command)
+  assert code == 0, out + err
+  assert {"results.md", "results.csv", "trial_000", "trial_001"} <= set(storage.listdir(workdir))
+  assert "lock" not in storage.listdir(workdir)  # the sweep's lease ends with it
+  for trial in ("trial_000", "trial_001"):
+    names = storage.listdir(storage.join(workdir, trial))
+    assert {"trial.json", "trial_result.json", "train.log", "config.json"} <= set(names), names
+    assert storage.listdir(storage.join(workdir, trial, "checkpoints")) == ["2"]
+  table = storage.read_text(storage.join(workdir, "results.md"))
+  assert table.count("| trial_") == 2 and table.count("| done |") == 2 and table in out
+  rows = storage.read_text(storage.join(workdir, "results.csv")).splitlines()
+  assert len(rows) == 3 and rows[0].startswith("trial,status")
+
+  # As if the sweep had been killed before trial_001 was recorded as finished.
+  storage.remove(storage.join(workdir, "trial_001", "trial_result.json"))
+  log_before = storage.read_text(storage.join(workdir, "trial_001", "train.log"))
+  code, out, err = launcher.run(*command)
+  assert code == 0, out + err
+  assert "2 trials, 1 already finished, running 1" in out
+  starts = [r["trial"] for r in storage.read_jsonl(storage.join(workdir, "sweep_log.jsonl"))
+            if r["event"] == "start"]
+  assert starts == [0, 1, 1]
+  rows_after = storage.read_text(storage.join(workdir, "results.csv")).splitlines()
+  assert [r.rsplit(",", 1)[0] for r in rows_after] == [r.rsplit(",", 1)[0] for r in rows]
+  log_after = storage.read_text(storage.join(workdir, "trial_001", "train.log"))
+  assert log_after.startswith(log_before) and len(log_after) > len(log_before)
   assert local_entries() == set()

@@ -10,6 +10,8 @@ keys -> values), usually built with `grid(...)` or `random_search(...)`:
 DIR/trial_NNN (sequentially, or N at a time with --sweep_parallel=N). A finished trial leaves
 DIR/trial_NNN/trial_result.json and is never run again; an interrupted one resumes from its own
 checkpoints. DIR/results.csv and DIR/results.md list every trial, sorted by the chosen metric.
+DIR may be a bucket (`gs://`, `s3://`, see docs/storage.md): every read and write of the sweep
+goes through core/storage.py, and each trial trains into DIR/trial_NNN there.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from typing import Any, Optional, Sequence
@@ -34,7 +37,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from transformer_jax import config as config_lib
-from transformer_jax.core import files, lock, metric_names, progress, storage
+from transformer_jax.core import metric_names, progress, storage
 from transformer_jax.core.errors import UserError, unknown_key_message
 from transformer_jax.eval import evaluate
 from transformer_jax.train import checkpoint, logger
@@ -152,17 +155,16 @@ def check_trials(config_path: str, trials: list, base_overrides: dict) -> list:
 
 
 def _log(workdir: str, **record) -> None:
-  files.append_jsonl(os.path.join(workdir, "sweep_log.jsonl"), {"time": time.time(), **record})
+  storage.append_jsonl(storage.join(workdir, "sweep_log.jsonl"), {"time": time.time(), **record})
 
 
 def _trial_dir(workdir: str, index: int) -> str:
-  return os.path.join(workdir, f"trial_{index:03d}")
+  return storage.join(workdir, f"trial_{index:03d}")
 
 
 def _read_json(path: str, what: str) -> dict:
   try:
-    with open(path, encoding="utf-8") as f:
-      value = json.load(f)
+    value = json.loads(storage.read_text(path))
   except (OSError, ValueError) as e:
     raise UserError(f"cannot read {path} ({what}): {e}; move it away to run the trial "
                     "again") from None
@@ -173,8 +175,8 @@ def _read_json(path: str, what: str) -> dict:
 
 def _check_trial_dir(directory: str, overrides: dict) -> None:
   """A trial directory belongs to exactly one set of overrides: refuse a changed sweep."""
-  path = os.path.join(directory, "trial.json")
-  if os.path.exists(path):
+  path = storage.join(directory, "trial.json")
+  if storage.exists(path):
     previous = _read_json(path, "the trial's overrides").get("overrides")
     if previous != json.loads(json.dumps(overrides)):
       raise UserError(f"{directory} was run with overrides {previous}, but the sweep now asks for "
@@ -185,7 +187,7 @@ def _metrics_of(directory: str, config) -> tuple[Optional[dict], list[dict]]:
   """A trial's final metrics on data.eval_split (its result file of step train.steps; None if
   it did not get there) and its metrics.jsonl records."""
   path = evaluate.result_path(directory, config.train.steps, config.data.eval_split, config)
-  if not os.path.exists(path):
+  if not storage.exists(path):
     return None, []
   final = _read_json(path, "the trial's final metrics")
   return final, logger.read_metrics(directory)
@@ -204,7 +206,7 @@ def _finish_trial(directory: str, overrides: dict, wall_time_s: float, metric: s
             "wall_time_s": wall_time_s, "status": "done"}
   logger.write_hparams(directory, overrides, final, final["step"])  # before the result: a
   # trial with its result file is finished and never revisited
-  files.atomic_write(os.path.join(directory, RESULT_FILE), json.dumps(result, indent=2))
+  storage.write(storage.join(directory, RESULT_FILE), json.dumps(result, indent=2))
   return result
 
 
@@ -238,7 +240,7 @@ def write_results(workdir: str, results: list[tuple[int, dict]], metric: str,
   writer = csv.DictWriter(table, fieldnames=columns)
   writer.writeheader()
   writer.writerows(rows)
-  csv_path = files.atomic_write(os.path.join(workdir, "results.csv"), table.getvalue())
+  csv_path = storage.write(storage.join(workdir, "results.csv"), table.getvalue())
 
   def cell(v):
     return f"{v:.4g}" if isinstance(v, float) else str(v)
@@ -251,7 +253,7 @@ def write_results(workdir: str, results: list[tuple[int, dict]], metric: str,
            "| " + " | ".join(columns) + " |", "| " + " | ".join("---" for _ in columns) + " |"]
   lines += ["| " + " | ".join(cell(row[c]) for c in columns) + " |" for row in rows]
   text = "\n".join(lines) + "\n"
-  md_path = files.atomic_write(os.path.join(workdir, "results.md"), text)
+  md_path = storage.write(storage.join(workdir, "results.md"), text)
   return csv_path, md_path, text
 
 
@@ -287,7 +289,7 @@ def _launchable(workdir: str, pending: list, waiting: set) -> Optional[int]:
   by a sweep that was killed) is waited for, with one line saying so."""
   for i in pending:
     try:
-      lock.DirectoryLock(_trial_dir(workdir, i), "trial").check()
+      storage.lock(_trial_dir(workdir, i), "trial").check()
       return i
     except UserError as e:
       if i not in waiting:
@@ -312,10 +314,6 @@ def run_sweep(config_path: str, workdir: str, base_overrides: Optional[dict] = N
   trials = load_sweep(config_path)
   base_overrides = dict(base_overrides or {})
   configs = check_trials(config_path, trials, base_overrides)
-  if storage.is_url(storage.check(workdir)):  # before anything is written, locally or not
-    raise UserError(f"--workdir {workdir}: a sweep writes its trials on a local or shared file "
-                    "system for now, not in a bucket; give a local directory (each trial may "
-                    "still be trained into a bucket with --mode=train)")
   workdir = checkpoint.check_workdir(workdir, entries={})
   commands = [trial_command(config_path, _trial_dir(workdir, i), t, base_overrides)
               for i, t in enumerate(trials)]
@@ -327,7 +325,7 @@ def run_sweep(config_path: str, workdir: str, base_overrides: Optional[dict] = N
   for i, trial in enumerate(trials):  # all checked before anything is written
     _check_trial_dir(_trial_dir(workdir, i), trial)
   checkpoint.create_workdir(workdir)
-  sweep_lock = lock.DirectoryLock(workdir, "the sweep's --workdir")
+  sweep_lock = storage.lock(workdir, "the sweep's --workdir")  # flock, or a bucket's lease
   sweep_lock.acquire()
   with sweep_lock:
     return _run_trials(workdir, trials, configs, commands, parallel, metric)
@@ -355,13 +353,15 @@ class _Progress:
     self._finished += self._steps[i]
 
   def update(self, running: dict) -> None:
-    if self._bar.disable or time.time() - self._last_read < 1.0:
+    # In a bucket each read is a request or two a trial: every 10 s rather than every second.
+    every = 10.0 if storage.is_url(self._workdir) else 1.0
+    if self._bar.disable or time.time() - self._last_read < every:
       return
     self._last_read = time.time()
     shown, steps = [], self._finished
     for i in sorted(running):
-      record = _last_train_record(os.path.join(_trial_dir(self._workdir, i),
-                                                logger.METRICS_FILE))
+      record = _last_train_record(storage.join(_trial_dir(self._workdir, i),
+                                               logger.METRICS_FILE))
       step = min(int(record.get("step", 0)), self._steps[i])
       steps += step
       loss = f" loss {record['loss']:.3f}" if "loss" in record else ""
@@ -370,13 +370,23 @@ class _Progress:
     self._bar.set_postfix_str("; ".join(shown), refresh=True)
 
 
+def _tail(path: str) -> bytes:
+  """The end of a trial's metrics.jsonl: its last 16 KiB locally; in a bucket, its last few
+  chunk objects (storage.JsonLog)."""
+  if storage.is_url(path):
+    parts = storage.listdir(path + storage.PARTS_SUFFIX)[-4:]
+    return b"".join(storage.read_bytes(storage.join(path + storage.PARTS_SUFFIX, name))
+                    for name in parts)
+  with open(path, "rb") as f:
+    f.seek(0, os.SEEK_END)
+    f.seek(max(f.tell() - 16384, 0))
+    return f.read()
+
+
 def _last_train_record(path: str) -> dict:
   """The newest training record of a trial's metrics.jsonl ({} before its first log line)."""
   try:
-    with open(path, "rb") as f:
-      f.seek(0, os.SEEK_END)
-      f.seek(max(f.tell() - 16384, 0))
-      lines = f.read().decode("utf-8", "replace").splitlines()
+    lines = _tail(path).decode("utf-8", "replace").splitlines()
   except OSError:
     return {}
   for line in reversed(lines):
@@ -389,16 +399,42 @@ def _last_train_record(path: str) -> dict:
   return {}
 
 
+class _TrialLog:
+  """A trial's train.log (its stdout and stderr). Local: the file, appended to by the trial's
+  process. In a bucket, which has no append: a local temporary file that the process writes,
+  added to the log object when the trial ends (a sweep killed meanwhile loses that much of the
+  log; the trial's metrics and checkpoints are in the bucket already)."""
+
+  def __init__(self, path: str):
+    self.path = path
+    self.file = (tempfile.TemporaryFile(prefix="trial-", suffix=".log") if storage.is_url(path)
+                 else open(path, "ab"))
+
+  def close(self) -> None:
+    try:
+      if storage.is_url(self.path):
+        self.file.seek(0)
+        try:
+          before = storage.read_bytes(self.path)
+        except FileNotFoundError:
+          before = b""
+        storage.write(self.path, before + self.file.read())
+    except UserError as e:  # the trial's own outcome matters more than its log
+      print(f"warning: could not write {self.path}: {e}", file=sys.stderr, flush=True)
+    finally:
+      self.file.close()
+
+
 def _run_trials(workdir, trials, configs, commands, parallel, metric) -> list[tuple[int, dict]]:
   results, pending = {}, []
   for i, trial in enumerate(trials):
     directory = _trial_dir(workdir, i)
-    if not os.path.exists(os.path.join(directory, "trial.json")):
+    if not storage.exists(storage.join(directory, "trial.json")):
       checkpoint.create_workdir(directory)
-      files.atomic_write(os.path.join(directory, "trial.json"), json.dumps({"overrides": trial}))
-    path = os.path.join(directory, RESULT_FILE)
+      storage.write(storage.join(directory, "trial.json"), json.dumps({"overrides": trial}))
+    path = storage.join(directory, RESULT_FILE)
     result = None
-    if os.path.exists(path):
+    if storage.exists(path):
       try:
         result = _read_json(path, "the trial's result")
       except UserError as e:
@@ -419,9 +455,9 @@ def _run_trials(workdir, trials, configs, commands, parallel, metric) -> list[tu
         if i is None:
           break
         pending.remove(i)
-        log = open(os.path.join(_trial_dir(workdir, i), "train.log"), "a", encoding="utf-8")
+        log = _TrialLog(storage.join(_trial_dir(workdir, i), "train.log"))
         _log(workdir, trial=i, event="start", overrides=trials[i])
-        process = subprocess.Popen(commands[i], stdout=log, stderr=subprocess.STDOUT,
+        process = subprocess.Popen(commands[i], stdout=log.file, stderr=subprocess.STDOUT,
                                    start_new_session=True)
         running[i] = (process, time.time(), log)
         progress.write(f"trial_{i:03d} started: {trials[i]}")
