@@ -1,12 +1,14 @@
 """Object-store emulators on 127.0.0.1 for the tests (test helper): real HTTP servers in their
 own processes, reached through the same environment variables a user sets for a real endpoint.
 
-- gs://: gcp-storage-emulator (the GCS JSON API). It ignores upload preconditions, so it is
-  started with two additions:  an upload with `ifGenerationMatch=0` onto an existing object is
-  answered 412, as GCS answers it (the lease's atomic creation depends on it). Everything else is
-  the emulator's own. Downloads also carry the object's generation in `x-goog-generation`, as
-  GCS sends it: TensorStore's gcs driver (orbax's OCDBT checkpoints) refuses a read without it.
-- s3://: moto in server mode (its S3 honours `If-None-Match: *` itself).
+- gs://: gcp-storage-emulator (the GCS JSON API). It ignores preconditions, so it is started
+  with these additions: an upload with `ifGenerationMatch=0` onto an existing object, and a
+  delete with `ifGenerationMatch=N` of an object at another generation, are answered 412, as GCS
+  answers them (the lease's atomic creation and takeover depend on them); each check and its
+  action hold one lock, as GCS applies them atomically. Downloads also carry the object's
+  generation in `x-goog-generation`, as GCS sends it: TensorStore's gcs driver (orbax's OCDBT
+  checkpoints) refuses a read without it. Everything else is the emulator's own.
+- s3://: moto in server mode (its S3 honours `If-None-Match: *` and `If-Match` itself).
 """
 
 import contextlib
@@ -20,13 +22,24 @@ import urllib.request
 
 GCS_SERVER = r"""
 import sys
+import threading
 from http import HTTPStatus
 from gcp_storage_emulator.handlers import objects
 from gcp_storage_emulator.exceptions import NotFound
 
 insert = objects.insert
+atomic = threading.Lock()
+
+def precondition_failed(response):
+  response.status = HTTPStatus.PRECONDITION_FAILED
+  response.json({"error": {"code": 412, "message": "At least one of the pre-conditions "
+                           "you specified did not hold.", "errors": []}})
 
 def insert_with_precondition(request, response, storage, *args, **kwargs):
+  with atomic:
+    return insert_if(request, response, storage, *args, **kwargs)
+
+def insert_if(request, response, storage, *args, **kwargs):
   if request.query.get("ifGenerationMatch") == ["0"]:
     name = request.query.get("name", [None])[0]
     if name is None and isinstance(request.data, dict):
@@ -36,11 +49,25 @@ def insert_with_precondition(request, response, storage, *args, **kwargs):
     except NotFound:
       pass
     else:
-      response.status = HTTPStatus.PRECONDITION_FAILED
-      response.json({"error": {"code": 412, "message": "At least one of the pre-conditions "
-                               "you specified did not hold.", "errors": []}})
+      precondition_failed(response)
       return
   return insert(request, response, storage, *args, **kwargs)
+
+delete = objects.delete
+
+def delete_with_precondition(request, response, storage, *args, **kwargs):
+  wanted = request.query.get("ifGenerationMatch", [None])[0]
+  with atomic:
+    if wanted is not None:
+      try:
+        obj = storage.get_file_obj(request.params["bucket_name"], request.params["object_id"])
+      except NotFound:
+        response.status = HTTPStatus.NOT_FOUND
+        return
+      if str(obj["generation"]) != wanted:
+        precondition_failed(response)
+        return
+    return delete(request, response, storage, *args, **kwargs)
 
 download = objects.download
 
@@ -54,6 +81,7 @@ def download_with_generation(request, response, storage, *args, **kwargs):
 
 objects.insert = insert_with_precondition  # before the server module builds its routes
 objects.download = download_with_generation
+objects.delete = delete_with_precondition
 from gcp_storage_emulator.server import create_server
 server = create_server("127.0.0.1", int(sys.argv[1]), in_memory=True)
 server.run()

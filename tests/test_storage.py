@@ -197,6 +197,63 @@ def test_a_lease_that_is_not_renewed_is_taken_over_after_it_runs_out(bucket_dir,
     taker.release()
 
 
+def test_a_conditional_delete_removes_only_the_version_it_read(bucket_dir):
+  path = storage.join(bucket_dir, "object")
+  storage.write(path, "one")
+  first = storage.version(path)
+  storage.write(path, "two")
+  assert storage.version(path) not in (None, first)
+  assert not storage.remove_if(path, first)  # rewritten since: kept
+  assert storage.read_text(path) == "two"
+  assert storage.remove_if(path, storage.version(path))
+  assert not storage.exists(path) and storage.version(path) is None
+  assert not storage.remove_if(path, first)  # gone already
+
+
+def test_of_runs_taking_over_a_stale_lease_at_once_exactly_one_wins(bucket_dir, monkeypatch):
+  """Six takers read the same expired lease and all decide to take it over; the worst order
+  follows: one deletes it and creates its own lease, and only then do the others delete. Each
+  deletes only the version it read (the store's precondition), so exactly one gets the lease
+  and the others are refused naming it."""
+  _foreign_lease(bucket_dir, renewed=time.time() - 100, seconds=1.0)
+  takers = 6
+  all_judged, first = threading.Barrier(takers, timeout=30), threading.Lock()
+  remove_if = storage.remove_if
+
+  def in_the_worst_order(path, at_version):
+    all_judged.wait()  # every taker has read the stale lease
+    if not first.acquire(blocking=False):
+      deadline = time.time() + 20
+      while storage.version(path) in (None, at_version):  # until the first holds a new lease
+        assert time.time() < deadline
+        time.sleep(0.02)
+    return remove_if(path, at_version)
+
+  monkeypatch.setattr(storage, "remove_if", in_the_worst_order)
+  won, refused = [], []
+
+  def taker():
+    lease = storage.Lease(bucket_dir)
+    try:
+      lease.acquire()
+      won.append(lease)
+    except UserError as e:
+      refused.append(str(e))
+
+  threads = [threading.Thread(target=taker) for _ in range(takers)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  try:
+    assert len(won) == 1 and len(refused) == takers - 1, refused
+    assert json.loads(storage.read_text(won[0].path))["token"] == won[0]._token
+    assert all("is in use by" in text for text in refused)
+  finally:
+    for lease in won:
+      lease.release()
+
+
 def test_a_dead_process_of_this_host_is_taken_over_at_once(bucket_dir):
   dead = 2**22 + 12345  # above the default pid_max: no such process
   storage.write(storage.join(bucket_dir, "lock"), json.dumps({

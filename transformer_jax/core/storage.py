@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import errno
 import json
 import os
 import re
@@ -338,6 +339,39 @@ def create(path: str, content: bytes | str) -> bool:
   return True
 
 
+def version(path: str) -> Optional[str]:
+  """The store's version of the object `path` (GCS generation, S3 ETag), None if there is none."""
+  scheme, key = _split(path)
+  try:
+    info = _call(path, "read", filesystem(scheme).info, key)
+  except FileNotFoundError:
+    return None
+  found = info.get("generation") if scheme == "gs" else info.get("ETag")
+  return None if found is None else str(found)
+
+
+def remove_if(path: str, at_version: str) -> bool:
+  """Deletes the object `path` only if it is still at `at_version` (see `version`); True if it
+  did. The store's precondition decides (GCS `ifGenerationMatch`, S3 `If-Match`), so of several
+  processes deleting one object they all read at that version, exactly one succeeds, and none
+  deletes a newer object written meanwhile."""
+  scheme, key = _split(path)
+  fs = filesystem(scheme)
+  bucket, _, name = key.partition("/")
+  try:
+    if scheme == "gs":
+      fs.call("DELETE", "b/{}/o/{}", bucket, name, ifGenerationMatch=at_version)
+    else:
+      fs.call_s3("delete_object", Bucket=bucket, Key=name, IfMatch=at_version)
+  except (FileNotFoundError, FileExistsError):  # gone already, or (gcsfs: 412) changed
+    return False
+  except OSError as e:
+    if scheme == "s3" and e.errno == errno.EINVAL:  # s3fs: 412 Precondition Failed
+      return False
+    raise _failure(path, e, "delete") or e from None
+  return True
+
+
 def remove(path: str) -> None:
   """Deletes the file or object `path` if it exists."""
   if not is_url(path):
@@ -597,9 +631,22 @@ class Lease:
 
   def _read(self) -> Optional[dict]:
     try:
-      raw = read_bytes(self.path)
+      return self._parse(read_bytes(self.path))
     except FileNotFoundError:
       return None
+
+  def _read_versioned(self) -> tuple[Optional[dict], Optional[str]]:
+    """(the holder's record, the object's version): the version is asked first, so that the
+    record read is of that version or a newer one (a delete conditioned on it then fails)."""
+    at_version = version(self.path)
+    try:
+      raw = read_bytes(self.path)
+    except FileNotFoundError:
+      return None, None
+    return self._parse(raw), at_version
+
+  @staticmethod
+  def _parse(raw: bytes) -> dict:
     try:
       holder = json.loads(raw.decode("utf-8"))
       return holder if isinstance(holder, dict) else {}
@@ -638,15 +685,18 @@ class Lease:
     token = uuid.uuid4().hex
     since = datetime.datetime.now().isoformat(timespec="seconds")
     for _ in range(3):
-      holder = self._read()
+      holder, at_version = self._read_versioned()
       if holder is not None:
         if not self._expired(holder):
           raise self._refusal(holder)
         text = lock_lib._holder_text(json.dumps(holder).encode("utf-8"))
         print(f"warning: the previous run in {self.directory} ({text}) did not end cleanly; "
               "taking over its lease", file=sys.stderr, flush=True)
-        if self._read() == holder:  # not renewed or taken by another run meanwhile
-          remove(self.path)
+        # Only the stale version: of two runs taking over at once one deletes it, the other's
+        # delete fails (it never deletes the lease the first then creates), and a renewal
+        # meanwhile keeps its lease.
+        if at_version is not None:
+          remove_if(self.path, at_version)
       self._token = token
       if create(self.path, self._record(since)):
         break
