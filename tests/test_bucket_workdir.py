@@ -122,19 +122,31 @@ def restore_latest(workdir: str):
     manager.close()
 
 
+def unfinished_steps(workdir: str) -> list:
+  """The checkpoint steps of a bucket workdir that orbax began and has not committed (no
+  commit_success.txt yet): a save under way, or cut short."""
+  directory = storage.join(workdir, "checkpoints")
+  return [n for n in storage.listdir(directory) if n.isdigit()
+          and not storage.exists(storage.join(directory, n, checkpoint.COMMIT_FILE))]
+
+
 def test_killed_in_a_bucket_then_resumed_equals_an_uninterrupted_local_run(launcher, tmp_path):
-  """kill -9 in the middle of a gs:// run (its lease left behind, a checkpoint save maybe under
-  way), then the same command: the final state and the logged steps are those of a local run
-  that was never interrupted."""
+  """kill -9 in the middle of a gs:// run, inside a checkpoint save (its lease and a step
+  without its commit file left behind), then the same command: the final state and the logged
+  steps are those of a local run that was never interrupted."""
   local = tmp_path / "local"
   code, out, err = launcher.run(*RUN, f"--workdir={local}")
   assert code == 0, err
   workdir = "gs://bucket/killed"
   launcher.start(*RUN, f"--workdir={workdir}")
-  launcher.wait_for(lambda out: last_logged_step(out) >= STEPS // 2)
+  # Every step is checkpointed (RUN): from the middle on, the first moment a save is under way.
+  launcher.wait_for(lambda out: last_logged_step(out) >= STEPS // 2 and unfinished_steps(workdir))
   launcher.send(signal.SIGKILL)
   assert launcher.wait() == -signal.SIGKILL
   assert "lock" in storage.listdir(workdir)  # the killed run's lease
+  cut_short = unfinished_steps(workdir)
+  assert cut_short, "the kill did not land inside a checkpoint save"
+  assert int(cut_short[0]) not in checkpoint.saved_steps(workdir)
   code, out, err = launcher.run(*RUN, f"--workdir={workdir}")
   assert code == 0, err
   resumed, reference = restore_latest(workdir), restore_latest(str(local))
