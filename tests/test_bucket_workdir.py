@@ -97,6 +97,7 @@ def test_a_second_trainer_is_refused_while_a_lease_is_live(launcher):
     ("gs:/bucket/run", "not a gs:// URL", "--mode=train"),
     ("gs://no-such-bucket/run", "the bucket gs://no-such-bucket does not exist", "--mode=train"),
     ("s3://no-such-bucket/run", "the bucket s3://no-such-bucket does not exist", "--mode=train"),
+    ("gs://private/run", "no valid credentials for Google Cloud Storage", "--mode=train"),
     ("gcs://bucket/run", "unknown storage scheme gcs://", "--mode=evaluate")])
 def test_a_bad_bucket_workdir_is_one_line_exit_2(launcher, workdir, says, mode):
   code, out, err = launcher.run(*TINY, f"--workdir={workdir}", mode)

@@ -319,6 +319,31 @@ def test_s3_without_credentials_is_one_error(stores, monkeypatch, tmp_path):
   assert "no credentials" in one_line(error) and "AWS_ACCESS_KEY_ID" in one_line(error)
 
 
+def test_gcs_without_credentials_is_one_error(stores):
+  """An anonymous caller (gcsfs without credentials) is answered 401 by a bucket that needs
+  them (the emulator answers as GCS does for gs://private, tests/emulators.py)."""
+  with pytest.raises(UserError) as error:
+    storage.check_bucket("gs://private/run")
+  text = one_line(error)
+  assert "no valid credentials for Google Cloud Storage" in text and "Anonymous caller" in text
+  assert "gcloud auth application-default login" in text
+
+
+def test_gcs_without_permission_is_one_error(stores, monkeypatch, tmp_path):
+  """Real credentials (a service-account key file: google-auth signs a token request to the
+  key's token endpoint, the emulator's) that the bucket refuses: 403."""
+  monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS",
+                     emulators.service_account_key(tmp_path / "key.json", stores["gs"]))
+  storage.check_bucket("gs://bucket/run")  # the same credentials, a bucket that lets them in
+  for attempt in (lambda: storage.check_bucket("gs://private/run"),
+                  lambda: storage.write("gs://private/run/config.json", "{}")):
+    with pytest.raises(UserError) as error:
+      attempt()
+    text = one_line(error)
+    assert "permission denied" in text and "gs://private" in text, text
+    assert "does not have storage.objects.list access" in text or "Forbidden" in text
+
+
 def test_a_log_upload_that_fails_is_raised_by_the_writer_not_lost(stores):
   """Uploads run off the caller's thread; a failure comes back as the usual one-line error."""
   log = storage.JsonLog("gs://no-such-bucket/run/metrics.jsonl")

@@ -121,7 +121,8 @@ def filesystem(scheme: str):
   """The fsspec filesystem of `scheme` (one per process; listings never cached, as other
   processes write the same bucket)."""
   key = (scheme, os.getpid(), os.environ.get("STORAGE_EMULATOR_HOST"),
-         os.environ.get("AWS_ENDPOINT_URL_S3"), os.environ.get("AWS_ENDPOINT_URL"))
+         os.environ.get("AWS_ENDPOINT_URL_S3"), os.environ.get("AWS_ENDPOINT_URL"),
+         os.environ.get("GOOGLE_APPLICATION_CREDENTIALS"))
   with _FILESYSTEMS_LOCK:
     if key not in _FILESYSTEMS:
       timeout = min(_timeout(), 30.0)
@@ -133,13 +134,21 @@ def filesystem(scheme: str):
         raise UserError(f"a {scheme}:// workdir needs {client}, which is not installed; "
                         f"pip install -e '.[{extra}]' (or pip install {client})") from None
       if scheme == "gs":
-        import logging  # gcsfs logs a warning per bucket when it cannot ask for the bucket's kind
-        logging.getLogger("gcsfs").setLevel(logging.ERROR)
+        # gcsfs logs a warning per bucket when it cannot ask for the bucket's kind, and a
+        # traceback for each failed request; the failures reach the user as one UserError.
+        import logging
+        logging.getLogger("gcsfs").setLevel(logging.CRITICAL)
         # The JSON-API filesystem itself, not gcsfs's default subclass for zonal and
         # hierarchical buckets: that one first asks each bucket's layout over gRPC, which an
         # emulator does not answer (it then hangs in retries).
         from gcsfs.core import GCSFileSystem  # imported here: only bucket workdirs need it
-        token = "anon" if os.environ.get("STORAGE_EMULATOR_HOST") else None
+        # gcsfs's own chain (Application Default Credentials, then the VM's, then none); at
+        # an emulator, a key file named by GOOGLE_APPLICATION_CREDENTIALS or no credentials
+        # (the chain would first wait for a metadata server that is not there).
+        token = None
+        if os.environ.get("STORAGE_EMULATOR_HOST"):
+          token = ("google_default" if os.environ.get("GOOGLE_APPLICATION_CREDENTIALS")
+                   else "anon")
         fs = GCSFileSystem(token=token, requests_timeout=timeout, skip_instance_cache=True,
                                  use_listings_cache=False)
         fs.retries = RETRIES
@@ -166,7 +175,10 @@ def _failure(url: str, e: BaseException, doing: str) -> Optional[UserError]:
     return UserError(f"cannot {doing} {url}: no credentials for {SCHEMES[scheme]} ({text}); "
                      f"{credentials}")
   code = getattr(e, "code", None)
-  if isinstance(e, PermissionError) or code in (401, 403) or text.startswith("Forbidden"):
+  if code == 401 or text.startswith("Anonymous caller"):  # no credentials reached the store
+    return UserError(f"cannot {doing} {url}: no valid credentials for {SCHEMES[scheme]} "
+                     f"({text}); {credentials}")
+  if isinstance(e, PermissionError) or code == 403 or text.startswith("Forbidden"):
     return UserError(f"cannot {doing} {url}: permission denied ({text}); grant this account "
                      f"read and write access to {bucket} (or use another bucket), or check "
                      f"the credentials ({credentials})")
