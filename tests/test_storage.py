@@ -308,6 +308,27 @@ def test_an_endpoint_that_does_not_answer_is_one_error_within_the_timeout(scheme
   assert silent in text and ("does not answer" in text or "no answer" in text)
 
 
+@pytest.mark.parametrize("scheme, variable", [("gs", "STORAGE_EMULATOR_HOST"),
+                                              ("s3", "AWS_ENDPOINT_URL_S3")])
+def test_an_endpoint_that_accepts_but_never_answers_is_one_error_after_the_timeout(
+    scheme, variable, stores, monkeypatch):
+  """A server that takes the connection and then says nothing (a firewall or a hung proxy): the
+  first request is given up after TRANSFORMER_JAX_STORAGE_TIMEOUT seconds, named."""
+  with socket.socket() as silent:
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)  # connections are accepted by the kernel; nothing ever reads them
+    endpoint = f"http://127.0.0.1:{silent.getsockname()[1]}"
+    monkeypatch.setenv(variable, endpoint)
+    monkeypatch.setenv(storage.TIMEOUT_ENV, "2")
+    start = time.time()
+    with pytest.raises(UserError) as error:
+      storage.check_bucket(f"{scheme}://bucket/run")
+    assert time.time() - start < 10
+  text = one_line(error)
+  assert f"no answer from {endpoint} within 2 s" in text and "listing of" in text, text
+  assert storage.TIMEOUT_ENV in text
+
+
 def test_s3_without_credentials_is_one_error(stores, monkeypatch, tmp_path):
   for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE"):
     monkeypatch.delenv(name, raising=False)
