@@ -65,10 +65,11 @@ def main(name: str = "base", stores: str = "local,gs,s3") -> None:
   if "local" in stores:
     with tempfile.TemporaryDirectory() as local:
       print(json.dumps(measure(config, local, state, target)), flush=True)
-  for scheme, emulator in (("gs", emulators.gcs), ("s3", emulators.s3)):
+  for scheme, emulator, variable in (("gs", emulators.gcs, "gcs_url"),
+                                     ("s3", emulators.s3, "s3_url")):
     if scheme in stores:
       with emulator() as url:
-        os.environ.update(emulators.environment(**{f"{scheme}_url": url}))
+        os.environ.update(emulators.environment(**{variable: url}))
         emulators.make_bucket(f"{scheme}://bench")
         print(json.dumps(measure(config, f"{scheme}://bench/run", state, target)), flush=True)
 
