@@ -2,12 +2,12 @@
 own processes, reached through the same environment variables a user sets for a real endpoint.
 
 - gs://: gcp-storage-emulator (the GCS JSON API). It ignores preconditions, so it is started
-  with these additions: an upload with `ifGenerationMatch=0` onto an existing object, and a
-  delete with `ifGenerationMatch=N` of an object at another generation, are answered 412, as GCS
-  answers them (the lease's atomic creation and takeover depend on them); each check and its
-  action hold one lock, as GCS applies them atomically. Downloads also carry the object's
-  generation in `x-goog-generation`, as GCS sends it: TensorStore's gcs driver (orbax's OCDBT
-  checkpoints) refuses a read without it. Everything else is the emulator's own.
+  with these additions: an upload or a delete with `ifGenerationMatch=N` of an object at another
+  generation (0: none) is answered 412, as GCS answers it (the lease's atomic creation, takeover
+  and renewal depend on them); each check and its action hold one lock, as GCS applies them
+  atomically. Downloads also carry the object's generation in `x-goog-generation`, as GCS sends
+  it: TensorStore's gcs driver (orbax's OCDBT checkpoints) refuses a read without it. Everything
+  else is the emulator's own.
 - s3://: moto in server mode (its S3 honours `If-None-Match: *` and `If-Match` itself).
 """
 
@@ -41,15 +41,16 @@ def insert_with_precondition(request, response, storage, *args, **kwargs):
     return insert_if(request, response, storage, *args, **kwargs)
 
 def insert_if(request, response, storage, *args, **kwargs):
-  if request.query.get("ifGenerationMatch") == ["0"]:
+  wanted = request.query.get("ifGenerationMatch", [None])[0]
+  if wanted is not None:
     name = request.query.get("name", [None])[0]
     if name is None and isinstance(request.data, dict):
       name = (request.data.get("meta") or request.data).get("name")
     try:
-      storage.get_file_obj(request.params["bucket_name"], name)
+      current = str(storage.get_file_obj(request.params["bucket_name"], name)["generation"])
     except NotFound:
-      pass
-    else:
+      current = "0"  # GCS's generation of an object that does not exist
+    if current != wanted:
       precondition_failed(response)
       return
   return insert(request, response, storage, *args, **kwargs)

@@ -210,6 +210,19 @@ def test_a_conditional_delete_removes_only_the_version_it_read(bucket_dir):
   assert not storage.remove_if(path, first)  # gone already
 
 
+def test_a_conditional_write_replaces_only_the_version_it_names(bucket_dir):
+  path = storage.join(bucket_dir, "object")
+  assert storage.write_if(path, "none yet", "1") is None  # nothing there: nothing written
+  assert not storage.exists(path)
+  storage.write(path, "one")
+  first = storage.version(path)
+  second = storage.write_if(path, "two", first)
+  assert second not in (None, first) and second == storage.version(path)
+  assert storage.read_text(path) == "two"
+  assert storage.write_if(path, "three", first) is None  # a stale version: kept as it is
+  assert storage.read_text(path) == "two"
+
+
 def test_of_runs_taking_over_a_stale_lease_at_once_exactly_one_wins(bucket_dir, monkeypatch):
   """Six takers read the same expired lease and all decide to take it over; the worst order
   follows: one deletes it and creates its own lease, and only then do the others delete. Each

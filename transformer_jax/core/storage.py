@@ -384,6 +384,29 @@ def remove_if(path: str, at_version: str) -> bool:
   return True
 
 
+def write_if(path: str, content: bytes | str, at_version: str) -> Optional[str]:
+  """Replaces the object `path` with `content` only if it is still at `at_version` (see
+  `version`); its new version, or None if it changed or is gone meanwhile (GCS
+  `ifGenerationMatch`, S3 `If-Match`: the store decides, in the same request)."""
+  data = content.encode("utf-8") if isinstance(content, str) else content
+  scheme, key = _split(path)
+  fs = filesystem(scheme)
+  bucket, _, name = key.partition("/")
+  try:
+    if scheme == "gs":
+      answer = fs.call("POST", fs._location + "/upload/storage/v1/b/{}/o", bucket,
+                       uploadType="media", name=name, ifGenerationMatch=at_version, data=data,
+                       json_out=True)
+      return str(answer["generation"])
+    return fs.call_s3("put_object", Bucket=bucket, Key=name, Body=data, IfMatch=at_version)["ETag"]
+  except (FileNotFoundError, FileExistsError):  # gone, or (gcsfs: 412) changed
+    return None
+  except OSError as e:
+    if scheme == "s3" and e.errno == errno.EINVAL:  # s3fs: 412 Precondition Failed
+      return None
+    raise _failure(path, e, "write") or e from None
+
+
 def remove(path: str) -> None:
   """Deletes the file or object `path` if it exists."""
   if not is_url(path):
@@ -599,7 +622,7 @@ def append_jsonl(path: str, record: dict) -> None:
 # ------------------------------------------------------------------------- one writer: a lease
 
 LEASE_SECONDS = 60.0  # a lease not renewed for this long is taken over
-RENEW_EVERY_S = 20.0  # how often a live run renews its lease (one read and one write each)
+RENEW_EVERY_S = 20.0  # how often a live run renews its lease (one conditional write each)
 
 
 def _now() -> float:
@@ -624,8 +647,8 @@ class Lease:
   taken over by the next run; so is one left by a dead process of this same host, at once. The
   interface is `core.lock.DirectoryLock`'s: `check`, `acquire`, `release`, `held`.
 
-  Costs: one read and one write every `renew_every` seconds while a run lives (180 of each per
-  hour at the defaults), plus a few requests at start and end. A run killed without a clean end
+  Costs: one conditional write every `renew_every` seconds while a run lives (180 an hour at
+  the defaults), plus a few requests at start and end. A run killed without a clean end
   blocks a run on another machine for at most `seconds` after its last renewal.
   """
 
@@ -638,6 +661,7 @@ class Lease:
     self.renew_every = renew_every
     self.lost = False  # set when another run took the lease over from under this one
     self._token = None
+    self._version = None  # the store's version of this run's lease object, while it holds it
     self._stop = threading.Event()
     self._thread = None
 
@@ -711,6 +735,7 @@ class Lease:
           remove_if(self.path, at_version)
       self._token = token
       if create(self.path, self._record(since)):
+        self._version = version(self.path)  # each renewal replaces exactly this version
         break
       self._token = None  # another run created it between our read and our write
     else:
@@ -724,14 +749,17 @@ class Lease:
   def _renew(self) -> None:
     while not self._stop.wait(self.renew_every):
       try:
-        holder = self._read()
-        if holder is None or holder.get("token") != self._token:
+        # One conditional write: it replaces this run's own last version or nothing, so a run
+        # that stalled past its lease never overwrites the lease another run took meanwhile.
+        renewed = write_if(self.path, self._record(self._since), self._version)
+        if renewed is None:
           self.lost = True
+          holder = self._read()
           print(f"warning: the lease on {self.directory} was taken over by another run "
                 f"({lock_lib._holder_text(json.dumps(holder or {}).encode())}); this run no "
                 "longer holds it", file=sys.stderr, flush=True)
           return
-        write(self.path, self._record(self._since))
+        self._version = renewed
       except Exception as e:  # a failed renewal is retried at the next one
         print(f"warning: could not renew the lease on {self.directory}: {e}", file=sys.stderr,
               flush=True)
@@ -744,12 +772,11 @@ class Lease:
     if self._thread is not None and self._thread is not threading.current_thread():
       self._thread.join(timeout=5)
     try:
-      holder = self._read()
-      if holder is not None and holder.get("token") == self._token:
-        remove(self.path)
+      if self._version is not None:
+        remove_if(self.path, self._version)  # this run's own version, never a taker's lease
     except Exception:
       pass  # the lease then runs out by itself
-    self._token = None
+    self._token = self._version = None
 
   @property
   def held(self) -> bool:
