@@ -1,13 +1,14 @@
-"""Save and restore time of a model's train-state checkpoint: local disk against a gs:// bucket.
+"""Save and restore time of a model's train-state checkpoint: local disk against gs:// and s3://.
 
-  python benchmarks/bucket_checkpoint.py [CONFIG]   (default: base)
+  python benchmarks/bucket_checkpoint.py [CONFIG [STORES]]   (default: base local,gs,s3)
 
-The bucket is the GCS emulator of the tests (tests/emulators.py) on 127.0.0.1, so the numbers
-measure this program's path through TensorStore's gcs driver and HTTP, not a real bucket's
-bandwidth. The state is CONFIG's TrainState (parameters and Adam moments) filled with normal
-noise (zeros would compress to nothing). Save: `checkpoint.Manager.save` and its wait (orbax's
-async save, made whole). Restore: `Manager.restore` of the newest step, its checksum check
-included. Prints one JSON line per store.
+The buckets are the emulators of the tests (tests/emulators.py: gcp-storage-emulator, moto's S3
+server) on 127.0.0.1, so the numbers measure this program's path through TensorStore's gcs and
+s3 drivers and HTTP, not a real bucket's bandwidth. The state is CONFIG's TrainState (parameters
+and Adam moments) filled with normal noise (zeros would compress to nothing). Save:
+`checkpoint.Manager.save` and its wait (orbax's async save, made whole). Restore:
+`Manager.restore` of the newest step, its checksum check included. Prints one JSON line per
+store.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def measure(config, workdir: str, state, target) -> dict:
           "save_s": round(saved, 2), "restore_s": round(restored_s, 2)}
 
 
-def main(name: str = "base") -> None:
+def main(name: str = "base", stores: str = "local,gs,s3") -> None:
   config = importlib.import_module(f"transformer_jax.experiments.{name}").get_config()
   model_config = config_lib.validate(config, jax.default_backend())
   mesh = sharding.make_mesh(config.mesh.to_dict())
@@ -60,13 +61,18 @@ def main(name: str = "base") -> None:
       s.sharding), target)
   size = sum(x.nbytes for x in jax.tree.leaves(state))
   print(json.dumps({"config": name, "state_bytes": size}), flush=True)
-  with tempfile.TemporaryDirectory() as local:
-    print(json.dumps(measure(config, local, state, target)), flush=True)
-  with emulators.gcs() as url:
-    os.environ.update(emulators.environment(url))
-    emulators.make_bucket("gs://bench")
-    print(json.dumps(measure(config, "gs://bench/run", state, target)), flush=True)
+  stores = stores.split(",")
+  if "local" in stores:
+    with tempfile.TemporaryDirectory() as local:
+      print(json.dumps(measure(config, local, state, target)), flush=True)
+  for scheme, emulator, variable in (("gs", emulators.gcs, "gcs_url"),
+                                     ("s3", emulators.s3, "s3_url")):
+    if scheme in stores:
+      with emulator() as url:
+        os.environ.update(emulators.environment(**{variable: url}))
+        emulators.make_bucket(f"{scheme}://bench")
+        print(json.dumps(measure(config, f"{scheme}://bench/run", state, target)), flush=True)
 
 
 if __name__ == "__main__":
-  main(*sys.argv[1:2])
+  main(*sys.argv[1:3])

@@ -1,15 +1,18 @@
 """Object-store emulators on 127.0.0.1 for the tests (test helper): real HTTP servers in their
 own processes, reached through the same environment variables a user sets for a real endpoint.
 
-- gs://: gcp-storage-emulator (the GCS JSON API). It ignores upload preconditions, so it is
-  started with two additions:  an upload with `ifGenerationMatch=0` onto an existing object is
-  answered 412, as GCS answers it (the lease's atomic creation depends on it). Everything else is
-  the emulator's own. Downloads also carry the object's generation in `x-goog-generation`, as
-  GCS sends it: TensorStore's gcs driver (orbax's OCDBT checkpoints) refuses a read without it.
-- s3://: moto in server mode (its S3 honours `If-None-Match: *` itself).
+- gs://: gcp-storage-emulator (the GCS JSON API). It ignores preconditions, so it is started
+  with these additions: an upload or a delete with `ifGenerationMatch=N` of an object at another
+  generation (0: none) is answered 412, as GCS answers it (the lease's atomic creation, takeover
+  and renewal depend on them); each check and its action hold one lock, as GCS applies them
+  atomically. Downloads also carry the object's generation in `x-goog-generation`, as GCS sends
+  it: TensorStore's gcs driver (orbax's OCDBT checkpoints) refuses a read without it. Everything
+  else is the emulator's own.
+- s3://: moto in server mode (its S3 honours `If-None-Match: *` and `If-Match` itself).
 """
 
 import contextlib
+import json
 import os
 import socket
 import subprocess
@@ -20,27 +23,53 @@ import urllib.request
 
 GCS_SERVER = r"""
 import sys
+import threading
 from http import HTTPStatus
 from gcp_storage_emulator.handlers import objects
 from gcp_storage_emulator.exceptions import NotFound
 
 insert = objects.insert
+atomic = threading.Lock()
+
+def precondition_failed(response):
+  response.status = HTTPStatus.PRECONDITION_FAILED
+  response.json({"error": {"code": 412, "message": "At least one of the pre-conditions "
+                           "you specified did not hold.", "errors": []}})
 
 def insert_with_precondition(request, response, storage, *args, **kwargs):
-  if request.query.get("ifGenerationMatch") == ["0"]:
+  with atomic:
+    return insert_if(request, response, storage, *args, **kwargs)
+
+def insert_if(request, response, storage, *args, **kwargs):
+  wanted = request.query.get("ifGenerationMatch", [None])[0]
+  if wanted is not None:
     name = request.query.get("name", [None])[0]
     if name is None and isinstance(request.data, dict):
       name = (request.data.get("meta") or request.data).get("name")
     try:
-      storage.get_file_obj(request.params["bucket_name"], name)
+      current = str(storage.get_file_obj(request.params["bucket_name"], name)["generation"])
     except NotFound:
-      pass
-    else:
-      response.status = HTTPStatus.PRECONDITION_FAILED
-      response.json({"error": {"code": 412, "message": "At least one of the pre-conditions "
-                               "you specified did not hold.", "errors": []}})
+      current = "0"  # GCS's generation of an object that does not exist
+    if current != wanted:
+      precondition_failed(response)
       return
   return insert(request, response, storage, *args, **kwargs)
+
+delete = objects.delete
+
+def delete_with_precondition(request, response, storage, *args, **kwargs):
+  wanted = request.query.get("ifGenerationMatch", [None])[0]
+  with atomic:
+    if wanted is not None:
+      try:
+        obj = storage.get_file_obj(request.params["bucket_name"], request.params["object_id"])
+      except NotFound:
+        response.status = HTTPStatus.NOT_FOUND
+        return
+      if str(obj["generation"]) != wanted:
+        precondition_failed(response)
+        return
+    return delete(request, response, storage, *args, **kwargs)
 
 download = objects.download
 
@@ -54,6 +83,48 @@ def download_with_generation(request, response, storage, *args, **kwargs):
 
 objects.insert = insert_with_precondition  # before the server module builds its routes
 objects.download = download_with_generation
+objects.delete = delete_with_precondition
+import json
+import re
+from gcp_storage_emulator import server as emulator
+
+# GCS's IAM for buckets named private*: an anonymous caller is answered 401 and any other one
+# 403 (the emulator has no accounts, so none is granted access). POST /token is the OAuth token
+# endpoint a service-account key file may name (token_uri): it grants every key a token.
+PRIVATE = re.compile(r"/b/(private[-.\w]*)(/|$)")
+handle = emulator.Router.handle
+
+def reply(handler, code, body):
+  data = json.dumps(body).encode("utf-8")
+  handler.send_response(code)
+  handler.send_header("Content-Type", "application/json")
+  handler.send_header("Content-Length", str(len(data)))
+  handler.end_headers()
+  handler.wfile.write(data)
+
+def handle_with_iam(self, method):
+  handler = self._request_handler
+  path = handler.path.split("?")[0]
+  if path == "/token" and method == "POST":
+    return reply(handler, 200, {"access_token": "a-token", "token_type": "Bearer",
+                                "expires_in": 3600})
+  private = PRIVATE.search(path)
+  if private:
+    bucket = private.group(1)
+    if not handler.headers.get("Authorization"):
+      message = ("Anonymous caller does not have storage.objects.list access to the Google "
+                 "Cloud Storage bucket. Permission 'storage.objects.list' denied on resource "
+                 "(or it may not exist).")
+      return reply(handler, 401, {"error": {"code": 401, "message": message, "errors": [
+          {"message": message, "domain": "global", "reason": "required"}]}})
+    message = (f"tests@emulator.iam.gserviceaccount.com does not have storage.objects.list "
+               f"access to the Google Cloud Storage bucket {bucket}. Permission "
+               "'storage.objects.list' denied on resource (or it may not exist).")
+    return reply(handler, 403, {"error": {"code": 403, "message": message, "errors": [
+        {"message": message, "domain": "global", "reason": "forbidden"}]}})
+  return handle(self, method)
+
+emulator.Router.handle = handle_with_iam
 from gcp_storage_emulator.server import create_server
 server = create_server("127.0.0.1", int(sys.argv[1]), in_memory=True)
 server.run()
@@ -118,6 +189,22 @@ def environment(gcs_url: str = None, s3_url: str = None) -> dict:
   return env
 
 
+def service_account_key(path, gcs_url: str) -> str:
+  """Writes a service-account key file whose token endpoint is the GCS emulator's (a fresh RSA
+  key: google-auth signs its token request with it); returns the path, for
+  GOOGLE_APPLICATION_CREDENTIALS."""
+  from cryptography.hazmat.primitives import serialization
+  from cryptography.hazmat.primitives.asymmetric import rsa
+  key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+  pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                          serialization.NoEncryption()).decode("ascii")
+  with open(path, "w", encoding="utf-8") as f:
+    json.dump({"type": "service_account", "project_id": "tests", "private_key_id": "1",
+               "private_key": pem, "client_email": "tests@emulator.iam.gserviceaccount.com",
+               "client_id": "1", "token_uri": f"{gcs_url}/token"}, f)
+  return str(path)
+
+
 def make_bucket(url: str) -> None:
   """Creates the bucket of `url` (gs://b or s3://b) on its emulator."""
   from transformer_jax.core import storage
@@ -127,13 +214,14 @@ def make_bucket(url: str) -> None:
 
 @contextlib.contextmanager
 def buckets():
-  """Both emulators, os.environ pointing at them (restored after), and gs://bucket and
-  s3://bucket made; yields the GCS and S3 endpoints."""
+  """Both emulators, os.environ pointing at them (restored after), and gs://bucket,
+  s3://bucket and gs://private (no caller may read or write it) made; yields the GCS and S3
+  endpoints."""
   with gcs() as gcs_url, s3() as s3_url:
     saved = dict(os.environ)
     os.environ.update(environment(gcs_url, s3_url))
     try:
-      for bucket in ("gs://bucket", "s3://bucket"):
+      for bucket in ("gs://bucket", "s3://bucket", "gs://private"):
         make_bucket(bucket)
       yield gcs_url, s3_url
     finally:

@@ -11,6 +11,7 @@ import pytest
 from launcher import ROOT, Launcher, environment
 from test_checkpoint import RUN, STEPS, assert_same_state, last_logged_step
 
+import transformer_jax
 from tests import emulators
 from transformer_jax import config as config_lib
 from transformer_jax.core import storage
@@ -44,10 +45,17 @@ def local_entries() -> set:
   return {name for name in os.listdir(ROOT) if name.endswith(":")}
 
 
-def test_train_then_evaluate_and_plot_in_a_gs_workdir(launcher):
+@pytest.fixture(scope="module")
+def gs_run(launcher):
+  """A tiny run trained into gs://bucket/run (once for the module)."""
   workdir = "gs://bucket/run"
   code, out, err = launcher.run(*TINY, f"--workdir={workdir}", "--mode=train")
   assert code == 0, err
+  return workdir
+
+
+def test_train_then_evaluate_and_plot_in_a_gs_workdir(launcher, gs_run):
+  workdir = gs_run
   assert {"config.json", "tokenizer.model", "checkpoints", "eval", "summary.md", "tensorboard",
           "metrics.jsonl.parts"} <= set(storage.listdir(workdir))
   assert "lock" not in storage.listdir(workdir)  # the lease ends with the run
@@ -89,8 +97,7 @@ def test_a_second_trainer_is_refused_while_a_lease_is_live(launcher):
     ("gs:/bucket/run", "not a gs:// URL", "--mode=train"),
     ("gs://no-such-bucket/run", "the bucket gs://no-such-bucket does not exist", "--mode=train"),
     ("s3://no-such-bucket/run", "the bucket s3://no-such-bucket does not exist", "--mode=train"),
-    ("s3://bucket/run", "orbax cannot read or write checkpoints in s3://", "--mode=train"),
-    ("gs://bucket/sweep", "a sweep writes its trials on a local or shared file system", "--sweep"),
+    ("gs://private/run", "no valid credentials for Google Cloud Storage", "--mode=train"),
     ("gcs://bucket/run", "unknown storage scheme gcs://", "--mode=evaluate")])
 def test_a_bad_bucket_workdir_is_one_line_exit_2(launcher, workdir, says, mode):
   code, out, err = launcher.run(*TINY, f"--workdir={workdir}", mode)
@@ -116,19 +123,31 @@ def restore_latest(workdir: str):
     manager.close()
 
 
+def unfinished_steps(workdir: str) -> list:
+  """The checkpoint steps of a bucket workdir that orbax began and has not committed (no
+  commit_success.txt yet): a save under way, or cut short."""
+  directory = storage.join(workdir, "checkpoints")
+  return [n for n in storage.listdir(directory) if n.isdigit()
+          and not storage.exists(storage.join(directory, n, checkpoint.COMMIT_FILE))]
+
+
 def test_killed_in_a_bucket_then_resumed_equals_an_uninterrupted_local_run(launcher, tmp_path):
-  """kill -9 in the middle of a gs:// run (its lease left behind, a checkpoint save maybe under
-  way), then the same command: the final state and the logged steps are those of a local run
-  that was never interrupted."""
+  """kill -9 in the middle of a gs:// run, inside a checkpoint save (its lease and a step
+  without its commit file left behind), then the same command: the final state and the logged
+  steps are those of a local run that was never interrupted."""
   local = tmp_path / "local"
   code, out, err = launcher.run(*RUN, f"--workdir={local}")
   assert code == 0, err
   workdir = "gs://bucket/killed"
   launcher.start(*RUN, f"--workdir={workdir}")
-  launcher.wait_for(lambda out: last_logged_step(out) >= STEPS // 2)
+  # Every step is checkpointed (RUN): from the middle on, the first moment a save is under way.
+  launcher.wait_for(lambda out: last_logged_step(out) >= STEPS // 2 and unfinished_steps(workdir))
   launcher.send(signal.SIGKILL)
   assert launcher.wait() == -signal.SIGKILL
   assert "lock" in storage.listdir(workdir)  # the killed run's lease
+  cut_short = unfinished_steps(workdir)
+  assert cut_short, "the kill did not land inside a checkpoint save"
+  assert int(cut_short[0]) not in checkpoint.saved_steps(workdir)
   code, out, err = launcher.run(*RUN, f"--workdir={workdir}")
   assert code == 0, err
   resumed, reference = restore_latest(workdir), restore_latest(str(local))
@@ -136,4 +155,78 @@ def test_killed_in_a_bucket_then_resumed_equals_an_uninterrupted_local_run(launc
   assert_same_state(resumed.state, reference.state)
   steps = [r["step"] for r in read_metrics(workdir) if r["split"] == "train"]
   assert steps == list(range(1, STEPS + 1))
+  assert local_entries() == set()
+
+
+def test_an_s3_workdir_holds_the_checkpoints_a_gs_one_does(launcher, gs_run):
+  """orbax's checkpoints through TensorStore's s3 driver (moto's server): the same run into
+  s3:// saves and loads back the state its gs:// twin holds, bit for bit, and evaluates as it
+  does."""
+  workdir = "s3://bucket/run"
+  code, out, err = launcher.run(*TINY, f"--workdir={workdir}", "--mode=train")
+  assert code == 0, err
+  assert storage.listdir(storage.join(workdir, "checkpoints")) == ["2"]
+  # Committed as orbax commits a gs:// step: in place, commit_success.txt written last.
+  assert checkpoint.COMMIT_FILE in storage.listdir(storage.join(workdir, "checkpoints", "2"))
+  assert checkpoint.saved_steps(workdir) == checkpoint.saved_steps(gs_run) == [2]
+  # Training's final evaluation, written to s3://; the checkpoint is read back below (restore,
+  # load), as --mode=evaluate reads it (run on gs:// by test_train_then_evaluate_and_plot...).
+  results = [set(storage.listdir(storage.join(w, "eval"))) for w in (workdir, gs_run)]
+  assert results[0] & results[1]  # the final evaluation of training, at least
+  for name in results[0] & results[1]:
+    on_s3, on_gs = (json.loads(storage.read_text(storage.join(w, "eval", name)))
+                    for w in (workdir, gs_run))
+    timeless = [{k: v for k, v in r.items() if "second" not in k and "time" not in k}
+                for r in (on_s3, on_gs)]
+    assert timeless[0] == timeless[1] and "loss" in timeless[0], name
+  assert_same_state(restore_latest(workdir).state, restore_latest(gs_run).state)
+  model = transformer_jax.load(workdir)  # in this process, from the bucket
+  assert model.step == 2
+  assert_same_state(model.params, restore_latest(gs_run).state.params)
+  assert local_entries() == set()
+
+
+TWO_TRIALS = """from experiments.tiny import get_config  # noqa: F401
+
+
+def get_sweep():
+  return [{"train.learning_rate": 1e-3}, {"train.learning_rate": 3e-3}]
+"""
+
+
+def test_a_sweep_into_a_gs_workdir_ranks_its_trials_and_resumes(launcher, tmp_path):
+  """--sweep with a bucket workdir: each trial trains into WORKDIR/trial_NNN there, results.md
+  and results.csv rank them; run again after an interruption, a finished trial is not redone
+  and an unfinished one is finished."""
+  experiment = tmp_path / "two_trials.py"
+  experiment.write_text(TWO_TRIALS)
+  workdir = "gs://bucket/sweep"
+  command = [f"--config={experiment}", f"--workdir={workdir}", "--sweep", "--sweep_parallel=2",
+             *TINY[1:]]
+  code, out, err = launcher.run(*command)
+  assert code == 0, out + err
+  assert {"results.md", "results.csv", "trial_000", "trial_001"} <= set(storage.listdir(workdir))
+  assert "lock" not in storage.listdir(workdir)  # the sweep's lease ends with it
+  for trial in ("trial_000", "trial_001"):
+    names = storage.listdir(storage.join(workdir, trial))
+    assert {"trial.json", "trial_result.json", "train.log", "config.json"} <= set(names), names
+    assert storage.listdir(storage.join(workdir, trial, "checkpoints")) == ["2"]
+  table = storage.read_text(storage.join(workdir, "results.md"))
+  assert table.count("| trial_") == 2 and table.count("| done |") == 2 and table in out
+  rows = storage.read_text(storage.join(workdir, "results.csv")).splitlines()
+  assert len(rows) == 3 and rows[0].startswith("trial,status")
+
+  # As if the sweep had been killed before trial_001 was recorded as finished.
+  storage.remove(storage.join(workdir, "trial_001", "trial_result.json"))
+  log_before = storage.read_text(storage.join(workdir, "trial_001", "train.log"))
+  code, out, err = launcher.run(*command)
+  assert code == 0, out + err
+  assert "2 trials, 1 already finished, running 1" in out
+  starts = [r["trial"] for r in storage.read_jsonl(storage.join(workdir, "sweep_log.jsonl"))
+            if r["event"] == "start"]
+  assert starts == [0, 1, 1]
+  rows_after = storage.read_text(storage.join(workdir, "results.csv")).splitlines()
+  assert [r.rsplit(",", 1)[0] for r in rows_after] == [r.rsplit(",", 1)[0] for r in rows]
+  log_after = storage.read_text(storage.join(workdir, "trial_001", "train.log"))
+  assert log_after.startswith(log_before) and len(log_after) > len(log_before)
   assert local_entries() == set()

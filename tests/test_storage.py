@@ -197,6 +197,76 @@ def test_a_lease_that_is_not_renewed_is_taken_over_after_it_runs_out(bucket_dir,
     taker.release()
 
 
+def test_a_conditional_delete_removes_only_the_version_it_read(bucket_dir):
+  path = storage.join(bucket_dir, "object")
+  storage.write(path, "one")
+  first = storage.version(path)
+  storage.write(path, "two")
+  assert storage.version(path) not in (None, first)
+  assert not storage.remove_if(path, first)  # rewritten since: kept
+  assert storage.read_text(path) == "two"
+  assert storage.remove_if(path, storage.version(path))
+  assert not storage.exists(path) and storage.version(path) is None
+  assert not storage.remove_if(path, first)  # gone already
+
+
+def test_a_conditional_write_replaces_only_the_version_it_names(bucket_dir):
+  path = storage.join(bucket_dir, "object")
+  assert storage.write_if(path, "none yet", "1") is None  # nothing there: nothing written
+  assert not storage.exists(path)
+  storage.write(path, "one")
+  first = storage.version(path)
+  second = storage.write_if(path, "two", first)
+  assert second not in (None, first) and second == storage.version(path)
+  assert storage.read_text(path) == "two"
+  assert storage.write_if(path, "three", first) is None  # a stale version: kept as it is
+  assert storage.read_text(path) == "two"
+
+
+def test_of_runs_taking_over_a_stale_lease_at_once_exactly_one_wins(bucket_dir, monkeypatch):
+  """Six takers read the same expired lease and all decide to take it over; the worst order
+  follows: one deletes it and creates its own lease, and only then do the others delete. Each
+  deletes only the version it read (the store's precondition), so exactly one gets the lease
+  and the others are refused naming it."""
+  _foreign_lease(bucket_dir, renewed=time.time() - 100, seconds=1.0)
+  takers = 6
+  all_judged, first = threading.Barrier(takers, timeout=30), threading.Lock()
+  remove_if = storage.remove_if
+
+  def in_the_worst_order(path, at_version):
+    all_judged.wait()  # every taker has read the stale lease
+    if not first.acquire(blocking=False):
+      deadline = time.time() + 20
+      while storage.version(path) in (None, at_version):  # until the first holds a new lease
+        assert time.time() < deadline
+        time.sleep(0.02)
+    return remove_if(path, at_version)
+
+  monkeypatch.setattr(storage, "remove_if", in_the_worst_order)
+  won, refused = [], []
+
+  def taker():
+    lease = storage.Lease(bucket_dir)
+    try:
+      lease.acquire()
+      won.append(lease)
+    except UserError as e:
+      refused.append(str(e))
+
+  threads = [threading.Thread(target=taker) for _ in range(takers)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  try:
+    assert len(won) == 1 and len(refused) == takers - 1, refused
+    assert json.loads(storage.read_text(won[0].path))["token"] == won[0]._token
+    assert all("is in use by" in text for text in refused)
+  finally:
+    for lease in won:
+      lease.release()
+
+
 def test_a_dead_process_of_this_host_is_taken_over_at_once(bucket_dir):
   dead = 2**22 + 12345  # above the default pid_max: no such process
   storage.write(storage.join(bucket_dir, "lock"), json.dumps({
@@ -251,6 +321,27 @@ def test_an_endpoint_that_does_not_answer_is_one_error_within_the_timeout(scheme
   assert silent in text and ("does not answer" in text or "no answer" in text)
 
 
+@pytest.mark.parametrize("scheme, variable", [("gs", "STORAGE_EMULATOR_HOST"),
+                                              ("s3", "AWS_ENDPOINT_URL_S3")])
+def test_an_endpoint_that_accepts_but_never_answers_is_one_error_after_the_timeout(
+    scheme, variable, stores, monkeypatch):
+  """A server that takes the connection and then says nothing (a firewall or a hung proxy): the
+  first request is given up after TRANSFORMER_JAX_STORAGE_TIMEOUT seconds, named."""
+  with socket.socket() as silent:
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)  # connections are accepted by the kernel; nothing ever reads them
+    endpoint = f"http://127.0.0.1:{silent.getsockname()[1]}"
+    monkeypatch.setenv(variable, endpoint)
+    monkeypatch.setenv(storage.TIMEOUT_ENV, "2")
+    start = time.time()
+    with pytest.raises(UserError) as error:
+      storage.check_bucket(f"{scheme}://bucket/run")
+    assert time.time() - start < 10
+  text = one_line(error)
+  assert f"no answer from {endpoint} within 2 s" in text and "listing of" in text, text
+  assert storage.TIMEOUT_ENV in text
+
+
 def test_s3_without_credentials_is_one_error(stores, monkeypatch, tmp_path):
   for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE"):
     monkeypatch.delenv(name, raising=False)
@@ -260,6 +351,31 @@ def test_s3_without_credentials_is_one_error(stores, monkeypatch, tmp_path):
   with pytest.raises(UserError) as error:
     storage.write("s3://bucket/nocred/config.json", "{}")
   assert "no credentials" in one_line(error) and "AWS_ACCESS_KEY_ID" in one_line(error)
+
+
+def test_gcs_without_credentials_is_one_error(stores):
+  """An anonymous caller (gcsfs without credentials) is answered 401 by a bucket that needs
+  them (the emulator answers as GCS does for gs://private, tests/emulators.py)."""
+  with pytest.raises(UserError) as error:
+    storage.check_bucket("gs://private/run")
+  text = one_line(error)
+  assert "no valid credentials for Google Cloud Storage" in text and "Anonymous caller" in text
+  assert "gcloud auth application-default login" in text
+
+
+def test_gcs_without_permission_is_one_error(stores, monkeypatch, tmp_path):
+  """Real credentials (a service-account key file: google-auth signs a token request to the
+  key's token endpoint, the emulator's) that the bucket refuses: 403."""
+  monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS",
+                     emulators.service_account_key(tmp_path / "key.json", stores["gs"]))
+  storage.check_bucket("gs://bucket/run")  # the same credentials, a bucket that lets them in
+  for attempt in (lambda: storage.check_bucket("gs://private/run"),
+                  lambda: storage.write("gs://private/run/config.json", "{}")):
+    with pytest.raises(UserError) as error:
+      attempt()
+    text = one_line(error)
+    assert "permission denied" in text and "gs://private" in text, text
+    assert "does not have storage.objects.list access" in text or "Forbidden" in text
 
 
 def test_a_log_upload_that_fails_is_raised_by_the_writer_not_lost(stores):

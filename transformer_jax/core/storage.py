@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import errno
 import json
 import os
 import re
@@ -120,7 +121,8 @@ def filesystem(scheme: str):
   """The fsspec filesystem of `scheme` (one per process; listings never cached, as other
   processes write the same bucket)."""
   key = (scheme, os.getpid(), os.environ.get("STORAGE_EMULATOR_HOST"),
-         os.environ.get("AWS_ENDPOINT_URL_S3"), os.environ.get("AWS_ENDPOINT_URL"))
+         os.environ.get("AWS_ENDPOINT_URL_S3"), os.environ.get("AWS_ENDPOINT_URL"),
+         os.environ.get("GOOGLE_APPLICATION_CREDENTIALS"))
   with _FILESYSTEMS_LOCK:
     if key not in _FILESYSTEMS:
       timeout = min(_timeout(), 30.0)
@@ -132,13 +134,21 @@ def filesystem(scheme: str):
         raise UserError(f"a {scheme}:// workdir needs {client}, which is not installed; "
                         f"pip install -e '.[{extra}]' (or pip install {client})") from None
       if scheme == "gs":
-        import logging  # gcsfs logs a warning per bucket when it cannot ask for the bucket's kind
-        logging.getLogger("gcsfs").setLevel(logging.ERROR)
+        # gcsfs logs a warning per bucket when it cannot ask for the bucket's kind, and a
+        # traceback for each failed request; the failures reach the user as one UserError.
+        import logging
+        logging.getLogger("gcsfs").setLevel(logging.CRITICAL)
         # The JSON-API filesystem itself, not gcsfs's default subclass for zonal and
         # hierarchical buckets: that one first asks each bucket's layout over gRPC, which an
         # emulator does not answer (it then hangs in retries).
         from gcsfs.core import GCSFileSystem  # imported here: only bucket workdirs need it
-        token = "anon" if os.environ.get("STORAGE_EMULATOR_HOST") else None
+        # gcsfs's own chain (Application Default Credentials, then the VM's, then none); at
+        # an emulator, a key file named by GOOGLE_APPLICATION_CREDENTIALS or no credentials
+        # (the chain would first wait for a metadata server that is not there).
+        token = None
+        if os.environ.get("STORAGE_EMULATOR_HOST"):
+          token = ("google_default" if os.environ.get("GOOGLE_APPLICATION_CREDENTIALS")
+                   else "anon")
         fs = GCSFileSystem(token=token, requests_timeout=timeout, skip_instance_cache=True,
                                  use_listings_cache=False)
         fs.retries = RETRIES
@@ -165,7 +175,10 @@ def _failure(url: str, e: BaseException, doing: str) -> Optional[UserError]:
     return UserError(f"cannot {doing} {url}: no credentials for {SCHEMES[scheme]} ({text}); "
                      f"{credentials}")
   code = getattr(e, "code", None)
-  if isinstance(e, PermissionError) or code in (401, 403) or text.startswith("Forbidden"):
+  if code == 401 or text.startswith("Anonymous caller"):  # no credentials reached the store
+    return UserError(f"cannot {doing} {url}: no valid credentials for {SCHEMES[scheme]} "
+                     f"({text}); {credentials}")
+  if isinstance(e, PermissionError) or code == 403 or text.startswith("Forbidden"):
     return UserError(f"cannot {doing} {url}: permission denied ({text}); grant this account "
                      f"read and write access to {bucket} (or use another bucket), or check "
                      f"the credentials ({credentials})")
@@ -336,6 +349,62 @@ def create(path: str, content: bytes | str) -> bool:
   except FileNotFoundError:
     raise _no_bucket(path, "write") from None
   return True
+
+
+def version(path: str) -> Optional[str]:
+  """The store's version of the object `path` (GCS generation, S3 ETag), None if there is none."""
+  scheme, key = _split(path)
+  try:
+    info = _call(path, "read", filesystem(scheme).info, key)
+  except FileNotFoundError:
+    return None
+  found = info.get("generation") if scheme == "gs" else info.get("ETag")
+  return None if found is None else str(found)
+
+
+def remove_if(path: str, at_version: str) -> bool:
+  """Deletes the object `path` only if it is still at `at_version` (see `version`); True if it
+  did. The store's precondition decides (GCS `ifGenerationMatch`, S3 `If-Match`), so of several
+  processes deleting one object they all read at that version, exactly one succeeds, and none
+  deletes a newer object written meanwhile."""
+  scheme, key = _split(path)
+  fs = filesystem(scheme)
+  bucket, _, name = key.partition("/")
+  try:
+    if scheme == "gs":
+      fs.call("DELETE", "b/{}/o/{}", bucket, name, ifGenerationMatch=at_version)
+    else:
+      fs.call_s3("delete_object", Bucket=bucket, Key=name, IfMatch=at_version)
+  except (FileNotFoundError, FileExistsError):  # gone already, or (gcsfs: 412) changed
+    return False
+  except OSError as e:
+    if scheme == "s3" and e.errno == errno.EINVAL:  # s3fs: 412 Precondition Failed
+      return False
+    raise _failure(path, e, "delete") or e from None
+  return True
+
+
+def write_if(path: str, content: bytes | str, at_version: str) -> Optional[str]:
+  """Replaces the object `path` with `content` only if it is still at `at_version` (see
+  `version`); its new version, or None if it changed or is gone meanwhile (GCS
+  `ifGenerationMatch`, S3 `If-Match`: the store decides, in the same request)."""
+  data = content.encode("utf-8") if isinstance(content, str) else content
+  scheme, key = _split(path)
+  fs = filesystem(scheme)
+  bucket, _, name = key.partition("/")
+  try:
+    if scheme == "gs":
+      answer = fs.call("POST", fs._location + "/upload/storage/v1/b/{}/o", bucket,
+                       uploadType="media", name=name, ifGenerationMatch=at_version, data=data,
+                       json_out=True)
+      return str(answer["generation"])
+    return fs.call_s3("put_object", Bucket=bucket, Key=name, Body=data, IfMatch=at_version)["ETag"]
+  except (FileNotFoundError, FileExistsError):  # gone, or (gcsfs: 412) changed
+    return None
+  except OSError as e:
+    if scheme == "s3" and e.errno == errno.EINVAL:  # s3fs: 412 Precondition Failed
+      return None
+    raise _failure(path, e, "write") or e from None
 
 
 def remove(path: str) -> None:
@@ -553,7 +622,7 @@ def append_jsonl(path: str, record: dict) -> None:
 # ------------------------------------------------------------------------- one writer: a lease
 
 LEASE_SECONDS = 60.0  # a lease not renewed for this long is taken over
-RENEW_EVERY_S = 20.0  # how often a live run renews its lease (one read and one write each)
+RENEW_EVERY_S = 20.0  # how often a live run renews its lease (one conditional write each)
 
 
 def _now() -> float:
@@ -578,8 +647,8 @@ class Lease:
   taken over by the next run; so is one left by a dead process of this same host, at once. The
   interface is `core.lock.DirectoryLock`'s: `check`, `acquire`, `release`, `held`.
 
-  Costs: one read and one write every `renew_every` seconds while a run lives (180 of each per
-  hour at the defaults), plus a few requests at start and end. A run killed without a clean end
+  Costs: one conditional write every `renew_every` seconds while a run lives (180 an hour at
+  the defaults), plus a few requests at start and end. A run killed without a clean end
   blocks a run on another machine for at most `seconds` after its last renewal.
   """
 
@@ -592,14 +661,28 @@ class Lease:
     self.renew_every = renew_every
     self.lost = False  # set when another run took the lease over from under this one
     self._token = None
+    self._version = None  # the store's version of this run's lease object, while it holds it
     self._stop = threading.Event()
     self._thread = None
 
   def _read(self) -> Optional[dict]:
     try:
-      raw = read_bytes(self.path)
+      return self._parse(read_bytes(self.path))
     except FileNotFoundError:
       return None
+
+  def _read_versioned(self) -> tuple[Optional[dict], Optional[str]]:
+    """(the holder's record, the object's version): the version is asked first, so that the
+    record read is of that version or a newer one (a delete conditioned on it then fails)."""
+    at_version = version(self.path)
+    try:
+      raw = read_bytes(self.path)
+    except FileNotFoundError:
+      return None, None
+    return self._parse(raw), at_version
+
+  @staticmethod
+  def _parse(raw: bytes) -> dict:
     try:
       holder = json.loads(raw.decode("utf-8"))
       return holder if isinstance(holder, dict) else {}
@@ -638,17 +721,21 @@ class Lease:
     token = uuid.uuid4().hex
     since = datetime.datetime.now().isoformat(timespec="seconds")
     for _ in range(3):
-      holder = self._read()
+      holder, at_version = self._read_versioned()
       if holder is not None:
         if not self._expired(holder):
           raise self._refusal(holder)
         text = lock_lib._holder_text(json.dumps(holder).encode("utf-8"))
         print(f"warning: the previous run in {self.directory} ({text}) did not end cleanly; "
               "taking over its lease", file=sys.stderr, flush=True)
-        if self._read() == holder:  # not renewed or taken by another run meanwhile
-          remove(self.path)
+        # Only the stale version: of two runs taking over at once one deletes it, the other's
+        # delete fails (it never deletes the lease the first then creates), and a renewal
+        # meanwhile keeps its lease.
+        if at_version is not None:
+          remove_if(self.path, at_version)
       self._token = token
       if create(self.path, self._record(since)):
+        self._version = version(self.path)  # each renewal replaces exactly this version
         break
       self._token = None  # another run created it between our read and our write
     else:
@@ -662,14 +749,17 @@ class Lease:
   def _renew(self) -> None:
     while not self._stop.wait(self.renew_every):
       try:
-        holder = self._read()
-        if holder is None or holder.get("token") != self._token:
+        # One conditional write: it replaces this run's own last version or nothing, so a run
+        # that stalled past its lease never overwrites the lease another run took meanwhile.
+        renewed = write_if(self.path, self._record(self._since), self._version)
+        if renewed is None:
           self.lost = True
+          holder = self._read()
           print(f"warning: the lease on {self.directory} was taken over by another run "
                 f"({lock_lib._holder_text(json.dumps(holder or {}).encode())}); this run no "
                 "longer holds it", file=sys.stderr, flush=True)
           return
-        write(self.path, self._record(self._since))
+        self._version = renewed
       except Exception as e:  # a failed renewal is retried at the next one
         print(f"warning: could not renew the lease on {self.directory}: {e}", file=sys.stderr,
               flush=True)
@@ -682,12 +772,11 @@ class Lease:
     if self._thread is not None and self._thread is not threading.current_thread():
       self._thread.join(timeout=5)
     try:
-      holder = self._read()
-      if holder is not None and holder.get("token") == self._token:
-        remove(self.path)
+      if self._version is not None:
+        remove_if(self.path, self._version)  # this run's own version, never a taker's lease
     except Exception:
       pass  # the lease then runs out by itself
-    self._token = None
+    self._token = self._version = None
 
   @property
   def held(self) -> bool:

@@ -20,6 +20,9 @@ holds one row per trial with the median, min and max over its seeds of each repo
 and, once finished, its checkpoint with the best train.best_metric on data.eval_split (the one
 train.keep_best keeps) is scored once on data.test_split (--mode=evaluate in the run's
 directory): the test_* columns. They are reported, never used to sort or select.
+
+DIR may be a bucket (`gs://`, `s3://`, see docs/storage.md): every read and write of the sweep
+goes through core/storage.py, and each trial trains into DIR/trial_NNN there.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from typing import Any, NamedTuple, Optional, Sequence
@@ -45,7 +49,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from transformer_jax import config as config_lib
-from transformer_jax.core import files, lock, metric_names, progress, storage
+from transformer_jax.core import metric_names, progress, storage
 from transformer_jax.core.errors import UserError, unknown_key_message
 from transformer_jax.eval import evaluate
 from transformer_jax.train import checkpoint, logger
@@ -208,17 +212,16 @@ def check_trials(config_path: str, trials: list, base_overrides: dict) -> list:
 
 
 def _log(workdir: str, **record) -> None:
-  files.append_jsonl(os.path.join(workdir, "sweep_log.jsonl"), {"time": time.time(), **record})
+  storage.append_jsonl(storage.join(workdir, "sweep_log.jsonl"), {"time": time.time(), **record})
 
 
 def _trial_dir(workdir: str, run: Run) -> str:
-  return os.path.join(workdir, run.name)
+  return storage.join(workdir, run.name)
 
 
 def _read_json(path: str, what: str) -> dict:
   try:
-    with open(path, encoding="utf-8") as f:
-      value = json.load(f)
+    value = json.loads(storage.read_text(path))
   except (OSError, ValueError) as e:
     raise UserError(f"cannot read {path} ({what}): {e}; move it away to run the trial "
                     "again") from None
@@ -229,8 +232,8 @@ def _read_json(path: str, what: str) -> dict:
 
 def _check_trial_dir(directory: str, overrides: dict) -> None:
   """A trial directory belongs to exactly one set of overrides: refuse a changed sweep."""
-  path = os.path.join(directory, "trial.json")
-  if os.path.exists(path):
+  path = storage.join(directory, "trial.json")
+  if storage.exists(path):
     previous = _read_json(path, "the trial's overrides").get("overrides")
     if previous != json.loads(json.dumps(overrides)):
       raise UserError(f"{directory} was run with overrides {previous}, but the sweep now asks for "
@@ -241,7 +244,7 @@ def _metrics_of(directory: str, config) -> tuple[Optional[dict], list[dict]]:
   """A trial's final metrics on data.eval_split (its result file of step train.steps; None if
   it did not get there) and its metrics.jsonl records."""
   path = evaluate.result_path(directory, config.train.steps, config.data.eval_split, config)
-  if not os.path.exists(path):
+  if not storage.exists(path):
     return None, []
   final = _read_json(path, "the trial's final metrics")
   return final, logger.read_metrics(directory)
@@ -268,14 +271,17 @@ def _test_best(directory: str, test: "TestPass", overrides: dict, config,
     return {"test_status": f"the best {metric} was at step {step}, whose checkpoint is gone "
                            "(keep it with train.keep_best >= 1)"}
   path = evaluate.result_path(directory, step, split, config)
-  if not os.path.exists(path):
+  if not storage.exists(path):
     command = [*COMMAND, f"--config={test.config_path}", f"--workdir={directory}",
                "--mode=evaluate", f"--checkpoint_step={step}", f"--split={split}",
                *trial_command(test.config_path, directory, {**overrides, **TEST_LEFT_OUT},
                               test.base_overrides)[len(COMMAND) + 3:]]
-    with open(os.path.join(directory, "train.log"), "a", encoding="utf-8") as log:
-      code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT).returncode
-    if code != 0 or not os.path.exists(path):
+    log = _TrialLog(storage.join(directory, "train.log"))
+    try:
+      code = subprocess.run(command, stdout=log.file, stderr=subprocess.STDOUT).returncode
+    finally:
+      log.close()
+    if code != 0 or not storage.exists(path):
       return {"test_status": f"the evaluation on {split} failed (exit {code}); see "
                              f"{directory}/train.log"}
   return {"test": {"split": split, "step": step, "selected_by": metric,
@@ -317,7 +323,7 @@ def _finish_trial(directory: str, overrides: dict, wall_time_s: float, metric: s
     result.update(_test_best(directory, test, overrides, config, records))
   logger.write_hparams(directory, overrides, final, final["step"])  # before the result: a
   # trial with its result file is finished and never revisited
-  files.atomic_write(os.path.join(directory, RESULT_FILE), json.dumps(result, indent=2))
+  storage.write(storage.join(directory, RESULT_FILE), json.dumps(result, indent=2))
   return result
 
 
@@ -404,7 +410,7 @@ def _write_csv(path: str, rows: list) -> str:
   writer = csv.DictWriter(table, fieldnames=list(rows[0]))
   writer.writeheader()
   writer.writerows(rows)
-  return files.atomic_write(path, table.getvalue())
+  return storage.write(path, table.getvalue())
 
 
 def write_results(workdir: str, runs: list, results: dict, metric: str,
@@ -446,7 +452,7 @@ def write_results(workdir: str, runs: list, results: dict, metric: str,
       row["status"] += f" ({r['test_status']})"
     rows.append(row)
   columns = list(rows[0])
-  csv_path = _write_csv(os.path.join(workdir, "results.csv"), rows)
+  csv_path = _write_csv(storage.join(workdir, "results.csv"), rows)
 
   better = "lower" if metric_names.lower_is_better(metric) else "higher"
   lines = [f"# Sweep results: {metric} on split {split!r}, best first", "",
@@ -462,14 +468,14 @@ def write_results(workdir: str, runs: list, results: dict, metric: str,
         "(--sweep_test_best), never used to sort."]
   if seeded:
     by_trial = seed_rows(runs, results, metric, shown)
-    _write_csv(os.path.join(workdir, "results_seeds.csv"), by_trial)
+    _write_csv(storage.join(workdir, "results_seeds.csv"), by_trial)
     lines += ["", "## Over seeds: median [min, max] of each trial's finished runs", "",
               f"Sorted by the median best_{metric} (the selection on {split}), else the median "
               f"final_{metric} (data.eval_split at train.steps); seeds: runs finished / asked "
               "for (results_seeds.csv has the numbers).", ""]
     lines += _seed_table(by_trial, metric)
   text = "\n".join(lines) + "\n"
-  md_path = files.atomic_write(os.path.join(workdir, "results.md"), text)
+  md_path = storage.write(storage.join(workdir, "results.md"), text)
   return csv_path, md_path, text
 
 
@@ -505,7 +511,7 @@ def _launchable(workdir: str, runs: list, pending: list, waiting: set) -> Option
   by a sweep that was killed) is waited for, with one line saying so."""
   for j in pending:
     try:
-      lock.DirectoryLock(_trial_dir(workdir, runs[j]), "trial").check()
+      storage.lock(_trial_dir(workdir, runs[j]), "trial").check()
       return j
     except UserError as e:
       if j not in waiting:
@@ -537,10 +543,6 @@ def run_sweep(config_path: str, workdir: str, base_overrides: Optional[dict] = N
   configs = check_trials(config_path, trials, base_overrides)
   runs = expand_runs(trials, configs, counts)
   test = TestPass(config_path, base_overrides) if test_best else None
-  if storage.is_url(storage.check(workdir)):  # before anything is written, locally or not
-    raise UserError(f"--workdir {workdir}: a sweep writes its trials on a local or shared file "
-                    "system for now, not in a bucket; give a local directory (each trial may "
-                    "still be trained into a bucket with --mode=train)")
   workdir = checkpoint.check_workdir(workdir, entries={})
   left_out = TEST_LEFT_OUT if test_best else {}
   commands = [trial_command(config_path, _trial_dir(workdir, run), {**run.overrides, **left_out},
@@ -553,7 +555,7 @@ def run_sweep(config_path: str, workdir: str, base_overrides: Optional[dict] = N
   for run in runs:  # all checked before anything is written
     _check_trial_dir(_trial_dir(workdir, run), run.overrides)
   checkpoint.create_workdir(workdir)
-  sweep_lock = lock.DirectoryLock(workdir, "the sweep's --workdir")
+  sweep_lock = storage.lock(workdir, "the sweep's --workdir")  # flock, or a bucket's lease
   sweep_lock.acquire()
   with sweep_lock:
     return _run_trials(workdir, runs, [configs[run.trial] for run in runs], commands, parallel,
@@ -583,13 +585,15 @@ class _Progress:
     self._finished += self._steps[i]
 
   def update(self, running: dict) -> None:
-    if self._bar.disable or time.time() - self._last_read < 1.0:
+    # In a bucket each read is a request or two a trial: every 10 s rather than every second.
+    every = 10.0 if storage.is_url(self._workdir) else 1.0
+    if self._bar.disable or time.time() - self._last_read < every:
       return
     self._last_read = time.time()
     shown, steps = [], self._finished
     for i in sorted(running):
-      record = _last_train_record(os.path.join(self._workdir, self._names[i],
-                                                logger.METRICS_FILE))
+      record = _last_train_record(storage.join(self._workdir, self._names[i],
+                                               logger.METRICS_FILE))
       step = min(int(record.get("step", 0)), self._steps[i])
       steps += step
       loss = f" loss {record['loss']:.3f}" if "loss" in record else ""
@@ -598,13 +602,23 @@ class _Progress:
     self._bar.set_postfix_str("; ".join(shown), refresh=True)
 
 
+def _tail(path: str) -> bytes:
+  """The end of a trial's metrics.jsonl: its last 16 KiB locally; in a bucket, its last few
+  chunk objects (storage.JsonLog)."""
+  if storage.is_url(path):
+    parts = storage.listdir(path + storage.PARTS_SUFFIX)[-4:]
+    return b"".join(storage.read_bytes(storage.join(path + storage.PARTS_SUFFIX, name))
+                    for name in parts)
+  with open(path, "rb") as f:
+    f.seek(0, os.SEEK_END)
+    f.seek(max(f.tell() - 16384, 0))
+    return f.read()
+
+
 def _last_train_record(path: str) -> dict:
   """The newest training record of a trial's metrics.jsonl ({} before its first log line)."""
   try:
-    with open(path, "rb") as f:
-      f.seek(0, os.SEEK_END)
-      f.seek(max(f.tell() - 16384, 0))
-      lines = f.read().decode("utf-8", "replace").splitlines()
+    lines = _tail(path).decode("utf-8", "replace").splitlines()
   except OSError:
     return {}
   for line in reversed(lines):
@@ -617,19 +631,44 @@ def _last_train_record(path: str) -> dict:
   return {}
 
 
+class _TrialLog:
+  """A trial's train.log (its stdout and stderr). Local: the file, appended to by the trial's
+  process. In a bucket, which has no append: a local temporary file that the process writes,
+  added to the log object when the trial ends (a sweep killed meanwhile loses that much of the
+  log; the trial's metrics and checkpoints are in the bucket already)."""
+
+  def __init__(self, path: str):
+    self.path = path
+    self.file = (tempfile.TemporaryFile(prefix="trial-", suffix=".log") if storage.is_url(path)
+                 else open(path, "ab"))
+
+  def close(self) -> None:
+    try:
+      if storage.is_url(self.path):
+        self.file.seek(0)
+        try:
+          before = storage.read_bytes(self.path)
+        except FileNotFoundError:
+          before = b""
+        storage.write(self.path, before + self.file.read())
+    except UserError as e:  # the trial's own outcome matters more than its log
+      print(f"warning: could not write {self.path}: {e}", file=sys.stderr, flush=True)
+    finally:
+      self.file.close()
+
+
 def _run_trials(workdir, runs, configs, commands, parallel, metric,
                 test=None) -> list[tuple[str, dict]]:
   """Runs the `runs` not finished yet; configs[j] and commands[j] are run j's."""
   results, pending = {}, []
   for j, run in enumerate(runs):
     directory = _trial_dir(workdir, run)
-    if not os.path.exists(os.path.join(directory, "trial.json")):
+    if not storage.exists(storage.join(directory, "trial.json")):
       checkpoint.create_workdir(directory)
-      files.atomic_write(os.path.join(directory, "trial.json"),
-                         json.dumps({"overrides": run.overrides}))
-    path = os.path.join(directory, RESULT_FILE)
+      storage.write(storage.join(directory, "trial.json"), json.dumps({"overrides": run.overrides}))
+    path = storage.join(directory, RESULT_FILE)
     result = None
-    if os.path.exists(path):
+    if storage.exists(path):
       try:
         result = _read_json(path, "the trial's result")
       except UserError as e:
@@ -655,9 +694,9 @@ def _run_trials(workdir, runs, configs, commands, parallel, metric,
           break
         pending.remove(j)
         run = runs[j]
-        log = open(os.path.join(_trial_dir(workdir, run), "train.log"), "a", encoding="utf-8")
+        log = _TrialLog(storage.join(_trial_dir(workdir, run), "train.log"))
         _log(workdir, trial=run.trial, run=run.name, event="start", overrides=run.overrides)
-        process = subprocess.Popen(commands[j], stdout=log, stderr=subprocess.STDOUT,
+        process = subprocess.Popen(commands[j], stdout=log.file, stderr=subprocess.STDOUT,
                                    start_new_session=True)
         running[j] = (process, time.time(), log)
         progress.write(f"{run.name} started: {run.overrides}")

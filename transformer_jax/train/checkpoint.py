@@ -41,6 +41,7 @@ from transformer_jax.core.errors import UserError
 from transformer_jax.train import sharding
 
 FORMAT = 1
+COMMIT_FILE = "commit_success.txt"  # orbax's mark of a finished step in a bucket
 UNREADABLE = "checkpoints_unreadable"  # where train moves checkpoints that do not read back
 # Model keys that may change on resume: they change neither the parameter shapes nor what the
 # parameters compute. Every other model key, and switching gradient clipping on or off (it adds
@@ -67,6 +68,8 @@ def check_workdir(workdir: str, entries: dict = WORKDIR_ENTRIES) -> str:
     raise UserError("--workdir is empty (an unset shell variable?); give a directory")
   workdir = storage.check(workdir)  # a URL stays one (never a local folder named `gs:`)
   if storage.is_url(workdir):  # an object store has no file kinds or modes to check
+    if workdir.startswith("s3://"):
+      _teach_orbax_s3(workdir)  # refused here if this orbax cannot learn s3://
     storage.check_bucket(workdir)
     return workdir
   if os.path.exists(workdir):
@@ -101,9 +104,13 @@ def create_workdir(workdir: str) -> None:
 
 
 def saved_steps(workdir: str) -> list:
-  """The steps of the finished checkpoints in WORKDIR/checkpoints (no orbax needed)."""
-  return sorted(int(n) for n in storage.listdir(storage.join(workdir, "checkpoints"))
-                if n.isdigit())
+  """The steps of the finished checkpoints in WORKDIR/checkpoints (no orbax needed). In a bucket
+  a step is finished once orbax wrote its commit_success.txt."""
+  directory = storage.join(workdir, "checkpoints")
+  steps = [n for n in storage.listdir(directory) if n.isdigit()]
+  if storage.is_url(directory):
+    steps = [n for n in steps if storage.exists(storage.join(directory, n, COMMIT_FILE))]
+  return sorted(int(n) for n in steps)
 
 
 def claim_workdir(workdir: str, seen_steps: list) -> lock.DirectoryLock:
@@ -297,6 +304,66 @@ def _restore_target(target):
       x.shape, x.dtype, sharding=getattr(x, "sharding", None) or replicated), target)
 
 
+def _s3_kvstore(url: str) -> dict:
+  """TensorStore's spec of the s3:// prefix `url`, with the endpoint, region and credentials
+  that botocore (s3fs) reads from the environment, so that both reach the same store."""
+  bucket, _, key = url[len("s3://"):].partition("/")
+  spec = {"driver": "s3", "bucket": bucket, "path": key}
+  endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+  if endpoint:
+    spec["endpoint"] = endpoint
+  region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+  if region:
+    spec["aws_region"] = region
+  if os.environ.get("AWS_ACCESS_KEY_ID"):  # else the default chain (profile, instance role)
+    spec["aws_credentials"] = {"type": "environment"}
+  return spec
+
+
+_S3_TAUGHT = []
+
+
+def _teach_orbax_s3(workdir: str) -> None:
+  """Lets orbax hand s3:// checkpoint paths to TensorStore's s3 driver.
+
+  orbax 0.12 builds TensorStore specs from path strings: `_normalize_path` runs os.path.normpath
+  (which turns `s3://b` into `s3:/b`; it restores `gs://` alone) and only gs:// paths get a
+  bucket driver, everything else the local file driver. Its directory work (listing, commit
+  files, deleting old steps) goes through etils.epath, which already reads s3:// with s3fs. So
+  three functions learn s3://, each falling through to orbax's own for every other path. An
+  orbax without them cannot be taught: the one-line refusal of before.
+  """
+  if _S3_TAUGHT:
+    return
+  try:
+    from orbax.checkpoint._src.path import gcs_utils
+    from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
+    normalize, use_bucket_driver = ts_utils._normalize_path, ts_utils._use_gcs_driver
+    bucket_kvstore = gcs_utils.get_kvstore_for_gcs
+    ocp.options.AtomicityOptions  # noqa: B018 (checked here, used by Manager)
+  except (ImportError, AttributeError):
+    raise UserError(f"--workdir {workdir}: this orbax version ({ocp.__version__}) cannot write "
+                    "checkpoints to s3://; use a gs:// bucket or a local or shared directory"
+                    ) from None
+
+  def _normalize_path(path: str) -> str:
+    path = str(path)
+    if path.startswith("s3://"):
+      return "s3://" + os.path.normpath(path[len("s3://"):])
+    return normalize(path)
+
+  def _use_gcs_driver(directory: str) -> bool:
+    return str(directory).startswith("s3://") or use_bucket_driver(directory)
+
+  def get_kvstore_for_gcs(path: str) -> dict:
+    return _s3_kvstore(str(path)) if str(path).startswith("s3://") else bucket_kvstore(path)
+
+  ts_utils._normalize_path = _normalize_path
+  ts_utils._use_gcs_driver = _use_gcs_driver
+  gcs_utils.get_kvstore_for_gcs = get_kvstore_for_gcs
+  _S3_TAUGHT.append(True)
+
+
 class Manager:
   """Saves and restores the train state in WORKDIR/checkpoints; wraps ocp.CheckpointManager.
 
@@ -308,10 +375,14 @@ class Manager:
   def __init__(self, workdir: str, config, tokenizer_sha: Optional[str] = None,
                writable: bool = False):
     self.workdir = storage.check(workdir)  # orbax needs an absolute path; a URL stays one
+    atomicity = {}
     if self.workdir.startswith("s3://"):
-      # orbax turns s3://b into s3:/b before TensorStore sees it (it knows gs:// alone).
-      raise UserError(f"--workdir {self.workdir}: orbax cannot read or write checkpoints in s3:// "
-                      "buckets yet; use a gs:// bucket or a local or shared directory")
+      _teach_orbax_s3(self.workdir)
+      # As orbax does by itself for gs://: each step written in place and committed by a
+      # commit_success.txt written last (S3 has no rename: orbax's default would copy the whole
+      # temporary directory, and a copy cut short would look finished).
+      atomicity = {"atomicity_options": ocp.options.AtomicityOptions(
+          mode=ocp.options.AtomicityMode.COMMIT_FILE)}
     self.directory = storage.join(self.workdir, "checkpoints")
     self.config = config
     self.tokenizer_sha = tokenizer_sha
@@ -331,9 +402,11 @@ class Manager:
             reverse=lower_is_better, n=t.keep_best, keep_checkpoints_without_metrics=False))
       options = ocp.CheckpointManagerOptions(
           create=True, cleanup_tmp_directories=True, enable_async_checkpointing=True,
-          preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies))
+          preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies),
+          **atomicity)
     else:
-      options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0)
+      options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0,
+                                             **atomicity)
     with _quiet():  # orbax warns that a read-only directory is read-only
       self._manager = ocp.CheckpointManager(self.directory, options=options)
 
@@ -346,7 +419,10 @@ class Manager:
   def unfinished_steps(self) -> list:
     """Steps whose write never completed (the process died while saving); orbax ignores them."""
     if storage.is_url(self.directory):
-      names = [n for n in storage.listdir(self.directory) if ".orbax-checkpoint-tmp" in n]
+      # In a bucket orbax writes each step in place and commits it with commit_success.txt,
+      # written last: a step without one was cut short.
+      names = [n for n in storage.listdir(self.directory) if ".orbax-checkpoint-tmp" in n or (
+          n.isdigit() and not storage.exists(storage.join(self.directory, n, COMMIT_FILE)))]
     else:
       names = glob.glob(os.path.join(self.directory, "*.orbax-checkpoint-tmp*"))
     return sorted({int(os.path.basename(n).split(".")[0]) for n in names
