@@ -236,7 +236,11 @@ class Decoder(nn.Module):
     y = y[:, output_from:]
     if cfg.norm == "pre":
       y = norm_layer(cfg, "final_norm")(y)
-    return _logits(cfg, self.embed, y)
+    logits = _logits(cfg, self.embed, y)
+    if cfg.logits_bias:
+      logits = logits + self.param("logits_bias", param_init(nn.initializers.zeros_init(), "vocab"),
+                                   (cfg.vocab_size,))
+    return logits
 
 
 class Transformer(nn.Module):
@@ -436,6 +440,7 @@ def describe(config: ModelConfig) -> str:
   embeddings = [name for name, on in (("unscaled embeddings", not c.embed_scale),
                                       (f"{c.type_vocab_size} token types", c.type_vocab_size),
                                       ("embedding norm", c.embed_norm),
+                                      ("logits bias", c.logits_bias),
                                       (f"{c.pooling}-pooled", c.num_labels and
                                        c.pooling != "mean")) if on]
   block += "".join(", " + name for name in embeddings)
