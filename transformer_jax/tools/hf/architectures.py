@@ -134,10 +134,17 @@ VOCAB = Transform(lambda s, v: (len(v.our_ids),) + tuple(s[0][1:]),
                   lambda w, s, v: [v.to_ours(w)], lambda a, v: v.to_hf(a[0]))
 
 
+BIAS_ROW = Transform(lambda s, v: (1, len(v.our_ids)), lambda w, s, v: [v.to_ours(w[0])],
+                    lambda a, v: v.to_hf(a[0])[None])  # Marian's final_logits_bias `[1, vocab]`
+
+
 class Rule(NamedTuple):
   hf: str  # their tensor's name
   ours: tuple  # our parameter path(s)
   transform: Transform
+  # True: a tensor that may be absent (read as zeros), for a parameter of ours that may be
+  # absent too (written as zeros): Marian's final_logits_bias, our model.logits_bias.
+  optional: bool = False
 
 
 def norm(hf: str, ours: str) -> tuple:
@@ -198,6 +205,18 @@ class Architecture:
   slots: tuple  # our special ids, in order
   add_bos: bool  # whether its tokenizer starts a text with BOS (BERT's [CLS]); GPT-2's does not
   ignored: tuple  # regular expressions of their tensors that hold no parameter (buffers, ties)
+  # Pairs of their config fields that must be equal, the first mapped by `fields` (Marian's
+  # encoder and decoder heads: model.num_heads is one number for both stacks).
+  same: tuple = ()
+  # Our options that an import sets but export does not require (Marian's logits bias: a model
+  # without one exports a bias of zeros).
+  import_only: dict = dataclasses.field(default_factory=dict)
+  # Their sinusoidal table has the sines in the first half of the features and the cosines in
+  # the second (Marian); ours interleaves them. The two models are the same function once the
+  # features of the residual stream are permuted, which import and export do (convert.py).
+  sinusoid_halves: bool = False
+  tokenizer: str = "tokenizers"  # tokenizer.json; "sentencepiece": source.spm, target.spm,
+  # vocab.json (Marian's)
 
 
 # HF activation names <-> ours. GPT-2's "gelu_new" and "gelu_pytorch_tanh" are the tanh
@@ -299,4 +318,72 @@ BERT = Architecture(
              r"^cls\.seq_relationship\.", r"^bert\.pooler\."),
 )
 
-ARCHITECTURES = {a.model_type: a for a in (GPT2, BERT)}
+
+
+def _marian_attention(hf: str, ours: str) -> tuple:
+  return tuple(rule for theirs, mine, transform in (
+      ("q_proj", "query", linear()), ("k_proj", "key", linear()), ("v_proj", "value", linear()),
+      ("out_proj", "out", linear(2))) for rule in dense(f"{hf}.{theirs}", f"{ours}/{mine}",
+                                                         transform))
+
+
+def _marian_ffn(hf: str, ours: str) -> tuple:
+  return (*dense(f"{hf}.fc1", f"{ours}/ffn/wi", linear()),
+          *dense(f"{hf}.fc2", f"{ours}/ffn/wo", linear()),
+          *norm(f"{hf}.final_layer_norm", f"{ours}/ffn_block/norm"))
+
+
+# Marian's activation names: "swish" is SiLU (written back as "swish", listed first); "gelu" the
+# error-function form.
+MARIAN_ACTIVATIONS = {"swish": "silu", "silu": "silu", "relu": "relu", "gelu": "gelu_exact",
+                      "gelu_new": "gelu"}
+
+MARIAN = Architecture(
+    model_type="marian",
+    prefix="model.",
+    fields=(Field("d_model", "d_model"), Field("num_heads", "encoder_attention_heads"),
+            Field("num_encoder_layers", "encoder_layers"),
+            Field("num_decoder_layers", "decoder_layers"), Field("d_ff", "encoder_ffn_dim"),
+            Field("max_len", "max_position_embeddings", default=1024),
+            Field("activation", "activation_function", MARIAN_ACTIVATIONS, "gelu"),
+            Field("embed_scale", "scale_embedding", default=False),
+            Field("dropout_rate", "dropout", default=0.1),
+            Field("attention_dropout_rate", "attention_dropout", default=0.0)),
+    # post-LN, no final norm, no embedding norm; torch's LayerNorm epsilon (Marian has no field).
+    fixed=dict(arch="encoder_decoder", norm="post", norm_type="layernorm",
+               positional="sinusoidal", position_base=10000.0, share_embeddings=True,
+               tie_output=True, qkv_bias=True, fused_qkv=False, num_kv_heads=0,
+               parallel_block=False, type_vocab_size=0, embed_norm=False, layer_norm_eps=1e-5),
+    required=dict(share_encoder_decoder_embeddings=True, tie_word_embeddings=True),
+    layer_rules=(
+        *_marian_attention("model.encoder.layers.{i}.self_attn",
+                           "encoder/layer_{i}/self_attention"),
+        *norm("model.encoder.layers.{i}.self_attn_layer_norm",
+              "encoder/layer_{i}/attention_block/norm"),
+        *_marian_ffn("model.encoder.layers.{i}", "encoder/layer_{i}"),
+        *_marian_attention("model.decoder.layers.{i}.self_attn",
+                           "decoder/layer_{i}/self_attention"),
+        *norm("model.decoder.layers.{i}.self_attn_layer_norm",
+              "decoder/layer_{i}/self_attention_block/norm"),
+        *_marian_attention("model.decoder.layers.{i}.encoder_attn",
+                           "decoder/layer_{i}/cross_attention"),
+        *norm("model.decoder.layers.{i}.encoder_attn_layer_norm",
+              "decoder/layer_{i}/cross_attention_block/norm"),
+        *_marian_ffn("model.decoder.layers.{i}", "decoder/layer_{i}"),
+    ),
+    rules=(Rule("model.shared.weight", ("shared_embedding/embedding",), VOCAB),),
+    heads=(Head("MarianMTModel", "seq2seq",
+                (Rule("final_logits_bias", ("decoder/logits_bias",), BIAS_ROW, optional=True),),
+                dict(num_labels=0)),),
+    special_tokens={"pad": "<pad>", "eos": "</s>", "unk": "<unk>"},
+    slots=DECODER_SLOTS,
+    add_bos=False,
+    ignored=(r"embed_positions\.weight$", r"embed_tokens\.weight$", r"^lm_head\.weight$"),
+    same=(("encoder_attention_heads", "decoder_attention_heads"),
+          ("encoder_ffn_dim", "decoder_ffn_dim"), ("vocab_size", "decoder_vocab_size")),
+    import_only=dict(logits_bias=True),
+    sinusoid_halves=True,
+    tokenizer="sentencepiece",
+)
+
+ARCHITECTURES = {a.model_type: a for a in (GPT2, BERT, MARIAN)}
