@@ -479,3 +479,20 @@ def test_logits_bias_is_one_vector_added_to_every_logit(tiny_config, random_para
   np.testing.assert_allclose(biased - plain, np.broadcast_to(
       params["decoder"]["logits_bias"], biased.shape), atol=1e-5)
   assert "logits bias" in describe(cfg) and "silu" in describe(cfg)
+
+
+def test_zero_bos_embedding_is_the_model_with_a_zero_bos_row(tiny_config, random_params):
+  """model.zero_bos_embedding reads BOS as a zero vector in and out (the tied projection gives it
+  a zero logit): the same function as the plain model with the table's BOS row set to zero."""
+  cfg = tiny_config.replace(zero_bos_embedding=True)
+  params = model_params(cfg, random_params)
+  source = random_tokens(0, (2, 5), cfg.vocab_size)
+  targets = random_tokens(1, (2, 4), cfg.vocab_size).at[:, 0].set(1)  # BOS first
+  table = params["shared_embedding"]["embedding"]
+  zeroed = dict(params, shared_embedding={"embedding": table.at[1].set(0.0)})
+  plain = cfg.replace(zero_bos_embedding=False)
+  expected = np.asarray(logits_fn(plain)(zeroed, source, targets))
+  np.testing.assert_allclose(np.asarray(logits_fn(cfg)(params, source, targets)), expected,
+                             atol=1e-5)
+  assert not np.allclose(np.asarray(logits_fn(plain)(params, source, targets)), expected,
+                         atol=1e-3)

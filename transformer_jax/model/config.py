@@ -78,6 +78,9 @@ class ModelConfig:
   share_embeddings: bool = True  # one table for source and target tokens
   tie_output: bool = True  # the output projection is the (target) embedding table transposed
   logits_bias: bool = False  # a learned bias on the decoder's logits (Marian's final_logits_bias)
+  # BOS embeds as a zero vector (its row of a tied table also gives it zero logits): the decoder
+  # starts from zeros, as Marian's does and CTranslate2 assumes of every Marian model.
+  zero_bos_embedding: bool = False
   fused_qkv: bool = False  # one matmul for queries, keys and values (another parameter layout)
   qkv_bias: bool = True  # biases on the query, key and value projections
   init: str = "xavier"  # parameter init: xavier (uniform, the paper's) | normal (GPT-2's 0.02)
