@@ -264,3 +264,43 @@ def test_imported_marian_tokenizer_reads_text_as_transformers_does(tmp_path):
   # Our BOS is their decoder start token, <pad>; our padding a row of our own.
   assert ours.hf_ids[BOS_ID] == theirs.pad_token_id
   assert not ours.prompt_bos
+
+
+# ----------------------------------------------------------------------------- SCAN, CTranslate2
+
+
+def test_a_scan_model_exported_as_marian_decodes_alike_in_transformers_and_ctranslate2(
+    tiny_run, tmp_path):
+  """The session's tiny SCAN run, with Marian's LayerNorm epsilon and zero start embedding,
+  exported: transformers' greedy generate and CTranslate2 (its own converter) give our greedy
+  output on a sample of 32 SCAN test commands, token for token (benchmarks/marian_scan.py runs
+  every command of the trained demo model)."""
+  pytest.importorskip("ctranslate2")
+  import importlib.util
+  import shutil
+  spec = importlib.util.spec_from_file_location(
+      "marian_scan", os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks",
+                                  "marian_scan.py"))
+  marian_scan = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(marian_scan)
+  from transformer_jax.train import checkpoint
+  from transformer_jax.train import state as state_lib
+  trained = trained_from(tiny_run)  # its parameters, in a run of the options Marian has
+  config = config_lib.from_workdir(str(tiny_run))
+  config.model.update(layer_norm_eps=1e-5, zero_bos_embedding=True)
+  workdir = tmp_path / "w"
+  workdir.mkdir()
+  shutil.copy(tiny_run / tokenizer_lib.FILENAME, workdir)
+  (workdir / "config.json").write_text(config.to_json_best_effort())
+  optimizer = state_lib.make_optimizer(config.train, config.model.d_model)
+  state = state_lib.TrainState(step=jnp.array(20, jnp.int32), params=trained.params,
+                               opt_state=optimizer.init(trained.params))
+  manager = checkpoint.Manager(str(workdir), config,
+                               checkpoint.sha256(trained.tokenizer.model_proto), writable=True)
+  manager.save(20, state)
+  manager.wait()
+  manager.close()
+  result = marian_scan.compare(str(workdir), str(tmp_path / "out"), count=32, timing=False)
+  assert result["commands"] == 32 and result["ours_greedy"]["tokens"] >= 32
+  assert result["transformers_greedy"]["equal_to_ours"] == 32
+  assert result["ctranslate2_greedy"]["equal_to_ours"] == 32

@@ -511,6 +511,10 @@ def _write_marian_tokenizer(hf_dir: str, tokenizer, vocab: Vocab, special_ids: d
     source = target = tokenizer.model_proto
     pieces = {piece: int(vocab.hf_ids[i]) for i, piece in
               enumerate(tokenizer.pieces(range(tokenizer.vocab_size)))}
+    # Rows of the model beyond the tokenizer's pieces get names of their own, so that every id
+    # has a token (CTranslate2 reads the vocabulary as the list of tokens by id).
+    pieces.update({f"<unused{i}>": int(vocab.hf_ids[i])
+                   for i in range(tokenizer.vocab_size, len(vocab.hf_ids))})
     tokens = {name: tokenizer.pieces([i])[0] for name, i in
               (("pad", PAD_ID), ("eos", EOS_ID), ("unk", 3))}
   files.atomic_write(os.path.join(hf_dir, SOURCE_SPM), source)
@@ -541,7 +545,11 @@ def export_hf(workdir: str, hf_dir: str, step=None) -> str:
     vocab = Vocab(tokenizer.hf_ids, tokenizer.our_ids)
   else:  # our own SentencePiece vocabulary: pad 0, BOS 1, EOS 2 (Marian: pad last)
     vocab = _own_vocab(arch, model.vocab_size)
-  flat = {k: np.asarray(v, np.float32) for k, v in _flat(jax.device_get(trained.params)).items()}
+  flat = {k: np.array(v, np.float32) for k, v in _flat(jax.device_get(trained.params)).items()}
+  if model.zero_bos_embedding:  # the rows as the model reads them
+    for path in flat:
+      if path.endswith("embedding/embedding"):
+        flat[path][BOS_ID] = 0.0
   if arch.sinusoid_halves:
     flat = _permute_features(flat, model, sinusoid_halves_order(model.d_model))
   tensors = {}
