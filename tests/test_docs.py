@@ -52,6 +52,7 @@ OTHERS = {
     "hf download": "the hub's own tool, on a machine with network; test_hf imports what "
                    "transformers' save_pretrained writes",
     ".venv/bin/python benchmarks/hf_finetune.py": "test_hf (import, train further, export)",
+    ".venv/bin/python benchmarks/marian_scan.py": "test_hf_marian (a sample of the same check)",
 }
 
 
