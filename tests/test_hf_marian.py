@@ -90,6 +90,7 @@ def marian_dir(tmp_path_factory):
     bias[0, config.pad_token_id] = -30.0  # Marian never generates <pad> (bad_words_ids)
     bias[0, config.eos_token_id] = -3.0  # continuations of 32 tokens, not an EOS at once
     model.final_logits_bias.copy_(bias)
+    model.model.shared.weight[config.pad_token_id] = 0.0  # as Marian's <pad> row is
   model.save_pretrained(directory)
   tokenizer.save_pretrained(directory)
   return str(directory)
@@ -232,6 +233,36 @@ def test_marian_fields_we_cannot_map_are_refused(marian_dir, tmp_path):
     with pytest.raises(UserError, match=field):
       hf.import_hf(str(other), str(tmp_path / f"w_{field}"))
     assert not (tmp_path / f"w_{field}").exists()
+
+
+def test_an_exported_marian_converts_with_ctranslate2_and_decodes_as_ours(marian_workdir,
+                                                                         tmp_path):
+  """CTranslate2's own converter reads the export of the imported Marian (their vocabulary,
+  <pad> last, two SentencePiece models); its greedy outputs of 32 tokens are ours."""
+  ctranslate2 = pytest.importorskip("ctranslate2")
+  from ctranslate2.converters import TransformersConverter
+  trained = trained_from(marian_workdir)
+  hf.export_hf(str(marian_workdir), str(tmp_path / "hf"))
+  TransformersConverter(str(tmp_path / "hf")).convert(str(tmp_path / "ct2"))
+  translator = ctranslate2.Translator(str(tmp_path / "ct2"), device="cpu")
+  tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+  vocab = tokenizer.vocab_size
+  source, source_mask = padded_batch(vocab, 3, (8, 4, 2), vocab - 1)
+  source[np.arange(3), source_mask.sum(1) - 1] = tokenizer.eos_token_id  # as a source ends
+  ours = np.asarray(decode.greedy_decode(
+      trained.params, trained.model_config.replace(deterministic=True),
+      jnp.asarray(np.where(source_mask, trained.tokenizer.our_ids[source], 0), jnp.int32), 32))
+  compared = 0
+  for row, n in enumerate(source_mask.sum(1)):
+    tokens = tokenizer.convert_ids_to_tokens(source[row, :n].tolist())
+    result = translator.translate_batch([tokens], beam_size=1, max_decoding_length=32)[0]
+    theirs = tokenizer.convert_tokens_to_ids(result.hypotheses[0])
+    mine = trained.tokenizer.hf_ids[ours[row]].tolist()
+    eos = tokenizer.eos_token_id
+    mine = mine[:mine.index(eos)] if eos in mine else mine  # CTranslate2 drops EOS
+    assert mine == theirs
+    compared += len(mine)
+  assert compared >= 32
 
 
 # ----------------------------------------------------------------------------- the tokenizer
