@@ -316,6 +316,10 @@ def test_a_scan_model_exported_as_marian_decodes_alike_in_transformers_and_ctran
   spec.loader.exec_module(marian_scan)
   from transformer_jax.train import checkpoint
   from transformer_jax.train import state as state_lib
+  # As trained (our LayerNorm epsilon 1e-6), Marian cannot express it: refused by name.
+  with pytest.raises(UserError, match=r"MarianMTModel needs model.layer_norm_eps=1e-05"):
+    hf.export_hf(str(tiny_run), str(tmp_path / "refused"))
+  assert not (tmp_path / "refused").exists()
   trained = trained_from(tiny_run)  # its parameters, in a run of the options Marian has
   config = config_lib.from_workdir(str(tiny_run))
   config.model.update(layer_norm_eps=1e-5, zero_bos_embedding=True)
