@@ -54,6 +54,7 @@ OTHERS = {
     ".venv/bin/python benchmarks/hf_finetune.py": "test_hf (import, train further, export)",
     "JAX_PLATFORMS=cpu .venv/bin/python benchmarks/ct2_decode.py": "test_hf_llama (the Llama "
     "export that CTranslate2 converts and decodes as ours)",
+    ".venv/bin/python benchmarks/marian_scan.py": "test_hf_marian (a sample of the same check)",
 }
 
 

@@ -535,6 +535,8 @@ HF_ROWS = [
      ["activation_function='swoosh'", "model.activation cannot express"]),
     ("import_hf: a config field with no counterpart", IMPORT_HF + ["--hf_dir={hf_untied}"],
      ["tie_word_embeddings=False", "cannot be imported"]),
+    ("import_hf: a Marian field we cannot map", IMPORT_HF + ["--hf_dir={hf_marian_widths}"],
+     ["encoder_ffn_dim=32 but decoder_ffn_dim=16", "cannot be imported"]),
     ("import_hf: shapes disagree with the config", IMPORT_HF + ["--hf_dir={hf_shapes}"],
      ["transformer.h.0.mlp.c_fc.weight has shape (8, 24)", "gives (8, 32)"]),
     ("import_hf: a shard missing", IMPORT_HF + ["--hf_dir={hf_sharded}"],
@@ -630,6 +632,12 @@ def hf_paths(paths):
       "hf_shapes": variant("hf_shapes", shapes),
       "hf_sharded": variant("hf_sharded", sharded),
       "hf_pickle": variant("hf_pickle", pickle_file),
+      # A Marian whose decoder is narrower than its encoder (model.d_ff is one number for both).
+      "hf_marian_widths": variant("hf_marian_widths", lambda d: (d / "config.json").write_text(
+          json.dumps(dict(model_type="marian", architectures=["MarianMTModel"], vocab_size=300,
+                          d_model=8, encoder_layers=1, decoder_layers=1,
+                          encoder_attention_heads=2, decoder_attention_heads=2,
+                          encoder_ffn_dim=32, decoder_ffn_dim=16)))),
   }
 
 

@@ -15,6 +15,7 @@ from transformer_jax.model import (
   ModelConfig,
   Transformer,
   count_params,
+  describe,
   init_params,
   make_model,
   param_shapes,
@@ -215,6 +216,7 @@ def test_learned_positions_add_two_tables_counted_as_embeddings(tiny_config):
     (dict(num_labels=2), "num_labels"),
     (dict(type_vocab_size=-1), "type_vocab_size"),
     (dict(pooling="max"), "model.pooling"),
+    (dict(arch="encoder_only", logits_bias=True), "logits_bias"),
 ])
 def test_validate_rejects_impossible_configs(tiny_config, changes, message):
   with pytest.raises(UserError, match=message):
@@ -230,7 +232,8 @@ def test_validate_accepts_every_choice(tiny_config):
                   dict(dropout_rate=0.0), dict(attention_dropout_rate=0.99),
                   dict(activation="gelu_exact"), dict(embed_scale=False),
                   dict(type_vocab_size=2, embed_norm=True),
-                  dict(arch="encoder_only", num_labels=2, pooling="first")):
+                  dict(arch="encoder_only", num_labels=2, pooling="first"),
+                  dict(activation="silu", logits_bias=True)):
     cfg = tiny_config.replace(**changes)
     assert cfg.validate() is cfg
 
@@ -460,3 +463,36 @@ def test_first_token_pooling_reads_the_first_output_only(random_params):
   assert not np.allclose(mean, first, atol=1e-5)
   # The output at the first token depends on every token (bidirectional), so it changes too.
   assert not np.allclose(np.asarray(logits_fn(cfg)(params, jnp.asarray(changed))), first)
+
+
+def test_logits_bias_is_one_vector_added_to_every_logit(tiny_config, random_params):
+  """model.logits_bias: decoder/logits_bias `[vocab]`, added to the logits at every position
+  (Marian's final_logits_bias); the rest of the tree and the logits before it are unchanged."""
+  cfg = tiny_config.replace(logits_bias=True, activation="silu")
+  params = model_params(cfg, random_params)
+  assert params["decoder"]["logits_bias"].shape == (cfg.vocab_size,)
+  without = {k: v for k, v in params.items()}
+  without["decoder"] = {k: v for k, v in params["decoder"].items() if k != "logits_bias"}
+  source, targets = random_tokens(0, (2, 5), cfg.vocab_size), random_tokens(1, (2, 4), 50)
+  biased = np.asarray(logits_fn(cfg)(params, source, targets))
+  plain = np.asarray(logits_fn(cfg.replace(logits_bias=False))(without, source, targets))
+  np.testing.assert_allclose(biased - plain, np.broadcast_to(
+      params["decoder"]["logits_bias"], biased.shape), atol=1e-5)
+  assert "logits bias" in describe(cfg) and "silu" in describe(cfg)
+
+
+def test_zero_bos_embedding_is_the_model_with_a_zero_bos_row(tiny_config, random_params):
+  """model.zero_bos_embedding reads BOS as a zero vector in and out (the tied projection gives it
+  a zero logit): the same function as the plain model with the table's BOS row set to zero."""
+  cfg = tiny_config.replace(zero_bos_embedding=True)
+  params = model_params(cfg, random_params)
+  source = random_tokens(0, (2, 5), cfg.vocab_size)
+  targets = random_tokens(1, (2, 4), cfg.vocab_size).at[:, 0].set(1)  # BOS first
+  table = params["shared_embedding"]["embedding"]
+  zeroed = dict(params, shared_embedding={"embedding": table.at[1].set(0.0)})
+  plain = cfg.replace(zero_bos_embedding=False)
+  expected = np.asarray(logits_fn(plain)(zeroed, source, targets))
+  np.testing.assert_allclose(np.asarray(logits_fn(cfg)(params, source, targets)), expected,
+                             atol=1e-5)
+  assert not np.allclose(np.asarray(logits_fn(plain)(params, source, targets)), expected,
+                         atol=1e-3)

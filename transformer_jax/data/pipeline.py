@@ -35,7 +35,7 @@ import numpy as np
 
 from transformer_jax.core.errors import UserError
 from transformer_jax.data import sources
-from transformer_jax.data.tokenizer import EOS_ID, Tokenizer
+from transformer_jax.data.tokenizer import EOS_ID, HFTokenizer, Tokenizer
 
 PACKED_KEYS = ("inputs_segmentation", "targets_segmentation", "inputs_position", "targets_position")
 
@@ -82,7 +82,9 @@ def encode_corpus(pairs, tokenizer: Tokenizer, chunk_size: int = 50_000) -> dict
   for start in range(0, len(pairs), chunk_size):
     chunk = sources.gather(pairs, range(start, min(start + chunk_size, len(pairs))))
     for side, texts in (("source", [s for s, _ in chunk]), ("target", [t for _, t in chunk])):
-      ids = tokenizer.encode(texts)
+      # Marian's tokenizer reads the two sides with two SentencePiece models.
+      ids = (tokenizer.encode(texts, target=True) if side == "target" and
+             isinstance(tokenizer, HFTokenizer) else tokenizer.encode(texts))
       lengths = np.fromiter(map(len, ids), np.int64, len(ids)) + 1  # EOS
       tokens = np.empty(int(lengths.sum()), dtype)
       eos = np.cumsum(lengths) - 1

@@ -5,11 +5,14 @@ BPE by default, trained on a random sample of both sides of the training split).
 
 A model imported from Hugging Face (`tools/hf`) keeps its own tokenizer instead: `HFTokenizer`
 reads any `tokenizer.json` (GPT-2's byte-level BPE, BERT's WordPiece, ...) with the `tokenizers`
-library, through the map between its ids and ours that the import wrote (`HF_FILENAME`).
+library, or Marian's SentencePiece models and vocabulary (source.spm, target.spm, vocab.json)
+with SentencePiece, through the map between its ids and ours that the import wrote
+(`HF_FILENAME`).
 """
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 import os
@@ -130,11 +133,78 @@ def load(path: str, fix: str = "fix data.tokenizer.model_path") -> Tokenizer:
     return Tokenizer(f.read(), f"tokenizer model {path}", fix)
 
 
-class HFTokenizer:
-  """A Hugging Face `tokenizers` tokenizer read through an imported model's id map: the same
-  interface as `Tokenizer`, the same ids (0 pad, 1 BOS, 2 EOS, ...) on our side.
+class _TokenizersModel:
+  """Their ids of texts and texts of their ids, by a `tokenizer.json` (the tokenizers library)."""
 
-  The file (`HF_FILENAME`, JSON): "tokenizer" (their tokenizer.json, as a string), "hf_ids"
+  def __init__(self, text: str):
+    from tokenizers import Tokenizer as HFTokenizerModel
+    self._tokenizer = HFTokenizerModel.from_str(text)
+
+  def encode(self, texts: list, target: bool) -> list:
+    del target  # one tokenizer for both sides
+    return [e.ids for e in self._tokenizer.encode_batch(texts, add_special_tokens=False)]
+
+  def decode(self, ids: list) -> str:
+    return self._tokenizer.decode(ids, skip_special_tokens=True)
+
+  def id_to_token(self, i: int) -> str:
+    return self._tokenizer.id_to_token(i)
+
+  def token_to_id(self, token: str):
+    return self._tokenizer.token_to_id(token)
+
+
+def spm_processor(proto: bytes) -> spm.SentencePieceProcessor:
+  """A SentencePiece processor of a serialised model; ValueError when it does not parse."""
+  try:
+    return spm.SentencePieceProcessor(model_proto=proto)
+  except (RuntimeError, TypeError) as e:
+    raise ValueError(f"not a SentencePiece model ({e})") from None
+
+
+class _MarianModel:
+  """Marian's tokenizer (transformers' MarianTokenizer): the source text's pieces by source.spm,
+  the target's by target.spm, each piece's id in vocab.json (<unk>'s when it has none); a leading
+  language code such as ">>de<<" is one token. Text back from the target model's pieces."""
+
+  def __init__(self, record: dict):
+    self._source = spm_processor(base64.b64decode(record["source"]))
+    self._target = spm_processor(base64.b64decode(record["target"]))
+    self._vocab = {str(k): int(v) for k, v in record["vocab"].items()}
+    self._pieces = {v: k for k, v in self._vocab.items()}
+    self._unk = self._vocab[record["unk"]]
+    self._specials = set(record["specials"])
+
+  def _ids(self, text: str, processor) -> list:
+    code = []
+    if text.startswith(">>") and text.find("<<") != -1:
+      end = text.find("<<") + 2
+      code, text = [text[:end]], text[end:]
+    pieces = code + processor.encode(text, out_type=str)
+    return [self._vocab.get(piece, self._unk) for piece in pieces]
+
+  def encode(self, texts: list, target: bool) -> list:
+    processor = self._target if target else self._source
+    return [self._ids(text, processor) for text in texts]
+
+  def decode(self, ids: list) -> str:
+    pieces = [self._pieces[i] for i in ids if i in self._pieces and i not in self._specials]
+    return self._target.decode_pieces(pieces).replace("\u2581", " ").strip()
+
+  def id_to_token(self, i: int):
+    return self._pieces.get(i)
+
+  def token_to_id(self, token: str):
+    return self._vocab.get(token)
+
+
+class HFTokenizer:
+  """A Hugging Face tokenizer read through an imported model's id map: the same interface as
+  `Tokenizer`, the same ids (0 pad, 1 BOS, 2 EOS, ...) on our side.
+
+  The file (`HF_FILENAME`, JSON): "tokenizer" (their tokenizer.json, as a string) or
+  "sentencepiece" (Marian's: {"source", "target": the .spm files in base64, "vocab": their
+  vocab.json, "unk": its unknown token, "specials": the ids of its special tokens}), "hf_ids"
   (per our id, their id; -1: a token of ours only, e.g. GPT-2's padding), "our_ids" (per their
   id, ours), "add_bos" (whether the model reads a text after a BOS: BERT's [CLS]; GPT-2 none),
   "prompt_bos" (a decoder-only model's: whether a prompt starts with BOS, as Llama's does; absent:
@@ -145,18 +215,19 @@ class HFTokenizer:
                fix: str = "import the model again with --mode=import_hf"):
     self.model_proto = data  # what the checkpoints' tokenizer sha256 is taken of
     try:
-      from tokenizers import Tokenizer as HFTokenizerModel
-    except ImportError:
-      raise UserError(f"{name} needs the tokenizers library; install the hf extra "
-                      "(pip install 'transformer_jax[hf]')") from None
-    try:
       record = json.loads(data)
-      self._tokenizer = HFTokenizerModel.from_str(record["tokenizer"])
+      if "sentencepiece" in record:
+        self._tokenizer = _MarianModel(record["sentencepiece"])
+      else:
+        self._tokenizer = _TokenizersModel(record["tokenizer"])
       self.hf_ids = np.asarray(record["hf_ids"], np.int64)
       self.our_ids = np.asarray(record["our_ids"], np.int64)
       self.add_bos = bool(record["add_bos"])
       self._prompt_bos = bool(record.get("prompt_bos", self.add_bos))
       self.special_tokens = dict(record.get("special_tokens", {}))
+    except ImportError:
+      raise UserError(f"{name} needs the tokenizers library; install the hf extra "
+                      "(pip install 'transformer_jax[hf]')") from None
     except Exception as e:  # any damage: JSON, a missing key, a tokenizer that does not parse
       raise UserError(f"{name} does not read ({type(e).__name__}: {str(e)[:80]}); {fix}") from None
 
@@ -172,16 +243,17 @@ class HFTokenizer:
     Llama's adds <s> (our BOS, which the pipeline also puts before every training text)."""
     return self._prompt_bos
 
-  def encode(self, texts: Sequence[str]) -> list[list[int]]:
+  def encode(self, texts: Sequence[str], target: bool = False) -> list[list[int]]:
     """Our ids of each text as the model reads it, but for the EOS that our pipeline appends:
-    BERT's "[CLS] text" ([SEP] = our EOS follows), GPT-2's and Llama's text alone (BOS before
-    a decoder-only model's text is the pipeline's); "" gives []."""
+    BERT's "[CLS] text" ([SEP] = our EOS follows), GPT-2's, Llama's and Marian's text alone (BOS
+    before a decoder-only model's text is the pipeline's); "" gives [].
+    target: the text is a target (Marian has a SentencePiece model for each side)."""
     texts = list(texts)
-    encodings = self._tokenizer.encode_batch(texts, add_special_tokens=False)
+    encodings = self._tokenizer.encode(texts, target)
     start = [BOS_ID] if self.add_bos else []
     # An empty text stays empty: the pipeline's "no such side" (a text task's other side).
-    return [start + self.our_ids[e.ids].tolist() if text else []
-            for text, e in zip(texts, encodings)]
+    return [start + self.our_ids[np.asarray(ids, np.int64)].tolist() if text else []
+            for text, ids in zip(texts, encodings)]
 
   def decode(self, ids: Iterable[int]) -> str:
     """Text of one id sequence; stops at the first EOS, skips padding, BOS and our own tokens."""
@@ -191,7 +263,7 @@ class HFTokenizer:
         break
       if i not in (PAD_ID, BOS_ID) and 0 <= i < len(self.hf_ids) and self.hf_ids[i] >= 0:
         kept.append(int(self.hf_ids[i]))
-    return self._tokenizer.decode(kept, skip_special_tokens=True)
+    return self._tokenizer.decode(kept)
 
   def pieces(self, ids: Iterable[int]) -> list[str]:
     """Their token of each id; "<pad>" for a row of ours only (GPT-2's padding)."""

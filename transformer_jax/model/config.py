@@ -20,8 +20,8 @@ CHOICES = {
     "arch": ("encoder_decoder", "decoder_only", "encoder_only"),
     # swiglu / geglu: the gated FFN (Shazeer, 2020): (act(x W_gate) * x W1) W2.
     # gelu: the tanh approximation (GPT-2's "gelu_new"); gelu_exact: x * Phi(x) with the error
-  # function (BERT's "gelu").
-  "activation": ("relu", "gelu", "gelu_exact", "swiglu", "geglu"),
+  # function (BERT's "gelu"); silu: x * sigmoid(x), not gated (Marian's "swish").
+  "activation": ("relu", "gelu", "gelu_exact", "silu", "swiglu", "geglu"),
     "norm": ("post", "pre"),
     "norm_type": ("layernorm", "rmsnorm"),
     # rotary: RoPE (Su et al., 2021) on queries and keys; relative_bias: T5's learned per-head
@@ -61,7 +61,7 @@ class ModelConfig:
   d_ff: int = 2048  # hidden units of the position-wise feed-forward network
   dropout_rate: float = 0.1  # residual dropout: embeddings and every sublayer output
   attention_dropout_rate: float = 0.0  # on attention weights
-  activation: str = "relu"  # of the feed-forward network: relu | gelu | swiglu | geglu (gated)
+  activation: str = "relu"  # of the feed-forward network: relu | gelu | silu | swiglu | geglu
   norm: str = "post"  # "post" = the paper's LayerNorm(x + Sublayer(x)); "pre" = x + Sublayer(LN(x))
   norm_type: str = "layernorm"  # layernorm | rmsnorm
   # True: the sublayers of a layer read the same input and their outputs are summed
@@ -86,6 +86,10 @@ class ModelConfig:
   embed_norm: bool = False  # a norm of the summed embeddings before the first layer (BERT)
   share_embeddings: bool = True  # one table for source and target tokens
   tie_output: bool = True  # the output projection is the (target) embedding table transposed
+  logits_bias: bool = False  # a learned bias on the decoder's logits (Marian's final_logits_bias)
+  # BOS embeds as a zero vector (its row of a tied table also gives it zero logits): the decoder
+  # starts from zeros, as Marian's does and CTranslate2 assumes of every Marian model.
+  zero_bos_embedding: bool = False
   fused_qkv: bool = False  # one matmul for queries, keys and values (another parameter layout)
   qkv_bias: bool = True  # biases on the query, key and value projections
   # False: no bias in any other dense layer (attention output, FFN, an untied output layer, the
@@ -179,6 +183,9 @@ class ModelConfig:
     if self.random_positions_max and self.random_positions_max < self.max_len:
       raise UserError(f"model.random_positions_max ({self.random_positions_max}) must be at least "
                       f"model.max_len ({self.max_len}), or 0 (off)")
+    if self.logits_bias and self.arch == "encoder_only":
+      raise UserError("model.logits_bias is a bias of the decoder's logits; an encoder_only model "
+                      "has its head's own bias (set model.logits_bias=False)")
     stack = {"decoder_only": "num_decoder_layers", "encoder_only": "num_encoder_layers"}
     if self.arch in stack and getattr(self, stack[self.arch]) == 0:
       raise UserError(f"model.arch={self.arch} needs model.{stack[self.arch]} > 0")

@@ -18,7 +18,7 @@ Array = jax.Array
 # gelu is the tanh approximation (flax's default), gelu_exact the error-function form.
 ACTIVATIONS = {"relu": nn.relu, "gelu": nn.gelu,
                "gelu_exact": functools.partial(nn.gelu, approximate=False),
-               "swiglu": nn.swish, "geglu": nn.gelu}
+               "silu": nn.silu, "swiglu": nn.swish, "geglu": nn.gelu}
 
 
 def kernel_init(config: ModelConfig):

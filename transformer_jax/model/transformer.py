@@ -53,13 +53,16 @@ def _embed(cfg: ModelConfig, name: str) -> nn.Embed:
 def _embed_tokens(cfg: ModelConfig, embed: nn.Embed, positions_module: AddPositions,
                   tokens: Array, positions: Array, deterministic: bool,
                   token_types: Optional[Array] = None) -> Array:
-  """Token embedding (scaled by sqrt(d_model) with model.embed_scale), plus positions, plus
-  each token's type (model.type_vocab_size; `token_types` int `[batch, length]`, None: type 0,
-  one segment), normalised (model.embed_norm), then dropout.
+  """Token embedding (zeros for BOS with model.zero_bos_embedding; scaled by sqrt(d_model) with
+  model.embed_scale), plus positions, plus each token's type (model.type_vocab_size;
+  `token_types` int `[batch, length]`, None: type 0, one segment), normalised
+  (model.embed_norm), then dropout.
 
   Called in a stack's compact scope: the type table and the norm are that stack's
   "token_types" and "embed_norm"."""
   x = embed(tokens)
+  if cfg.zero_bos_embedding:
+    x = jnp.where((tokens == BOS_ID)[..., None], jnp.zeros((), x.dtype), x)
   if cfg.embed_scale:
     x = x * jnp.sqrt(jnp.asarray(cfg.d_model, cfg.compute_dtype))
   x = positions_module(x, positions)
@@ -141,6 +144,8 @@ def _logits(cfg: ModelConfig, embed: nn.Embed, y: Array) -> Array:
   (tied) or a Dense layer named "logits"."""
   if cfg.tie_output:
     embedding = jnp.asarray(embed.embedding, cfg.compute_dtype)
+    if cfg.zero_bos_embedding:
+      embedding = embedding.at[BOS_ID].set(0)
     logits = output_projection(y.astype(cfg.compute_dtype), embedding)
   else:
     logits = nn.Dense(cfg.vocab_size, use_bias=cfg.use_bias, dtype=cfg.compute_dtype,
@@ -271,7 +276,11 @@ class Decoder(nn.Module):
     y = y[:, output_from:]
     if cfg.norm == "pre":
       y = norm_layer(cfg, "final_norm")(y)
-    return _logits(cfg, self.embed, y)
+    logits = _logits(cfg, self.embed, y)
+    if cfg.logits_bias:
+      logits = logits + self.param("logits_bias", param_init(nn.initializers.zeros_init(), "vocab"),
+                                   (cfg.vocab_size,))
+    return logits
 
 
 class Transformer(nn.Module):
@@ -479,6 +488,8 @@ def describe(config: ModelConfig) -> str:
   embeddings = [name for name, on in (("unscaled embeddings", not c.embed_scale),
                                       (f"{c.type_vocab_size} token types", c.type_vocab_size),
                                       ("embedding norm", c.embed_norm),
+                                      ("logits bias", c.logits_bias),
+                                      ("zero BOS embedding", c.zero_bos_embedding),
                                       (f"{c.pooling}-pooled", c.num_labels and
                                        c.pooling != "mean")) if on]
   block += "".join(", " + name for name in embeddings)

@@ -137,12 +137,19 @@ VOCAB_OUT = Transform(lambda s, v: (len(v.our_ids), s[0][0]),
                       lambda w, s, v: [v.to_ours(w).T], lambda a, v: v.to_hf(a[0].T))
 
 
+BIAS_ROW = Transform(lambda s, v: (1, len(v.our_ids)), lambda w, s, v: [v.to_ours(w[0])],
+                    lambda a, v: v.to_hf(a[0])[None])  # Marian's final_logits_bias `[1, vocab]`
+
+
 class Rule(NamedTuple):
   hf: str  # their tensor's name
   ours: tuple  # our parameter path(s)
   transform: Transform
   when: Optional[str] = None  # a boolean model option: the rule holds when it is True ("not X":
   # when it is False), e.g. Llama's lm_head.weight only with an untied output layer
+  # True: a tensor that may be absent (read as zeros), for a parameter of ours that may be
+  # absent too (written as zeros): Marian's final_logits_bias, our model.logits_bias.
+  optional: bool = False
 
 
 def norm(hf: str, ours: str) -> tuple:
@@ -209,10 +216,21 @@ class Architecture:
   # Their config fields that export derives from our model (not read on import), e.g. Llama's
   # head_dim: {their field: callable of our ModelConfig}.
   derived: tuple = ()
-  imported: dict = dataclasses.field(default_factory=dict)  # our options set on import only
+  # Our options that an import sets but export does not require (Llama's dropout 0; Marian's
+  # logits bias: a model without one exports a bias of zeros).
+  imported: dict = dataclasses.field(default_factory=dict)
   # A decoder-only model's prompt starts with BOS (Llama's <s>; GPT-2's none). Its texts are
   # encoded without it (add_bos False): our pipeline and decoding put BOS first themselves.
   prompt_bos: bool = False
+  # Pairs of their config fields that must be equal, the first mapped by `fields` (Marian's
+  # encoder and decoder heads: model.num_heads is one number for both stacks).
+  same: tuple = ()
+  # Their sinusoidal table has the sines in the first half of the features and the cosines in
+  # the second (Marian); ours interleaves them. The two models are the same function once the
+  # features of the residual stream are permuted, which import and export do (convert.py).
+  sinusoid_halves: bool = False
+  tokenizer: str = "tokenizers"  # tokenizer.json; "sentencepiece": source.spm, target.spm,
+  # vocab.json (Marian's)
 
 
 # HF activation names <-> ours. GPT-2's "gelu_new" and "gelu_pytorch_tanh" are the tanh
@@ -233,7 +251,7 @@ GPT2 = Architecture(
     fixed=dict(arch="decoder_only", num_encoder_layers=0, norm="pre", norm_type="layernorm",
                positional="learned", embed_scale=False, tie_output=True, qkv_bias=True,
                num_kv_heads=0, parallel_block=False, type_vocab_size=0, embed_norm=False,
-               use_bias=True),
+               use_bias=True, logits_bias=False),
     required=dict(tie_word_embeddings=True, scale_attn_weights=True,
                   scale_attn_by_inverse_layer_idx=False, add_cross_attention=False),
     layer_rules=(
@@ -372,7 +390,8 @@ LLAMA = Architecture(
             Field("attention_dropout_rate", "attention_dropout", default=0.0)),
     fixed=dict(arch="decoder_only", num_encoder_layers=0, norm="pre", norm_type="rmsnorm",
                positional="rotary", embed_scale=False, qkv_bias=False, use_bias=False,
-               fused_qkv=False, parallel_block=False, type_vocab_size=0, embed_norm=False),
+               fused_qkv=False, parallel_block=False, type_vocab_size=0, embed_norm=False,
+               logits_bias=False),
     required=dict(attention_bias=False, mlp_bias=False, add_cross_attention=False),
     layer_rules=_llama_layer(),
     rules=(Rule("model.embed_tokens.weight", ("token_embedding/embedding",), VOCAB),
@@ -392,7 +411,74 @@ LLAMA = Architecture(
     imported=dict(dropout_rate=0.0),  # Llama has no residual dropout
 )
 
+def _marian_attention(hf: str, ours: str) -> tuple:
+  return tuple(rule for theirs, mine, transform in (
+      ("q_proj", "query", linear()), ("k_proj", "key", linear()), ("v_proj", "value", linear()),
+      ("out_proj", "out", linear(2))) for rule in dense(f"{hf}.{theirs}", f"{ours}/{mine}",
+                                                         transform))
+
+
+def _marian_ffn(hf: str, ours: str) -> tuple:
+  return (*dense(f"{hf}.fc1", f"{ours}/ffn/wi", linear()),
+          *dense(f"{hf}.fc2", f"{ours}/ffn/wo", linear()),
+          *norm(f"{hf}.final_layer_norm", f"{ours}/ffn_block/norm"))
+
+
+# Marian's activation names: "swish" is SiLU (written back as "swish", listed first); "gelu" the
+# error-function form.
+MARIAN_ACTIVATIONS = {"swish": "silu", "silu": "silu", "relu": "relu", "gelu": "gelu_exact",
+                      "gelu_new": "gelu"}
+
+MARIAN = Architecture(
+    model_type="marian",
+    prefix="model.",
+    fields=(Field("d_model", "d_model"), Field("num_heads", "encoder_attention_heads"),
+            Field("num_encoder_layers", "encoder_layers"),
+            Field("num_decoder_layers", "decoder_layers"), Field("d_ff", "encoder_ffn_dim"),
+            Field("max_len", "max_position_embeddings", default=1024),
+            Field("activation", "activation_function", MARIAN_ACTIVATIONS, "gelu"),
+            Field("embed_scale", "scale_embedding", default=False),
+            Field("dropout_rate", "dropout", default=0.1),
+            Field("attention_dropout_rate", "attention_dropout", default=0.0)),
+    # post-LN, no final norm, no embedding norm; torch's LayerNorm epsilon (Marian has no field).
+    fixed=dict(arch="encoder_decoder", norm="post", norm_type="layernorm",
+               positional="sinusoidal", position_base=10000.0, share_embeddings=True,
+               tie_output=True, qkv_bias=True, fused_qkv=False, num_kv_heads=0,
+               parallel_block=False, type_vocab_size=0, embed_norm=False, layer_norm_eps=1e-5,
+               use_bias=True),
+    required=dict(share_encoder_decoder_embeddings=True, tie_word_embeddings=True),
+    layer_rules=(
+        *_marian_attention("model.encoder.layers.{i}.self_attn",
+                           "encoder/layer_{i}/self_attention"),
+        *norm("model.encoder.layers.{i}.self_attn_layer_norm",
+              "encoder/layer_{i}/attention_block/norm"),
+        *_marian_ffn("model.encoder.layers.{i}", "encoder/layer_{i}"),
+        *_marian_attention("model.decoder.layers.{i}.self_attn",
+                           "decoder/layer_{i}/self_attention"),
+        *norm("model.decoder.layers.{i}.self_attn_layer_norm",
+              "decoder/layer_{i}/self_attention_block/norm"),
+        *_marian_attention("model.decoder.layers.{i}.encoder_attn",
+                           "decoder/layer_{i}/cross_attention"),
+        *norm("model.decoder.layers.{i}.encoder_attn_layer_norm",
+              "decoder/layer_{i}/cross_attention_block/norm"),
+        *_marian_ffn("model.decoder.layers.{i}", "decoder/layer_{i}"),
+    ),
+    rules=(Rule("model.shared.weight", ("shared_embedding/embedding",), VOCAB),),
+    heads=(Head("MarianMTModel", "seq2seq",
+                (Rule("final_logits_bias", ("decoder/logits_bias",), BIAS_ROW, optional=True),),
+                dict(num_labels=0)),),
+    special_tokens={"pad": "<pad>", "eos": "</s>", "unk": "<unk>"},
+    slots=DECODER_SLOTS,
+    add_bos=False,
+    ignored=(r"embed_positions\.weight$", r"embed_tokens\.weight$", r"^lm_head\.weight$"),
+    same=(("encoder_attention_heads", "decoder_attention_heads"),
+          ("encoder_ffn_dim", "decoder_ffn_dim"), ("vocab_size", "decoder_vocab_size")),
+    imported=dict(logits_bias=True),
+    sinusoid_halves=True,
+    tokenizer="sentencepiece",
+)
+
 # Export picks the first architecture (in this order) whose fixed options all equal the model's:
 # GPT-2 (learned positions, LayerNorm with biases) and Llama (rotary, RMSNorm, no biases) share
 # none, so a decoder-only model goes out as the one its options match, or is refused.
-ARCHITECTURES = {a.model_type: a for a in (GPT2, BERT, LLAMA)}
+ARCHITECTURES = {a.model_type: a for a in (GPT2, BERT, LLAMA, MARIAN)}

@@ -9,6 +9,7 @@ Everything is read and checked before anything is written.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
@@ -23,7 +24,7 @@ from transformer_jax.core import files
 from transformer_jax.core.errors import UserError
 from transformer_jax.core.tokens import BOS_ID, EOS_ID, PAD_ID
 from transformer_jax.data import tokenizer as tokenizer_lib
-from transformer_jax.model import ModelConfig, param_shapes
+from transformer_jax.model import ModelConfig, init_boxed_params, param_shapes
 from transformer_jax.tools.hf import weights
 from transformer_jax.tools.hf.architectures import (
   ARCHITECTURES,
@@ -38,6 +39,8 @@ from transformer_jax.train import state as state_lib
 CONFIG = "config.json"
 TOKENIZER = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
+# Marian's tokenizer: a SentencePiece model for each side and the vocabulary of both.
+SOURCE_SPM, TARGET_SPM, VOCAB_JSON = "source.spm", "target.spm", "vocab.json"
 
 # Our training recipe for an imported model: fine-tuning rates (AdamW, a short warmup, cosine
 # decay), no label smoothing. Any of it can be changed with --config.train.KEY=VALUE.
@@ -50,6 +53,41 @@ def _flat(tree) -> dict:
   """{"a/b/c": leaf} of a nested dict of arrays (our parameter paths)."""
   return {"/".join(p.key for p in path): leaf
           for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def _embed_axes(model: ModelConfig) -> dict:
+  """{our parameter path: the indices of its axes named "embed"} (the residual stream's
+  features), from the logical names the model gives its parameters (`model/axes.py`)."""
+  import flax.linen as nn
+  boxed = jax.eval_shape(lambda rng: init_boxed_params(model, rng), jax.random.PRNGKey(0))
+  specs = nn.get_partition_spec(boxed)
+  leaves = jax.tree_util.tree_leaves_with_path(
+      specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+  return {"/".join(p.key for p in path): [i for i, name in enumerate(spec) if name == "embed"]
+          for path, spec in leaves}
+
+
+def sinusoid_halves_order(d_model: int) -> np.ndarray:
+  """The features of our residual stream in the order of a model whose sinusoidal table has
+  the sines in its first half and the cosines in its second (Marian's): their feature k is our
+  feature order[k], since our table interleaves them (sin at 2i, cos at 2i + 1).
+
+  Every layer treats the features alike (a LayerNorm's mean and variance, matrices whose rows
+  or columns move with them), so permuting every "embed" axis of every parameter turns one
+  model into the other exactly.
+  """
+  return np.concatenate([np.arange(0, d_model, 2), np.arange(1, d_model, 2)])
+
+
+def _permute_features(flat: dict, model: ModelConfig, order: np.ndarray) -> dict:
+  """Every parameter with its "embed" axes taken in `order`."""
+  axes = _embed_axes(model)
+  out = {}
+  for path, value in flat.items():
+    for axis in axes[path]:
+      value = np.take(value, order, axis=axis)
+    out[path] = value
+  return out
 
 
 def _nested(flat: dict) -> dict:
@@ -123,6 +161,12 @@ def _model_options(arch, head, hf_config: dict, path: str) -> dict:
     problem = check(hf_config)
     if problem:
       raise UserError(f"{path} has {problem}, so this model cannot be imported")
+  for first, second in arch.same:
+    if second in hf_config and hf_config[second] is not None and (
+        hf_config[second] != hf_config.get(first)):
+      raise UserError(f"{path} has {first}={hf_config.get(first)!r} but {second}="
+                      f"{hf_config[second]!r}; this project's {arch.model_type} has one value for "
+                      "both, so this model cannot be imported")
   options = {f.ours: _field_value(f, hf_config, path) for f in arch.fields + head.fields}
   return {**arch.imported, **options, **arch.fixed, **head.fixed}
 
@@ -145,9 +189,73 @@ def _special_tokens(arch, hf_dir: str) -> dict:
   return tokens
 
 
+def _configured_ids(ids: dict, tokens: dict, hf_config: dict, hf_vocab_size: int, id_to_token):
+  """The specials that the tokenizer lacks, from config.json's pad/bos/eos_token_id."""
+  for name in ("pad", "bos", "eos"):
+    configured = hf_config.get(f"{name}_token_id")
+    if ids.get(name) is None and isinstance(configured, int) and 0 <= configured < hf_vocab_size:
+      ids[name] = configured
+      tokens[name] = id_to_token(configured)
+  return {k: v for k, v in tokens.items() if ids.get(k) is not None and v}, ids
+
+
+def _marian_tokenizer(arch, hf_dir: str, hf_vocab_size: int, hf_config: dict):
+  """({"sentencepiece": ...}, {our special: their token}, {our special: their id}) of Marian's
+  source.spm, target.spm and vocab.json. Our BOS is their decoder_start_token_id (their pad)."""
+  missing = [name for name in (SOURCE_SPM, TARGET_SPM, VOCAB_JSON)
+             if not os.path.isfile(os.path.join(hf_dir, name))]
+  if missing:
+    raise UserError(f"{hf_dir} holds no {missing[0]}; save the model's tokenizer there too "
+                    "(MarianTokenizer.from_pretrained(...).save_pretrained(DIR), or download "
+                    f"{SOURCE_SPM}, {TARGET_SPM} and {VOCAB_JSON})")
+  saved = {}
+  if os.path.isfile(os.path.join(hf_dir, TOKENIZER_CONFIG)):
+    saved = _read_json(os.path.join(hf_dir, TOKENIZER_CONFIG), "the tokenizer")
+  if saved.get("separate_vocabs"):
+    raise UserError(f"{hf_dir} is a Marian model with separate source and target vocabularies "
+                    "(separate_vocabs), which this project's one vocabulary cannot express; "
+                    "import a model with one vocab.json")
+  vocab_path = os.path.join(hf_dir, VOCAB_JSON)
+  vocab = _read_json(vocab_path, "the tokenizer")
+  if not all(isinstance(v, int) and 0 <= v < hf_vocab_size for v in vocab.values()):
+    raise UserError(f"{vocab_path} maps a piece to an id outside the model's vocab_size "
+                    f"{hf_vocab_size}; the tokenizer belongs to another model")
+  models = {}
+  for name in (SOURCE_SPM, TARGET_SPM):
+    with open(os.path.join(hf_dir, name), "rb") as f:
+      models[name] = f.read()
+    try:
+      tokenizer_lib.spm_processor(models[name])
+    except ValueError:
+      raise UserError(f"{os.path.join(hf_dir, name)} is not a SentencePiece model; download the "
+                      "tokenizer again") from None
+  tokens = dict(arch.special_tokens)
+  for name in tokens:
+    value = saved.get(f"{name}_token")
+    value = value.get("content") if isinstance(value, dict) else value
+    if isinstance(value, str):
+      tokens[name] = value
+  if tokens["unk"] not in vocab:
+    raise UserError(f"{vocab_path} lacks the unknown token {tokens['unk']!r}; download the "
+                    "tokenizer again")
+  ids = {name: vocab.get(token) for name, token in tokens.items()}
+  start = hf_config.get("decoder_start_token_id", ids.get("pad"))
+  if isinstance(start, int) and 0 <= start < hf_vocab_size:
+    ids["bos"] = start
+  pieces = {v: k for k, v in vocab.items()}
+  tokens, ids = _configured_ids(ids, tokens, hf_config, hf_vocab_size, pieces.get)
+  tokens.setdefault("bos", pieces.get(ids.get("bos")))
+  record = {"source": base64.b64encode(models[SOURCE_SPM]).decode(),
+            "target": base64.b64encode(models[TARGET_SPM]).decode(), "vocab": vocab,
+            "unk": tokens["unk"], "specials": sorted({v for v in ids.values() if v is not None})}
+  return {"sentencepiece": record}, tokens, ids
+
+
 def _tokenizer(arch, hf_dir: str, hf_vocab_size: int, hf_config: dict):
-  """(their tokenizer.json text, {our special: their token}, {our special: their id}): the ids
-  of the special tokens in the tokenizer, else config.json's pad/bos/eos_token_id."""
+  """({"tokenizer": their tokenizer.json text}, {our special: their token}, {our special: their
+  id}): the ids of the special tokens in the tokenizer, else config.json's pad/bos/eos_token_id."""
+  if arch.tokenizer == "sentencepiece":
+    return _marian_tokenizer(arch, hf_dir, hf_vocab_size, hf_config)
   path = os.path.join(hf_dir, TOKENIZER)
   if not os.path.isfile(path):
     raise UserError(f"{hf_dir} holds no {TOKENIZER}; save the model's tokenizer there too "
@@ -169,12 +277,8 @@ def _tokenizer(arch, hf_dir: str, hf_vocab_size: int, hf_config: dict):
                     f"vocab_size {hf_vocab_size}; the tokenizer belongs to another model")
   tokens = _special_tokens(arch, hf_dir)
   ids = {name: tokenizer.token_to_id(token) for name, token in tokens.items()}
-  for name in ("pad", "bos", "eos"):
-    configured = hf_config.get(f"{name}_token_id")
-    if ids.get(name) is None and isinstance(configured, int) and 0 <= configured < hf_vocab_size:
-      ids[name] = configured
-      tokens[name] = tokenizer.id_to_token(configured)
-  return text, {k: v for k, v in tokens.items() if ids.get(k) is not None and v}, ids
+  tokens, ids = _configured_ids(ids, tokens, hf_config, hf_vocab_size, tokenizer.id_to_token)
+  return {"tokenizer": text}, tokens, ids
 
 
 def _shape_error(name: str, shape, expected, path: str) -> UserError:
@@ -182,11 +286,14 @@ def _shape_error(name: str, shape, expected, path: str) -> UserError:
                    f"{tuple(expected)}; the weights and config.json must come from the same model")
 
 
-def _expand(rules: tuple, layers: int) -> list:
-  """The rules with `{i}` replaced by each layer's index (rules without it once)."""
+def _expand(rules: tuple, model: ModelConfig) -> list:
+  """The rules with `{i}` replaced by each layer's index, as many as the stack that their
+  parameters belong to has layers (rules without it once)."""
   out = []
   for rule in rules:
     if "{i}" in rule.hf:
+      layers = (model.num_encoder_layers if rule.ours[0].startswith("encoder/")
+                else model.num_decoder_layers)
       out += [rule._replace(hf=rule.hf.format(i=i), ours=tuple(p.format(i=i) for p in rule.ours))
               for i in range(layers)]
     else:
@@ -203,8 +310,7 @@ def _holds(rule, model: ModelConfig) -> bool:
 
 
 def _rules(arch, head, model: ModelConfig) -> list:
-  layers = max(model.num_encoder_layers, model.num_decoder_layers)
-  rules = _expand(arch.layer_rules, layers) + list(arch.rules) + list(head.rules)
+  rules = _expand(arch.layer_rules + arch.rules + head.rules, model)
   return [rule for rule in rules if _holds(rule, model)]
 
 
@@ -212,16 +318,18 @@ def _params_from(tensors: dict, arch, head, model: ModelConfig, vocab: Vocab, pa
   """Our parameter tree from their tensors, each checked against the shape our config gives."""
   if arch.prefix and not any(k.startswith(arch.prefix) for k in tensors):
     # Saved from the base class (GPT2Model, BertModel): names without the prefix.
-    tensors = {(k if k.startswith(("cls.", "lm_head.", "classifier.")) else arch.prefix + k): v
-               for k, v in tensors.items()}
+    heads = ("cls.", "lm_head.", "classifier.", "final_logits_bias")
+    tensors = {(k if k.startswith(heads) else arch.prefix + k): v for k, v in tensors.items()}
   shapes = {k: tuple(v.shape) for k, v in _flat(param_shapes(model)).items()}
   flat, used = {}, set()
   for rule in _rules(arch, head, model):
+    ours = [shapes[p] for p in rule.ours]
+    expected = rule.transform.hf_shape(ours, vocab)
+    if rule.hf not in tensors and rule.optional:
+      tensors[rule.hf] = np.zeros(expected, np.float32)  # as transformers reads it: zeros
     if rule.hf not in tensors:
       raise UserError(f"the weights in {os.path.dirname(path)} lack {rule.hf}, which a "
                       f"{head.hf_class} has; download the complete model")
-    ours = [shapes[p] for p in rule.ours]
-    expected = rule.transform.hf_shape(ours, vocab)
     tensor = tensors[rule.hf]
     if tuple(tensor.shape) != tuple(expected):
       raise _shape_error(rule.hf, tensor.shape, expected, path)
@@ -235,6 +343,8 @@ def _params_from(tensors: dict, arch, head, model: ModelConfig, vocab: Vocab, pa
     print(f"note: {len(unused)} tensor(s) of the checkpoint have no counterpart here and are "
           f"left out: {', '.join(unused[:3])}{' ...' if len(unused) > 3 else ''}",
           file=sys.stderr)
+  if arch.sinusoid_halves:
+    flat = _permute_features(flat, model, np.argsort(sinusoid_halves_order(model.d_model)))
   return _nested(flat)
 
 
@@ -292,8 +402,8 @@ def import_hf(hf_dir: str, workdir: str) -> str:
   options = _model_options(arch, head, hf_config, config_path)
   weights.check_present(hf_dir)
   hf_vocab_size = _field_value(Field("vocab_size", "vocab_size"), hf_config, config_path)
-  tokenizer_text, special_tokens, special_ids = _tokenizer(arch, hf_dir, hf_vocab_size,
-                                                          hf_config)
+  tokenizer_record, special_tokens, special_ids = _tokenizer(arch, hf_dir, hf_vocab_size,
+                                                            hf_config)
   vocab = vocab_layout(hf_vocab_size, special_ids, arch.slots)
   try:
     model = ModelConfig(vocab_size=len(vocab.hf_ids), **options).validate()
@@ -303,7 +413,7 @@ def import_hf(hf_dir: str, workdir: str) -> str:
   config = _experiment_config(model, head.task, hf_config)
   config_lib.validate(config)
   tokenizer_file = json.dumps({
-      "tokenizer": tokenizer_text, "hf_ids": vocab.hf_ids.tolist(),
+      **tokenizer_record, "hf_ids": vocab.hf_ids.tolist(),
       "our_ids": vocab.our_ids.tolist(), "add_bos": arch.add_bos,
       "prompt_bos": arch.prompt_bos,
       "special_tokens": special_tokens, "model_type": arch.model_type}).encode()
@@ -385,6 +495,8 @@ def _hf_config(arch, head, model: ModelConfig, vocab: Vocab, special_ids: dict,
     elif field.values is not None:
       value = {ours: theirs for theirs, ours in reversed(field.values.items())}[value]
     hf[field.hf] = value
+  for first, second in arch.same:
+    hf[second] = hf[first]
   if arch.model_type == "gpt2":
     hf["embd_pdrop"] = model.dropout_rate
   for name, value in arch.derived:
@@ -392,7 +504,50 @@ def _hf_config(arch, head, model: ModelConfig, vocab: Vocab, special_ids: dict,
   for name in ("pad", "bos", "eos"):
     if special_ids.get(name) is not None:
       hf[f"{name}_token_id"] = int(special_ids[name])
+  if arch.model_type == "marian":  # the decoder starts from our BOS; no BOS before a source
+    hf["decoder_start_token_id"] = hf.pop("bos_token_id")
+    hf["forced_eos_token_id"] = hf["eos_token_id"]
   return hf
+
+
+def _own_vocab(arch, vocab_size: int) -> Vocab:
+  """The ids of a model trained here (our SentencePiece vocabulary) in their model: the same,
+  pad 0, BOS 1, EOS 2; for Marian our padding moves to the last row, where Marian keeps its
+  <pad> (CTranslate2's converter drops that row)."""
+  ids = np.arange(vocab_size)
+  if arch.model_type != "marian":
+    return Vocab(ids, ids)
+  return Vocab(np.roll(ids, 1), np.roll(ids, -1))  # ours 0 -> theirs V-1, ours i -> i - 1
+
+
+def _write_marian_tokenizer(hf_dir: str, tokenizer, vocab: Vocab, special_ids: dict,
+                            max_len: int) -> list:
+  """source.spm, target.spm, vocab.json and tokenizer_config.json, as MarianTokenizer saves
+  them: the imported model's own, or our SentencePiece model for both sides."""
+  if isinstance(tokenizer, tokenizer_lib.HFTokenizer):
+    record = json.loads(tokenizer.model_proto)["sentencepiece"]
+    source, target = base64.b64decode(record["source"]), base64.b64decode(record["target"])
+    pieces = record["vocab"]
+    tokens = {name: tokenizer.special_tokens.get(name) for name in ("pad", "eos", "unk")}
+  else:
+    source = target = tokenizer.model_proto
+    pieces = {piece: int(vocab.hf_ids[i]) for i, piece in
+              enumerate(tokenizer.pieces(range(tokenizer.vocab_size)))}
+    # Rows of the model beyond the tokenizer's pieces get names of their own, so that every id
+    # has a token (CTranslate2 reads the vocabulary as the list of tokens by id).
+    pieces.update({f"<unused{i}>": int(vocab.hf_ids[i])
+                   for i in range(tokenizer.vocab_size, len(vocab.hf_ids))})
+    tokens = {name: tokenizer.pieces([i])[0] for name, i in
+              (("pad", PAD_ID), ("eos", EOS_ID), ("unk", 3))}
+  files.atomic_write(os.path.join(hf_dir, SOURCE_SPM), source)
+  files.atomic_write(os.path.join(hf_dir, TARGET_SPM), target)
+  files.atomic_write(os.path.join(hf_dir, VOCAB_JSON), json.dumps(pieces, ensure_ascii=False))
+  tokenizer_config = {f"{k}_token": v for k, v in tokens.items() if v}
+  tokenizer_config.update(tokenizer_class="MarianTokenizer", model_max_length=max_len,
+                          separate_vocabs=False)
+  files.atomic_write(os.path.join(hf_dir, TOKENIZER_CONFIG),
+                     json.dumps(tokenizer_config, indent=2))
+  return [SOURCE_SPM, TARGET_SPM, VOCAB_JSON, TOKENIZER_CONFIG]
 
 
 def export_hf(workdir: str, hf_dir: str, step=None) -> str:
@@ -410,22 +565,32 @@ def export_hf(workdir: str, hf_dir: str, step=None) -> str:
   tokenizer = trained.tokenizer
   if isinstance(tokenizer, tokenizer_lib.HFTokenizer):
     vocab = Vocab(tokenizer.hf_ids, tokenizer.our_ids)
-  else:  # our own SentencePiece vocabulary: the ids stay as they are, pad 0, BOS 1, EOS 2
-    ids = np.arange(model.vocab_size)
-    vocab = Vocab(ids, ids)
-  flat = {k: np.asarray(v, np.float32) for k, v in _flat(jax.device_get(trained.params)).items()}
+  else:  # our own SentencePiece vocabulary: pad 0, BOS 1, EOS 2 (Marian: pad last)
+    vocab = _own_vocab(arch, model.vocab_size)
+  flat = {k: np.array(v, np.float32) for k, v in _flat(jax.device_get(trained.params)).items()}
+  if model.zero_bos_embedding:  # the rows as the model reads them
+    for path in flat:
+      if path.endswith("embedding/embedding"):
+        flat[path][BOS_ID] = 0.0
+  if arch.sinusoid_halves:
+    flat = _permute_features(flat, model, sinusoid_halves_order(model.d_model))
   tensors = {}
   for rule in _rules(arch, head, model):
+    if rule.optional and not all(p in flat for p in rule.ours):
+      tensors[rule.hf] = np.zeros(rule.transform.hf_shape(None, vocab), np.float32)
+      continue
     tensors[rule.hf] = rule.transform.to_hf([flat[p] for p in rule.ours], vocab)
   if isinstance(tokenizer, tokenizer_lib.HFTokenizer):
     special_ids = {name: int(tokenizer.hf_ids[slot]) for slot, name in
                    ((PAD_ID, "pad"), (EOS_ID, "eos")) if tokenizer.hf_ids[slot] >= 0}
     if arch.model_type == "gpt2":
       special_ids["bos"] = special_ids["eos"]
-    elif arch.model_type == "llama" and tokenizer.hf_ids[BOS_ID] >= 0:
+    elif arch.model_type == "marian" or (arch.model_type == "llama"
+                                         and tokenizer.hf_ids[BOS_ID] >= 0):
       special_ids["bos"] = int(tokenizer.hf_ids[BOS_ID])
   else:
-    special_ids = {"pad": PAD_ID, "bos": BOS_ID, "eos": EOS_ID}
+    special_ids = {name: int(vocab.hf_ids[i])
+                   for name, i in (("pad", PAD_ID), ("bos", BOS_ID), ("eos", EOS_ID))}
   labels = _label_names(config, model.num_labels) if model.num_labels else []
   hf_config = _hf_config(arch, head, model, vocab, special_ids, labels)
   try:
@@ -435,7 +600,9 @@ def export_hf(workdir: str, hf_dir: str, step=None) -> str:
   files.atomic_write(os.path.join(hf_dir, CONFIG), json.dumps(hf_config, indent=2))
   weights.write(hf_dir, tensors)
   wrote = [CONFIG, weights.SAFETENSORS]
-  if isinstance(tokenizer, tokenizer_lib.HFTokenizer):
+  if arch.tokenizer == "sentencepiece":
+    wrote += _write_marian_tokenizer(hf_dir, tokenizer, vocab, special_ids, model.max_len)
+  elif isinstance(tokenizer, tokenizer_lib.HFTokenizer):
     record = json.loads(tokenizer.model_proto)
     files.atomic_write(os.path.join(hf_dir, TOKENIZER), record["tokenizer"])
     names = {"pad": "pad_token", "unk": "unk_token", "mask": "mask_token"}
