@@ -32,15 +32,32 @@ def data_cache(tmp_path_factory):
   return directory
 
 
+def _session_root(tmp_path_factory):
+  """The folder that every test worker of this session shares: pytest-xdist's workers each have
+  a temporary directory of their own under a common parent."""
+  root = tmp_path_factory.getbasetemp()
+  return root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+
+
+# Large enough never to evict anything in a test session; any limit at all (instead of JAX's
+# default, none) makes JAX's file cache take a file lock around each read and write, so that
+# processes that compile the same program at the same time neither read a half-written entry
+# nor write over each other (without it, an entry is written in place, unlocked).
+CACHE_LIMIT_BYTES = 16 << 30
+
+
 @pytest.fixture(autouse=True, scope="session")
 def compilation_cache(tmp_path_factory):
   """A persistent compilation cache for every subprocess of the tests (launch.py runs, sweep
-  trials, scripts), through the environment, one per test worker: a program that several runs
-  compile (the tiny model's train step, its evaluation's decoding) compiles once per worker, the
-  others read it. This process's JAX has read its configuration already and keeps none. Tests
-  that want a cache of their own pass one (launcher.environment)."""
-  directory = tmp_path_factory.mktemp("jax_cache")
+  trials, scripts), through the environment: one for the whole session, shared by the test
+  workers. A program that several runs compile (the tiny model's train step, its evaluation's
+  decoding), in whichever test file and on whichever worker, compiles once; the others read
+  it. This process's JAX has read its configuration already and keeps none. Tests that want a
+  cache of their own pass one (launcher.environment)."""
+  directory = _session_root(tmp_path_factory) / "jax_cache"
+  directory.mkdir(exist_ok=True)
   os.environ.update(JAX_COMPILATION_CACHE_DIR=str(directory),
+                    JAX_COMPILATION_CACHE_MAX_SIZE=str(CACHE_LIMIT_BYTES),
                     JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                     JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
   return directory
@@ -53,9 +70,7 @@ def shared_directory(tmp_path_factory):
   their temporary directories; a file lock makes the others wait for the first). For read-only
   inputs that several test files need, such as a trained workdir: a test that changes one
   works on a copy."""
-  root = tmp_path_factory.getbasetemp()
-  if os.environ.get("PYTEST_XDIST_WORKER"):
-    root = root.parent
+  root = _session_root(tmp_path_factory)
   (root / "shared").mkdir(exist_ok=True)
 
   def make(name: str, build):

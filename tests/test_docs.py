@@ -203,8 +203,8 @@ def test_the_readme_walkthrough_runs_end_to_end_with_tiny_overrides(tmp_path):
       w for line in walk for w in line.split()}, walk
   for entry in ("launch.py", "experiments"):
     (tmp_path / entry).symlink_to(ROOT / entry)
-  # One persistent compilation cache: make demo's training and the README's are the same program.
-  env = environment(tmp_path / "jax_cache")
+  # The session's compilation cache: make demo's training and the README's are the same program.
+  env = environment()
   for line in walk:
     words = shlex.split(line.split(" | ")[0])
     words[0] = sys.executable

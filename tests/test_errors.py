@@ -34,8 +34,7 @@ NOBODY = 65534  # runs the unwritable-workdir row when the tests run as root
 
 @pytest.fixture(scope="module")
 def launcher(tmp_path_factory):
-  server = Launcher(environment(tmp_path_factory.mktemp("jax_cache")),
-                    str(tmp_path_factory.mktemp("launches")))
+  server = Launcher(environment(), str(tmp_path_factory.mktemp("launches")))
   yield server
   server.close()
 

@@ -13,7 +13,7 @@ import threading
 import jax
 import numpy as np
 import pytest
-from launcher import NAMESPACE, namespaces_work
+from launcher import NAMESPACE, QUICK_COMPILE, namespaces_work
 
 from transformer_jax.data import prepare
 from transformer_jax.eval import load
@@ -36,7 +36,7 @@ def _free_port() -> int:
 
 def _env(devices: int) -> dict:
   return dict(os.environ, JAX_PLATFORMS="cpu",
-              XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+              XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {QUICK_COMPILE}")
 
 
 def _train_losses(workdir):

@@ -12,6 +12,7 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import PartitionSpec as P
+from launcher import QUICK_COMPILE
 
 from transformer_jax.core.errors import UserError
 from transformer_jax.model import ModelConfig
@@ -261,8 +262,8 @@ MESHES_SCRIPT = textwrap.dedent("""
 @pytest.fixture(scope="module")
 def meshes(tmp_path_factory):
   workdir = tmp_path_factory.mktemp("resume")
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             JAX_PLATFORMS="cpu")
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS=f"--xla_force_host_platform_device_count=8 {QUICK_COMPILE}")
   out = subprocess.run([sys.executable, "-c", MESHES_SCRIPT, str(workdir)], env=env, cwd=ROOT,
                        capture_output=True, text=True)
   assert out.returncode == 0, out.stderr[-3000:]

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from launcher import QUICK_COMPILE
 
 from transformer_jax import config as config_lib
 from transformer_jax.data import pipeline, scan
@@ -225,8 +226,8 @@ DATA_PARALLEL_SCRIPT = textwrap.dedent("""
 
 
 def test_data_parallel_step_equals_single_device_step():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-             JAX_PLATFORMS="cpu")
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS=f"--xla_force_host_platform_device_count=4 {QUICK_COMPILE}")
   out = subprocess.run([sys.executable, "-c", DATA_PARALLEL_SCRIPT.format(root=ROOT)], env=env,
                        capture_output=True, text=True, check=True, cwd=ROOT)
   results = json.loads(out.stdout.strip().splitlines()[-1])
