@@ -55,13 +55,14 @@ def test_schedules_by_name():
   assert float(state_lib.make_schedule(c.train, 512)(12345)) == pytest.approx(3e-4)
 
 
-def test_label_smoothing_equals_its_closed_form():
+@pytest.mark.parametrize("one_pass", [False, True])
+def test_label_smoothing_equals_its_closed_form(one_pass):
   rng = np.random.default_rng(0)
   vocab, eps = 7, 0.1
   logits = rng.normal(size=(2, 5, vocab))
   targets = rng.integers(0, vocab, size=(2, 5))
   loss, nll, _ = losses.label_smoothed_cross_entropy(jnp.asarray(logits, jnp.float32),
-                                                    jnp.asarray(targets), eps)
+                                                    jnp.asarray(targets), eps, one_pass)
   log_p = logits - np.log(np.exp(logits).sum(-1, keepdims=True))  # float64
   q = np.full((2, 5, vocab), eps / vocab)
   q[np.arange(2)[:, None], np.arange(5)[None], targets] += 1.0 - eps
@@ -70,7 +71,8 @@ def test_label_smoothing_equals_its_closed_form():
                              rtol=1e-5)
 
 
-def test_label_smoothing_gradient_and_correct_match_float64():
+@pytest.mark.parametrize("one_pass", [False, True])
+def test_label_smoothing_gradient_and_correct_match_float64(one_pass):
   rng = np.random.default_rng(1)
   vocab, eps = 11, 0.2
   logits = rng.normal(size=(3, 4, vocab))
@@ -80,7 +82,7 @@ def test_label_smoothing_gradient_and_correct_match_float64():
   w_loss, w_nll = rng.normal(size=(3, 4)), rng.normal(size=(3, 4))
 
   def objective(x):
-    loss, nll, _ = losses.label_smoothed_cross_entropy(x, jnp.asarray(targets), eps)
+    loss, nll, _ = losses.label_smoothed_cross_entropy(x, jnp.asarray(targets), eps, one_pass)
     return (loss * w_loss).sum() + (nll * w_nll).sum()
 
   grad = jax.grad(objective)(jnp.asarray(logits, jnp.float32))
@@ -91,9 +93,49 @@ def test_label_smoothing_gradient_and_correct_match_float64():
   expected = w_loss[..., None] * (p - q) + w_nll[..., None] * (p - one_hot)
   np.testing.assert_allclose(grad, expected, rtol=1e-4, atol=1e-6)
   _, _, correct = losses.label_smoothed_cross_entropy(jnp.asarray(logits, jnp.float32),
-                                                     jnp.asarray(targets), eps)
+                                                     jnp.asarray(targets), eps, one_pass)
   np.testing.assert_array_equal(correct, logits.argmax(-1) == targets)
   assert correct[0, 0]
+
+
+def test_one_pass_loss_matches_float64_on_wide_bfloat16_logits():
+  # The one-pass reduction rescales its running sum of exponentials whenever the maximum grows:
+  # logits spread over +-40 (exp alone would overflow float32 past 88) across a vocabulary wide
+  # enough for XLA to split the reduction, and a row whose maximum is the last entry (rescaled
+  # at the end) and one where it is the first. The logits are bfloat16, as the train step
+  # passes them under model.dtype=bfloat16; the float64 reference reads the same rounded values.
+  rng = np.random.default_rng(2)
+  vocab, eps = 5003, 0.1
+  logits = jnp.asarray(rng.uniform(-40, 40, size=(2, 3, vocab)), jnp.bfloat16)
+  logits = logits.at[0, 0, -1].set(60.0).at[0, 1, 0].set(60.0)
+  targets = jnp.asarray(rng.integers(0, vocab, size=(2, 3)))
+  x = np.asarray(logits, np.float64)
+  log_p = x - x.max(-1, keepdims=True)
+  log_p -= np.log(np.exp(log_p).sum(-1, keepdims=True))
+  nll = -np.take_along_axis(log_p, np.asarray(targets)[..., None], -1)[..., 0]
+  expected = (1 - eps) * nll - eps * log_p.mean(-1)
+
+  def objective(v, one_pass):
+    loss, nll, _ = losses.label_smoothed_cross_entropy(v, targets, eps, one_pass)
+    return loss.sum() + nll.sum(), (loss, nll)
+
+  grads = {}
+  for one_pass in (False, True):
+    (_, (loss, got_nll)), grad = jax.jit(jax.value_and_grad(objective, has_aux=True),
+                                         static_argnums=1)(logits, one_pass)
+    grads[one_pass] = np.asarray(grad, np.float32)
+    # float32 sums of 5,003 terms against float64: a few ulps of the ~40-80 results.
+    np.testing.assert_allclose(loss, expected, rtol=2e-6)
+    np.testing.assert_allclose(got_nll, nll, rtol=2e-6)
+    if one_pass:
+      p = np.exp(log_p)
+      q = (1 - eps) * (np.arange(vocab) == np.asarray(targets)[..., None]) + eps / vocab
+      want = (p - q) + (p - (np.arange(vocab) == np.asarray(targets)[..., None]))
+      # The gradient comes back in bfloat16 (8 bits of mantissa): within its rounding.
+      np.testing.assert_allclose(np.asarray(grad, np.float64), want, atol=2 ** -8 * 2)
+      # The same backward pass; its normalizer may differ from the two-pass one in the last
+      # float32 bit, which moves a bfloat16 gradient by at most one of its ulps (2^-9 at 0.5).
+      np.testing.assert_allclose(grads[True], grads[False], atol=2 ** -9)
 
 
 def test_shift_right_starts_with_bos_and_keeps_padding():
