@@ -47,9 +47,8 @@ def _cross_entropy_fwd(logits, targets, smoothing, one_pass):
     log_normalizer = x_max + jnp.log(jnp.sum(jnp.exp(x - x_max[..., None]), axis=-1))
     # A gather, not a one-hot product: the backward pass below never differentiates it.
     target_logit = jnp.take_along_axis(x, targets[..., None], axis=-1)[..., 0]
-    mean = jnp.mean(x, axis=-1)
   nll = log_normalizer - target_logit
-  uniform = log_normalizer - mean  # -mean(log p)
+  uniform = log_normalizer - (mean if one_pass else jnp.mean(x, axis=-1))  # -mean(log p)
   loss = (1.0 - smoothing) * nll + smoothing * uniform
   return (loss, nll, target_logit >= x_max), (logits, targets, log_normalizer)
 
