@@ -8,17 +8,21 @@ import jax
 import jax.numpy as jnp
 
 
-def label_smoothed_cross_entropy(logits, targets, smoothing: float, one_pass: bool = False):
+def label_smoothed_cross_entropy(logits, targets, smoothing: float,
+                                 bfloat16_logits: bool = False):
   """Per-position loss against q = (1 - smoothing) * one_hot(target) + smoothing / vocab.
 
   Args:
     logits: float `[batch, length, vocab]`.
     targets: int `[batch, length]`.
     smoothing: epsilon in [0, 1).
-    one_pass: read the `[tokens, vocab]` logits once in the forward pass (`_one_pass_statistics`)
-      instead of four times (max, sum of exponentials, mean, target). The same loss up to
-      float32 rounding (the normalizer is summed in another order); fewer HBM bytes on
-      accelerators, but a slower serial reduction on CPUs. The train step sets it under
+    bfloat16_logits: the logits were computed in bfloat16 (`model.dtype=bfloat16`; the model
+      returns them as float32). The loss then reads them as bfloat16, which is exact, so the
+      program keeps no float32 copy of the `[tokens, vocab]` array, and in ONE pass
+      (`_one_pass_statistics`) instead of four (max, sum of exponentials, mean, target). The
+      same loss up to float32 rounding (the normalizer is summed in another order), the same
+      bfloat16 gradient; fewer HBM bytes on accelerators, but a slower serial reduction on
+      CPUs, whose float32 steps keep the other form. The train step sets it under
       `model.dtype=bfloat16`.
 
   Returns:
@@ -26,7 +30,11 @@ def label_smoothed_cross_entropy(logits, targets, smoothing: float, one_pass: bo
     -log p(target); bool `[batch, length]` for "the target has the largest logit" (ties count as
     correct, unlike argmax, which takes the first of them).
   """
-  return _cross_entropy(logits, targets, float(smoothing), bool(one_pass))
+  if bfloat16_logits:
+    # Exact for bfloat16 values: XLA folds the model's upcast and this cast away, and the
+    # gradient comes back in bfloat16, as the model's own cast would have made it.
+    logits = logits.astype(jnp.bfloat16)
+  return _cross_entropy(logits, targets, float(smoothing), bool(bfloat16_logits))
 
 
 # The gradient with respect to the logits is softmax(logits) - q, computed in one elementwise pass
