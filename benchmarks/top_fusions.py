@@ -7,9 +7,9 @@ The train step is compiled for the target as `--mode=compile` compiles it (same 
 TPU slice or GPUs, on the CPU), and every top-level instruction of its optimised HLO (a fusion,
 a cuBLAS call, a copy, a collective; the bodies of loops counted once) is charged the bytes of
 its operands and results, as XLA's cost analysis charges a fusion, and the FLOPs of the matrix
-products inside it. The top rows are printed as a markdown table with the JAX operation XLA
-names (op_name) and the share of the step's bytes. Everything is the compiler's plan, not a
-measurement; on GPUs not autotuned.
+products inside it (dots, GEMM calls, and the convolutions XLA:TPU writes them as). The top rows
+are printed as a markdown table with the JAX operation XLA names (op_name) and the share of the
+step's bytes. Everything is the compiler's plan, not a measurement; on GPUs not autotuned.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def kernels(hlo: str, item_bytes: dict, matrix_products) -> list:
   instruction = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([\w\-]+)\((.*)$")
   # Computations a fusion or a reduction calls are inside a kernel, not kernels themselves.
   inner = set(re.findall(r"\b(?:calls|to_apply)=%?([\w.\-]+)", hlo))
-  shapes, current, found, bodies = {}, None, [], {}
+  shapes, current, found, bodies, lines = {}, None, [], {}, {}
   for line in hlo.splitlines():
     header = re.match(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s+\(.*\{\s*$", line)
     if header and " = " not in line.split("(")[0]:
@@ -55,12 +55,16 @@ def kernels(hlo: str, item_bytes: dict, matrix_products) -> list:
     name, shape, op, rest = match.groups()
     shapes[name] = _bytes(shape, item_bytes)
     bodies[current].append(line)
+    lines[name] = line
     if current in inner or op in FREE:
       continue
     operands = re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
     moved = shapes[name] + sum(shapes.get(o, 0.0) for o in operands)
     called = re.search(r"\bcalls=%?([\w.\-]+)", rest)
-    inside = "\n".join(bodies.get(called.group(1), [])) if called else line
+    # A fusion's body; an unfused instruction (XLA:TPU leaves some convolutions so) with the
+    # definitions of its operands, which give the contracted sizes.
+    inside = "\n".join(bodies.get(called.group(1), []) if called
+                       else [lines[o] for o in operands if o in lines] + [line])
     flops = sum(p.flops for p in matrix_products(inside))
     op_name = re.search(r'op_name="([^"]*)"', rest)
     found.append((moved, flops, name, op, op_name.group(1) if op_name else ""))

@@ -452,3 +452,27 @@ def test_dropout_gradient_is_the_same_mask():
   out = attention.dropout(x, 0.25, key)
   grad = jax.grad(lambda v: attention.dropout(v, 0.25, key).sum())(x)
   np.testing.assert_allclose(grad, np.asarray(out) / np.asarray(x), rtol=1e-6)
+
+
+@pytest.mark.parametrize("rate", [0.1, 0.3])
+def test_bfloat16_dropout_draws_8_bits_at_the_rounded_rate(rate):
+  # bfloat16 (accelerators) draws 8 bits per element: the keep probability is 1 - rate rounded
+  # to a multiple of 1/256 and the survivors are scaled by its inverse. 2M elements: 5 standard
+  # deviations of the drop share are 0.1-0.2 points, finer than the 1/256 grid's rounding.
+  keep = round((1 - rate) * 256)
+  x = jnp.full((64, 128, 256), 2.0, jnp.bfloat16)
+  key = jax.random.PRNGKey(7)
+  out = np.asarray(attention.dropout(x, rate, key), np.float32)
+  n = out.size
+  p_drop = 1 - keep / 256
+  assert abs((out == 0).mean() - p_drop) <= 5 * math.sqrt(p_drop * (1 - p_drop) / n)
+  scale = float(jnp.asarray(256 / keep, jnp.bfloat16))  # the scale, rounded to bfloat16
+  np.testing.assert_array_equal(np.unique(out[out != 0]), [2.0 * scale])
+  np.testing.assert_array_equal(attention.dropout(x, rate, key), out)  # a function of the key
+  # The gradient applies the same mask and scale.
+  grad = jax.grad(lambda v: attention.dropout(v, rate, key).astype(jnp.float32).sum())(x)
+  np.testing.assert_array_equal(np.asarray(grad, np.float32), out / 2.0)
+  # Independent 8-bit draws: neighbours are dropped together at the square of the rate, not
+  # in bytes of one word all together or all apart.
+  both = ((out[..., :-1] == 0) & (out[..., 1:] == 0)).mean()
+  assert abs(both - p_drop**2) < 0.01

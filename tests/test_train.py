@@ -56,13 +56,22 @@ def test_schedules_by_name():
   assert float(state_lib.make_schedule(c.train, 512)(12345)) == pytest.approx(3e-4)
 
 
-def test_label_smoothing_equals_its_closed_form():
+def _bfloat16_values(x):
+  """x rounded to bfloat16, in float64: what a bfloat16 model's (upcast) logits hold."""
+  return np.asarray(jnp.asarray(x, jnp.bfloat16), np.float64)
+
+
+# bf16: the loss as the train step calls it under model.dtype=bfloat16 (bfloat16 values read in
+# one pass); the float64 references see the same rounded logits.
+@pytest.mark.parametrize("bf16", [False, True])
+def test_label_smoothing_equals_its_closed_form(bf16):
   rng = np.random.default_rng(0)
   vocab, eps = 7, 0.1
   logits = rng.normal(size=(2, 5, vocab))
+  logits = _bfloat16_values(logits) if bf16 else logits
   targets = rng.integers(0, vocab, size=(2, 5))
   loss, nll, _ = losses.label_smoothed_cross_entropy(jnp.asarray(logits, jnp.float32),
-                                                    jnp.asarray(targets), eps)
+                                                    jnp.asarray(targets), eps, bf16)
   log_p = logits - np.log(np.exp(logits).sum(-1, keepdims=True))  # float64
   q = np.full((2, 5, vocab), eps / vocab)
   q[np.arange(2)[:, None], np.arange(5)[None], targets] += 1.0 - eps
@@ -71,17 +80,19 @@ def test_label_smoothing_equals_its_closed_form():
                              rtol=1e-5)
 
 
-def test_label_smoothing_gradient_and_correct_match_float64():
+@pytest.mark.parametrize("bf16", [False, True])
+def test_label_smoothing_gradient_and_correct_match_float64(bf16):
   rng = np.random.default_rng(1)
   vocab, eps = 11, 0.2
   logits = rng.normal(size=(3, 4, vocab))
-  logits[0, 0, 5] = logits[0, 0].max() + 1.0  # a sure argmax
+  logits = _bfloat16_values(logits) if bf16 else logits
+  logits[0, 0, 5] = logits[0, 0].max() + 1.0  # a sure argmax (1.0 apart: exact in bfloat16)
   targets = rng.integers(0, vocab, size=(3, 4))
   targets[0, 0] = 5
   w_loss, w_nll = rng.normal(size=(3, 4)), rng.normal(size=(3, 4))
 
   def objective(x):
-    loss, nll, _ = losses.label_smoothed_cross_entropy(x, jnp.asarray(targets), eps)
+    loss, nll, _ = losses.label_smoothed_cross_entropy(x, jnp.asarray(targets), eps, bf16)
     return (loss * w_loss).sum() + (nll * w_nll).sum()
 
   grad = jax.grad(objective)(jnp.asarray(logits, jnp.float32))
@@ -90,11 +101,52 @@ def test_label_smoothing_gradient_and_correct_match_float64():
   one_hot = np.eye(vocab)[targets]
   q = (1.0 - eps) * one_hot + eps / vocab
   expected = w_loss[..., None] * (p - q) + w_nll[..., None] * (p - one_hot)
-  np.testing.assert_allclose(grad, expected, rtol=1e-4, atol=1e-6)
+  # bf16: the gradient is rounded to bfloat16 once (relative error at most 2^-9).
+  np.testing.assert_allclose(grad, expected, rtol=2**-8 if bf16 else 1e-4, atol=1e-6)
   _, _, correct = losses.label_smoothed_cross_entropy(jnp.asarray(logits, jnp.float32),
-                                                     jnp.asarray(targets), eps)
+                                                     jnp.asarray(targets), eps, bf16)
   np.testing.assert_array_equal(correct, logits.argmax(-1) == targets)
   assert correct[0, 0]
+
+
+def test_one_pass_loss_matches_float64_on_wide_bfloat16_logits():
+  # The one-pass reduction rescales its running sum of exponentials whenever the maximum grows:
+  # logits spread over +-40 (exp alone would overflow float32 past 88) across a vocabulary wide
+  # enough for XLA to split the reduction, and a row whose maximum is the last entry (rescaled
+  # at the end) and one where it is the first. The logits hold bfloat16 values in float32, as a
+  # model under model.dtype=bfloat16 returns them; the float64 reference reads the same values.
+  rng = np.random.default_rng(2)
+  vocab, eps = 5003, 0.1
+  logits = jnp.asarray(rng.uniform(-40, 40, size=(2, 3, vocab)), jnp.bfloat16)
+  logits = logits.at[0, 0, -1].set(60.0).at[0, 1, 0].set(60.0)
+  targets = jnp.asarray(rng.integers(0, vocab, size=(2, 3)))
+  x = np.asarray(logits, np.float64)
+  log_p = x - x.max(-1, keepdims=True)
+  log_p -= np.log(np.exp(log_p).sum(-1, keepdims=True))
+  nll = -np.take_along_axis(log_p, np.asarray(targets)[..., None], -1)[..., 0]
+  expected = (1 - eps) * nll - eps * log_p.mean(-1)
+
+  def objective(v, one_pass):
+    loss, nll, _ = losses.label_smoothed_cross_entropy(v, targets, eps, bfloat16_logits=one_pass)
+    return loss.sum() + nll.sum(), (loss, nll)
+
+  grads = {}
+  for one_pass in (False, True):
+    (_, (loss, got_nll)), grad = jax.jit(jax.value_and_grad(objective, has_aux=True),
+                                         static_argnums=1)(logits.astype(jnp.float32),
+                                                           one_pass)
+    grads[one_pass] = np.asarray(grad, np.float32)
+    # float32 sums of 5,003 terms against float64: a few ulps of the ~40-80 results.
+    np.testing.assert_allclose(loss, expected, rtol=2e-6)
+    np.testing.assert_allclose(got_nll, nll, rtol=2e-6)
+    if one_pass:
+      p = np.exp(log_p)
+      q = (1 - eps) * (np.arange(vocab) == np.asarray(targets)[..., None]) + eps / vocab
+      want = (p - q) + (p - (np.arange(vocab) == np.asarray(targets)[..., None]))
+      # The gradient comes back in bfloat16 (8 bits of mantissa): within its rounding.
+      np.testing.assert_allclose(np.asarray(grad, np.float64), want, atol=2 ** -8 * 2)
+      # The same backward pass, its result rounded to bfloat16 (at most 2^-9 of |g| <= 2).
+      np.testing.assert_allclose(grads[True], grads[False], atol=2 ** -8)
 
 
 def test_shift_right_starts_with_bos_and_keeps_padding():

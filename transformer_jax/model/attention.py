@@ -86,12 +86,23 @@ def dropout(x: Array, rate: float, rng: Array) -> Array:
   own shard, and a batch grown by empty rows at the end keeps the masks of its real rows.
   (XLA's `rng_bit_generator` was faster on one CPU but computes the whole array on every device
   of a mesh.)
+
+  bfloat16 x (accelerators): one 8-bit draw per element, `1 - rate` rounded to a multiple of
+  2^-8 (0.1 drops 26/256 = 10.16%; survivors scaled by 256/230, so the mean is kept exactly).
+  XLA keeps the random bits in HBM between the kernel that draws them and the ones that read
+  them (forward and backward), so 8 bits where 16 were halve that traffic: 4% of the bytes of
+  the base model's step on H100s by the compiler's count. float32 keeps the 16-bit draws.
   """
-  keep_count = round((1.0 - rate) * 2**16)  # P(keep) = keep_count / 2^16
-  if keep_count >= 2**16:
+  bits = 8 if x.dtype == jnp.bfloat16 else 16
+  keep_count = round((1.0 - rate) * 2**bits)  # P(keep) = keep_count / 2^bits
+  if keep_count >= 2**bits:
     return x
   if keep_count == 0:
     return jnp.zeros_like(x)
+  if bits == 8:
+    draws = jax.random.bits(rng, x.shape, jnp.uint8)  # 4 per 32-bit word of threefry
+    scale = jnp.asarray(2**8 / keep_count, x.dtype)
+    return jnp.where(draws < jnp.uint8(keep_count), x * scale, jnp.zeros((), x.dtype))
   if x.ndim and x.shape[-1] % 2 == 0:
     words = jax.random.bits(rng, x.shape[:-1] + (x.shape[-1] // 2,), jnp.uint32)
     draws = jnp.concatenate([words & 0xFFFF, words >> 16], axis=-1)

@@ -256,9 +256,30 @@ def _array(shape: str) -> tuple[list, int]:
           ITEM_BYTES.get(match.group(1), 1))  # f8 types and the like: one byte
 
 
+def _convolution_taps(rest: str, rhs: list) -> float:
+  """Multiply-adds per output element of an HLO `convolution` (XLA:TPU writes every matrix
+  product as one): the kernel's input features times its window's taps that land on the input,
+  not on the holes of an lhs dilation (a batched product is a window of size B and dilation B
+  over the batch: one tap)."""
+  labels = re.search(r"dim_labels=[^_]+_([^-]+)->", rest)
+  if not labels or "i" not in labels.group(1) or len(labels.group(1)) != len(rhs):
+    return 0.0
+  kernel = labels.group(1)
+  taps = float(rhs[kernel.index("i")])
+  window = re.search(r"window=\{([^}]*)\}", rest)
+  fields = dict(re.findall(r"(\w+)=([\dx_-]+)", window.group(1))) if window else {}
+  sizes = [int(n) for n in fields["size"].split("x")] if "size" in fields else []
+  dilations = [int(n) for n in fields.get("lhs_dilate", "").split("x") if n]
+  for j, size in enumerate(sizes):
+    dilation = dilations[j] if j < len(dilations) else 1
+    taps *= -(-size // dilation)
+  return taps
+
+
 def matrix_products(hlo: str) -> list:
-  """Every matrix product of an optimised HLO module: `dot` instructions (in fusions too) and
-  cuBLAS/cuDNN GEMM calls, each with 2 x output elements x contracted size FLOPs."""
+  """Every matrix product of an optimised HLO module: `dot` instructions (in fusions too),
+  `convolution`s (XLA:TPU's form of them) and cuBLAS/cuDNN GEMM calls, each with 2 x output
+  elements x contracted size FLOPs."""
   arrays, found = {}, []
   for line in hlo.splitlines():
     instruction = _INSTRUCTION.match(line)
@@ -268,6 +289,13 @@ def matrix_products(hlo: str) -> list:
     arrays[name] = _array(shape)
     target = re.search(r'custom_call_target="([^"]+)"', rest)
     call = op == "custom-call" and target is not None and target.group(1) in _GEMM_CALLS
+    if op == "convolution":
+      operands = re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
+      rhs = arrays.get(operands[1], ([], 0))[0] if len(operands) > 1 else []
+      dims = arrays[name][0]
+      outputs = float(np.prod(dims)) if dims else 1.0
+      found.append(MatrixProduct(2.0 * outputs * _convolution_taps(rest, rhs), 0.0, False))
+      continue
     if op == "dot":
       contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", rest)
     elif call:

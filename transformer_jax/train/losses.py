@@ -8,43 +8,87 @@ import jax
 import jax.numpy as jnp
 
 
-def label_smoothed_cross_entropy(logits, targets, smoothing: float):
+def label_smoothed_cross_entropy(logits, targets, smoothing: float,
+                                 bfloat16_logits: bool = False):
   """Per-position loss against q = (1 - smoothing) * one_hot(target) + smoothing / vocab.
 
   Args:
     logits: float `[batch, length, vocab]`.
     targets: int `[batch, length]`.
     smoothing: epsilon in [0, 1).
+    bfloat16_logits: the logits were computed in bfloat16 (`model.dtype=bfloat16`; the model
+      returns them as float32). The loss then reads them as bfloat16, which is exact, so the
+      program keeps no float32 copy of the `[tokens, vocab]` array, and in ONE pass
+      (`_one_pass_statistics`) instead of four (max, sum of exponentials, mean, target). The
+      same loss up to float32 rounding (the normalizer is summed in another order), the same
+      bfloat16 gradient; fewer HBM bytes on accelerators, but a slower serial reduction on
+      CPUs, whose float32 steps keep the other form. The train step sets it under
+      `model.dtype=bfloat16`.
 
   Returns:
     (loss, nll, correct): float32 `[batch, length]` each for the loss and the unsmoothed
     -log p(target); bool `[batch, length]` for "the target has the largest logit" (ties count as
     correct, unlike argmax, which takes the first of them).
   """
-  return _cross_entropy(logits, targets, float(smoothing))
+  if bfloat16_logits:
+    # Exact for bfloat16 values: XLA folds the model's upcast and this cast away, and the
+    # gradient comes back in bfloat16, as the model's own cast would have made it.
+    logits = logits.astype(jnp.bfloat16)
+  return _cross_entropy(logits, targets, float(smoothing), bool(bfloat16_logits))
 
 
 # The gradient with respect to the logits is softmax(logits) - q, computed in one elementwise pass
 # over the `[tokens, vocab]` array. Left to autodiff, log_softmax + take_along_axis gave a scatter
 # and a transposed recomputation of the softmax, and the loss head took a third of the CPU step.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _cross_entropy(logits, targets, smoothing):
-  return _cross_entropy_fwd(logits, targets, smoothing)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _cross_entropy(logits, targets, smoothing, one_pass):
+  return _cross_entropy_fwd(logits, targets, smoothing, one_pass)[0]
 
 
-def _cross_entropy_fwd(logits, targets, smoothing):
+def _cross_entropy_fwd(logits, targets, smoothing, one_pass):
   x = logits.astype(jnp.float32)
-  x_max = jnp.max(x, axis=-1)
-  log_normalizer = x_max + jnp.log(jnp.sum(jnp.exp(x - x_max[..., None]), axis=-1))
-  # A gather, not a one-hot product: the backward pass below never differentiates it.
-  target_logit = jnp.take_along_axis(x, targets[..., None], axis=-1)[..., 0]
+  if one_pass:
+    x_max, log_normalizer, total, target_logit = _one_pass_statistics(x, targets)
+    mean = total / x.shape[-1]
+  else:
+    x_max = jnp.max(x, axis=-1)
+    log_normalizer = x_max + jnp.log(jnp.sum(jnp.exp(x - x_max[..., None]), axis=-1))
+    # A gather, not a one-hot product: the backward pass below never differentiates it.
+    target_logit = jnp.take_along_axis(x, targets[..., None], axis=-1)[..., 0]
   nll = log_normalizer - target_logit
-  uniform = log_normalizer - jnp.mean(x, axis=-1)  # -mean(log p)
+  uniform = log_normalizer - (mean if one_pass else jnp.mean(x, axis=-1))  # -mean(log p)
   loss = (1.0 - smoothing) * nll + smoothing * uniform
   return (loss, nll, target_logit >= x_max), (logits, targets, log_normalizer)
 
 
-def _cross_entropy_bwd(smoothing, residuals, cotangents):
+def _one_pass_statistics(x, targets):
+  """(max, log-sum-exp, sum, target's logit) over the last axis of x in ONE variadic reduction.
+
+  The sum of exponentials is kept relative to the running maximum and rescaled when the maximum
+  grows (the "online softmax" of Milakov & Gimelshein, 2018), so the logits are read once where
+  the two-pass form reads them for the maximum and again for the exponentials (and XLA adds a
+  pass each for the mean and the gather of the target). The target's logit is a masked sum: one
+  non-zero term, so exact.
+  """
+  hit = targets[..., None] == jnp.arange(x.shape[-1], dtype=targets.dtype)
+
+  def combine(a, b):
+    (max_a, sum_a, total_a, target_a), (max_b, sum_b, total_b, target_b) = a, b
+    high, low = jnp.maximum(max_a, max_b), jnp.minimum(max_a, max_b)
+    scaled = jnp.where(max_a >= max_b, sum_b, sum_a)  # the sum kept against the lower maximum
+    # exp(low - high) <= 1; equal maxima (two empty -inf partials included) scale by 1.
+    factor = jnp.exp(jnp.where(high == low, 0.0, low - high))
+    kept = jnp.where(max_a >= max_b, sum_a, sum_b)
+    return high, kept + scaled * factor, total_a + total_b, target_a + target_b
+
+  zero = jnp.zeros((), x.dtype)
+  x_max, exp_sum, total, target_logit = jax.lax.reduce(
+      (x, jnp.ones_like(x), x, jnp.where(hit, x, zero)),
+      (jnp.array(-jnp.inf, x.dtype), zero, zero, zero), combine, (x.ndim - 1,))
+  return x_max, x_max + jnp.log(exp_sum), total, target_logit
+
+
+def _cross_entropy_bwd(smoothing, one_pass, residuals, cotangents):
   logits, targets, log_normalizer = residuals
   d_loss, d_nll, _ = cotangents
   x = logits.astype(jnp.float32)
