@@ -338,7 +338,8 @@ def test_an_endpoint_that_accepts_but_never_answers_is_one_error_after_the_timeo
       storage.check_bucket(f"{scheme}://bucket/run")
     assert time.time() - start < 10
   text = one_line(error)
-  assert f"no answer from {endpoint} within 2 s" in text and "listing of" in text, text
+  # Our own deadline or the library's (set from the same variable), whichever comes first.
+  assert f"no answer from {endpoint} within 2 s" in text and "list" in text, text
   assert storage.TIMEOUT_ENV in text
 
 

@@ -185,6 +185,10 @@ def _failure(url: str, e: BaseException, doing: str) -> Optional[UserError]:
   if "bucket" in text.lower() and ("not exist" in text.lower() or "not found" in text.lower()):
     return UserError(f"cannot {doing} {url}: the bucket {bucket} does not exist; create it "
                      "first or fix the name")
+  if "Timeout" in name:  # the library's own time limit (gcsfs's FSTimeoutError, botocore's)
+    return UserError(f"cannot {doing} {url}: no answer from {endpoint(scheme)} within "
+                     f"{_timeout():.0f} s ({name}, after {RETRIES} attempts); check the network "
+                     f"and the endpoint, or raise {TIMEOUT_ENV}")
   if name in ("EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError",
               "ClientConnectorError", "ServerDisconnectedError", "ConnectionError",
               "TimeoutError", "ConnectionRefusedError", "ClientOSError") or isinstance(

@@ -202,7 +202,9 @@ def check_trials(config_path: str, trials: list, base_overrides: dict) -> list:
   configs = []
   for i, trial in enumerate(trials):
     try:
-      config = trial_config(config_path, trial, base_overrides)
+      # The seeds entry asks for runs (seed_counts); it is not a config key.
+      config = trial_config(config_path, {k: v for k, v in trial.items() if k != SEEDS},
+                            base_overrides)
       config_lib.validate(config)
     except UserError as e:
       raise UserError(f"trial_{i:03d} of get_sweep() in {config_path} ({trial}): {e}; fix "
