@@ -413,24 +413,17 @@ def test_pytorch_and_sharded_weights_import_as_safetensors_do(form, gpt2_dir, gp
     np.testing.assert_array_equal(a, np.asarray(b))
 
 
-def test_a_model_trained_here_exports_as_gpt2_with_its_own_ids(tmp_path):
-  """A workdir of our own (a SentencePiece vocabulary) whose options GPT-2 expresses exports with
-  the ids unchanged (pad 0, BOS 1, EOS 2) and no tokenizer; transformers' logits are ours."""
+def our_workdir(config, tokenizer, workdir):
+  """A workdir of our own at step 5 (config.json, the SentencePiece tokenizer, a checkpoint) whose
+  parameters are a fresh init moved by random noise (norms and biases away from 1 and 0 too).
+  Returns (the model config, the saved state)."""
   from transformer_jax.train import checkpoint
   from transformer_jax.train import state as state_lib
-  tokenizer = tokenizer_lib.train(TEXTS, 40, "word")
-  config = config_lib.default_config()
-  config.model.update(dict(
-      vocab_size=tokenizer.vocab_size, arch="decoder_only", d_model=32, num_heads=4, d_ff=64,
-      num_encoder_layers=0, num_decoder_layers=2, norm="pre", positional="learned",
-      embed_scale=False, activation="gelu", layer_norm_eps=1e-5, max_len=64, init="normal"))
-  config.data.task = "lm"
   model_config = config_lib.validate(config)
   optimizer = state_lib.make_optimizer(config.train, model_config.d_model)
   state = state_lib.create_state(model_config, optimizer, seed=3)
-  state = state.replace(params=jax.tree.map(  # norms and biases away from 1 and 0 too
+  state = state.replace(params=jax.tree.map(
       lambda x: x + 0.3 * jax.random.normal(jax.random.PRNGKey(x.size), x.shape), state.params))
-  workdir = tmp_path / "w"
   workdir.mkdir()
   (workdir / tokenizer_lib.FILENAME).write_bytes(tokenizer.model_proto)
   (workdir / "config.json").write_text(config.to_json_best_effort())
@@ -439,7 +432,21 @@ def test_a_model_trained_here_exports_as_gpt2_with_its_own_ids(tmp_path):
   manager.save(5, state)
   manager.wait()
   manager.close()
-  hf.export_hf(str(workdir), str(tmp_path / "out"))
+  return model_config, state
+
+
+def test_a_model_trained_here_exports_as_gpt2_with_its_own_ids(tmp_path):
+  """A workdir of our own (a SentencePiece vocabulary) whose options GPT-2 expresses exports with
+  the ids unchanged (pad 0, BOS 1, EOS 2) and no tokenizer; transformers' logits are ours."""
+  tokenizer = tokenizer_lib.train(TEXTS, 40, "word")
+  config = config_lib.default_config()
+  config.model.update(dict(
+      vocab_size=tokenizer.vocab_size, arch="decoder_only", d_model=32, num_heads=4, d_ff=64,
+      num_encoder_layers=0, num_decoder_layers=2, norm="pre", positional="learned",
+      embed_scale=False, activation="gelu", layer_norm_eps=1e-5, max_len=64, init="normal"))
+  config.data.task = "lm"
+  model_config, state = our_workdir(config, tokenizer, tmp_path / "w")
+  hf.export_hf(str(tmp_path / "w"), str(tmp_path / "out"))
   assert not (tmp_path / "out" / "tokenizer.json").exists()
   exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
   assert exported.config.eos_token_id == EOS_ID and exported.config.pad_token_id == 0

@@ -27,6 +27,7 @@ from test_hf import (  # noqa: E402
   TOLERANCE,
   multi30k,
   our_logits,
+  our_workdir,
   random_batch,
   randomize,
   their_logits,
@@ -204,8 +205,6 @@ def test_a_model_trained_here_with_llama_options_exports_as_llama(tmp_path):
   ours."""
   from transformer_jax import config as config_lib
   from transformer_jax.model import make_model
-  from transformer_jax.train import checkpoint
-  from transformer_jax.train import state as state_lib
   tokenizer = tokenizer_lib.train(TEXTS, 40, "word")
   config = config_lib.default_config()
   config.model.update(dict(
@@ -214,21 +213,8 @@ def test_a_model_trained_here_with_llama_options_exports_as_llama(tmp_path):
       positional="rotary", position_base=1000.0, activation="swiglu", embed_scale=False,
       qkv_bias=False, use_bias=False, layer_norm_eps=1e-5, max_len=64, init="normal"))
   config.data.task = "lm"
-  model_config = config_lib.validate(config)
-  optimizer = state_lib.make_optimizer(config.train, model_config.d_model)
-  state = state_lib.create_state(model_config, optimizer, seed=3)
-  state = state.replace(params=jax.tree.map(  # norm scales away from 1 too
-      lambda x: x + 0.3 * jax.random.normal(jax.random.PRNGKey(x.size), x.shape), state.params))
-  workdir = tmp_path / "w"
-  workdir.mkdir()
-  (workdir / tokenizer_lib.FILENAME).write_bytes(tokenizer.model_proto)
-  (workdir / "config.json").write_text(config.to_json_best_effort())
-  manager = checkpoint.Manager(str(workdir), config, checkpoint.sha256(tokenizer.model_proto),
-                               writable=True)
-  manager.save(5, state)
-  manager.wait()
-  manager.close()
-  hf.export_hf(str(workdir), str(tmp_path / "out"))
+  model_config, state = our_workdir(config, tokenizer, tmp_path / "w")
+  hf.export_hf(str(tmp_path / "w"), str(tmp_path / "out"))
   exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
   assert type(exported).__name__ == "LlamaForCausalLM"
   assert exported.config.num_key_value_heads == 4 and exported.config.tie_word_embeddings
