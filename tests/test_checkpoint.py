@@ -12,6 +12,7 @@ import random
 import re
 import shutil
 import signal
+import sys
 import time
 
 import jax
@@ -323,3 +324,25 @@ def test_keeps_the_last_n_and_the_best_by_metric(tmp_path):
   other = checkpoint.Manager(str(tmp_path), config, tokenizer_sha="xyz")
   with pytest.raises(UserError, match="another vocabulary"):
     other.latest_good(target)
+
+
+def test_a_signal_lost_in_a_callback_that_cannot_raise_prints_nothing(monkeypatch):
+  """SIGTERM during the final evaluation raises inside the abandoning block; when it lands in a
+  callback whose exceptions Python only reports (JAX's gc callback, a __del__), the report is
+  dropped inside the block; outside it, and for other exceptions, reports go on as before."""
+  preemption = checkpoint.Preemption()
+  reported = []
+  monkeypatch.setattr(sys, "unraisablehook", lambda u: reported.append(type(u.exc_value)))
+
+  class RaisesWhenCollected:
+    def __init__(self, error):
+      self.error = error
+
+    def __del__(self):
+      raise self.error
+
+  with preemption.abandoning():
+    RaisesWhenCollected(checkpoint._Abandoned())  # collected at once: it cannot propagate
+    RaisesWhenCollected(ValueError("other"))
+  RaisesWhenCollected(checkpoint._Abandoned())
+  assert reported == [ValueError, checkpoint._Abandoned]

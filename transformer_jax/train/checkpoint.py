@@ -642,12 +642,23 @@ class Preemption:
     """Inside the block a signal stops the work at once: the block is left where it was, with
     `self.signal` set. For work that a rerun redoes anyway (the final evaluation)."""
     self._abandon = True
+    previous_hook = sys.unraisablehook
+
+    def hook(unraisable):
+      # A signal that lands while Python runs a callback that cannot raise (JAX's gc
+      # callback) is printed as "Exception ignored" and lost; the flag is set all the same, and
+      # the block then runs to its end instead of stopping early: nothing to report.
+      if not isinstance(unraisable.exc_value, _Abandoned):
+        previous_hook(unraisable)
+
+    sys.unraisablehook = hook
     try:
       yield
     except _Abandoned:
       pass
     finally:
       self._abandon = False
+      sys.unraisablehook = previous_hook
 
   def reached(self, step: int) -> bool:
     """Whether to checkpoint `step` and stop; called after every step."""
