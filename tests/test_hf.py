@@ -457,6 +457,25 @@ def test_a_model_trained_here_exports_as_gpt2_with_its_own_ids(tmp_path):
   assert np.abs(ours - their_logits(exported, ids, mask))[mask].max() <= TOLERANCE
 
 
+def ct2_greedy_equals_ours(generator, tokenizer, prompts, mask, ours, hf_ids, **options):
+  """Asserts that CTranslate2's greedy continuation of each prompt (HF ids `prompts[row,
+  :length]`) is ours (`ours`: our ids, read through `hf_ids`) up to our EOS, which CTranslate2
+  drops. `options`: more generate_batch arguments. Returns how many tokens were compared."""
+  compared = 0
+  for row, length in enumerate(mask.sum(1)):
+    tokens = tokenizer.convert_ids_to_tokens(prompts[row, :length].tolist())
+    result = generator.generate_batch([tokens], max_length=32, sampling_topk=1,
+                                      include_prompt_in_result=False, **options)[0]
+    theirs = np.asarray(result.sequences_ids[0])
+    mine = hf_ids[ours[row]]
+    eos = tokenizer.eos_token_id
+    mine = mine[:list(mine).index(eos) if eos in mine else len(mine)]
+    np.testing.assert_array_equal(mine, theirs[:len(mine)])
+    assert len(theirs) == len(mine)
+    compared += len(mine)
+  return compared
+
+
 def test_an_exported_gpt2_converts_with_ctranslate2_and_decodes_as_ours(gpt2_workdir, gpt2_export,
                                                                        tmp_path):
   """CTranslate2's own converter reads the export; its greedy continuations of 32 tokens are
@@ -472,16 +491,6 @@ def test_an_exported_gpt2_converts_with_ctranslate2_and_decodes_as_ours(gpt2_wor
       trained.params, trained.model_config.replace(deterministic=True),
       jnp.asarray(np.where(mask, trained.tokenizer.our_ids[prompts], 0), jnp.int32), 32))
   tokenizer = transformers.AutoTokenizer.from_pretrained(gpt2_export)
-  compared = 0
-  for row, length in enumerate(mask.sum(1)):
-    tokens = tokenizer.convert_ids_to_tokens(prompts[row, :length].tolist())
-    result = generator.generate_batch([tokens], max_length=32, sampling_topk=1,
-                                      include_prompt_in_result=False)[0]
-    theirs = np.asarray(result.sequences_ids[0])
-    mine = trained.tokenizer.hf_ids[ours[row]]
-    eos = tokenizer.eos_token_id
-    mine = mine[:list(mine).index(eos) if eos in mine else len(mine)]  # CTranslate2 drops EOS
-    np.testing.assert_array_equal(mine, theirs[:len(mine)])
-    assert len(theirs) == len(mine)
-    compared += len(mine)
+  compared = ct2_greedy_equals_ours(generator, tokenizer, prompts, mask, ours,
+                                    trained.tokenizer.hf_ids)
   assert compared >= 32  # continuations, not an EOS at once

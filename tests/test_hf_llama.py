@@ -25,6 +25,7 @@ from test_hf import (  # noqa: E402
   MULTI30K,
   TEXTS,
   TOLERANCE,
+  ct2_greedy_equals_ours,
   multi30k,
   our_logits,
   our_workdir,
@@ -183,19 +184,9 @@ def test_an_exported_llama_converts_with_ctranslate2_and_decodes_as_ours(llama, 
   prompts, mask = random_batch(len(tokenizer), seed=3, lengths=(5, 2), low=3)
   prompts[:, 0] = tokenizer.bos_token_id
   ours = our_greedy(trained, prompts, mask)
-  compared = 0
-  for row, length in enumerate(mask.sum(1)):
-    tokens = tokenizer.convert_ids_to_tokens(prompts[row, :length].tolist())
-    result = generator.generate_batch([tokens], max_length=32, sampling_topk=1,
-                                      suppress_sequences=[[tokenizer.bos_token]],
-                                      include_prompt_in_result=False)[0]
-    theirs = np.asarray(result.sequences_ids[0])
-    mine = trained.tokenizer.hf_ids[ours[row]]
-    eos = tokenizer.eos_token_id
-    mine = mine[:list(mine).index(eos) if eos in mine else len(mine)]  # CTranslate2 drops EOS
-    np.testing.assert_array_equal(mine, theirs[:len(mine)])
-    assert len(theirs) == len(mine)
-    compared += len(mine)
+  compared = ct2_greedy_equals_ours(generator, tokenizer, prompts, mask, ours,
+                                    trained.tokenizer.hf_ids,
+                                    suppress_sequences=[[tokenizer.bos_token]])
   assert compared >= 32
 
 
