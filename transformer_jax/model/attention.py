@@ -1,8 +1,8 @@
 """Scaled dot-product attention as pure functions, mask builders, and the multi-head module.
 
 Shapes follow the paper's symbols: `batch`, query length `q_len`, key/value length `kv_len`,
-`heads`, and `head_dim` (= d_k = d_v = d_model / heads). Masks are boolean and broadcast to
-`[batch, heads, q_len, kv_len]`; True means "may attend".
+`heads`, and `head_dim` (= d_k = d_v = d_model / heads, or T5's d_kv: model.head_size). Masks
+are boolean and broadcast to `[batch, heads, q_len, kv_len]`; True means "may attend".
 """
 
 from __future__ import annotations
@@ -235,6 +235,7 @@ class MultiHeadAttention(nn.Module):
   num_heads: int
   d_model: int
   num_kv_heads: int = 0  # 0 = num_heads
+  head_dim: int = 0  # width of each head's queries, keys and values; 0 = d_model // num_heads
   dropout_rate: float = 0.0  # on attention weights
   output_dropout_rate: float = 0.0  # on the output projection
   fused_qkv: bool = False
@@ -263,7 +264,7 @@ class MultiHeadAttention(nn.Module):
     decode mode kv_len is the cache's); cache_slot: which of the decoding caches this call
     extends (a layer applied several times, model.share_layers, keeps one per application).
     """
-    head_dim = self.d_model // self.num_heads
+    head_dim = self.head_dim or self.d_model // self.num_heads
     kv_heads = self.num_kv_heads or self.num_heads
     bias_init = nn.initializers.zeros_init()
 

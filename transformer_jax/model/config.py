@@ -54,7 +54,10 @@ class ModelConfig:
   vocab_size: int  # embedding rows: at least the tokenizer's pieces (special tokens included)
   arch: str = "encoder_decoder"  # encoder_decoder (the paper) | decoder_only (GPT) | encoder_only
   d_model: int = 512  # width of the residual stream (embeddings and every layer's output)
-  num_heads: int = 8  # attention heads; head_dim = d_model / num_heads
+  num_heads: int = 8  # attention heads; head_dim = d_model / num_heads, or head_size
+  # > 0: the width of each head's queries, keys and values (T5's d_kv), independent of d_model
+  # (num_heads * head_size need not be d_model); 0: d_model / num_heads.
+  head_size: int = 0
   num_kv_heads: int = 0  # key/value heads (grouped-query attention); 0 = num_heads
   num_encoder_layers: int = 6  # layers of the encoder stack (encoder_decoder, encoder_only)
   num_decoder_layers: int = 6  # layers of the decoder stack (encoder_decoder, decoder_only)
@@ -111,7 +114,9 @@ class ModelConfig:
 
   @property
   def head_dim(self) -> int:
-    return self.d_model // self.num_heads
+    """The width of each head's queries, keys and values: model.head_size, or d_model /
+    num_heads."""
+    return self.head_size or self.d_model // self.num_heads
 
   @property
   def kv_heads(self) -> int:
@@ -134,9 +139,12 @@ class ModelConfig:
     for name in ("num_encoder_layers", "num_decoder_layers"):
       if getattr(self, name) < 0:
         raise UserError(f"model.{name} must be >= 0, got {getattr(self, name)}")
-    if self.d_model % self.num_heads:
+    if self.head_size < 0:
+      raise UserError(f"model.head_size must be >= 0 (0 = model.d_model / model.num_heads), got "
+                      f"{self.head_size}")
+    if not self.head_size and self.d_model % self.num_heads:
       raise UserError(f"model.d_model ({self.d_model}) must be divisible by model.num_heads "
-                      f"({self.num_heads}); change one of them")
+                      f"({self.num_heads}); change one of them, or set model.head_size")
     if self.positional in ("sinusoidal", "relative_xl") and self.d_model % 2:
       raise UserError(f"model.d_model ({self.d_model}) must be even for {self.positional} "
                       "positions")
@@ -167,7 +175,7 @@ class ModelConfig:
                       "model.num_kv_heads set, use model.fused_qkv=False")
     if self.positional == "rotary" and self.head_dim % 2:
       raise UserError(f"rotary positions need an even head_dim, got {self.head_dim} "
-                      "(model.d_model / model.num_heads)")
+                      "(model.head_size, or model.d_model / model.num_heads)")
     if self.relative_buckets < 2 or self.relative_max_distance < self.relative_buckets:
       raise UserError(f"model.relative_buckets ({self.relative_buckets}) must be >= 2 and at "
                       f"most model.relative_max_distance ({self.relative_max_distance})")

@@ -1,20 +1,21 @@
 """Model FLOPs of a training step, and the accelerators' peak FLOP/s, HBM size and bandwidth.
 
 Model FLOPs of one training step (no padding: the benchmark batch is full), counting a
-multiply-add as 2 FLOPs and the backward pass as twice the forward. With d_kv = key/value
-heads x head_dim (d with multi-head attention, less with grouped-query attention) and
-F = 2 d d_ff (3 d d_ff for a gated FFN), the matrices one token passes through are
+multiply-add as 2 FLOPs and the backward pass as twice the forward. With d_q = heads x head_dim
+(d unless model.head_size sets the heads' width apart, as T5's d_kv), d_kv = key/value heads x
+head_dim (d_q with multi-head attention, less with grouped-query attention) and F = 2 d d_ff
+(3 d d_ff for a gated FFN), the matrices one token passes through are
 
-  A = 2 d^2 + 2 d d_kv        self-attention: queries and output d x d, keys and values d x d_kv
+  A = 2 d d_q + 2 d d_kv      self-attention: queries and output d x d_q, keys and values d x d_kv
   layer = A + F
 
 and the encoder-decoder's forward pass is
 
   forward = 2 * (  L_enc * layer * B S                          encoder
-                 + L_dec * (layer + 2 d^2) * B T                decoder; cross-attention q, out
+                 + L_dec * (layer + 2 d d_q) * B T              decoder; cross-attention q, out
                  + L_dec * 2 d d_kv * B S                       cross-attention keys and values
                  + d V * B T )                                  output projection
-          + 4 d * B * (L_enc S^2 + L_dec T^2 + L_dec T S)       QK^T and AV of every attention
+          + 4 d_q * B * (L_enc S^2 + L_dec T^2 + L_dec T S)     QK^T and AV of every attention
 
 The decoder-only model runs its L_dec layers over source and target together (B (S + T)
 tokens, attention over (S + T)^2) and projects the target only (d V * B T); the encoder-only
@@ -22,8 +23,8 @@ model runs L_enc layers over B S tokens and its masked-LM head (d^2 + d V per to
 classifier's head is per row and left out). train = 3 * forward.
 
 With model.positional=relative_xl each self-attention also projects the sinusoids of its R
-embedded distances (W_r: 2 d^2 R per layer, once per batch) and scores every query against
-them (2 d R per query token); R = 2 span - 1 in the encoder (distances of both signs), span in
+embedded distances (W_r: 2 d d_q R per layer, once per batch) and scores every query against
+them (2 d_q R per query token); R = 2 span - 1 in the encoder (distances of both signs), span in
 a causal decoder, where span is the sequence length (source S, target T, or S + T), or
 model.random_positions_max when that is larger.
 
@@ -89,8 +90,8 @@ def train_flops_per_step(cfg: ModelConfig, batch: int, source_len: int, target_l
   (the module docstring has the formula)."""
   d, v = cfg.d_model, cfg.vocab_size
   le, ld = cfg.num_encoder_layers, cfg.num_decoder_layers
-  d_kv = cfg.kv_heads * cfg.head_dim
-  layer = 2 * d * d + 2 * d * d_kv + (3 if cfg.gated else 2) * d * cfg.d_ff
+  d_q, d_kv = cfg.num_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+  layer = 2 * d * d_q + 2 * d * d_kv + (3 if cfg.gated else 2) * d * cfg.d_ff
   s_tokens, t_tokens = batch * source_len, batch * target_len
   if cfg.arch == "decoder_only":
     length = source_len + target_len
@@ -101,10 +102,10 @@ def train_flops_per_step(cfg: ModelConfig, batch: int, source_len: int, target_l
     matmuls = le * layer * s_tokens + head * s_tokens
     scores = le * source_len**2
   else:
-    matmuls = (le * layer * s_tokens + ld * (layer + 2 * d * d) * t_tokens
+    matmuls = (le * layer * s_tokens + ld * (layer + 2 * d * d_q) * t_tokens
                + ld * 2 * d * d_kv * s_tokens + d * v * t_tokens)
     scores = le * source_len**2 + ld * target_len**2 + ld * target_len * source_len
-  return 3.0 * (2.0 * matmuls + 4.0 * d * batch * scores
+  return 3.0 * (2.0 * matmuls + 4.0 * d_q * batch * scores
                 + _relative_xl_flops(cfg, batch, source_len, target_len))
 
 
@@ -113,12 +114,12 @@ def _relative_xl_flops(cfg: ModelConfig, batch: int, source_len: int, target_len
   queries times the result, in every self-attention (0 for other position options)."""
   if cfg.positional != "relative_xl":
     return 0.0
-  d = cfg.d_model
+  d, d_q = cfg.d_model, cfg.num_heads * cfg.head_dim
 
   def attention(layers, length, bidirectional):
     span = max(length, cfg.random_positions_max)
     rows = 2 * span - 1 if bidirectional else span
-    return layers * (2.0 * d * d * rows + 2.0 * d * batch * length * rows)
+    return layers * (2.0 * d * d_q * rows + 2.0 * d_q * batch * length * rows)
 
   if cfg.arch == "decoder_only":
     return attention(cfg.num_decoder_layers, source_len + target_len, False)

@@ -71,6 +71,7 @@ def attention(cfg: ModelConfig, name: str, decode: bool = False, rotary: bool = 
   span = 0 if cfg.deterministic else cfg.random_positions_max
   return MultiHeadAttention(
       num_heads=cfg.num_heads, d_model=cfg.d_model, num_kv_heads=cfg.num_kv_heads,
+      head_dim=cfg.head_dim,
       dropout_rate=cfg.attention_dropout_rate, output_dropout_rate=cfg.dropout_rate,
       fused_qkv=cfg.fused_qkv, use_bias=cfg.qkv_bias, out_bias=cfg.use_bias,
       rotary_base=cfg.position_base if rotary and cfg.positional == "rotary" else 0.0,
