@@ -165,7 +165,8 @@ def spm_processor(proto: bytes) -> spm.SentencePieceProcessor:
 class _MarianModel:
   """Marian's tokenizer (transformers' MarianTokenizer): the source text's pieces by source.spm,
   the target's by target.spm, each piece's id in vocab.json (<unk>'s when it has none); a leading
-  language code such as ">>de<<" is one token. Text back from the target model's pieces."""
+  language code such as ">>de<<" is one token. Text back from the target model's pieces.
+  T5's is the same with one model for both sides and no language codes."""
 
   def __init__(self, record: dict):
     self._source = spm_processor(base64.b64decode(record["source"]))
@@ -174,10 +175,11 @@ class _MarianModel:
     self._pieces = {v: k for k, v in self._vocab.items()}
     self._unk = self._vocab[record["unk"]]
     self._specials = set(record["specials"])
+    self._language_codes = record.get("language_codes", True)
 
   def _ids(self, text: str, processor) -> list:
     code = []
-    if text.startswith(">>") and text.find("<<") != -1:
+    if self._language_codes and text.startswith(">>") and text.find("<<") != -1:
       end = text.find("<<") + 2
       code, text = [text[:end]], text[end:]
     pieces = code + processor.encode(text, out_type=str)
@@ -204,7 +206,8 @@ class HFTokenizer:
 
   The file (`HF_FILENAME`, JSON): "tokenizer" (their tokenizer.json, as a string) or
   "sentencepiece" (Marian's: {"source", "target": the .spm files in base64, "vocab": their
-  vocab.json, "unk": its unknown token, "specials": the ids of its special tokens}), "hf_ids"
+  vocab.json, "unk": its unknown token, "specials": the ids of its special tokens,
+  "language_codes": false for T5's, whose texts have none}), "hf_ids"
   (per our id, their id; -1: a token of ours only, e.g. GPT-2's padding), "our_ids" (per their
   id, ours), "add_bos" (whether the model reads a text after a BOS: BERT's [CLS]; GPT-2 none),
   "prompt_bos" (a decoder-only model's: whether a prompt starts with BOS, as Llama's does; absent:

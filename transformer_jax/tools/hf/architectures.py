@@ -230,7 +230,11 @@ class Architecture:
   # features of the residual stream are permuted, which import and export do (convert.py).
   sinusoid_halves: bool = False
   tokenizer: str = "tokenizers"  # tokenizer.json; "sentencepiece": source.spm, target.spm,
-  # vocab.json (Marian's)
+  # vocab.json (Marian's); "t5": spiece.model (else tokenizer.json) with T5's sentinel tokens
+  # Their tensors that a checkpoint may lack, read as a copy of another: (missing, source).
+  # transformers 5 saves a freshly built T5 with its lm_head tied to shared.weight and writes
+  # that table once; the head is then the embedding, untied from here on.
+  aliases: tuple = ()
 
 
 # HF activation names <-> ours. GPT-2's "gelu_new" and "gelu_pytorch_tanh" are the tanh
@@ -478,7 +482,110 @@ MARIAN = Architecture(
     tokenizer="sentencepiece",
 )
 
+
+def scaled_query() -> Transform:
+  """T5's query projection, whose attention logits are not divided by sqrt(head_dim): ours
+  divides them, so the query kernel carries the factor sqrt(head_dim) (exact in float32 when
+  head_dim is a power of 4, as T5's 64 is: the factor is then a power of 2)."""
+  plain = linear()
+  return Transform(plain.hf_shape,
+                   lambda w, s, v: [plain.to_ours(w, s, v)[0] * np.float32(math.sqrt(s[0][-1]))],
+                   lambda a, v: plain.to_hf([a[0] / np.float32(math.sqrt(a[0].shape[-1]))], v))
+
+
+def _t5_checks(hf_config: dict):
+  # transformers 5 saves tie_word_embeddings True for every T5 and says with
+  # scale_decoder_outputs whether the head's input is scaled by d_model**-0.5 (the original T5,
+  # whose head is tied); older versions say it with tie_word_embeddings alone.
+  scaled = hf_config.get("scale_decoder_outputs")
+  if scaled is None:
+    scaled = hf_config.get("tie_word_embeddings", True) is not False
+  if scaled:
+    return ("its decoder output scaled by d_model**-0.5 before a head tied to the embedding "
+            "(tie_word_embeddings true / scale_decoder_outputs true: the original T5); only "
+            "T5 v1.1's untied head (tie_word_embeddings false) maps to model.tie_output=False")
+  return None
+
+
+def _t5_attention(hf: str, ours: str) -> tuple:
+  return tuple(Rule(f"{hf}.{theirs}.weight", (f"{ours}/{mine}/kernel",), transform)
+               for theirs, mine, transform in (("q", "query", scaled_query()),
+                                                ("k", "key", linear()), ("v", "value", linear()),
+                                                ("o", "out", linear(2))))
+
+
+def _t5_ffn(hf: str, ours: str) -> tuple:
+  """Gated GELU: wo(gelu_tanh(wi_0 x) * wi_1 x); ours wo(gelu(wi_gate x) * wi x) (geglu)."""
+  return (Rule(f"{hf}.DenseReluDense.wi_0.weight", (f"{ours}/ffn/wi_gate/kernel",), linear()),
+          Rule(f"{hf}.DenseReluDense.wi_1.weight", (f"{ours}/ffn/wi/kernel",), linear()),
+          Rule(f"{hf}.DenseReluDense.wo.weight", (f"{ours}/ffn/wo/kernel",), linear()),
+          Rule(f"{hf}.layer_norm.weight", (f"{ours}/ffn_block/norm/scale",), VECTOR))
+
+
+# T5 v1.1 (T5ForConditionalGeneration with feed_forward_proj gated-gelu and an untied head):
+# pre-RMSNorm without biases, final norms in both stacks, one relative position bias per stack
+# (their first layer's table, which every layer of the stack adds; ours is the stack's own),
+# bidirectional in the encoder and causal in the decoder, none in cross-attention. Its decoder
+# starts from <pad>, which becomes our BOS (as Marian's does); its tokenizer appends </s>.
+T5 = Architecture(
+    model_type="t5",
+    prefix="",
+    fields=(Field("d_model", "d_model"), Field("num_heads", "num_heads"),
+            Field("head_size", "d_kv"), Field("num_encoder_layers", "num_layers"),
+            Field("num_decoder_layers", "num_decoder_layers",
+                  default=lambda c: c.get("num_layers")),
+            Field("d_ff", "d_ff"), Field("layer_norm_eps", "layer_norm_epsilon", default=1e-6),
+            Field("relative_buckets", "relative_attention_num_buckets", default=32),
+            Field("relative_max_distance", "relative_attention_max_distance", default=128),
+            Field("activation", "feed_forward_proj", {"gated-gelu": "geglu"}, "relu"),
+            # T5's one dropout rate is on the attention weights and the residual stream alike.
+            Field("attention_dropout_rate", "dropout_rate", default=0.1),
+            Field("dropout_rate", "dropout_rate", default=0.1)),
+    fixed=dict(arch="encoder_decoder", norm="pre", norm_type="rmsnorm",
+               positional="relative_bias", share_embeddings=True, tie_output=False,
+               embed_scale=False, qkv_bias=False, use_bias=False, fused_qkv=False,
+               num_kv_heads=0, parallel_block=False, type_vocab_size=0, embed_norm=False,
+               logits_bias=False),
+    required=dict(is_encoder_decoder=True),
+    layer_rules=(
+        *_t5_attention("encoder.block.{i}.layer.0.SelfAttention",
+                       "encoder/layer_{i}/self_attention"),
+        Rule("encoder.block.{i}.layer.0.layer_norm.weight",
+             ("encoder/layer_{i}/attention_block/norm/scale",), VECTOR),
+        *_t5_ffn("encoder.block.{i}.layer.1", "encoder/layer_{i}"),
+        *_t5_attention("decoder.block.{i}.layer.0.SelfAttention",
+                       "decoder/layer_{i}/self_attention"),
+        Rule("decoder.block.{i}.layer.0.layer_norm.weight",
+             ("decoder/layer_{i}/self_attention_block/norm/scale",), VECTOR),
+        *_t5_attention("decoder.block.{i}.layer.1.EncDecAttention",
+                       "decoder/layer_{i}/cross_attention"),
+        Rule("decoder.block.{i}.layer.1.layer_norm.weight",
+             ("decoder/layer_{i}/cross_attention_block/norm/scale",), VECTOR),
+        *_t5_ffn("decoder.block.{i}.layer.2", "decoder/layer_{i}"),
+    ),
+    rules=(Rule("shared.weight", ("shared_embedding/embedding",), VOCAB),
+           Rule("encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
+                ("encoder/relative_bias/table",), TABLE),
+           Rule("decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
+                ("decoder/relative_bias/table",), TABLE),
+           Rule("encoder.final_layer_norm.weight", ("encoder/final_norm/scale",), VECTOR),
+           Rule("decoder.final_layer_norm.weight", ("decoder/final_norm/scale",), VECTOR),
+           Rule("lm_head.weight", ("decoder/logits/kernel",), VOCAB_OUT)),
+    heads=(Head("T5ForConditionalGeneration", "seq2seq", (), dict(num_labels=0)),),
+    special_tokens={"pad": "<pad>", "eos": "</s>", "unk": "<unk>"},
+    slots=DECODER_SLOTS,
+    add_bos=False,
+    ignored=(r"^(encoder|decoder)\.embed_tokens\.weight$",
+             r"EncDecAttention\.relative_attention_bias\.weight$"),
+    checks=(_t5_checks,),
+    derived=(("d_kv", lambda m: m.head_dim), ("tie_word_embeddings", lambda m: False),
+             ("scale_decoder_outputs", lambda m: False)),
+    imported=dict(max_len=512),  # relative positions have no table; T5's tokenizer's length
+    tokenizer="t5",
+    aliases=(("lm_head.weight", "shared.weight"),),
+)
+
 # Export picks the first architecture (in this order) whose fixed options all equal the model's:
 # GPT-2 (learned positions, LayerNorm with biases) and Llama (rotary, RMSNorm, no biases) share
 # none, so a decoder-only model goes out as the one its options match, or is refused.
-ARCHITECTURES = {a.model_type: a for a in (GPT2, BERT, LLAMA, MARIAN)}
+ARCHITECTURES = {a.model_type: a for a in (GPT2, BERT, LLAMA, MARIAN, T5)}

@@ -41,6 +41,7 @@ TOKENIZER = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 # Marian's tokenizer: a SentencePiece model for each side and the vocabulary of both.
 SOURCE_SPM, TARGET_SPM, VOCAB_JSON = "source.spm", "target.spm", "vocab.json"
+SPIECE = "spiece.model"  # T5's SentencePiece model
 
 # Our training recipe for an imported model: fine-tuning rates (AdamW, a short warmup, cosine
 # decay), no label smoothing. Any of it can be changed with --config.train.KEY=VALUE.
@@ -251,11 +252,64 @@ def _marian_tokenizer(arch, hf_dir: str, hf_vocab_size: int, hf_config: dict):
   return {"sentencepiece": record}, tokens, ids
 
 
-def _tokenizer(arch, hf_dir: str, hf_vocab_size: int, hf_config: dict):
+def _t5_tokenizer(arch, hf_dir: str, hf_vocab_size: int, hf_config: dict):
+  """T5's tokenizer: spiece.model (its pieces' ids are T5's) and the sentinels <extra_id_0>, ...
+  after them, the last id being <extra_id_0> (tokenizer_config.json's extra_ids, 100 by default),
+  read through our SentencePiece wrapper; without spiece.model, tokenizer.json (what
+  transformers 5 saves). Our BOS is their decoder_start_token_id (their <pad>)."""
+  path = os.path.join(hf_dir, SPIECE)
+  if not os.path.isfile(path):
+    if not os.path.isfile(os.path.join(hf_dir, TOKENIZER)):
+      raise UserError(f"{hf_dir} holds no {SPIECE} (nor {TOKENIZER}); save the model's tokenizer "
+                      "there too (AutoTokenizer.from_pretrained(...).save_pretrained(DIR), or "
+                      f"download {SPIECE})")
+    record, tokens, ids = _tokenizer(arch, hf_dir, hf_vocab_size, hf_config, generic=True)
+  else:
+    with open(path, "rb") as f:
+      proto = f.read()
+    try:
+      processor = tokenizer_lib.spm_processor(proto)
+    except ValueError:
+      raise UserError(f"{path} is not a SentencePiece model; download the tokenizer again") \
+          from None
+    saved = {}
+    if os.path.isfile(os.path.join(hf_dir, TOKENIZER_CONFIG)):
+      saved = _read_json(os.path.join(hf_dir, TOKENIZER_CONFIG), "the tokenizer")
+    size = processor.get_piece_size()
+    extra = saved.get("extra_ids", 100)
+    if not isinstance(extra, int) or extra < 0 or size + extra > hf_vocab_size:
+      raise UserError(f"{path} has {size} pieces, which with extra_ids={extra!r} sentinels "
+                      f"exceed the model's vocab_size {hf_vocab_size}; the tokenizer belongs to "
+                      "another model")
+    vocab = {processor.id_to_piece(i): i for i in range(size)}
+    vocab.update({f"<extra_id_{i}>": size + extra - 1 - i for i in range(extra)})
+    tokens = _special_tokens(arch, hf_dir)
+    missing = [token for token in tokens.values() if token not in vocab]
+    if missing:
+      raise UserError(f"{path} lacks the special token {missing[0]!r}; download the tokenizer "
+                      "again")
+    ids = {name: vocab[token] for name, token in tokens.items()}
+    record = {"sentencepiece": {
+        "source": base64.b64encode(proto).decode(), "target": base64.b64encode(proto).decode(),
+        "vocab": vocab, "unk": tokens["unk"], "language_codes": False,
+        "specials": sorted(set(ids.values()) | set(range(size, size + extra)))}}
+  start = hf_config.get("decoder_start_token_id", ids.get("pad"))
+  if not isinstance(start, int) or not 0 <= start < hf_vocab_size:
+    raise UserError(f"{os.path.join(hf_dir, CONFIG)} has decoder_start_token_id={start!r}, not "
+                    "a token of the model; set it to the pad token's id (0), as T5's")
+  ids["bos"] = start
+  tokens["bos"] = tokens.get("pad") if start == ids.get("pad") else f"<id {start}>"
+  return record, tokens, ids
+
+
+def _tokenizer(arch, hf_dir: str, hf_vocab_size: int, hf_config: dict, generic: bool = False):
   """({"tokenizer": their tokenizer.json text}, {our special: their token}, {our special: their
-  id}): the ids of the special tokens in the tokenizer, else config.json's pad/bos/eos_token_id."""
-  if arch.tokenizer == "sentencepiece":
+  id}): the ids of the special tokens in the tokenizer, else config.json's pad/bos/eos_token_id.
+  generic: tokenizer.json whatever the architecture's own files."""
+  if arch.tokenizer == "sentencepiece" and not generic:
     return _marian_tokenizer(arch, hf_dir, hf_vocab_size, hf_config)
+  if arch.tokenizer == "t5" and not generic:
+    return _t5_tokenizer(arch, hf_dir, hf_vocab_size, hf_config)
   path = os.path.join(hf_dir, TOKENIZER)
   if not os.path.isfile(path):
     raise UserError(f"{hf_dir} holds no {TOKENIZER}; save the model's tokenizer there too "
@@ -320,6 +374,9 @@ def _params_from(tensors: dict, arch, head, model: ModelConfig, vocab: Vocab, pa
     # Saved from the base class (GPT2Model, BertModel): names without the prefix.
     heads = ("cls.", "lm_head.", "classifier.", "final_logits_bias")
     tensors = {(k if k.startswith(heads) else arch.prefix + k): v for k, v in tensors.items()}
+  for missing, source in arch.aliases:
+    if missing not in tensors and source in tensors:
+      tensors = {**tensors, missing: tensors[source]}
   shapes = {k: tuple(v.shape) for k, v in _flat(param_shapes(model)).items()}
   flat, used = {}, set()
   for rule in _rules(arch, head, model):
@@ -504,8 +561,9 @@ def _hf_config(arch, head, model: ModelConfig, vocab: Vocab, special_ids: dict,
   for name in ("pad", "bos", "eos"):
     if special_ids.get(name) is not None:
       hf[f"{name}_token_id"] = int(special_ids[name])
-  if arch.model_type == "marian":  # the decoder starts from our BOS; no BOS before a source
+  if arch.model_type in ("marian", "t5"):  # the decoder starts from our BOS; none before a source
     hf["decoder_start_token_id"] = hf.pop("bos_token_id")
+  if arch.model_type == "marian":
     hf["forced_eos_token_id"] = hf["eos_token_id"]
   return hf
 
@@ -550,6 +608,21 @@ def _write_marian_tokenizer(hf_dir: str, tokenizer, vocab: Vocab, special_ids: d
   return [SOURCE_SPM, TARGET_SPM, VOCAB_JSON, TOKENIZER_CONFIG]
 
 
+def _write_t5_tokenizer(hf_dir: str, tokenizer, max_len: int) -> list:
+  """spiece.model and tokenizer_config.json (T5Tokenizer with its sentinels) of an imported T5
+  whose tokenizer came from its spiece.model."""
+  record = json.loads(tokenizer.model_proto)["sentencepiece"]
+  files.atomic_write(os.path.join(hf_dir, SPIECE), base64.b64decode(record["source"]))
+  tokenizer_config = {f"{name}_token": tokenizer.special_tokens[name]
+                      for name in ("pad", "eos", "unk") if name in tokenizer.special_tokens}
+  tokenizer_config.update(
+      tokenizer_class="T5Tokenizer", model_max_length=max_len,
+      extra_ids=sum(piece.startswith("<extra_id_") for piece in record["vocab"]))
+  files.atomic_write(os.path.join(hf_dir, TOKENIZER_CONFIG),
+                     json.dumps(tokenizer_config, indent=2))
+  return [SPIECE, TOKENIZER_CONFIG]
+
+
 def export_hf(workdir: str, hf_dir: str, step=None) -> str:
   """Writes the model of `workdir` (its latest checkpoint, or `step`) as a Hugging Face model
   directory `hf_dir` that `transformers` loads with its Auto classes; returns a summary."""
@@ -585,8 +658,8 @@ def export_hf(workdir: str, hf_dir: str, step=None) -> str:
                    ((PAD_ID, "pad"), (EOS_ID, "eos")) if tokenizer.hf_ids[slot] >= 0}
     if arch.model_type == "gpt2":
       special_ids["bos"] = special_ids["eos"]
-    elif arch.model_type == "marian" or (arch.model_type == "llama"
-                                         and tokenizer.hf_ids[BOS_ID] >= 0):
+    elif arch.model_type in ("marian", "t5") or (arch.model_type == "llama"
+                                                 and tokenizer.hf_ids[BOS_ID] >= 0):
       special_ids["bos"] = int(tokenizer.hf_ids[BOS_ID])
   else:
     special_ids = {name: int(vocab.hf_ids[i])
@@ -602,12 +675,17 @@ def export_hf(workdir: str, hf_dir: str, step=None) -> str:
   wrote = [CONFIG, weights.SAFETENSORS]
   if arch.tokenizer == "sentencepiece":
     wrote += _write_marian_tokenizer(hf_dir, tokenizer, vocab, special_ids, model.max_len)
+  elif arch.tokenizer == "t5" and isinstance(tokenizer, tokenizer_lib.HFTokenizer) and (
+      "sentencepiece" in json.loads(tokenizer.model_proto)):
+    wrote += _write_t5_tokenizer(hf_dir, tokenizer, model.max_len)
   elif isinstance(tokenizer, tokenizer_lib.HFTokenizer):
     record = json.loads(tokenizer.model_proto)
     files.atomic_write(os.path.join(hf_dir, TOKENIZER), record["tokenizer"])
     names = {"pad": "pad_token", "unk": "unk_token", "mask": "mask_token"}
     names.update({"bos": "cls_token", "eos": "sep_token"} if arch.model_type == "bert" else
                  {"bos": "bos_token", "eos": "eos_token"})
+    if arch.model_type == "t5":  # our BOS is T5's decoder start, its <pad>: no BOS token
+      del names["bos"]
     tokenizer_config = {names[k]: v for k, v in tokenizer.special_tokens.items() if k in names}
     tokenizer_config["model_max_length"] = model.max_len
     if arch.model_type == "gpt2":
