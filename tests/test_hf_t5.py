@@ -355,6 +355,8 @@ def test_imported_t5_tokenizer_reads_text_as_transformers_does(tmp_path):
       pieces + EXTRA_IDS, d_model=8, d_kv=4, num_heads=2, d_ff=16, num_layers=1,
       num_decoder_layers=1)).save_pretrained(directory)
   hf.import_hf(str(directory), str(tmp_path / "w"))
+  # d_kv 4 of 2 heads in an 8-wide model: the usual width, model.head_size's default 0.
+  assert config_lib.from_workdir(str(tmp_path / "w")).model.head_size == 0
   ours = tokenizer_lib.load_workdir(str(tmp_path / "w"), "")
   theirs = transformers.AutoTokenizer.from_pretrained(directory)
   assert type(theirs).__name__ == "T5Tokenizer"

@@ -169,6 +169,9 @@ def _model_options(arch, head, hf_config: dict, path: str) -> dict:
                       f"{hf_config[second]!r}; this project's {arch.model_type} has one value for "
                       "both, so this model cannot be imported")
   options = {f.ours: _field_value(f, hf_config, path) for f in arch.fields + head.fields}
+  if options.get("head_size") and options["head_size"] * options["num_heads"] == options[
+      "d_model"]:
+    options["head_size"] = 0  # their head width is d_model / num_heads, our default
   return {**arch.imported, **options, **arch.fixed, **head.fixed}
 
 
