@@ -370,3 +370,20 @@ def test_imported_t5_tokenizer_reads_text_as_transformers_does(tmp_path):
   sentinel = theirs.convert_tokens_to_ids("<extra_id_0>")
   assert sentinel == len(theirs) - 1 and ours.pieces([ours.our_ids[sentinel]]) == ["<extra_id_0>"]
   assert ours.hf_ids[BOS_ID] == theirs.pad_token_id  # our BOS is their decoder start, <pad>
+
+
+def test_a_t5_saved_by_transformers_5_imports_its_tokenizer_json(t5_dir, tmp_path):
+  """transformers 5 saves a T5 tokenizer as tokenizer.json alone (no spiece.model): the import
+  reads it through the tokenizers library, with the same ids as their tokenizer's."""
+  directory = tmp_path / "hf"
+  shutil.copytree(t5_dir, directory)
+  theirs = transformers.AutoTokenizer.from_pretrained(t5_dir)
+  for name in ("spiece.model", "tokenizer_config.json"):
+    (directory / name).unlink()
+  theirs.save_pretrained(directory)
+  assert not (directory / "spiece.model").exists()
+  hf.import_hf(str(directory), str(tmp_path / "w"))
+  ours = tokenizer_lib.load_workdir(str(tmp_path / "w"), "")
+  expected = theirs(TEXTS)["input_ids"]
+  assert [ours.hf_ids[row + [EOS_ID]].tolist() for row in ours.encode(TEXTS)] == expected
+  assert ours.hf_ids[BOS_ID] == theirs.pad_token_id and ours.hf_ids[EOS_ID] == theirs.eos_token_id
