@@ -24,9 +24,11 @@ from __future__ import annotations
 import atexit
 import datetime
 import errno
+import hashlib
 import json
 import os
 import re
+import shutil
 import socket
 import sys
 import threading
@@ -424,6 +426,38 @@ def remove(path: str) -> None:
     _call(path, "delete", filesystem(scheme).rm_file, key)
   except FileNotFoundError:
     pass
+
+
+def remove_tree(path: str) -> None:
+  """Deletes the directory `path` and everything under it (an object store: every object whose
+  name starts with `path/`), if there is any."""
+  if not is_url(path):
+    shutil.rmtree(path, ignore_errors=True)
+    return
+  scheme, key = _split(path)
+  try:
+    _call(path, "delete", filesystem(scheme).rm, key, recursive=True)
+  except FileNotFoundError:
+    pass
+
+
+def open_read(path: str):
+  """`path` opened for reading in binary, read as it is used (a stream for large files); the
+  caller closes it. FileNotFoundError if there is none."""
+  if not is_url(path):
+    return open(path, "rb")
+  scheme, key = _split(path)
+  return _call(path, "read", filesystem(scheme).open, key, "rb")
+
+
+def sha256(path: str, block: int = 1 << 24) -> str:
+  """The sha256 of the content of `path`, read in blocks of `block` bytes (never all of a large
+  object in memory at once)."""
+  digest = hashlib.sha256()
+  with open_read(path) as f:
+    while chunk := _call(path, "read", f.read, block):
+      digest.update(chunk)
+  return digest.hexdigest()
 
 
 def move(source: str, destination: str) -> None:
