@@ -405,3 +405,22 @@ def test_a_bad_bucket_data_path_is_one_error(gcs, tmp_path):
     with pytest.raises(UserError) as error:
       sources.load_split(files_config(path, "").data, "train")
     assert says in str(error.value) and "\n" not in str(error.value), str(error.value)
+
+
+def test_the_default_cache_of_a_job_of_several_processes_with_a_bucket_workdir(monkeypatch):
+  """Its hosts share no file system: the workdir's bucket, not each host's own disk."""
+  d = tiny.get_config().data
+  monkeypatch.delenv(cache.ENV)
+  assert cache.root(d, "gs://b/runs/one", 2) == f"gs://b/{cache.IN_BUCKET}"
+  assert cache.root(d, "s3://b/run", 4) == f"s3://b/{cache.IN_BUCKET}"
+  local = cache.local_root()
+  assert not storage.is_url(local) and cache.root(d, "gs://b/run", 1) == local  # one host
+  assert cache.root(d, "/runs/one", 2) == local
+  monkeypatch.setenv(cache.ENV, "gs://other/cache")  # the user's choice wins
+  assert cache.root(d, "gs://b/run", 2) == "gs://other/cache"
+  assert cache.local_root() == local  # the mirror of a bucket cache stays on this host
+  d.cache_dir = "s3://mine/c/"
+  assert cache.root(d, "gs://b/run", 2) == "s3://mine/c"
+  d.cache_dir = "gcs://mine/c"
+  with pytest.raises(UserError, match="unknown storage scheme gcs://"):
+    cache.root(d)
