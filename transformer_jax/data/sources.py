@@ -309,10 +309,9 @@ def split_paths(data_config, split: str) -> list[str]:
   for path in paths:
     found = ", ".join(_split_files(directory, suffixes)) or "none"
     check = _check_object if storage.is_url(path) else files.check_readable
-    check(path, f"data.format={d.format} reads {' and '.join(names)} text files "
-                         f"for split {split!r} (splits found in {directory}: {found}); fix "
-                         "data.path or the split name (data.train_split / data.eval_split / "
-                         "data.test_split)")
+    check(path, f"data.format={d.format} reads {' and '.join(names)} text files for split "
+          f"{split!r} (splits found in {directory}: {found}); fix data.path or the split name "
+          "(data.train_split / data.eval_split / data.test_split)")
   return paths
 
 
