@@ -260,7 +260,7 @@ def _fetch_remote(cache_dir: str, kind: str, key: dict, build: Callable[[], dict
       try:
         _discard(entry)
       except (UserError, OSError):
-        pass  # the new entry's meta.json then fails to be created: a warning below says so
+        pass  # the damaged entry stays (this upload is then dropped); later starts say so too
       arrays = None
     except (UserError, OSError) as e:
       warn(f"cannot read the cache {cache_dir} ({_reason(e)}); this run goes on without it")
