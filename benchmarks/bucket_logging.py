@@ -1,12 +1,15 @@
 """Training throughput with the metrics going to a gs:// bucket against a local workdir.
 
-  python benchmarks/bucket_logging.py [STEPS] [launch.py flags ...]   (default: 300 steps)
+  python benchmarks/bucket_logging.py [STEPS] [--rounds=N] [launch.py flags ...]
+  (default: 300 steps, 1 round)
 
-Trains the tiny config twice with a record logged every step (`train.log_every=1`: the most
-requests a run makes), once into a local workdir and once into the GCS emulator of the tests
-(tests/emulators.py) on 127.0.0.1, with no checkpoint before the end. Prints, for each, the
-median steps/s of the logged intervals after the first 20 (compilation and warm-up left out):
-the uploads run on a background thread, so the two should agree within the machine's noise.
+Trains the tiny config with a record logged every step (`train.log_every=1`: the most requests a
+run makes), into a local workdir and into the GCS emulator of the tests (tests/emulators.py) on
+127.0.0.1, with no checkpoint before the end; N rounds of one local run then one gs:// run, so
+that a machine whose load drifts weighs on both alike. Prints, for each run, the median steps/s
+of the logged intervals after the first 20 (compilation and warm-up left out), then the median
+over the rounds of each and of the per-round ratio gs:// / local: the uploads run on a
+background thread, so the ratio should be 1 within the machine's noise.
 """
 
 from __future__ import annotations
@@ -38,16 +41,26 @@ def run(workdir: str, steps: int, extra: list, env: dict) -> float:
 
 
 def main(steps: int = 300, *extra) -> None:
+  rounds = [int(flag.split("=", 1)[1]) for flag in extra if flag.startswith("--rounds=")]
+  extra = [flag for flag in extra if not flag.startswith("--rounds=")]
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  with tempfile.TemporaryDirectory() as local:
-    rate = run(os.path.join(local, "run"), int(steps), list(extra), env)
-    print(json.dumps({"workdir": "local disk", "median_steps_per_s": round(rate, 2)}), flush=True)
-  with emulators.gcs() as url:
+  rates = {"local disk": [], "gs://": []}
+  with emulators.gcs() as url, tempfile.TemporaryDirectory() as local:
     os.environ.update(emulators.environment(url))
     env.update(emulators.environment(url))
     emulators.make_bucket("gs://bench")
-    rate = run("gs://bench/run", int(steps), list(extra), env)
-    print(json.dumps({"workdir": "gs://", "median_steps_per_s": round(rate, 2)}), flush=True)
+    for n in range(rounds[-1] if rounds else 1):
+      for name, workdir in (("local disk", os.path.join(local, f"run{n}")),
+                            ("gs://", f"gs://bench/run{n}")):
+        rates[name].append(run(workdir, int(steps), extra, env))
+        print(json.dumps({"round": n, "workdir": name,
+                          "median_steps_per_s": round(rates[name][-1], 2)}), flush=True)
+  ratios = [g / loc for loc, g in zip(rates["local disk"], rates["gs://"])]
+  print(json.dumps({"rounds": len(ratios),
+                    **{f"{name} median_steps_per_s": round(statistics.median(r), 2)
+                       for name, r in rates.items()},
+                    "median ratio gs:// / local": round(statistics.median(ratios), 3),
+                    "ratios": [round(r, 3) for r in ratios]}), flush=True)
 
 
 if __name__ == "__main__":

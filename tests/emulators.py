@@ -227,3 +227,19 @@ def buckets():
     finally:
       os.environ.clear()
       os.environ.update(saved)
+
+
+@contextlib.contextmanager
+def gcs_buckets(*names: str):
+  """The GCS emulator alone, os.environ pointing at it (restored after), and the buckets
+  gs://NAME made; yields its endpoint (for the environment of other processes)."""
+  with gcs() as gcs_url:
+    saved = dict(os.environ)
+    os.environ.update(environment(gcs_url))
+    try:
+      for name in names:
+        make_bucket(f"gs://{name}")
+      yield gcs_url
+    finally:
+      os.environ.clear()
+      os.environ.update(saved)

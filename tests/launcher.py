@@ -35,6 +35,7 @@ def child(command):
     os.setgroups([])
     os.setgid(command["user"])
     os.setuid(command["user"])
+  os.environ.update(command.get("env") or {})
   sys.argv = ["transformer-jax", *command["flags"]]  # ml_collections reads sys.argv
   app.run(cli._main, flags_parser=cli._parse_flags)
 
@@ -105,15 +106,17 @@ class Launcher:
     self.pid = None
     self.stdout = self.stderr = None
 
-  def start(self, *flags, user=None, stdout=None) -> int:
+  def start(self, *flags, user=None, stdout=None, env=None) -> int:
     """Starts `launch.py FLAGS`; `user`: a uid to run it as (when the tests run as root);
-    `stdout`: a file for its stdout (as the run sees it), instead of one of the launcher's."""
+    `stdout`: a file for its stdout (as the run sees it), instead of one of the launcher's;
+    `env`: variables added to the launcher's environment for this run."""
     self._count += 1
     self.stdout = stdout or os.path.join(self.directory, f"launch{self._count}.out")
     self.stderr = os.path.join(self.directory, f"launch{self._count}.err")
     for path in (self.stdout, self.stderr)[0 if stdout is None else 1:]:
       open(path, "w").close()
-    command = {"flags": list(flags), "stdout": self.stdout, "stderr": self.stderr, "user": user}
+    command = {"flags": list(flags), "stdout": self.stdout, "stderr": self.stderr, "user": user,
+               "env": env}
     self._server.stdin.write(json.dumps(command) + "\n")
     self._server.stdin.flush()
     self.pid = json.loads(self._server.stdout.readline())["pid"]
@@ -158,9 +161,9 @@ class Launcher:
       time.sleep(0.02)
     raise TimeoutError(f"launch.py did not get there in {timeout} s:\n{self.output()}")
 
-  def run(self, *flags, user=None, stdout=None) -> tuple:
+  def run(self, *flags, user=None, stdout=None, env=None) -> tuple:
     """(exit code, stdout, stderr) of `launch.py FLAGS`."""
-    self.start(*flags, user=user, stdout=stdout)
+    self.start(*flags, user=user, stdout=stdout, env=env)
     code = self.wait()
     return (code, *self.output())
 

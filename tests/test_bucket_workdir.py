@@ -230,3 +230,17 @@ def test_a_sweep_into_a_gs_workdir_ranks_its_trials_and_resumes(launcher, tmp_pa
   log_after = storage.read_text(storage.join(workdir, "trial_001", "train.log"))
   assert log_after.startswith(log_before) and len(log_after) > len(log_before)
   assert local_entries() == set()
+
+
+@pytest.mark.parametrize("mode", ["--mode=train", "--mode=evaluate"])
+def test_gcs_without_permission_is_one_line_exit_2(launcher, buckets, tmp_path, mode):
+  """Real credentials (a service-account key whose token endpoint is the emulator's) that the
+  bucket refuses: GCS answers 403, the run says so in one line before writing anything."""
+  key = emulators.service_account_key(tmp_path / "key.json", buckets["STORAGE_EMULATOR_HOST"])
+  code, out, err = launcher.run(*TINY, "--workdir=gs://private/run", mode,
+                                env={"GOOGLE_APPLICATION_CREDENTIALS": key})
+  lines = err.strip().splitlines()
+  assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
+  assert "permission denied" in lines[0] and "grant this account read and write access" in err
+  assert "gs://private" in lines[0] and "Forbidden" in lines[0]
+  assert local_entries() == set()

@@ -10,6 +10,9 @@ import time
 import numpy as np
 import pytest
 
+from tests import emulators
+from transformer_jax.core import storage
+from transformer_jax.core.errors import UserError
 from transformer_jax.data import cache, pipeline, prepare, sources
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.experiments import tiny
@@ -279,3 +282,145 @@ def test_tokenizers_are_cached_per_task_and_only_seq2seq_caches_its_examples(tmp
   expected = [2 if line.endswith("pos") else 1 for line in lines]  # sorted labels: neg, pos
   np.testing.assert_array_equal(labels_set.target, expected)
   assert labels_set.target_lengths.tolist() == [1] * 100 and pairs_set.max_target_len == 12
+
+
+# ----------------------------------------------------------------------------- a cache in a bucket
+
+
+@pytest.fixture(scope="module")
+def gcs():
+  """The GCS emulator (tests/emulators.py) with gs://bucket and gs://private (no caller may
+  read or write it)."""
+  with emulators.gcs_buckets("bucket", "private") as url:
+    yield url
+
+
+def _on_a_fresh_host(monkeypatch, tmp_path, name):
+  """This process as a host that has never read the bucket: an empty local cache (its mirror)."""
+  monkeypatch.setenv(cache.ENV, str(tmp_path / name))
+
+
+def _damage_an_object(entry):
+  meta = json.loads(storage.read_text(storage.join(entry, cache.META)))
+  path = storage.join(entry, meta["writer"], "tokens.npy")
+  data = bytearray(storage.read_bytes(path))
+  data[-7] ^= 0xFF  # one byte of the tokens: the shape and dtype still read
+  storage.write(path, bytes(data))
+
+
+def test_a_cache_in_a_bucket_is_built_once_read_by_other_hosts_and_rebuilt_when_damaged(
+    gcs, tmp_path, monkeypatch, capsys):
+  root = f"gs://bucket/cache-{os.getpid()}"
+  entry = storage.join(root, "encoded", cache.key_hash(KEY))
+  _on_a_fresh_host(monkeypatch, tmp_path, "host0")
+  build = Builds()
+  assert_same(cache.fetch(root, "encoded", KEY, build, describe="tokenising"), arrays())
+  assert "tokenising: writing it to the cache (gs://bucket/" in capsys.readouterr().out
+  names = storage.listdir(entry)  # the arrays under their writer's name, and meta.json
+  assert len(names) == 2 and cache.META in names
+  assert build.calls == 1
+
+  # Another host: downloads the entry once into its mirror, memory-mapped from there.
+  _on_a_fresh_host(monkeypatch, tmp_path, "host1")
+  again = cache.fetch(root, "encoded", KEY, build, describe="tokenising")
+  assert build.calls == 1 and isinstance(again["tokens"], np.memmap)
+  assert_same(again, arrays())
+  assert capsys.readouterr().out == ""
+  # Its next start reads the mirror: the bucket is not asked for the arrays again.
+  storage.remove_tree(entry)
+  assert_same(cache.fetch(root, "encoded", KEY, build), arrays())
+  assert build.calls == 1
+
+  # A damaged object (the entry rebuilt above by host 0's writer): one warning, built again.
+  _on_a_fresh_host(monkeypatch, tmp_path, "host2")
+  cache.fetch(root, "encoded", KEY, build)
+  assert build.calls == 2
+  _damage_an_object(entry)
+  _on_a_fresh_host(monkeypatch, tmp_path, "host3")
+  capsys.readouterr()
+  assert_same(cache.fetch(root, "encoded", KEY, build), arrays())
+  err = capsys.readouterr().err
+  assert build.calls == 3 and "is damaged (tokens.npy does not match its checksum)" in err
+  _on_a_fresh_host(monkeypatch, tmp_path, "host4")  # what the rebuild uploaded is whole
+  assert_same(cache.fetch(root, "encoded", KEY, build), arrays())
+  assert build.calls == 3 and len(storage.listdir(entry)) == 2  # the damaged writer's gone
+
+
+def test_a_bucket_cache_that_cannot_be_used_costs_one_warning(gcs, tmp_path, monkeypatch, capsys):
+  _on_a_fresh_host(monkeypatch, tmp_path, "host")
+  for root, says in (("gs://private/cache", "cannot read the cache gs://private/cache"),
+                     ("gs://no-such-bucket/cache", "the bucket gs://no-such-bucket does not")):
+    build = Builds()
+    assert_same(cache.fetch(root, "encoded", KEY, build), arrays())
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert build.calls == 1 and len(lines) == 1 and says in lines[0], lines
+    assert lines[0].startswith("warning: ") and "this run goes on without it" in lines[0]
+
+
+def test_data_and_its_cache_in_a_bucket(gcs, tmp_path, monkeypatch, capsys):
+  """data.path=gs://... is read through core/storage.py and keyed by its content (the same key
+  as the same files in a local directory); data.cache_dir=gs://...: a second host reads the
+  first one's tokenizer and tokenised split, neither reading the text nor tokenising."""
+  local = tmp_path / "data"
+  local.mkdir()
+  lines = [" ".join(f"w{(i * j) % 20}" for j in range(1 + i % 9)) for i in range(100)]
+  (local / "train.en").write_text("\n".join(lines) + "\n")
+  (local / "train.de").write_text("\n".join(line.upper() for line in lines) + "\n")
+  data = f"gs://bucket/data-{os.getpid()}"
+  for name in ("train.en", "train.de"):
+    storage.write(storage.join(data, name), (local / name).read_bytes())
+  c = files_config(data, f"gs://bucket/cache-{os.getpid()}-run")
+  assert sources.split_key(c.data, "train") == sources.split_key(
+      files_config(local, "").data, "train")
+  assert sources.load_split(c.data, "train")[:3] == sources.load_split(
+      files_config(local, "").data, "train")[:3]
+
+  _on_a_fresh_host(monkeypatch, tmp_path, "host0")
+  tokenizer, _, train_set, _ = prepare.prepare_data(c, str(tmp_path / "run1"), VOCAB)
+  out = capsys.readouterr().out
+  assert "training the tokenizer: writing it to the cache (gs://bucket/" in out
+  assert "tokenising the 'train' split: writing it to the cache (gs://bucket/" in out
+
+  _on_a_fresh_host(monkeypatch, tmp_path, "host1")
+
+  def forbidden(*args, **kwargs):
+    raise AssertionError("the second host tokenised or read the text")
+
+  with monkeypatch.context() as patch:
+    for module, name in ((pipeline, "encode_corpus"), (tokenizer_lib, "train"),
+                         (sources.LazyPairs, "pairs")):
+      patch.setattr(module, name, property(forbidden) if name == "pairs" else forbidden)
+    again, _, cached, _ = prepare.prepare_data(c, str(tmp_path / "run2"), VOCAB)
+  assert "writing it to the cache" not in capsys.readouterr().out
+  assert again.model_proto == tokenizer.model_proto
+  np.testing.assert_array_equal(cached.index, train_set.index)
+  assert_same(cached.rows(np.arange(len(cached))), train_set.rows(np.arange(len(train_set))))
+
+
+def test_a_bad_bucket_data_path_is_one_error(gcs, tmp_path):
+  for path, says in (("gs://bucket/no-such-folder", "holds no files"),
+                     ("gcs://bucket/data", "unknown storage scheme gcs://"),
+                     ("gs://no-such-bucket/data", "the bucket gs://no-such-bucket does not exist"),
+                     ("gs://private/data", "no valid credentials")):
+    with pytest.raises(UserError) as error:
+      sources.load_split(files_config(path, "").data, "train")
+    assert says in str(error.value) and "\n" not in str(error.value), str(error.value)
+
+
+def test_the_default_cache_of_a_job_of_several_processes_with_a_bucket_workdir(monkeypatch):
+  """Its hosts share no file system: the workdir's bucket, not each host's own disk."""
+  d = tiny.get_config().data
+  monkeypatch.delenv(cache.ENV)
+  assert cache.root(d, "gs://b/runs/one", 2) == f"gs://b/{cache.IN_BUCKET}"
+  assert cache.root(d, "s3://b/run", 4) == f"s3://b/{cache.IN_BUCKET}"
+  local = cache.local_root()
+  assert not storage.is_url(local) and cache.root(d, "gs://b/run", 1) == local  # one host
+  assert cache.root(d, "/runs/one", 2) == local
+  monkeypatch.setenv(cache.ENV, "gs://other/cache")  # the user's choice wins
+  assert cache.root(d, "gs://b/run", 2) == "gs://other/cache"
+  assert cache.local_root() == local  # the mirror of a bucket cache stays on this host
+  d.cache_dir = "s3://mine/c/"
+  assert cache.root(d, "gs://b/run", 2) == "s3://mine/c"
+  d.cache_dir = "gcs://mine/c"
+  with pytest.raises(UserError, match="unknown storage scheme gcs://"):
+    cache.root(d)

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from launcher import NAMESPACE, QUICK_COMPILE, namespaces_work
 
+from tests import emulators
 from transformer_jax.data import prepare
 from transformer_jax.eval import load
 from transformer_jax.experiments import tiny
@@ -82,18 +83,28 @@ def _assert_trains_like(one, two):
 
 def test_two_processes_match_one_process_with_the_same_global_batch(tmp_path, one_process):
   """Two processes of 2 devices whose mesh splits parameters and optimizer state over all 4
-  (fsdp across both processes), started with explicit flags."""
+  (fsdp across both processes), started with explicit flags. Like the hosts of a pod without a
+  shared file system, each has its own local cache, and they share the data through a cache in
+  a bucket (the GCS emulator): process 0 alone tokenises."""
   two = tmp_path / "two"
   port = _free_port()
-  pair = [subprocess.Popen([sys.executable, "launch.py", *ARGS, f"--workdir={two}",
-                            "--config.mesh.data=1", "--config.mesh.fsdp=4",
-                            f"--coordinator_address=localhost:{port}", "--num_processes=2",
-                            f"--process_id={i}"], cwd=ROOT, env=_env(2),
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i in (0, 1)]
-  outputs = _outputs(pair)
+  with emulators.gcs_buckets("bucket") as gcs_url:
+    pair = [subprocess.Popen([sys.executable, "launch.py", *ARGS, f"--workdir={two}",
+                              "--config.mesh.data=1", "--config.mesh.fsdp=4",
+                              "--config.data.cache_dir=gs://bucket/cache",
+                              f"--coordinator_address=localhost:{port}", "--num_processes=2",
+                              f"--process_id={i}"], cwd=ROOT,
+                             env={**_env(2), **emulators.environment(gcs_url),
+                                  "TRANSFORMER_JAX_CACHE": str(tmp_path / f"host{i}")},
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i in (0, 1)]
+    outputs = _outputs(pair)
   assert "4 device(s) (cpu) in 2 process(es), mesh data 1 x fsdp 4 x tensor 1" in outputs[0]
   assert "Run summary" not in outputs[1]  # only process 0 reports
   _assert_trains_like(one_process, two)
+  assert "tokenising the 'train' split: writing it to the cache (gs://bucket/cache/" in outputs[0]
+  assert "process 1: waiting for process 0 to prepare the data" in outputs[1]
+  assert "tokenising" not in outputs[1] and "training the tokenizer" not in outputs[1]
+  assert "warning: the cache" not in outputs[1]
 
 
 def test_data_that_process_0_refuses_stops_every_process_of_the_job(tmp_path):

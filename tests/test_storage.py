@@ -387,3 +387,17 @@ def test_a_log_upload_that_fails_is_raised_by_the_writer_not_lost(stores):
   with pytest.raises(UserError) as error:
     log.close()
   assert "no-such-bucket" in one_line(error)
+
+
+def test_records_appended_faster_than_uploads_share_objects_in_order(stores):
+  """A log appended every few ms (a tiny model logging each step) does not make one request a
+  record: each upload takes every record appended while the previous one ran."""
+  path = "gs://bucket/fast/metrics.jsonl"
+  log = storage.JsonLog(path)
+  for step in range(200):
+    log.append({"step": step})
+  log.close()
+  assert [r["step"] for r in storage.read_jsonl(path)] == list(range(200))
+  parts = storage.listdir(path + storage.PARTS_SUFFIX)
+  assert 1 < len(parts) < 50, parts  # the first upload took one record, later ones many
+  assert parts == [f"{n:09d}.jsonl" for n in range(1, len(parts) + 1)]

@@ -56,7 +56,7 @@ def default_config() -> ml_collections.ConfigDict:
   c.data.tfds_name = ""  # source=tfds: a TFDS translation dataset, e.g. wmt14_translate/de-en
   c.data.tfds_data_dir = ""  # source=tfds: "" = $TFDS_DATA_DIR or ~/tensorflow_datasets
   c.data.tfds_download = True  # source=tfds: download and prepare the dataset if it is not there
-  c.data.path = ""  # source=files: the directory holding the split files
+  c.data.path = ""  # source=files: the directory (or gs://, s3:// folder) holding the split files
   c.data.text_suffix = "txt"  # source=files, format=text: the split's file is SPLIT.text_suffix
   # source=files: parallel (SPLIT.SRC + SPLIT.TGT) | tsv (SPLIT.tsv) | text (SPLIT.txt: a text
   # a line; data.text_suffix names another suffix, e.g. en for train.en)
@@ -80,7 +80,7 @@ def default_config() -> ml_collections.ConfigDict:
   c.data.shuffle_buffer = 0  # examples shuffled together; 0 = full random permutation each epoch
   c.data.prefetch = 2  # batches made ahead in a background thread; 0 = on the main thread
   c.data.cache = True  # keep the tokenised train split (and its tokenizer) for later runs
-  c.data.cache_dir = ""  # "" = $TRANSFORMER_JAX_CACHE, else ~/.cache/transformer_jax (XDG)
+  c.data.cache_dir = ""  # "" = $TRANSFORMER_JAX_CACHE or ~/.cache/transformer_jax; or gs://, s3://
   c.data.tokenizer = ml_collections.ConfigDict()  # the SentencePiece vocabulary
   c.data.tokenizer.model_type = "bpe"  # bpe | unigram | word (SentencePiece)
   c.data.tokenizer.character_coverage = 1.0  # share of characters kept; the rarest are unknown

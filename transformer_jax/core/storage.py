@@ -24,9 +24,11 @@ from __future__ import annotations
 import atexit
 import datetime
 import errno
+import hashlib
 import json
 import os
 import re
+import shutil
 import socket
 import sys
 import threading
@@ -426,6 +428,38 @@ def remove(path: str) -> None:
     pass
 
 
+def remove_tree(path: str) -> None:
+  """Deletes the directory `path` and everything under it (an object store: every object whose
+  name starts with `path/`), if there is any."""
+  if not is_url(path):
+    shutil.rmtree(path, ignore_errors=True)
+    return
+  scheme, key = _split(path)
+  try:
+    _call(path, "delete", filesystem(scheme).rm, key, recursive=True)
+  except FileNotFoundError:
+    pass
+
+
+def open_read(path: str):
+  """`path` opened for reading in binary, read as it is used (a stream for large files); the
+  caller closes it. FileNotFoundError if there is none."""
+  if not is_url(path):
+    return open(path, "rb")
+  scheme, key = _split(path)
+  return _call(path, "read", filesystem(scheme).open, key, "rb")
+
+
+def sha256(path: str, block: int = 1 << 24) -> str:
+  """The sha256 of the content of `path`, read in blocks of `block` bytes (never all of a large
+  object in memory at once)."""
+  digest = hashlib.sha256()
+  with open_read(path) as f:
+    while chunk := _call(path, "read", f.read, block):
+      digest.update(chunk)
+  return digest.hexdigest()
+
+
 def move(source: str, destination: str) -> None:
   """Moves a file or directory. Local: one rename. An object store has no rename: each object
   is copied, then deleted (not atomic; used only to set aside what is kept for a post-mortem)."""
@@ -525,8 +559,8 @@ def set_aside_partial_line(path: str, err=None) -> int:
 
 
 class _Uploads:
-  """Uploads (path, bytes) in order on one background thread, so that the caller (the training
-  loop) never waits for a request. A failed upload is raised by the next `put` or by `close`."""
+  """Runs uploads in order on one background thread, so that the caller (the training loop)
+  never waits for a request. A failed upload is raised by the next `submit` or by `close`."""
 
   def __init__(self):
     self._pool = futures.ThreadPoolExecutor(1, thread_name_prefix="storage-upload")
@@ -541,9 +575,9 @@ class _Uploads:
         keep.append(future)
     self._pending = keep
 
-  def put(self, path: str, data: bytes) -> None:
+  def submit(self, upload: Callable[[], object]) -> None:
     self._raise_failures(wait=False)
-    self._pending.append(self._pool.submit(write, path, data))
+    self._pending.append(self._pool.submit(upload))
 
   def close(self) -> None:
     try:
@@ -553,15 +587,39 @@ class _Uploads:
 
 
 class _Chunks:
-  """Appends on an object store: each `append` uploads one object `name(n)`, n = start, start + 1,
-  ..., on `_Uploads`' background thread (`close` waits for them)."""
+  """Appends on an object store: objects `name(n)`, n = start, start + 1, ..., uploaded in order
+  on `_Uploads`' background thread (`close` waits for them).
+
+  Each upload takes everything appended since the previous one began: one record an object
+  while the uploads keep up (a run logging every few seconds), several when records come
+  faster than requests (a logged step of a few ms), so that the requests, and the background
+  thread's hold on the GIL, never grow with the rate of the caller's appends.
+  """
 
   def __init__(self, name, start: int = 0):
     self._name, self._next, self._uploads = name, start, _Uploads()
+    self._waiting: list = []  # appended, not yet taken by an upload
+    self._queued = False  # an upload that will take them is queued
+    self._lock = threading.Lock()
 
   def append(self, data: bytes) -> None:
-    self._uploads.put(self._name(self._next), data)
-    self._next += 1
+    with self._lock:
+      self._waiting.append(data)
+      if self._queued:
+        return
+      self._queued = True
+    try:
+      self._uploads.submit(self._upload)
+    except BaseException:  # an earlier upload failed: raised here, nothing new queued
+      with self._lock:
+        self._queued = False
+      raise
+
+  def _upload(self) -> None:
+    with self._lock:
+      data, self._waiting, self._queued = b"".join(self._waiting), [], False
+      number, self._next = self._next, self._next + 1
+    write(self._name(number), data)
 
   def close(self) -> None:
     self._uploads.close()
@@ -570,11 +628,12 @@ class _Chunks:
 class JsonLog:
   """Appends one JSON object per line to the log `path`.
 
-  Local: `files.JsonLog` (appends to the file). An object store: each `append` uploads one chunk
-  object PATH.parts/NNNNNNNNN.jsonl, numbered after the chunks already there, so a writer killed
-  at any moment leaves only whole records and a later writer never overwrites an earlier one.
-  The uploads run on a background thread in order (`close` waits for them); a process killed
-  within a request's time of an `append` may lose that record.
+  Local: `files.JsonLog` (appends to the file). An object store: the records go to chunk
+  objects PATH.parts/NNNNNNNNN.jsonl (one record each, or several appended while the previous
+  upload ran: `_Chunks`), numbered after the chunks already there, so a writer killed at any
+  moment leaves only whole records and a later writer never overwrites an earlier one. The
+  uploads run on a background thread in order (`close` waits for them); a process killed within
+  a request's time of an `append` may lose that record.
   """
 
   def __init__(self, path: str, err=None):
@@ -599,8 +658,9 @@ class JsonLog:
 
 class AppendFile:
   """Appends binary records to `path`. Local: `files.AppendFile` (one file). An object store:
-  each append is one object PATH.NNNNNN (TensorBoard reads every event file of a directory in
-  name order, so event files stay readable as a sequence), uploaded as `JsonLog`'s chunks are."""
+  objects PATH.NNNNNN of one or more appends each (TensorBoard reads every event file of a
+  directory in name order, so event files stay readable as a sequence), uploaded as `JsonLog`'s
+  chunks are."""
 
   def __init__(self, path: str):
     self.path = path

@@ -110,15 +110,17 @@ def prepare_tokenizer(config, workdir: str, train_pairs, vocab_size: int, cache_
   return tokenizer, new
 
 
-def prepare_data(config, workdir: str, vocab_size: int, cached: bool = False):
+def prepare_data(config, workdir: str, vocab_size: int, cached: bool = False,
+                 processes: int = 1):
   """Loads the splits and the tokenizer, and the tokenised train split. Writes nothing in the
   workdir (the cache may gain entries). cached: another process of the job has just prepared
   the same data into the cache, which this one reads (see `train.loop.prepare_data_once`).
+  processes: how many the job has (picks the default cache, `cache.root`).
 
   Returns (tokenizer, new_tokenizer, train_set, eval_pairs).
   """
   d = config.data
-  cache_dir = cache.root(d)
+  cache_dir = cache.root(d, workdir, processes)
   source_key = sources.split_key(d, d.train_split)
   train_pairs = sources.LazyPairs(d, d.train_split)  # read only if the cache lacks something
   tokenizer, new = prepare_tokenizer(config, workdir, train_pairs, vocab_size, cache_dir,

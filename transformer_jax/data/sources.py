@@ -3,11 +3,12 @@
 
   data.source=scan   SCAN, generated from its grammar (splits train, test); texts or classes
                      of its commands for the other tasks (see data/scan.py).
-  data.source=files  local text in data.path: aligned `SPLIT.SRC` / `SPLIT.TGT` files
-                     (data.format=parallel, e.g. train.en + train.de), `SPLIT.tsv` files of
-                     `source<TAB>target` lines (data.format=tsv; `text<TAB>label` to classify),
-                     or `SPLIT.txt` files of one text a line (data.format=text: (text, "")
-                     pairs; blank lines are skipped; data.text_suffix for other names).
+  data.source=files  text in data.path (a directory, or a gs:// / s3:// folder in a bucket):
+                     aligned `SPLIT.SRC` / `SPLIT.TGT` files (data.format=parallel, e.g.
+                     train.en + train.de), `SPLIT.tsv` files of `source<TAB>target` lines
+                     (data.format=tsv; `text<TAB>label` to classify), or `SPLIT.txt` files of
+                     one text a line (data.format=text: (text, "") pairs; blank lines are
+                     skipped; data.text_suffix for other names).
   data.source=tfds   a TFDS dataset by name (data.tfds_name, e.g. wmt14_translate/de-en, lm1b,
                      imdb_reviews), read TF-free through tfds.data_source (array_record).
 
@@ -25,7 +26,7 @@ from typing import Sequence
 
 import numpy as np
 
-from transformer_jax.core import files
+from transformer_jax.core import files, storage
 from transformer_jax.core.errors import UserError
 from transformer_jax.data import scan, tfds_prepare
 
@@ -62,8 +63,8 @@ def split_key(data_config, split: str) -> dict:
       key["scan_dev_cutoff"] = d.get("scan_dev_cutoff", scan.DEV_CUTOFF)  # they move with it
     return key
   direction = {"source_lang": d.source_lang, "target_lang": d.target_lang}
-  if d.source == "files":
-    files = [[os.path.basename(path), file_sha256(path)] for path in split_paths(d, split)]
+  if d.source == "files":  # the same key for the same files in a directory and in a bucket
+    files = [[storage.basename(path), file_sha256(path)] for path in split_paths(d, split)]
     return {"source": "files", "format": d.format, "files": files,
             **(direction if d.format == "parallel" else {})}
   if d.source == "tfds":
@@ -73,6 +74,11 @@ def split_key(data_config, split: str) -> dict:
 
 
 def file_sha256(path: str, block: int = 1 << 24) -> str:
+  if storage.is_url(path):
+    try:
+      return storage.sha256(path, block)
+    except FileNotFoundError:
+      raise UserError(f"cannot read {path}: it does not exist; fix data.path") from None
   digest = hashlib.sha256()
   try:
     with open(path, "rb") as f:
@@ -140,11 +146,19 @@ def resolve_path(path: str) -> str:
   """A data path as an absolute path; a relative one is relative to the current directory.
 
   The library never looks beside its own files: installed with `pip install .` it has no
-  checkout around it.
+  checkout around it. A gs:// or s3:// URL is a folder in a bucket (read through
+  `core/storage.py`).
   """
   if not path:
     raise UserError("data.path is empty; set it to the directory holding the split files, "
                     "e.g. --config.data.path=../shared/data/multi30k")
+  if storage.is_url(path):
+    path = storage.check(path, "data.path")
+    storage.check_bucket(path, "data.path")
+    if not storage.isdir(path):
+      raise UserError(f"data.path {path} holds no files; fix data.path (the folder in the "
+                      "bucket that holds the split files)")
+    return path
   path = os.path.abspath(os.path.expanduser(path))
   if not os.path.isdir(path):
     raise UserError(f"data.path {path} is not a directory; fix data.path (a relative path is "
@@ -161,10 +175,14 @@ class _Lines:
   def __init__(self, path: str):
     self.path = path
     try:
-      with open(path, "rb") as f:
-        self.data = f.read()
+      if storage.is_url(path):
+        self.data = storage.read_bytes(path)
+      else:
+        with open(path, "rb") as f:
+          self.data = f.read()
     except OSError as e:
-      raise UserError(f"cannot read {path}: {e.strerror}; fix data.path or the file") from None
+      raise UserError(f"cannot read {path}: {e.strerror or e}; fix data.path or the "
+                      "file") from None
     if not self.data.strip():
       raise UserError(f"{path} is empty; put one sentence per line in it or fix data.path")
     _check_utf8(self.data, path)
@@ -271,7 +289,7 @@ class TextFile(_PairSequence):
 
 def _split_files(directory: str, suffixes: list[str]) -> list[str]:
   """The split names for which `directory` has a file with every suffix (`train.en` -> `train`)."""
-  names = set(os.listdir(directory))
+  names = set(storage.listdir(directory))
   return sorted({n[:-len(suffixes[0])] for n in names if n.endswith(suffixes[0])
                  and all(n[:-len(suffixes[0])] + x in names for x in suffixes)})
 
@@ -287,14 +305,20 @@ def split_paths(data_config, split: str) -> list[str]:
   else:
     raise UserError(f"data.format must be one of parallel, tsv, text; got {d.format!r}")
   names = [split + x for x in suffixes]
-  paths = [os.path.join(directory, n) for n in names]
+  paths = [storage.join(directory, n) for n in names]
   for path in paths:
     found = ", ".join(_split_files(directory, suffixes)) or "none"
-    files.check_readable(path, f"data.format={d.format} reads {' and '.join(names)} text files "
-                         f"for split {split!r} (splits found in {directory}: {found}); fix "
-                         "data.path or the split name (data.train_split / data.eval_split / "
-                         "data.test_split)")
+    check = _check_object if storage.is_url(path) else files.check_readable
+    check(path, f"data.format={d.format} reads {' and '.join(names)} text files for split "
+          f"{split!r} (splits found in {directory}: {found}); fix data.path or the split name "
+          "(data.train_split / data.eval_split / data.test_split)")
   return paths
+
+
+def _check_object(path: str, fix: str) -> None:
+  """`files.check_readable` for an object in a bucket: a UserError unless it exists."""
+  if not storage.isfile(path):
+    raise UserError(f"{path} does not exist; {fix}")
 
 
 def load_files(data_config, split: str) -> Pairs:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import os
 from typing import Any, Callable, Optional
 
 import jax
@@ -90,16 +91,21 @@ def prepare_data_once(config, workdir: str, vocab_size: int):
 
   With several processes and the cache on, process 0 trains the tokenizer and tokenises the
   corpus into the cache (`data/cache.py`, keyed by content) while the others wait, then read
-  it: data.cache_dir must be a path every host shares. Without that, or without the cache, each
-  process prepares the data itself (with a warning in the first case).
+  it: data.cache_dir must be a path every host shares, or a bucket (the default when the
+  workdir is in one: `cache.root`). Without that, or without the cache, each process prepares
+  the data itself (with a warning in the first case).
   """
-  cache_dir = cache.root(config.data)
-  if jax.process_count() == 1 or cache_dir is None:
+  processes = jax.process_count()
+  cache_dir = cache.root(config.data, workdir, processes)
+  if processes == 1 or cache_dir is None:
     return prepare.prepare_data(config, workdir, vocab_size)
   failure, prepared = None, None
   if jax.process_index() == 0:
+    if not config.data.cache_dir and not os.environ.get(cache.ENV) and storage.is_url(cache_dir):
+      print(f"the job's processes share the tokenised data through {cache_dir} (the default "
+            "for a workdir in a bucket); set data.cache_dir to keep it elsewhere", flush=True)
     try:
-      prepared = prepare.prepare_data(config, workdir, vocab_size)
+      prepared = prepare.prepare_data(config, workdir, vocab_size, processes=processes)
     except Exception as e:  # told to the others below, so that they stop too, not wait on
       failure = e
     failed = multihost_utils.broadcast_one_to_all(np.int32(failure is not None))
@@ -113,7 +119,8 @@ def prepare_data_once(config, workdir: str, vocab_size: int):
   if failed:
     raise UserError("process 0 of this job could not prepare the data (see its error)")
   return (prepared if prepared is not None
-          else prepare.prepare_data(config, workdir, vocab_size, cached=True))
+          else prepare.prepare_data(config, workdir, vocab_size, cached=True,
+                                    processes=processes))
 
 
 def train(config, workdir: str, evaluate_fn: EvaluateFn) -> Result:
