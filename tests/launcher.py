@@ -31,6 +31,8 @@ def child(command):
   os.dup2(null, 0)
   for fd, path in ((1, command["stdout"]), (2, command["stderr"])):
     os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644), fd)
+  if command.get("cwd"):
+    os.chdir(command["cwd"])
   if command.get("user") is not None and os.geteuid() == 0:
     os.setgroups([])
     os.setgid(command["user"])
@@ -105,15 +107,17 @@ class Launcher:
     self.pid = None
     self.stdout = self.stderr = None
 
-  def start(self, *flags, user=None, stdout=None) -> int:
+  def start(self, *flags, user=None, stdout=None, cwd=None) -> int:
     """Starts `launch.py FLAGS`; `user`: a uid to run it as (when the tests run as root);
-    `stdout`: a file for its stdout (as the run sees it), instead of one of the launcher's."""
+    `stdout`: a file for its stdout (as the run sees it), instead of one of the launcher's;
+    `cwd`: the directory it runs in (by default the checkout's root)."""
     self._count += 1
     self.stdout = stdout or os.path.join(self.directory, f"launch{self._count}.out")
     self.stderr = os.path.join(self.directory, f"launch{self._count}.err")
     for path in (self.stdout, self.stderr)[0 if stdout is None else 1:]:
       open(path, "w").close()
-    command = {"flags": list(flags), "stdout": self.stdout, "stderr": self.stderr, "user": user}
+    command = {"flags": list(flags), "stdout": self.stdout, "stderr": self.stderr, "user": user,
+               "cwd": None if cwd is None else str(cwd)}
     self._server.stdin.write(json.dumps(command) + "\n")
     self._server.stdin.flush()
     self.pid = json.loads(self._server.stdout.readline())["pid"]
@@ -158,9 +162,9 @@ class Launcher:
       time.sleep(0.02)
     raise TimeoutError(f"launch.py did not get there in {timeout} s:\n{self.output()}")
 
-  def run(self, *flags, user=None, stdout=None) -> tuple:
+  def run(self, *flags, user=None, stdout=None, cwd=None) -> tuple:
     """(exit code, stdout, stderr) of `launch.py FLAGS`."""
-    self.start(*flags, user=user, stdout=stdout)
+    self.start(*flags, user=user, stdout=stdout, cwd=cwd)
     code = self.wait()
     return (code, *self.output())
 
