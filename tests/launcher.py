@@ -31,6 +31,8 @@ def child(command):
   os.dup2(null, 0)
   for fd, path in ((1, command["stdout"]), (2, command["stderr"])):
     os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644), fd)
+  if command.get("cwd"):
+    os.chdir(command["cwd"])
   if command.get("user") is not None and os.geteuid() == 0:
     os.setgroups([])
     os.setgid(command["user"])
@@ -106,17 +108,18 @@ class Launcher:
     self.pid = None
     self.stdout = self.stderr = None
 
-  def start(self, *flags, user=None, stdout=None, env=None) -> int:
+  def start(self, *flags, user=None, stdout=None, env=None, cwd=None) -> int:
     """Starts `launch.py FLAGS`; `user`: a uid to run it as (when the tests run as root);
     `stdout`: a file for its stdout (as the run sees it), instead of one of the launcher's;
-    `env`: variables added to the launcher's environment for this run."""
+    `env`: variables added to the launcher's environment for this run; `cwd`: the directory it
+    runs in (by default the checkout's root)."""
     self._count += 1
     self.stdout = stdout or os.path.join(self.directory, f"launch{self._count}.out")
     self.stderr = os.path.join(self.directory, f"launch{self._count}.err")
     for path in (self.stdout, self.stderr)[0 if stdout is None else 1:]:
       open(path, "w").close()
     command = {"flags": list(flags), "stdout": self.stdout, "stderr": self.stderr, "user": user,
-               "env": env}
+               "env": env, "cwd": None if cwd is None else str(cwd)}
     self._server.stdin.write(json.dumps(command) + "\n")
     self._server.stdin.flush()
     self.pid = json.loads(self._server.stdout.readline())["pid"]
@@ -161,9 +164,9 @@ class Launcher:
       time.sleep(0.02)
     raise TimeoutError(f"launch.py did not get there in {timeout} s:\n{self.output()}")
 
-  def run(self, *flags, user=None, stdout=None, env=None) -> tuple:
+  def run(self, *flags, user=None, stdout=None, env=None, cwd=None) -> tuple:
     """(exit code, stdout, stderr) of `launch.py FLAGS`."""
-    self.start(*flags, user=user, stdout=stdout, env=env)
+    self.start(*flags, user=user, stdout=stdout, env=env, cwd=cwd)
     code = self.wait()
     return (code, *self.output())
 

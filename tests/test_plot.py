@@ -40,10 +40,10 @@ def assert_real_picture(path):
 
 
 def test_plot_mode_renders_every_kind(trained_workdir):
-  out = subprocess.run([sys.executable, "launch.py", "--config=experiments/tiny.py",
-                        f"--workdir={trained_workdir}", "--mode=plot", f"--text={TEXT}"],
-                       check=True, cwd=ROOT, capture_output=True, text=True).stdout
-  paths = out.strip().splitlines()
+  # What --mode=plot --text=TEXT runs, in this process: the attention maps' greedy decoding
+  # compiles once for this test and the next. (test_docs runs the README's `--mode=plot --text`
+  # command through launch.py, test_errors its user errors.)
+  paths = plot.plot_workdir(tiny_config(), str(trained_workdir), text=TEXT)
   names = sorted(os.path.basename(p) for p in paths)
   assert names == sorted(["curves.png", "positional_encoding.png", "encoder_self_attention.png",
                           "decoder_self_attention.png", "cross_attention.png",
@@ -56,8 +56,9 @@ def test_plot_mode_renders_every_kind(trained_workdir):
 def test_attention_maps_respect_the_masks(trained_workdir):
   config = tiny_config()
   model_config, params, tokenizer = load.load_trained(config, str(trained_workdir))[:3]
+  max_length = config.eval.max_decode_len or config.data.max_target_len  # as --mode=plot's
   maps, source_pieces, target_pieces, _ = plot.attention_maps(params, model_config, tokenizer,
-                                                               TEXT, 20)
+                                                               TEXT, max_length)
   layers, heads = model_config.num_decoder_layers, model_config.num_heads
   decoder = maps["decoder_self_attention"]
   assert decoder.shape == (layers, heads, len(target_pieces), len(target_pieces))

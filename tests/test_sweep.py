@@ -53,9 +53,25 @@ def _starts(workdir):
     return [r["trial"] for r in map(json.loads, f) if r["event"] == "start"]
 
 
+# A 2 x 2 grid whose four trials run the same compiled programs (tiny.py's own grid changes the
+# learning rate, a constant of the train step, and d_ff: four programs to compile); the shuffle
+# buffer changes the order of the batches, so the trials' losses differ.
+SHARED_PROGRAM_GRID = """from transformer_jax.experiments import tiny
+from transformer_jax.tools import sweep
+
+get_config = tiny.get_config
+
+
+def get_sweep():
+  return sweep.grid(**{"data.shuffle_buffer": [0, 16], "train.log_every": [1, 2]})
+"""
+
+
 def test_interrupted_sweep_resumes_without_redoing_finished_trials(tmp_path):
+  experiment = tmp_path / "grid.py"
+  experiment.write_text(SHARED_PROGRAM_GRID)
   workdir = tmp_path / "sweep"
-  command = [sys.executable, "launch.py", "--config=experiments/tiny.py", f"--workdir={workdir}",
+  command = [sys.executable, "launch.py", f"--config={experiment}", f"--workdir={workdir}",
              "--sweep", "--sweep_metric=loss"] + FAST
   process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
@@ -86,8 +102,8 @@ def test_interrupted_sweep_resumes_without_redoing_finished_trials(tmp_path):
   assert all(r["status"] == "done" for r in rows)
   losses = [float(r["loss"]) for r in rows]
   assert losses == sorted(losses)  # best (lowest) first
-  assert {(float(r["train.learning_rate"]), int(r["model.d_ff"])) for r in rows} == \
-      {(lr, d) for lr in (1e-3, 3e-3) for d in (32, 64)}
+  assert {(int(r["data.shuffle_buffer"]), int(r["train.log_every"])) for r in rows} == \
+      {(buffer, every) for buffer in (0, 16) for every in (1, 2)}
   table = (workdir / "results.md").read_text()
   assert table.count("| trial_") == 4
   # The table names what it ranks: the metric and the split of the trials' final evaluation
@@ -108,9 +124,9 @@ def test_interrupted_sweep_resumes_without_redoing_finished_trials(tmp_path):
           plugins.add(value.metadata.plugin_data.plugin_name)
           if value.tag.startswith("final/"):
             scalars[value.tag] = value.simple_value
-          if value.metadata.plugin_data.plugin_name == "hparams" and b"d_ff" in \
+          if value.metadata.plugin_data.plugin_name == "hparams" and b"train.log_every" in \
               value.metadata.plugin_data.content:
-            assert b"train.learning_rate" in value.metadata.plugin_data.content
+            assert b"data.shuffle_buffer" in value.metadata.plugin_data.content
     assert "hparams" in plugins, i
     assert scalars["final/loss"] == pytest.approx(float(row["loss"]), rel=1e-5)
 

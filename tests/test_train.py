@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from launcher import QUICK_COMPILE
+from launcher import QUICK_COMPILE, Launcher, environment
 
 from transformer_jax import config as config_lib
 from transformer_jax.data import pipeline, scan
@@ -348,14 +348,18 @@ def test_train_then_evaluate_end_to_end(tmp_path, tiny_run):
   assert json.loads(kept[final])["split"] == "test"
   # Training a finished workdir again changes nothing.
   # The workdir's config.json is its config: --config may be left out.
-  saved = [sys.executable, "launch.py", f"--workdir={workdir}"]
-  again = subprocess.run(saved + ["--mode=train"], check=True, cwd=ROOT, capture_output=True,
-                         text=True).stdout
-  assert "already trained to step 20" in again
-  # Another split and example limit go to a file of their own, beside the final evaluation.
-  out = subprocess.run(saved + ["--mode=evaluate", "--split=train",
-                               "--config.eval.max_examples=16"],
-                       check=True, cwd=ROOT, capture_output=True, text=True).stdout
+  # (Both runs are `python launch.py ...`, forked from one process that imported the library.)
+  launcher = Launcher(environment(), str(tmp_path))
+  try:
+    code, again, err = launcher.run(f"--workdir={workdir}", "--mode=train")
+    assert code == 0, err[-3000:]
+    assert "already trained to step 20" in again
+    # Another split and example limit go to a file of their own, beside the final evaluation.
+    code, out, err = launcher.run(f"--workdir={workdir}", "--mode=evaluate", "--split=train",
+                                  "--config.eval.max_examples=16")
+    assert code == 0, err[-3000:]
+  finally:
+    launcher.close()
   metrics = json.loads(out.strip().splitlines()[-1])
   assert (metrics["step"], metrics["split"], metrics["examples"]) == (20, "train", 16)
   assert metrics["checkpoints"] == [20] and metrics["bleu_signature"].startswith("nrefs:1")
