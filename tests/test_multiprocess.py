@@ -80,25 +80,12 @@ def _assert_trains_like(one, two):
     np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
 
 
-def test_two_processes_match_one_process_with_the_same_global_batch(tmp_path, one_process):
-  """Two processes of 2 devices whose mesh splits parameters and optimizer state over all 4
-  (fsdp across both processes), started with explicit flags."""
-  two = tmp_path / "two"
-  port = _free_port()
-  pair = [subprocess.Popen([sys.executable, "launch.py", *ARGS, f"--workdir={two}",
-                            "--config.mesh.data=1", "--config.mesh.fsdp=4",
-                            f"--coordinator_address=localhost:{port}", "--num_processes=2",
-                            f"--process_id={i}"], cwd=ROOT, env=_env(2),
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i in (0, 1)]
-  outputs = _outputs(pair)
-  assert "4 device(s) (cpu) in 2 process(es), mesh data 1 x fsdp 4 x tensor 1" in outputs[0]
-  assert "Run summary" not in outputs[1]  # only process 0 reports
-  _assert_trains_like(one_process, two)
-
-
 def test_data_that_process_0_refuses_stops_every_process_of_the_job(tmp_path):
-  """Process 0 prepares the data; its one-line error ends the others too, each with exit 2,
-  instead of leaving them waiting for data that never comes."""
+  """Two processes started with explicit flags (--coordinator_address, --num_processes,
+  --process_id) form one job: process 0 prepares the data; its one-line error ends the other
+  too, each with exit 2, instead of leaving it waiting for data that never comes. (That a job of
+  two processes trains like one process: the TPU VM pod below, which starts the same way once
+  JAX has found its coordinator, process count and ids.)"""
   port = _free_port()
   pair = [subprocess.Popen([sys.executable, "launch.py", *ARGS, f"--workdir={tmp_path / 'w'}",
                             "--config.model.vocab_size=12",  # too few pieces for SCAN's words
@@ -245,6 +232,7 @@ def test_a_tpu_vm_pod_found_through_its_metadata_server_trains_as_one_job(tmp_pa
   for server in servers:  # JAX asked each worker's own server who it is and who the others are
     assert {"agent-worker-number", "worker-network-endpoints"} <= set(server.asked)
   assert "4 device(s) (cpu) in 2 process(es), mesh data 1 x fsdp 4 x tensor 1" in outputs[0]
+  assert "Run summary" in outputs[0] and "Run summary" not in outputs[1]  # process 0 reports
   _assert_trains_like(one_process, pod)
   # The data, prepared once: by process 0, while process 1 waits and then reads the cache.
   assert "tokenising the 'train' split" in outputs[0]
