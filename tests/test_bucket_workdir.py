@@ -9,7 +9,7 @@ import jax
 import ml_collections
 import pytest
 from launcher import ROOT, Launcher, environment
-from test_checkpoint import RUN, STEPS, assert_same_state, last_logged_step
+from test_checkpoint import RUN, STEPS, assert_same_state, last_logged_step, reference_run
 
 import transformer_jax
 from tests import emulators
@@ -131,13 +131,13 @@ def unfinished_steps(workdir: str) -> list:
           and not storage.exists(storage.join(directory, n, checkpoint.COMMIT_FILE))]
 
 
-def test_killed_in_a_bucket_then_resumed_equals_an_uninterrupted_local_run(launcher, tmp_path):
+def test_killed_in_a_bucket_then_resumed_equals_an_uninterrupted_local_run(launcher,
+                                                                        shared_directory):
   """kill -9 in the middle of a gs:// run, inside a checkpoint save (its lease and a step
   without its commit file left behind), then the same command: the final state and the logged
-  steps are those of a local run that was never interrupted."""
-  local = tmp_path / "local"
-  code, out, err = launcher.run(*RUN, f"--workdir={local}")
-  assert code == 0, err
+  steps are those of a local run that was never interrupted (test_checkpoint.py's reference
+  run of the same command, trained once per session)."""
+  local = reference_run(launcher, shared_directory)
   workdir = "gs://bucket/killed"
   launcher.start(*RUN, f"--workdir={workdir}")
   # Every step is checkpointed (RUN): from the middle on, the first moment a save is under way.

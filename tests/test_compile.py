@@ -8,14 +8,13 @@ import json
 import os
 import pathlib
 import re
-import subprocess
-import sys
 import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from launcher import Launcher
 
 from transformer_jax.core.errors import UserError
 from transformer_jax.model import flops
@@ -27,10 +26,23 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY = ["--config=experiments/tiny.py", "--mode=compile", "--config.model.num_heads=4"]
 
 
+_LAUNCHER = {}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _launcher(tmp_path_factory):
+  """The runs of `launch` are forked by one launcher (tests/launcher.py), which has imported the
+  library once; each is `launch.py FLAGS` as a user runs it (no JAX_PLATFORMS)."""
+  env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+  _LAUNCHER["server"] = Launcher(env, str(tmp_path_factory.mktemp("compile_launches")))
+  yield
+  _LAUNCHER.pop("server").close()
+
+
 def launch(*flags):
-  env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}  # as a user runs it
-  return subprocess.run([sys.executable, "launch.py", *flags], cwd=REPO, env=env,
-                        capture_output=True, text=True, timeout=300)
+  """`launch.py FLAGS`: its returncode, stdout and stderr."""
+  code, out, err = _LAUNCHER["server"].run(*flags)
+  return types.SimpleNamespace(returncode=code, stdout=out, stderr=err)
 
 
 def test_estimate_takes_the_cost_model_or_else_a_roofline():

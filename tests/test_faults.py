@@ -68,10 +68,18 @@ def test_a_second_trainer_is_refused_and_the_first_loses_nothing(tmp_path, launc
   long_run = ["--config.train.steps=5000", "--config.train.checkpoint_every=1000"]
   pid = launcher.start(*RUN, f"--workdir={workdir}", *long_run)
   launcher.wait_for(lambda out: last_logged_step(out) >= 2)
-  # The same command again (a double-submitted job), from a process of its own.
-  second = subprocess.run([sys.executable, "launch.py", *RUN, f"--workdir={workdir}", *long_run],
-                          cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"),
-                          capture_output=True, text=True, timeout=120)
+  # The same command again (a double-submitted job), from a process of its own. The first is
+  # paused meanwhile (alive, holding its lock) so that its steps do not take the CPU the second
+  # needs to start; it goes on afterwards.
+  launcher.send(signal.SIGSTOP)
+  paused_at = last_logged_step(launcher.output()[0])
+  try:
+    second = subprocess.run([sys.executable, "launch.py", *RUN, f"--workdir={workdir}",
+                             *long_run], cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+                            capture_output=True, text=True, timeout=120)
+  finally:
+    launcher.send(signal.SIGCONT)
+  assert launcher.wait_for(lambda out: last_logged_step(out) > paused_at)  # training again
   assert second.returncode == 2, second.stdout + second.stderr
   line = one_error(second.stderr)
   assert f"is in use by pid {pid} on host {socket.gethostname()}" in line, line

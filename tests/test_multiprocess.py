@@ -81,35 +81,12 @@ def _assert_trains_like(one, two):
     np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
 
 
-def test_two_processes_match_one_process_with_the_same_global_batch(tmp_path, one_process):
-  """Two processes of 2 devices whose mesh splits parameters and optimizer state over all 4
-  (fsdp across both processes), started with explicit flags. Like the hosts of a pod without a
-  shared file system, each has its own local cache, and they share the data through a cache in
-  a bucket (the GCS emulator): process 0 alone tokenises."""
-  two = tmp_path / "two"
-  port = _free_port()
-  with emulators.gcs_buckets("bucket") as gcs_url:
-    pair = [subprocess.Popen([sys.executable, "launch.py", *ARGS, f"--workdir={two}",
-                              "--config.mesh.data=1", "--config.mesh.fsdp=4",
-                              "--config.data.cache_dir=gs://bucket/cache",
-                              f"--coordinator_address=localhost:{port}", "--num_processes=2",
-                              f"--process_id={i}"], cwd=ROOT,
-                             env={**_env(2), **emulators.environment(gcs_url),
-                                  "TRANSFORMER_JAX_CACHE": str(tmp_path / f"host{i}")},
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i in (0, 1)]
-    outputs = _outputs(pair)
-  assert "4 device(s) (cpu) in 2 process(es), mesh data 1 x fsdp 4 x tensor 1" in outputs[0]
-  assert "Run summary" not in outputs[1]  # only process 0 reports
-  _assert_trains_like(one_process, two)
-  assert "tokenising the 'train' split: writing it to the cache (gs://bucket/cache/" in outputs[0]
-  assert "process 1: waiting for process 0 to prepare the data" in outputs[1]
-  assert "tokenising" not in outputs[1] and "training the tokenizer" not in outputs[1]
-  assert "warning: the cache" not in outputs[1]
-
-
 def test_data_that_process_0_refuses_stops_every_process_of_the_job(tmp_path):
-  """Process 0 prepares the data; its one-line error ends the others too, each with exit 2,
-  instead of leaving them waiting for data that never comes."""
+  """Two processes started with explicit flags (--coordinator_address, --num_processes,
+  --process_id) form one job: process 0 prepares the data; its one-line error ends the other
+  too, each with exit 2, instead of leaving it waiting for data that never comes. (That a job of
+  two processes trains like one process: the TPU VM pod below, which starts the same way once
+  JAX has found its coordinator, process count and ids.)"""
   port = _free_port()
   pair = [subprocess.Popen([sys.executable, "launch.py", *ARGS, f"--workdir={tmp_path / 'w'}",
                             "--config.model.vocab_size=12",  # too few pieces for SCAN's words
@@ -237,36 +214,42 @@ def test_a_tpu_vm_pod_found_through_its_metadata_server_trains_as_one_job(tmp_pa
                                                                            monkeypatch, capsys):
   """Two processes with no flag about the job, each with its own metadata server: JAX's own
   detection makes them the two workers of one job (process count 2, one fsdp mesh over both),
-  which trains like one process. Process 0 alone prepares the data into the shared cache; a
-  later start on the same data reads it."""
-  pod, cache_dir = tmp_path / "pod", tmp_path / "cache"
+  which trains like one process. Like the hosts of a pod without a shared file system, each has
+  its own local cache, and they share the data through a cache in a bucket (the GCS emulator):
+  process 0 alone prepares it; a later start on the same data, on another host, reads it."""
+  pod = tmp_path / "pod"
   servers = [MetadataServer(worker, 2) for worker in (0, 1)]
-  try:
-    port = _free_port()
-    command = [sys.executable, "launch.py", *ARGS, f"--workdir={pod}", "--config.mesh.data=1",
-               "--config.mesh.fsdp=4"]
-    pair = [subprocess.Popen(_on_a_tpu_vm(command, tmp_path), cwd=ROOT,
-                             env=_tpu_vm_env(server, port, cache_dir),
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-            for server in servers]
-    outputs = _outputs(pair)
-  finally:
-    for server in servers:
-      server.close()
+  with emulators.gcs_buckets("bucket") as gcs_url:
+    try:
+      port = _free_port()
+      command = [sys.executable, "launch.py", *ARGS, f"--workdir={pod}", "--config.mesh.data=1",
+                 "--config.mesh.fsdp=4", "--config.data.cache_dir=gs://bucket/cache"]
+      pair = [subprocess.Popen(_on_a_tpu_vm(command, tmp_path), cwd=ROOT,
+                               env={**_tpu_vm_env(server, port, tmp_path / f"host{i}"),
+                                    **emulators.environment(gcs_url)},
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+              for i, server in enumerate(servers)]
+      outputs = _outputs(pair)
+    finally:
+      for server in servers:
+        server.close()
+    # A later start on the same data (what the next job runs first, on a fresh host) reads the
+    # bucket's cache too.
+    monkeypatch.setenv("TRANSFORMER_JAX_CACHE", str(tmp_path / "host2"))
+    config = tiny.get_config()
+    config.data.cache_dir = "gs://bucket/cache"
+    capsys.readouterr()
+    prepare.prepare_data(config, str(tmp_path / "next"), config.model.vocab_size)
+    later = capsys.readouterr().out
   for server in servers:  # JAX asked each worker's own server who it is and who the others are
     assert {"agent-worker-number", "worker-network-endpoints"} <= set(server.asked)
   assert "4 device(s) (cpu) in 2 process(es), mesh data 1 x fsdp 4 x tensor 1" in outputs[0]
+  assert "Run summary" in outputs[0] and "Run summary" not in outputs[1]  # process 0 reports
   _assert_trains_like(one_process, pod)
   # The data, prepared once: by process 0, while process 1 waits and then reads the cache.
-  assert "tokenising the 'train' split" in outputs[0]
+  assert "tokenising the 'train' split: writing it to the cache (gs://bucket/cache/" in outputs[0]
   assert "training the tokenizer" in outputs[0]
   assert "process 1: waiting for process 0 to prepare the data" in outputs[1]
   assert "tokenising" not in outputs[1] and "training the tokenizer" not in outputs[1]
-
-  # A later start on the same data (what the next job runs first) reads the cache too.
-  monkeypatch.setenv("TRANSFORMER_JAX_CACHE", str(cache_dir))
-  config = tiny.get_config()
-  capsys.readouterr()
-  prepare.prepare_data(config, str(tmp_path / "next"), config.model.vocab_size)
-  later = capsys.readouterr().out
+  assert "warning: the cache" not in outputs[1]
   assert "tokenising" not in later and "training the tokenizer" not in later
