@@ -5,7 +5,8 @@
                      of its commands for the other tasks (see data/scan.py).
   data.source=files  local text in data.path: aligned `SPLIT.SRC` / `SPLIT.TGT` files
                      (data.format=parallel, e.g. train.en + train.de), `SPLIT.tsv` files of
-                     `source<TAB>target` lines (data.format=tsv; `text<TAB>label` to classify),
+                     `source<TAB>target` lines (data.format=tsv; `text<TAB>label` to classify,
+                     `text_a<TAB>text_b<TAB>label` with data.text_pair),
                      or `SPLIT.txt` files of one text a line (data.format=text: (text, "")
                      pairs; blank lines are skipped; data.text_suffix for other names).
   data.source=tfds   a TFDS dataset by name (data.tfds_name, e.g. wmt14_translate/de-en, lm1b,
@@ -30,6 +31,9 @@ from transformer_jax.core.errors import UserError
 from transformer_jax.data import scan, tfds_prepare
 
 Pairs = Sequence[tuple[str, str]]
+# Between the two texts of a sentence pair in a source (data.text_pair): a tab, which no field
+# of a tsv line holds.
+PAIR_SEPARATOR = "\t"
 
 
 def load_split(data_config, split: str) -> Pairs:
@@ -65,7 +69,8 @@ def split_key(data_config, split: str) -> dict:
   if d.source == "files":
     files = [[os.path.basename(path), file_sha256(path)] for path in split_paths(d, split)]
     return {"source": "files", "format": d.format, "files": files,
-            **(direction if d.format == "parallel" else {})}
+            **(direction if d.format == "parallel" else {}),
+            **({"text_pair": True} if d.task == "classify" and d.get("text_pair", False) else {})}
   if d.source == "tfds":
     return {"source": "tfds", "name": prepared_builder(d).info.full_name, "split": split,
             "fields": list(tfds_fields(d))}
@@ -231,18 +236,23 @@ class ParallelFiles(_PairSequence):
 
 
 class TsvFile(_PairSequence):
-  """`source<TAB>target` lines."""
+  """`source<TAB>target` lines; with `pairs`, `text_a<TAB>text_b<TAB>label` lines read as
+  ("text_a<TAB>text_b", label): the task splits the source again (`PAIR_SEPARATOR`)."""
 
-  def __init__(self, path: str):
-    self.lines = _Lines(path)
+  def __init__(self, path: str, pairs: bool = False):
+    self.lines, self.pairs = _Lines(path), pairs
     data = np.frombuffer(self.lines.data, np.uint8)
     tabs = np.flatnonzero(data == ord("\t"))
     line_of_tab = np.searchsorted(self.lines.starts, tabs, side="right") - 1
     counts = np.bincount(line_of_tab, minlength=len(self.lines))
-    bad = np.flatnonzero(counts != 1)
+    bad = np.flatnonzero(counts != 1 + pairs)
     if len(bad):
       i = int(bad[0])
-      problem = "has no tab" if counts[i] == 0 else f"has {counts[i]} tabs"
+      problem = ("has no tab" if counts[i] == 0
+                 else f"has {counts[i]} tab{'s' if counts[i] > 1 else ''}")
+      if pairs:
+        raise UserError(f"{path} line {i + 1} {problem}; with data.text_pair=True each line "
+                        "must be text_a<TAB>text_b<TAB>label (or set data.text_pair=False)")
       raise UserError(f"{path} line {i + 1} {problem}; each line of a data.format=tsv file must "
                       "be source<TAB>target (or use data.format=parallel for aligned files)")
 
@@ -250,7 +260,7 @@ class TsvFile(_PairSequence):
     return len(self.lines)
 
   def gather(self, indices):
-    return [tuple(self.lines.line(i).split("\t")) for i in indices]
+    return [tuple(self.lines.line(i).rsplit("\t", 1)) for i in indices]
 
 
 class TextFile(_PairSequence):
@@ -301,7 +311,10 @@ def load_files(data_config, split: str) -> Pairs:
   paths = split_paths(data_config, split)
   if data_config.format == "text":
     return TextFile(paths[0])
-  return TsvFile(paths[0]) if data_config.format == "tsv" else ParallelFiles(*paths)
+  if data_config.format == "tsv":
+    return TsvFile(paths[0], pairs=data_config.task == "classify" and
+                   bool(data_config.get("text_pair", False)))
+  return ParallelFiles(*paths)
 
 
 # ----------------------------------------------------------------------------- TFDS

@@ -11,6 +11,10 @@
             pieces of data.max_source_len.
   classify  (text, label): the text as the source, the label's index + 1 as a one-token target
             (0 stays padding); the labels are data.labels, or the sorted labels of the train split.
+            With data.text_pair, (text_a, text_b, label): the source is BERT's "[CLS] A [SEP] B"
+            (EOS = [SEP] follows), which the train step reads with token type 1 after the first
+            EOS (`train/step.py`); a pair longer than data.max_source_len loses tokens from the
+            end of its longer text, one at a time (longest-first, as BERT's tokenizer).
 
 Text sources (data.format=text, TFDS text datasets) give (text, "") pairs; the tasks without a
 side leave it empty (length 0), so its batch array has no columns.
@@ -24,7 +28,7 @@ import numpy as np
 
 from transformer_jax.core.errors import UserError
 from transformer_jax.data import pipeline, sources
-from transformer_jax.data.tokenizer import Tokenizer
+from transformer_jax.data.tokenizer import EOS_ID, Tokenizer
 
 TASKS = ("seq2seq", "lm", "mlm", "classify")
 # The tasks each architecture trains on.
@@ -48,6 +52,11 @@ def check(arch: str, data_config) -> None:
     if d.format not in formats:
       raise UserError(f"data.task={d.task} reads data.format={' or '.join(formats)} files, not "
                       f"{d.format}")
+  if d.get("text_pair", False) and (d.task != "classify" or d.source != "files"
+                                     or d.format != "tsv"):
+    raise UserError("data.text_pair reads sentence pairs for data.task=classify from "
+                    "data.source=files data.format=tsv (text_a<TAB>text_b<TAB>label lines); set "
+                    "those or data.text_pair=False")
   if d.task == "classify" and d.batching == "packed":
     raise UserError("data.task=classify classifies whole rows; use data.batching=tokens or fixed")
 
@@ -94,7 +103,8 @@ def label_names(data_config) -> tuple:
   d = data_config
   if d.labels:
     return tuple(label.strip() for label in d.labels.split(","))
-  key = (d.source, d.path, d.format, d.tfds_name, d.tfds_data_dir, d.label_field, d.train_split)
+  key = (d.source, d.path, d.format, d.tfds_name, d.tfds_data_dir, d.label_field, d.train_split,
+         bool(d.get("text_pair", False)))
   if key not in _TRAIN_LABELS:
     pairs = sources.load_split(d, d.train_split)
     _TRAIN_LABELS[key] = tuple(sorted({label for _, label in sources.gather(pairs,
@@ -115,6 +125,8 @@ def examples(data_config, pairs, tokenizer: Tokenizer) -> pipeline.Encoded:
     encoded = pipeline.encode(_SourceOnly(pairs), tokenizer, np.iinfo(np.int32).max, 1)
     return _texts(encoded, "source", d.max_source_len)
   labels = {name: i for i, name in enumerate(label_names(d))}
+  if d.get("text_pair", False):
+    tokenizer = PairTokenizer(tokenizer, d.max_source_len)
   encoded = pipeline.encode(_SourceOnly(pairs), tokenizer, d.max_source_len, 1)
   kept = sources.gather(pairs, encoded.index)
   unknown = sorted({label for _, label in kept if label not in labels})
@@ -144,3 +156,38 @@ def _texts(encoded: pipeline.Encoded, side: str, length: int) -> pipeline.Encode
          f"{side}_lengths": np.minimum(np.repeat(lengths, counts) - offset, length),
          f"max_{side}_len": length, other: encoded.__dict__[other][:0],
          f"{other}_starts": empty, f"{other}_lengths": empty, f"max_{other}_len": 0})
+
+
+class PairTokenizer:
+  """Reads a source "text_a<TAB>text_b" (data.text_pair) as BERT's tokenizer reads a pair:
+  "[CLS] A [SEP] B" (our BOS, A, EOS, B; the pipeline appends the last EOS), or "A EOS B" for a
+  tokenizer without BOS. A pair longer than `max_len` tokens (both EOS included) is cut
+  longest-first: one token at a time from the end of the longer text (B's on a tie), as
+  transformers' truncation="longest_first" does, so both texts stay."""
+
+  def __init__(self, tokenizer: Tokenizer, max_len: int):
+    self.tokenizer, self.max_len = tokenizer, max_len
+    self.vocab_size = tokenizer.vocab_size
+
+  def encode(self, texts, target: bool = False) -> list[list[int]]:
+    texts = list(texts)
+    if not any(texts):  # the classify task's empty target side
+      return [[] for _ in texts]
+    split = [text.split(sources.PAIR_SEPARATOR, 1) for text in texts]
+    if any(len(parts) != 2 for parts in split):
+      raise ValueError("PairTokenizer reads text_a<TAB>text_b sources")
+    firsts = self.tokenizer.encode([a for a, _ in split])
+    seconds = self.tokenizer.encode([b for _, b in split])
+    start = 1 if getattr(self.tokenizer, "add_bos", False) else 0
+    rows = []
+    for first, second in zip(firsts, seconds):
+      a, b = first[start:], second[start:]  # without [CLS]
+      extra = start + 2  # [CLS], the [SEP] between, the last [SEP]
+      n_a, n_b = len(a), len(b)
+      for _ in range(max(0, n_a + n_b + extra - self.max_len)):
+        if n_a > n_b:
+          n_a -= 1
+        elif n_b:
+          n_b -= 1
+      rows.append(first[:start] + a[:n_a] + [EOS_ID] + b[:n_b])
+    return rows
