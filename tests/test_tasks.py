@@ -158,12 +158,13 @@ def test_every_architecture_trains_and_evaluates_its_tasks(tmp_path, arch, task)
 
 def test_sentence_pairs_are_a_eos_b_cut_longest_first_with_b_of_type_1(tmp_path):
   """data.text_pair: text_a<TAB>text_b<TAB>label lines -> rows "A EOS B EOS" (a tokenizer
-  without BOS); a pair over data.max_source_len loses tokens from its longer text's end (B's on a
-  tie), both texts stay; the train step's token types are 1 after the first EOS."""
+  without BOS); a pair over data.max_source_len is cut longest-first (the odd token of an even
+  cut to B: A loses it on a tie), both texts stay; the train step's token types are 1 after the
+  first EOS."""
   from transformer_jax.train.step import pair_token_types
   (tmp_path / "train.tsv").write_text("5 6 7\t8 9\tyes\n"  # 3 + 2 + 2 EOS = 7: fits in 7
                                       "5 6 7 10 11 12\t8\tno\n"  # 6 + 1 + 2 = 9: A loses 2
-                                      "5 6 7\t8 9 10\tyes\n"  # 3 + 3 + 2 = 8: B loses 1 (tie)
+                                      "5 6 7\t8 9 10\tyes\n"  # 3 + 3 + 2 = 8: A loses 1 (tie)
                                       "5\t8 9 10 11 12 13 14 15\tno\n")  # B loses 3
   c = text_config(tmp_path, "classify", "encoder_only", text_pair=True, max_source_len=7)
   tasks.check("encoder_only", c.data)
@@ -174,7 +175,7 @@ def test_sentence_pairs_are_a_eos_b_cut_longest_first_with_b_of_type_1(tmp_path)
   inputs = examples.rows(range(4))["inputs"]
   e = EOS_ID
   assert inputs.tolist() == [[5, 6, 7, e, 8, 9, e], [5, 6, 7, 10, e, 8, e],
-                             [5, 6, 7, e, 8, 9, e], [5, e, 8, 9, 10, 11, e]]
+                             [5, 6, e, 8, 9, 10, e], [5, e, 8, 9, 10, 11, e]]
   assert examples.target.tolist() == [2, 1, 2, 1]  # labels no, yes + 1
   types = np.asarray(pair_token_types(np.pad(inputs, ((0, 0), (0, 2)))))
   assert types.tolist()[0] == [0, 0, 0, 0, 1, 1, 1, 0, 0]

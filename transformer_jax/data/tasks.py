@@ -13,8 +13,8 @@
             (0 stays padding); the labels are data.labels, or the sorted labels of the train split.
             With data.text_pair, (text_a, text_b, label): the source is BERT's "[CLS] A [SEP] B"
             (EOS = [SEP] follows), which the train step reads with token type 1 after the first
-            EOS (`train/step.py`); a pair longer than data.max_source_len loses tokens from the
-            end of its longer text, one at a time (longest-first, as BERT's tokenizer).
+            EOS (`train/step.py`); a pair longer than data.max_source_len is cut longest-first,
+            as BERT's fast tokenizer cuts it (`_longest_first`): both texts stay.
 
 Text sources (data.format=text, TFDS text datasets) give (text, "") pairs; the tasks without a
 side leave it empty (length 0), so its batch array has no columns.
@@ -162,8 +162,7 @@ class PairTokenizer:
   """Reads a source "text_a<TAB>text_b" (data.text_pair) as BERT's tokenizer reads a pair:
   "[CLS] A [SEP] B" (our BOS, A, EOS, B; the pipeline appends the last EOS), or "A EOS B" for a
   tokenizer without BOS. A pair longer than `max_len` tokens (both EOS included) is cut
-  longest-first: one token at a time from the end of the longer text (B's on a tie), as
-  transformers' truncation="longest_first" does, so both texts stay."""
+  longest-first, as BERT's fast tokenizer (the tokenizers library) cuts it: `_longest_first`."""
 
   def __init__(self, tokenizer: Tokenizer, max_len: int):
     self.tokenizer, self.max_len = tokenizer, max_len
@@ -183,11 +182,22 @@ class PairTokenizer:
     for first, second in zip(firsts, seconds):
       a, b = first[start:], second[start:]  # without [CLS]
       extra = start + 2  # [CLS], the [SEP] between, the last [SEP]
-      n_a, n_b = len(a), len(b)
-      for _ in range(max(0, n_a + n_b + extra - self.max_len)):
-        if n_a > n_b:
-          n_a -= 1
-        elif n_b:
-          n_b -= 1
+      n_a, n_b = _longest_first(len(a), len(b), self.max_len - extra)
       rows.append(first[:start] + a[:n_a] + [EOS_ID] + b[:n_b])
     return rows
+
+
+def _longest_first(n_a: int, n_b: int, budget: int) -> tuple[int, int]:
+  """How many tokens of A and B stay when at most `budget` may (truncation="longest_first" of
+  the tokenizers library): the shorter text whole if the longer can have the rest and still be
+  at least as long; else both cut to half the budget, the odd token to the longer text (to B when
+  they were equally long). Tokens go from the ends of the texts."""
+  if n_a + n_b <= budget:
+    return n_a, n_b
+  swap = n_a > n_b
+  short, long = (n_b, n_a) if swap else (n_a, n_b)
+  long = max(short, budget - short)
+  if short + long > budget:
+    short = max(budget, 0) // 2
+    long = max(budget, 0) - short
+  return (long, short) if swap else (short, long)
