@@ -5,8 +5,7 @@
                      of its commands for the other tasks (see data/scan.py).
   data.source=files  local text in data.path: aligned `SPLIT.SRC` / `SPLIT.TGT` files
                      (data.format=parallel, e.g. train.en + train.de), `SPLIT.tsv` files of
-                     `source<TAB>target` lines (data.format=tsv; `text<TAB>label` to classify,
-                     `text_a<TAB>text_b<TAB>label` with data.text_pair),
+                     `source<TAB>target` lines (data.format=tsv; `text<TAB>label` to classify),
                      or `SPLIT.txt` files of one text a line (data.format=text: (text, "")
                      pairs; blank lines are skipped; data.text_suffix for other names).
   data.source=tfds   a TFDS dataset by name (data.tfds_name, e.g. wmt14_translate/de-en, lm1b,
