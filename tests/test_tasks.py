@@ -230,3 +230,29 @@ def test_a_bert_style_classifier_trains_and_evaluates_on_sentence_pairs(tmp_path
            if "token_types" in jax.tree_util.keystr(path)]
   assert len(table) == 1 and table[0].shape[0] == 2
   assert np.abs(np.asarray(table[0][1])).max() > 0
+
+
+def test_tfds_sentence_pairs_read_text_a_and_text_b_fields(tmp_path):
+  """glue/mrpc (mock records): data.text_field sentence1 and data.text_pair_field sentence2 make
+  the pair; a field the dataset lacks and a missing data.text_pair_field are user errors."""
+  import tensorflow_datasets as tfds
+  c = tiny.get_config()
+  c.model.arch = "encoder_only"
+  c.data.update(source="tfds", tfds_name="glue/mrpc", task="classify", text_pair=True,
+                text_field="sentence1", tfds_data_dir=str(tmp_path))
+  with pytest.raises(UserError, match="data.text_pair_field; set it"):
+    tasks.check("encoder_only", c.data)
+  c.data.text_pair_field = "sentence2"
+  tasks.check("encoder_only", c.data)
+  with tfds.testing.mock_data(num_examples=4):
+    pairs = sources.load_split(c.data, "train")
+    records = tfds.data_source("glue/mrpc", split="train", data_dir=str(tmp_path))
+    text = sources._text
+    expected = [(f"{text(r['sentence1'])}\t{text(r['sentence2'])}", text(r["label"]))
+                for r in (records[i] for i in range(4))]
+    assert all(a and b and "\t" not in a + b for a, b in (p[0].split("\t") for p in expected))
+    assert sources.gather(pairs, range(4)) == expected
+    assert sources.split_key(c.data, "train")["pair_field"] == "sentence2"
+    c.data.text_pair_field = "hypothesis"
+    with pytest.raises(UserError, match="not data.text_pair_field='hypothesis'"):
+      sources.load_split(c.data, "train")

@@ -72,7 +72,8 @@ def split_key(data_config, split: str) -> dict:
             **({"text_pair": True} if d.task == "classify" and d.get("text_pair", False) else {})}
   if d.source == "tfds":
     return {"source": "tfds", "name": prepared_builder(d).info.full_name, "split": split,
-            "fields": list(tfds_fields(d))}
+            "fields": list(tfds_fields(d)),
+            **({"pair_field": tfds_pair_field(d)} if tfds_pair_field(d) else {})}
   raise UserError(f"data.source must be one of scan, files, tfds; got {d.source!r}")
 
 
@@ -322,8 +323,10 @@ class TfdsPairs(_PairSequence):
   """(source, target) strings from a TFDS random-access source of records: the fields
   `source_field` and `target_field` (translation: the languages), or "" without a target."""
 
-  def __init__(self, records, source_field: str, target_field: str | None):
+  def __init__(self, records, source_field: str, target_field: str | None,
+               pair_field: str | None = None):
     self.records, self.source_field, self.target_field = records, source_field, target_field
+    self.pair_field = pair_field  # a sentence pair's text B, after PAIR_SEPARATOR in the source
 
   def __len__(self):
     return len(self.records)
@@ -334,7 +337,8 @@ class TfdsPairs(_PairSequence):
       records = self.records.__getitems__(indices)
     except (AttributeError, TypeError):  # no batched read (tfds.testing.mock_data's is broken)
       records = [self.records[i] for i in indices]
-    return [(_text(r[self.source_field]),
+    return [(_text(r[self.source_field]) + (
+        PAIR_SEPARATOR + _text(r[self.pair_field]) if self.pair_field else ""),
              _text(r[self.target_field]) if self.target_field else "") for r in records]
 
 
@@ -364,6 +368,13 @@ def tfds_fields(data_config) -> tuple:
   return d.text_field, d.label_field if d.task == "classify" else None
 
 
+def tfds_pair_field(data_config):
+  """The record field of a sentence pair's text B (data.text_pair), or None."""
+  d = data_config
+  return (d.get("text_pair_field", "") or None) if d.task == "classify" and d.get(
+      "text_pair", False) else None
+
+
 def tfds_builder(data_config):
   """The TFDS builder of data.tfds_name, checked against data.source_lang / data.target_lang."""
   d = data_config
@@ -391,7 +402,11 @@ def tfds_builder(data_config):
   fields = _languages(builder)
   keys = (("data.source_lang", "data.target_lang") if d.task == "seq2seq"
           else ("data.text_field", "data.label_field"))
-  for key, field in zip(keys, tfds_fields(d)):
+  if tfds_pair_field(d):
+    keys, named = keys + ("data.text_pair_field",), tfds_fields(d) + (tfds_pair_field(d),)
+  else:
+    named = tfds_fields(d)
+  for key, field in zip(keys, named):
     if fields is not None and field is not None and field not in fields:
       kind = "languages" if d.task == "seq2seq" else "fields"
       raise UserError(f"the TFDS dataset {d.tfds_name!r} has the {kind} "
@@ -441,4 +456,4 @@ def load_tfds(data_config, split: str) -> Pairs:
     raise UserError(f"the TFDS dataset {d.tfds_name!r} has no split {split!r} "
                     f"({str(e).splitlines()[0]}); its splits: {splits or 'unknown'}; fix "
                     "data.train_split / data.eval_split / data.test_split") from None
-  return TfdsPairs(records, *tfds_fields(d))
+  return TfdsPairs(records, *tfds_fields(d), tfds_pair_field(d))

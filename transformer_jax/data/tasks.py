@@ -52,11 +52,15 @@ def check(arch: str, data_config) -> None:
     if d.format not in formats:
       raise UserError(f"data.task={d.task} reads data.format={' or '.join(formats)} files, not "
                       f"{d.format}")
-  if d.get("text_pair", False) and (d.task != "classify" or d.source != "files"
-                                     or d.format != "tsv"):
+  if d.get("text_pair", False) and (d.task != "classify" or (
+      d.source, d.format) != ("files", "tsv") and d.source != "tfds"):
     raise UserError("data.text_pair reads sentence pairs for data.task=classify from "
-                    "data.source=files data.format=tsv (text_a<TAB>text_b<TAB>label lines); set "
-                    "those or data.text_pair=False")
+                    "data.source=files data.format=tsv (text_a<TAB>text_b<TAB>label lines) or "
+                    "data.source=tfds; set those or data.text_pair=False")
+  if d.get("text_pair", False) and d.source == "tfds" and not d.get("text_pair_field", ""):
+    raise UserError("data.text_pair with data.source=tfds reads text B from "
+                    "data.text_pair_field; set it (glue/mrpc: --config.data.text_field=sentence1 "
+                    "--config.data.text_pair_field=sentence2)")
   if d.task == "classify" and d.batching == "packed":
     raise UserError("data.task=classify classifies whole rows; use data.batching=tokens or fixed")
 
