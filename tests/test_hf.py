@@ -495,3 +495,102 @@ def test_an_exported_gpt2_converts_with_ctranslate2_and_decodes_as_ours(gpt2_wor
   compared = ct2_greedy_equals_ours(generator, tokenizer, prompts, mask, ours,
                                     trained.tokenizer.hf_ids)
   assert compared >= 32  # continuations, not an EOS at once
+
+
+# ----------------------------------------------------------------------------- sentence pairs
+
+
+def pair_config(workdir, data_dir, max_len, labels):
+  """The imported workdir's config, reading data_dir's train.tsv as sentence pairs."""
+  c = config_lib.from_workdir(str(workdir))
+  c.data.update(source="files", path=str(data_dir), format="tsv", task="classify",
+                text_pair=True, max_source_len=max_len, labels=labels)
+  return c
+
+
+@pytest.mark.skipif(not os.path.isdir(MULTI30K), reason="../shared/data/multi30k not present")
+def test_sentence_pairs_read_as_bert_tokenizer_fast_reads_them(tmp_path):
+  """300 Multi30k (English, German) pairs as data.text_pair rows, through the task and the
+  batch: ids and token types equal BertTokenizerFast's input_ids and token_type_ids, whole
+  and cut to 24 tokens longest-first."""
+  from transformer_jax.data import sources, tasks
+  from transformer_jax.train.step import pair_token_types
+  english, german = multi30k("val", "en", 300), multi30k("val", "de", 300)
+  trained = wordpiece(multi30k("train", "en", 3000) + multi30k("train", "de", 3000), 2000)
+  theirs = transformers.BertTokenizerFast(vocab=trained.get_vocab())  # BERT's own pipeline
+  model = transformers.BertForSequenceClassification(transformers.BertConfig(
+      vocab_size=len(theirs), hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+      intermediate_size=16, max_position_embeddings=256, num_labels=2))
+  model.save_pretrained(tmp_path / "hf")
+  theirs.save_pretrained(tmp_path / "hf")
+  hf.import_hf(str(tmp_path / "hf"), str(tmp_path / "w"))
+  ours = tokenizer_lib.load_workdir(str(tmp_path / "w"), "")
+  (tmp_path / "data").mkdir()
+  (tmp_path / "data" / "train.tsv").write_text("".join(
+      f"{a}\t{b}\t{i % 2}\n" for i, (a, b) in enumerate(zip(english, german))))
+  for max_len in (256, 24):
+    d = pair_config(tmp_path / "w", tmp_path / "data", max_len, "0,1").data
+    examples = tasks.examples(d, sources.load_split(d, "train"), ours)
+    assert len(examples) == 300
+    inputs = examples.rows(range(300))["inputs"]
+    types = np.asarray(pair_token_types(inputs))
+    expected = theirs(english, german, truncation="longest_first", max_length=max_len)
+    for row, (ids, type_ids) in enumerate(zip(expected["input_ids"],
+                                              expected["token_type_ids"])):
+      n = len(ids)
+      assert ours.hf_ids[inputs[row, :n]].tolist() == ids and not inputs[row, n:].any()
+      assert types[row, :n].tolist() == type_ids
+    lengths = [len(ids) for ids in expected["input_ids"]]
+    assert max(lengths) == max_len if max_len == 24 else max(lengths) > 24  # cut, and not
+
+
+def test_an_imported_bert_classifier_fine_tunes_on_sentence_pairs_as_transformers_does(
+    tmp_path_factory):
+  """data.text_pair rows through the task, the batch and our train step's forward: the logits
+  equal BertForSequenceClassification's given their tokenizer's pairs (token_type_ids), and
+  after one SGD step on the pairs' cross-entropy, taken by each framework, they still do."""
+  import optax
+
+  from transformer_jax.data import sources, tasks
+  from transformer_jax.train import step
+  hf_dir = bert_dir(tmp_path_factory, transformers.BertForSequenceClassification, "bert_pairs")
+  reference = transformers.BertForSequenceClassification.from_pretrained(hf_dir)
+  with torch.no_grad():  # type rows far apart, so that a type read wrongly shows
+    reference.bert.embeddings.token_type_embeddings.weight.mul_(5.0)
+  reference.save_pretrained(hf_dir)
+  root = tmp_path_factory.mktemp("bert_pairs_w")
+  hf.import_hf(hf_dir, str(root / "w"))
+  trained = trained_from(root / "w")
+  first, second, labels = TEXTS[:6], TEXTS[7:13], [0, 2, 1, 1, 0, 2]
+  (root / "train.tsv").write_text("".join(
+      f"{a}\t{b}\t{label}\n" for a, b, label in zip(first, second, labels)))
+  d = pair_config(root / "w", root, 16, "0,1,2").data
+  examples = tasks.examples(d, sources.load_split(d, "train"), trained.tokenizer)
+  batch = {k: jnp.asarray(v) for k, v in examples.rows(range(6)).items()}
+  model = make_model(trained.model_config.replace(deterministic=True))
+
+  def loss(params):
+    logits, targets, _ = step.forward(model, params, batch)
+    return optax.softmax_cross_entropy_with_integer_labels(logits[:, 0], targets[:, 0]).mean()
+
+  encoded = transformers.AutoTokenizer.from_pretrained(hf_dir)(
+      first, second, truncation="longest_first", max_length=16, padding=True,
+      return_tensors="pt", return_token_type_ids=True)
+  assert encoded["token_type_ids"].sum() > 6  # pairs, of type 1 after the first [SEP]
+  truth = torch.tensor(labels)
+  lr = 0.5
+  params = trained.params
+  for _ in range(2):
+    with torch.no_grad():
+      expected = reference(**encoded).logits.numpy()
+    ours = np.asarray(step.forward(model, params, batch)[0][:, 0])
+    assert np.abs(ours - expected).max() <= TOLERANCE
+    reference.zero_grad()
+    torch.nn.functional.cross_entropy(reference(**encoded).logits, truth).backward()
+    with torch.no_grad():
+      for parameter in reference.parameters():
+        if parameter.grad is not None:
+          parameter.sub_(lr * parameter.grad)
+    params = jax.tree.map(lambda p, g: p - lr * g, params, jax.grad(loss)(params))
+  with torch.no_grad():  # the step moved the logits by far more than the tolerance
+    assert np.abs(reference(**encoded).logits.numpy() - expected).max() > 100 * TOLERANCE

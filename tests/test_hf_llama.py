@@ -261,7 +261,6 @@ def test_export_picks_llama_or_gpt2_by_the_options_and_refuses_others(llama, tmp
 @pytest.mark.parametrize("change, match", [
     (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}),
      "rotary scaling 'llama3'"),
-    (dict(head_dim=16), "head_dim=16 is not hidden_size / num_attention_heads"),
     (dict(mlp_bias=True), "mlp_bias=True"),
     (dict(hidden_act="gelu"), "hidden_act='gelu'"),
 ])
@@ -347,3 +346,34 @@ def test_bert_rows_of_two_segments_read_as_transformers_does(head, tmp_path_fact
   assert np.abs(ours - expected)[valid].max() <= TOLERANCE
   # Type 1 changes their output by far more than the tolerance: ours without it would fail.
   assert np.abs(one_segment - expected)[valid].max() > 20 * TOLERANCE
+
+
+# ----------------------------------------------------------------------------- Llama's head_dim
+
+
+def test_a_llama_whose_head_dim_is_not_hidden_over_heads_imports_and_exports(llama, tmp_path):
+  """head_dim 16 of 4 heads in a 32-wide model (queries 64 wide; Gemma-like): model.head_size
+  16; logits equal theirs; the export writes head_dim 16 back and loads in transformers."""
+  hf_dir, workdir, _ = llama
+  assert trained_from(workdir).model_config.head_size == 0  # their head_dim 8 is 32 / 4
+  tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
+  config = transformers.LlamaConfig(
+      vocab_size=len(tokenizer), hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+      rope_theta=500.0, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+  torch.manual_seed(3)
+  reference = randomize(transformers.LlamaForCausalLM(config), seed=3, scale=0.3).eval()
+  assert reference.model.layers[0].self_attn.q_proj.weight.shape == (64, 32)
+  reference.save_pretrained(tmp_path / "hf")
+  tokenizer.save_pretrained(tmp_path / "hf")
+  hf.import_hf(str(tmp_path / "hf"), str(tmp_path / "w"))
+  trained = trained_from(tmp_path / "w")
+  assert (trained.model_config.head_size, trained.model_config.head_dim) == (16, 16)
+  ids, mask = random_batch(config.vocab_size, seed=6)
+  expected = their_logits(reference, ids, mask)
+  assert np.abs(our_logits(trained, ids, mask) - expected)[mask].max() <= TOLERANCE
+  assert np.abs(expected).max() > 1.0
+  hf.export_hf(str(tmp_path / "w"), str(tmp_path / "out"))
+  assert json.loads((tmp_path / "out" / "config.json").read_text())["head_dim"] == 16
+  exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+  assert np.abs(their_logits(exported, ids, mask) - expected)[mask].max() <= TOLERANCE

@@ -66,6 +66,14 @@ def default_config() -> ml_collections.ConfigDict:
   c.data.text_field = "text"  # source=tfds, task lm / mlm / classify: the record's text field
   c.data.label_field = "label"  # source=tfds, task classify: the record's label field
   c.data.labels = ""  # task classify: the classes, comma-separated; "" = the train split's, sorted
+  # task classify: rows of two texts (GLUE's sentence pairs): SPLIT.tsv lines of
+  # text_a<TAB>text_b<TAB>label (or TFDS records, data.text_pair_field), read as BERT's
+  # "[CLS] A [SEP] B [SEP]" with B's tokens of token type 1; pairs longer than
+  # data.max_source_len are cut longest-first (as BERT's tokenizer)
+  c.data.text_pair = False
+  # source=tfds, data.text_pair: the record's field of text B, data.text_field's A (GLUE's
+  # glue/mrpc: sentence1 and sentence2; glue/mnli: premise and hypothesis)
+  c.data.text_pair_field = ""
   c.data.mask_rate = 0.15  # task mlm: share of tokens the step masks (BERT: 80% <mask>, 10% random)
   c.data.train_split = "train"  # the split trained on
   c.data.eval_split = "test"  # evaluated during and after training

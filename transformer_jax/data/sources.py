@@ -31,6 +31,9 @@ from transformer_jax.core.errors import UserError
 from transformer_jax.data import scan, tfds_prepare
 
 Pairs = Sequence[tuple[str, str]]
+# Between the two texts of a sentence pair in a source (data.text_pair): a tab, which no field
+# of a tsv line holds.
+PAIR_SEPARATOR = "\t"
 
 
 def load_split(data_config, split: str) -> Pairs:
@@ -66,10 +69,12 @@ def split_key(data_config, split: str) -> dict:
   if d.source == "files":  # the same key for the same files in a directory and in a bucket
     files = [[storage.basename(path), file_sha256(path)] for path in split_paths(d, split)]
     return {"source": "files", "format": d.format, "files": files,
-            **(direction if d.format == "parallel" else {})}
+            **(direction if d.format == "parallel" else {}),
+            **({"text_pair": True} if d.task == "classify" and d.get("text_pair", False) else {})}
   if d.source == "tfds":
     return {"source": "tfds", "name": prepared_builder(d).info.full_name, "split": split,
-            "fields": list(tfds_fields(d))}
+            "fields": list(tfds_fields(d)),
+            **({"pair_field": tfds_pair_field(d)} if tfds_pair_field(d) else {})}
   raise UserError(f"data.source must be one of scan, files, tfds; got {d.source!r}")
 
 
@@ -249,18 +254,23 @@ class ParallelFiles(_PairSequence):
 
 
 class TsvFile(_PairSequence):
-  """`source<TAB>target` lines."""
+  """`source<TAB>target` lines; with `pairs`, `text_a<TAB>text_b<TAB>label` lines read as
+  ("text_a<TAB>text_b", label): the task splits the source again (`PAIR_SEPARATOR`)."""
 
-  def __init__(self, path: str):
-    self.lines = _Lines(path)
+  def __init__(self, path: str, pairs: bool = False):
+    self.lines, self.pairs = _Lines(path), pairs
     data = np.frombuffer(self.lines.data, np.uint8)
     tabs = np.flatnonzero(data == ord("\t"))
     line_of_tab = np.searchsorted(self.lines.starts, tabs, side="right") - 1
     counts = np.bincount(line_of_tab, minlength=len(self.lines))
-    bad = np.flatnonzero(counts != 1)
+    bad = np.flatnonzero(counts != 1 + pairs)
     if len(bad):
       i = int(bad[0])
-      problem = "has no tab" if counts[i] == 0 else f"has {counts[i]} tabs"
+      problem = ("has no tab" if counts[i] == 0
+                 else f"has {counts[i]} tab{'s' if counts[i] > 1 else ''}")
+      if pairs:
+        raise UserError(f"{path} line {i + 1} {problem}; with data.text_pair=True each line "
+                        "must be text_a<TAB>text_b<TAB>label (or set data.text_pair=False)")
       raise UserError(f"{path} line {i + 1} {problem}; each line of a data.format=tsv file must "
                       "be source<TAB>target (or use data.format=parallel for aligned files)")
 
@@ -268,7 +278,7 @@ class TsvFile(_PairSequence):
     return len(self.lines)
 
   def gather(self, indices):
-    return [tuple(self.lines.line(i).split("\t")) for i in indices]
+    return [tuple(self.lines.line(i).rsplit("\t", 1)) for i in indices]
 
 
 class TextFile(_PairSequence):
@@ -325,7 +335,10 @@ def load_files(data_config, split: str) -> Pairs:
   paths = split_paths(data_config, split)
   if data_config.format == "text":
     return TextFile(paths[0])
-  return TsvFile(paths[0]) if data_config.format == "tsv" else ParallelFiles(*paths)
+  if data_config.format == "tsv":
+    return TsvFile(paths[0], pairs=data_config.task == "classify" and
+                   bool(data_config.get("text_pair", False)))
+  return ParallelFiles(*paths)
 
 
 # ----------------------------------------------------------------------------- TFDS
@@ -334,8 +347,10 @@ class TfdsPairs(_PairSequence):
   """(source, target) strings from a TFDS random-access source of records: the fields
   `source_field` and `target_field` (translation: the languages), or "" without a target."""
 
-  def __init__(self, records, source_field: str, target_field: str | None):
+  def __init__(self, records, source_field: str, target_field: str | None,
+               pair_field: str | None = None):
     self.records, self.source_field, self.target_field = records, source_field, target_field
+    self.pair_field = pair_field  # a sentence pair's text B, after PAIR_SEPARATOR in the source
 
   def __len__(self):
     return len(self.records)
@@ -346,7 +361,8 @@ class TfdsPairs(_PairSequence):
       records = self.records.__getitems__(indices)
     except (AttributeError, TypeError):  # no batched read (tfds.testing.mock_data's is broken)
       records = [self.records[i] for i in indices]
-    return [(_text(r[self.source_field]),
+    return [(_text(r[self.source_field]) + (
+        PAIR_SEPARATOR + _text(r[self.pair_field]) if self.pair_field else ""),
              _text(r[self.target_field]) if self.target_field else "") for r in records]
 
 
@@ -376,6 +392,13 @@ def tfds_fields(data_config) -> tuple:
   return d.text_field, d.label_field if d.task == "classify" else None
 
 
+def tfds_pair_field(data_config):
+  """The record field of a sentence pair's text B (data.text_pair), or None."""
+  d = data_config
+  return (d.get("text_pair_field", "") or None) if d.task == "classify" and d.get(
+      "text_pair", False) else None
+
+
 def tfds_builder(data_config):
   """The TFDS builder of data.tfds_name, checked against data.source_lang / data.target_lang."""
   d = data_config
@@ -403,7 +426,11 @@ def tfds_builder(data_config):
   fields = _languages(builder)
   keys = (("data.source_lang", "data.target_lang") if d.task == "seq2seq"
           else ("data.text_field", "data.label_field"))
-  for key, field in zip(keys, tfds_fields(d)):
+  if tfds_pair_field(d):
+    keys, named = keys + ("data.text_pair_field",), tfds_fields(d) + (tfds_pair_field(d),)
+  else:
+    named = tfds_fields(d)
+  for key, field in zip(keys, named):
     if fields is not None and field is not None and field not in fields:
       kind = "languages" if d.task == "seq2seq" else "fields"
       raise UserError(f"the TFDS dataset {d.tfds_name!r} has the {kind} "
@@ -453,4 +480,4 @@ def load_tfds(data_config, split: str) -> Pairs:
     raise UserError(f"the TFDS dataset {d.tfds_name!r} has no split {split!r} "
                     f"({str(e).splitlines()[0]}); its splits: {splits or 'unknown'}; fix "
                     "data.train_split / data.eval_split / data.test_split") from None
-  return TfdsPairs(records, *tfds_fields(d))
+  return TfdsPairs(records, *tfds_fields(d), tfds_pair_field(d))

@@ -11,6 +11,10 @@
             pieces of data.max_source_len.
   classify  (text, label): the text as the source, the label's index + 1 as a one-token target
             (0 stays padding); the labels are data.labels, or the sorted labels of the train split.
+            With data.text_pair, (text_a, text_b, label): the source is BERT's "[CLS] A [SEP] B"
+            (EOS = [SEP] follows), which the train step reads with token type 1 after the first
+            EOS (`train/step.py`); a pair longer than data.max_source_len is cut longest-first,
+            as BERT's fast tokenizer cuts it (`_longest_first`): both texts stay.
 
 Text sources (data.format=text, TFDS text datasets) give (text, "") pairs; the tasks without a
 side leave it empty (length 0), so its batch array has no columns.
@@ -24,7 +28,7 @@ import numpy as np
 
 from transformer_jax.core.errors import UserError
 from transformer_jax.data import pipeline, sources
-from transformer_jax.data.tokenizer import Tokenizer
+from transformer_jax.data.tokenizer import EOS_ID, Tokenizer
 
 TASKS = ("seq2seq", "lm", "mlm", "classify")
 # The tasks each architecture trains on.
@@ -48,6 +52,15 @@ def check(arch: str, data_config) -> None:
     if d.format not in formats:
       raise UserError(f"data.task={d.task} reads data.format={' or '.join(formats)} files, not "
                       f"{d.format}")
+  if d.get("text_pair", False) and (d.task != "classify" or (
+      d.source, d.format) != ("files", "tsv") and d.source != "tfds"):
+    raise UserError("data.text_pair reads sentence pairs for data.task=classify from "
+                    "data.source=files data.format=tsv (text_a<TAB>text_b<TAB>label lines) or "
+                    "data.source=tfds; set those or data.text_pair=False")
+  if d.get("text_pair", False) and d.source == "tfds" and not d.get("text_pair_field", ""):
+    raise UserError("data.text_pair with data.source=tfds reads text B from "
+                    "data.text_pair_field; set it (glue/mrpc: --config.data.text_field=sentence1 "
+                    "--config.data.text_pair_field=sentence2)")
   if d.task == "classify" and d.batching == "packed":
     raise UserError("data.task=classify classifies whole rows; use data.batching=tokens or fixed")
 
@@ -94,7 +107,8 @@ def label_names(data_config) -> tuple:
   d = data_config
   if d.labels:
     return tuple(label.strip() for label in d.labels.split(","))
-  key = (d.source, d.path, d.format, d.tfds_name, d.tfds_data_dir, d.label_field, d.train_split)
+  key = (d.source, d.path, d.format, d.tfds_name, d.tfds_data_dir, d.label_field, d.train_split,
+         bool(d.get("text_pair", False)))
   if key not in _TRAIN_LABELS:
     pairs = sources.load_split(d, d.train_split)
     _TRAIN_LABELS[key] = tuple(sorted({label for _, label in sources.gather(pairs,
@@ -115,6 +129,8 @@ def examples(data_config, pairs, tokenizer: Tokenizer) -> pipeline.Encoded:
     encoded = pipeline.encode(_SourceOnly(pairs), tokenizer, np.iinfo(np.int32).max, 1)
     return _texts(encoded, "source", d.max_source_len)
   labels = {name: i for i, name in enumerate(label_names(d))}
+  if d.get("text_pair", False):
+    tokenizer = PairTokenizer(tokenizer, d.max_source_len)
   encoded = pipeline.encode(_SourceOnly(pairs), tokenizer, d.max_source_len, 1)
   kept = sources.gather(pairs, encoded.index)
   unknown = sorted({label for _, label in kept if label not in labels})
@@ -144,3 +160,48 @@ def _texts(encoded: pipeline.Encoded, side: str, length: int) -> pipeline.Encode
          f"{side}_lengths": np.minimum(np.repeat(lengths, counts) - offset, length),
          f"max_{side}_len": length, other: encoded.__dict__[other][:0],
          f"{other}_starts": empty, f"{other}_lengths": empty, f"max_{other}_len": 0})
+
+
+class PairTokenizer:
+  """Reads a source "text_a<TAB>text_b" (data.text_pair) as BERT's tokenizer reads a pair:
+  "[CLS] A [SEP] B" (our BOS, A, EOS, B; the pipeline appends the last EOS), or "A EOS B" for a
+  tokenizer without BOS. A pair longer than `max_len` tokens (both EOS included) is cut
+  longest-first, as BERT's fast tokenizer (the tokenizers library) cuts it: `_longest_first`."""
+
+  def __init__(self, tokenizer: Tokenizer, max_len: int):
+    self.tokenizer, self.max_len = tokenizer, max_len
+    self.vocab_size = tokenizer.vocab_size
+
+  def encode(self, texts, target: bool = False) -> list[list[int]]:
+    texts = list(texts)
+    if not any(texts):  # the classify task's empty target side
+      return [[] for _ in texts]
+    split = [text.split(sources.PAIR_SEPARATOR, 1) for text in texts]
+    if any(len(parts) != 2 for parts in split):
+      raise ValueError("PairTokenizer reads text_a<TAB>text_b sources")
+    firsts = self.tokenizer.encode([a for a, _ in split])
+    seconds = self.tokenizer.encode([b for _, b in split])
+    start = 1 if getattr(self.tokenizer, "add_bos", False) else 0
+    rows = []
+    for first, second in zip(firsts, seconds):
+      a, b = first[start:], second[start:]  # without [CLS]
+      extra = start + 2  # [CLS], the [SEP] between, the last [SEP]
+      n_a, n_b = _longest_first(len(a), len(b), self.max_len - extra)
+      rows.append(first[:start] + a[:n_a] + [EOS_ID] + b[:n_b])
+    return rows
+
+
+def _longest_first(n_a: int, n_b: int, budget: int) -> tuple[int, int]:
+  """How many tokens of A and B stay when at most `budget` may (truncation="longest_first" of
+  the tokenizers library): the shorter text whole if the longer can have the rest and still be
+  at least as long; else both cut to half the budget, the odd token to the longer text (to B when
+  they were equally long). Tokens go from the ends of the texts."""
+  if n_a + n_b <= budget:
+    return n_a, n_b
+  swap = n_a > n_b
+  short, long = (n_b, n_a) if swap else (n_a, n_b)
+  long = max(short, budget - short)
+  if short + long > budget:
+    short = max(budget, 0) // 2
+    long = max(budget, 0) - short
+  return (long, short) if swap else (short, long)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from transformer_jax.core.errors import UserError
-from transformer_jax.core.tokens import MASK_ID
+from transformer_jax.core.tokens import EOS_ID, MASK_ID
 from transformer_jax.model import ModelConfig, make_model, shift_right
 from transformer_jax.model.axes import constrain
 from transformer_jax.train import sharding
@@ -56,6 +56,14 @@ def prepare_batch(batch, rng, task: str, mask_rate: float, vocab_size: int):
   return {**batch, "inputs": inputs, "targets": targets}
 
 
+def pair_token_types(inputs):
+  """BERT's token types of rows "[CLS] A [SEP] B [SEP]" (data.text_pair; [SEP] is our EOS): 1
+  after the first EOS, 0 before it and at it, and 0 at padding. A single text's one EOS ends
+  the row, so its tokens are all of type 0."""
+  eos = (inputs == EOS_ID).astype(jnp.int32)
+  return ((jnp.cumsum(eos, axis=1) - eos > 0) & (inputs > 0)).astype(jnp.int32)
+
+
 def forward(model, params, batch, rngs=None):
   """The model's logits for a batch, the labels they predict and the weight of each label.
 
@@ -65,8 +73,11 @@ def forward(model, params, batch, rngs=None):
   """
   targets = batch["targets"]
   if model.config.arch == "encoder_only":
+    segments = batch.get("inputs_segmentation")
     logits = model.apply({"params": params}, batch["inputs"], batch.get("inputs_position"),
-                         batch.get("inputs_segmentation"), rngs=rngs)
+                         segments, rngs=rngs,
+                         token_types=(pair_token_types(batch["inputs"]) if segments is None
+                                      and model.config.type_vocab_size else None))
   else:
     segments = batch.get("targets_segmentation")  # packed rows (data.batching=packed) only
     logits = model.apply({"params": params}, batch["inputs"],

@@ -351,11 +351,6 @@ def _llama_checks(hf_config: dict):
     return (f"rotary scaling {rope_type!r} (rope_parameters / rope_scaling; Llama 3.1 and "
             "later) has no model option here; only plain rotary positions (rope_type default) "
             "import")
-  heads, width = hf_config.get("num_attention_heads"), hf_config.get("hidden_size")
-  head_dim = hf_config.get("head_dim")
-  if head_dim is not None and heads and width and head_dim * heads != width:
-    return (f"head_dim={head_dim} is not hidden_size / num_attention_heads ({width} / {heads}); "
-            "this project's head_dim is always model.d_model / model.num_heads")
   return None
 
 
@@ -381,6 +376,9 @@ LLAMA = Architecture(
     model_type="llama",
     prefix="model.",
     fields=(Field("d_model", "hidden_size"), Field("num_heads", "num_attention_heads"),
+            # Their head_dim (absent in older configs: hidden_size / num_attention_heads) is our
+            # model.head_size, 0 where it is that quotient (convert.py); export writes head_dim.
+            Field("head_size", "head_dim", default=0),
             Field("num_kv_heads", "num_key_value_heads",
                   default=lambda c: c.get("num_attention_heads")),
             Field("num_decoder_layers", "num_hidden_layers"),
