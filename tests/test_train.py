@@ -441,3 +441,32 @@ def test_rates_and_eta_leave_out_a_slow_evaluation_and_a_resume_uses_its_own_ste
   assert cost["train_s"] < sleep and cost["compile_s"] > 0  # 28 tiny steps
   text = summary.render(config, {"test": {"loss": 1.0}}, records, 30)
   assert "for 28 steps" in text and "for 3 evaluations" in text and "for 2 steps" in text
+
+
+def test_tensorboard_events_are_written_without_importing_torch_and_read_by_tensorboard(
+    tmp_path):
+  """The logger's events (scalars, text) come back through TensorBoard's own event reader, and
+  writing them imported neither torch nor tensorboardX's cloud clients (seconds of start-up for
+  every run where torch is installed), which stay importable afterwards."""
+  script = textwrap.dedent(f"""
+      import sys
+      from transformer_jax.train import logger
+      events = logger._Events({str(tmp_path)!r})
+      events.scalars({{"train/loss": 1.5}}, step=3)
+      events.text("samples", "jump twice", step=4)
+      events.close()
+      print(sorted(n for n in ("torch", "boto3", "google.cloud.storage") if n in sys.modules))
+      import torch, boto3  # what was hidden while tensorboardX loaded is there for others
+      print("importable")
+      """)
+  done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                        env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=300)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert done.stdout.split("\n")[:2] == ["[]", "importable"], done.stdout
+  from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+  (path,) = tmp_path.glob("events.out.tfevents.*")
+  values = {(e.step, v.tag): v for e in EventFileLoader(str(path)).Load() for v in e.summary.value}
+  assert list(values[(3, "train/loss")].tensor.float_val) == [1.5]  # its reader's scalar form
+  text = values[(4, "samples/text_summary")]  # tensorboardX names a text summary so
+  assert text.metadata.plugin_data.plugin_name == "text"
+  assert text.tensor.string_val == [b"jump twice"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
+import sys
 import time
 
 from transformer_jax.core import progress, storage
@@ -34,6 +35,31 @@ def read_metrics(workdir: str, required: bool = False) -> list[dict]:
   return sorted(latest.values(), key=lambda r: r["step"])
 
 
+# What tensorboardX's package imports if it can and _Events never uses: torch (for its
+# SummaryWriter's tensor conversions; about 2 s to import where torch is installed, as in a test
+# environment) and two cloud clients (for its own writers to buckets; ours go through
+# core/storage.py). Each is optional there: tensorboardX catches the ImportError.
+_TENSORBOARDX_EXTRAS = ("torch", "boto3", "google.cloud.storage")
+
+
+def _tensorboardx():
+  """(tensorboardX.summary, its Event proto, its masked CRC-32C), imported without the extras
+  above when they are not imported yet (0.3 s instead of 2.3 s with torch installed). Imported
+  here, not at the top: only training writes events."""
+  hidden = [name for name in _TENSORBOARDX_EXTRAS if name not in sys.modules]
+  for name in hidden:
+    sys.modules[name] = None  # `import name` raises ImportError while this holds
+  try:
+    from tensorboardX import summary
+    from tensorboardX.proto.event_pb2 import Event
+    from tensorboardX.record_writer import masked_crc32c
+  finally:
+    for name in hidden:
+      if sys.modules.get(name, 0) is None:
+        del sys.modules[name]
+  return summary, Event, masked_crc32c
+
+
 class _Events:
   """TensorBoard scalars and text: tensorboardX's summaries and event protos, framed as TFRecords
   (with tensorboardX's CRC) and appended in the caller's thread by `storage.AppendFile`.
@@ -45,12 +71,7 @@ class _Events:
   """
 
   def __init__(self, directory: str):
-    # Imported here: tensorboardX imports torch when it is installed (seconds), and only
-    # training writes events.
-    from tensorboardX import summary  # see above
-    from tensorboardX.proto.event_pb2 import Event  # see above
-    from tensorboardX.record_writer import masked_crc32c  # see above
-    self._summary, self._event, self._crc = summary, Event, masked_crc32c
+    self._summary, self._event, self._crc = _tensorboardx()
     storage.makedirs(directory)
     # The pid in the name: two runs started within the same second (a resume right after a
     # kill) must not share a file.
