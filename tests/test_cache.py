@@ -1,6 +1,7 @@
 """The tokenised-data cache: written once, read back verified, rebuilt when damaged, safe with
 several writers; and a run's second start reads neither the text nor trains a tokenizer."""
 
+import contextlib
 import json
 import os
 import subprocess
@@ -49,6 +50,20 @@ def assert_same(a, b):
 
 def entry_of(root, key=KEY, kind="encoded"):
   return os.path.join(root, kind, cache.key_hash(key))
+
+
+@contextlib.contextmanager
+def _no_tokenising(monkeypatch, who: str):
+  """Fails the test if, inside, anything trains a tokenizer, tokenises, or reads the text."""
+
+  def forbidden(*args, **kwargs):
+    raise AssertionError(f"{who} tokenised or read the text")
+
+  with monkeypatch.context() as patch:
+    for module, name in ((pipeline, "encode_corpus"), (tokenizer_lib, "train"),
+                         (sources.LazyPairs, "pairs")):
+      patch.setattr(module, name, property(forbidden) if name == "pairs" else forbidden)
+    yield
 
 
 def test_an_entry_is_built_once_then_read_back_memory_mapped(tmp_path):
@@ -221,13 +236,7 @@ def test_a_second_start_reads_neither_text_nor_trains_a_tokenizer(tmp_path, monk
   tokenizer, new, train_set, _ = prepare.prepare_data(c, str(tmp_path / "run1"), VOCAB)
   assert new and 0 < len(train_set) < 200  # some lines are longer than 11 words
 
-  def forbidden(*args, **kwargs):
-    raise AssertionError("the second start tokenised or read the text")
-
-  with monkeypatch.context() as patch:
-    for module, name in ((pipeline, "encode_corpus"), (tokenizer_lib, "train"),
-                         (sources.LazyPairs, "pairs")):
-      patch.setattr(module, name, property(forbidden) if name == "pairs" else forbidden)
+  with _no_tokenising(monkeypatch, "the second start"):
     again, _, cached, _ = prepare.prepare_data(c, str(tmp_path / "run2"), VOCAB)
     c.data.update(max_source_len=20, max_target_len=20)  # other limits: the same entry
     _, _, longer, _ = prepare.prepare_data(c, str(tmp_path / "run3"), VOCAB)
@@ -383,13 +392,7 @@ def test_data_and_its_cache_in_a_bucket(gcs, tmp_path, monkeypatch, capsys):
 
   _on_a_fresh_host(monkeypatch, tmp_path, "host1")
 
-  def forbidden(*args, **kwargs):
-    raise AssertionError("the second host tokenised or read the text")
-
-  with monkeypatch.context() as patch:
-    for module, name in ((pipeline, "encode_corpus"), (tokenizer_lib, "train"),
-                         (sources.LazyPairs, "pairs")):
-      patch.setattr(module, name, property(forbidden) if name == "pairs" else forbidden)
+  with _no_tokenising(monkeypatch, "the second host"):
     again, _, cached, _ = prepare.prepare_data(c, str(tmp_path / "run2"), VOCAB)
   assert "writing it to the cache" not in capsys.readouterr().out
   assert again.model_proto == tokenizer.model_proto

@@ -19,14 +19,20 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 spm = pytest.importorskip("sentencepiece")
 
-from test_hf import MULTI30K, TEXTS, TOLERANCE, multi30k, randomize  # noqa: E402
+from test_hf import (  # noqa: E402
+  MULTI30K,
+  TEXTS,
+  TOLERANCE,
+  multi30k,
+  randomize,
+  trained_from,
+)
 
 from transformer_jax import config as config_lib  # noqa: E402
 from transformer_jax.core.errors import UserError  # noqa: E402
 from transformer_jax.core.tokens import BOS_ID, EOS_ID  # noqa: E402
 from transformer_jax.data import tokenizer as tokenizer_lib  # noqa: E402
 from transformer_jax.eval import decode  # noqa: E402
-from transformer_jax.eval.load import load_trained  # noqa: E402
 from transformer_jax.model import make_model  # noqa: E402
 from transformer_jax.model.positions import sinusoidal_positions  # noqa: E402
 from transformer_jax.tools import hf  # noqa: E402
@@ -101,10 +107,6 @@ def marian_workdir(marian_dir, tmp_path_factory):
   workdir = tmp_path_factory.mktemp("marian_workdir") / "w"
   hf.import_hf(marian_dir, str(workdir))
   return workdir
-
-
-def trained_from(workdir):
-  return load_trained(config_lib.from_workdir(str(workdir)), str(workdir))
 
 
 def padded_batch(vocab_size, seed, lengths, high):

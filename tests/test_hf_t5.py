@@ -31,6 +31,7 @@ from test_hf import (  # noqa: E402
   our_workdir,
   random_batch,
   randomize,
+  trained_from,
 )
 
 from transformer_jax import config as config_lib  # noqa: E402
@@ -38,7 +39,6 @@ from transformer_jax.core.errors import UserError  # noqa: E402
 from transformer_jax.core.tokens import BOS_ID, EOS_ID  # noqa: E402
 from transformer_jax.data import tokenizer as tokenizer_lib  # noqa: E402
 from transformer_jax.eval import decode  # noqa: E402
-from transformer_jax.eval.load import load_trained  # noqa: E402
 from transformer_jax.model import ModelConfig, init_params, make_model  # noqa: E402
 from transformer_jax.model.transformer import shift_right  # noqa: E402
 from transformer_jax.tools import hf  # noqa: E402
@@ -105,10 +105,6 @@ def t5_workdir(t5_dir, tmp_path_factory):
   workdir = tmp_path_factory.mktemp("t5_workdir") / "w"
   hf.import_hf(t5_dir, str(workdir))
   return workdir
-
-
-def trained_from(workdir):
-  return load_trained(config_lib.from_workdir(str(workdir)), str(workdir))
 
 
 def batches(vocab_size, start):
