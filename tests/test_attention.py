@@ -476,3 +476,49 @@ def test_bfloat16_dropout_draws_8_bits_at_the_rounded_rate(rate):
   # in bytes of one word all together or all apart.
   both = ((out[..., :-1] == 0) & (out[..., 1:] == 0)).mean()
   assert abs(both - p_drop**2) < 0.01
+
+
+def test_bfloat16_softmax_keeps_bfloat16_weights_with_the_softmax_gradient():
+  # model.dtype=bfloat16 attention keeps its weights in bfloat16 for the backward pass: the
+  # forward output is the float32 softmax rounded, the gradient that of softmax (float64 here)
+  # up to bfloat16 rounding of p; masked keys get exactly zero weight and gradient.
+  rng = np.random.default_rng(5)
+  logits = rng.normal(size=(2, 3, 4, 6)) * 3
+  logits[1, :, :, 4:] = np.finfo(np.float32).min  # masked keys, as _attention_logits masks them
+  grad = rng.normal(size=logits.shape)
+  x = jnp.asarray(logits, jnp.float32)
+  out = attention.softmax_to_bfloat16(x)
+  assert out.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(out, jax.nn.softmax(x, axis=-1).astype(jnp.bfloat16))
+  shifted = np.exp(logits - logits.max(-1, keepdims=True))
+  p = shifted / shifted.sum(-1, keepdims=True)
+  expected = p * (grad - (grad * p).sum(-1, keepdims=True))  # float64 softmax VJP
+  _, vjp = jax.vjp(attention.softmax_to_bfloat16, x)
+  (got,) = vjp(jnp.asarray(grad, jnp.bfloat16))
+  assert got.dtype == jnp.float32
+  np.testing.assert_allclose(got, expected, atol=2e-2 * np.abs(expected).max())
+  assert np.all(np.asarray(got)[1, :, :, 4:] == 0)
+  # The attention uses it under bfloat16 only: its query gradient against float64 attention.
+  q, k, v = random_qkv(rng, 2, 5, 7, 3, 8)
+  mask = random_mask(rng, (2, 1, 5, 7))
+  cotangent = rng.normal(size=(2, 5, 3, 8))
+
+  def loss(query, dtype):
+    cast = [a.astype(dtype) for a in (query, k, v)]
+    out = attention.dot_product_attention(*cast, mask).astype(jnp.float32)
+    return jnp.sum(out * cotangent)
+
+  step = 1e-6
+  numeric = np.zeros(q.shape)
+  q64 = np.asarray(q, np.float64)
+  for index in np.ndindex(*q.shape[:1], 1, *q.shape[2:]):  # the first query of each row
+    bumped = q64.copy()
+    bumped[index] += step
+    ahead = (reference_attention(bumped, k, v, mask)[0] * cotangent).sum()
+    bumped[index] -= 2 * step
+    behind = (reference_attention(bumped, k, v, mask)[0] * cotangent).sum()
+    numeric[index] = (ahead - behind) / (2 * step)
+  got = np.asarray(jax.grad(loss)(q, jnp.bfloat16), np.float32)[:, :1]
+  np.testing.assert_allclose(got, numeric[:, :1], atol=0.05 * np.abs(numeric[:, :1]).max())
+  full = np.asarray(jax.grad(loss)(q, jnp.float32))[:, :1]
+  np.testing.assert_allclose(full, numeric[:, :1], rtol=1e-3, atol=1e-4)

@@ -141,6 +141,12 @@ def dot_product_attention_weights(query: Array, key: Array, mask: Optional[Array
   Returns:
     float32 `[batch, heads, q_len, kv_len]`; masked positions get exactly zero weight.
   """
+  return jax.nn.softmax(_attention_logits(query, key, mask, bias), axis=-1)
+
+
+def _attention_logits(query: Array, key: Array, mask: Optional[Array],
+                      bias: Optional[Array]) -> Array:
+  """The float32 logits Q K^T / sqrt(d_k) + bias, masked: `[batch, heads, q_len, kv_len]`."""
   depth = query.shape[-1]
   logits = jnp.einsum("bqhd,bkhd->bhqk", query, key, preferred_element_type=jnp.float32)
   logits = logits / jnp.sqrt(jnp.float32(depth))
@@ -150,7 +156,35 @@ def dot_product_attention_weights(query: Array, key: Array, mask: Optional[Array
     # The most negative finite value: exp() underflows to exactly 0 after the max is subtracted,
     # and a row with every key masked (a padding query) stays finite instead of becoming NaN.
     logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
-  return jax.nn.softmax(logits, axis=-1)
+  return logits
+
+
+@jax.custom_vjp
+def softmax_to_bfloat16(logits: Array) -> Array:
+  """softmax(logits) over the last axis, computed in float32 and returned in bfloat16, with a
+  backward pass that reads only that bfloat16 output: d logits = p * (g - sum(g * p)).
+
+  Attention under `model.dtype=bfloat16` rounds its weights to bfloat16 for the product with
+  the values anyway, so the forward pass is unchanged. What changes is what the backward pass
+  keeps: left to autodiff, XLA keeps the float32 exponentials `[batch, heads, q, k]` in HBM and
+  reads them in five kernels (the values' product, its gradients, the logits' gradient); here
+  the bfloat16 probabilities are kept instead, half the bytes. The gradient of the logits then
+  uses p rounded to bfloat16 (relative error 2^-9) where it used float32 p.
+  """
+  return jax.nn.softmax(logits, axis=-1).astype(jnp.bfloat16)
+
+
+def _softmax_to_bfloat16_fwd(logits):
+  probabilities = softmax_to_bfloat16(logits)
+  return probabilities, probabilities
+
+
+def _softmax_to_bfloat16_bwd(probabilities, grad):
+  p, g = probabilities.astype(jnp.float32), grad.astype(jnp.float32)
+  return (p * (g - jnp.sum(g * p, axis=-1, keepdims=True)),)
+
+
+softmax_to_bfloat16.defvjp(_softmax_to_bfloat16_fwd, _softmax_to_bfloat16_bwd)
 
 
 def dot_product_attention(
@@ -173,7 +207,8 @@ def dot_product_attention(
     value: `[batch, kv_len, heads, head_dim]`.
     mask: bool, broadcastable to `[batch, heads, q_len, kv_len]`, True = attend.
     bias: float, broadcastable to `[batch, heads, q_len, kv_len]`, added to the logits.
-    dropout_rate: dropout on the attention weights ("plain" only).
+    dropout_rate: dropout on the attention weights ("plain" only; under bfloat16 values on
+      the bfloat16 weights of `softmax_to_bfloat16`, with its 8-bit draws).
     dropout_rng: PRNG key for that dropout.
     deterministic: disables dropout.
     implementation: "plain" (einsum + softmax, any backend) or "jax"
@@ -190,7 +225,10 @@ def dot_product_attention(
     return jax.nn.dot_product_attention(query, key, value, bias=bias, mask=mask)
   if implementation != "plain":
     raise ValueError(f"unknown attention implementation {implementation!r}")
-  weights = dot_product_attention_weights(query, key, mask, bias)
+  if value.dtype == jnp.bfloat16:  # model.dtype=bfloat16: keep bfloat16 weights, not float32
+    weights = softmax_to_bfloat16(_attention_logits(query, key, mask, bias))
+  else:
+    weights = dot_product_attention_weights(query, key, mask, bias)
   if dropout_rate > 0.0 and not deterministic:
     weights = dropout(weights, dropout_rate, dropout_rng)
   return jnp.einsum("bhqk,bkhd->bqhd", weights.astype(value.dtype), value)
