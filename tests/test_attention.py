@@ -1,5 +1,6 @@
 """Attention against a float64 NumPy reference; mask builders against hand-written masks."""
 
+import functools
 import math
 
 import flax.linen as nn
@@ -498,14 +499,15 @@ def test_bfloat16_softmax_keeps_bfloat16_weights_with_the_softmax_gradient():
   assert got.dtype == jnp.float32
   np.testing.assert_allclose(got, expected, atol=2e-2 * np.abs(expected).max())
   assert np.all(np.asarray(got)[1, :, :, 4:] == 0)
-  # The attention uses it under bfloat16 only: its query gradient against float64 attention.
+  # attention_impl=plain_bf16 uses it under bfloat16: its query gradient against float64.
   q, k, v = random_qkv(rng, 2, 5, 7, 3, 8)
   mask = random_mask(rng, (2, 1, 5, 7))
   cotangent = rng.normal(size=(2, 5, 3, 8))
 
   def loss(query, dtype):
     cast = [a.astype(dtype) for a in (query, k, v)]
-    out = attention.dot_product_attention(*cast, mask).astype(jnp.float32)
+    out = attention.dot_product_attention(*cast, mask, implementation="plain_bf16")
+    out = out.astype(jnp.float32)
     return jnp.sum(out * cotangent)
 
   step = 1e-6
@@ -522,3 +524,12 @@ def test_bfloat16_softmax_keeps_bfloat16_weights_with_the_softmax_gradient():
   np.testing.assert_allclose(got, numeric[:, :1], atol=0.05 * np.abs(numeric[:, :1]).max())
   full = np.asarray(jax.grad(loss)(q, jnp.float32))[:, :1]
   np.testing.assert_allclose(full, numeric[:, :1], rtol=1e-3, atol=1e-4)
+  # "plain" (the default) keeps the float32 softmax under bfloat16; "plain_bf16" only there.
+  def program(implementation, dtype):
+    cast = [a.astype(dtype) for a in (q, k, v)]
+    return str(jax.make_jaxpr(functools.partial(
+        attention.dot_product_attention, implementation=implementation))(*cast, mask))
+
+  assert "custom_vjp" in program("plain_bf16", jnp.bfloat16)
+  assert "custom_vjp" not in program("plain", jnp.bfloat16)
+  assert "custom_vjp" not in program("plain_bf16", jnp.float32)

@@ -207,11 +207,13 @@ def dot_product_attention(
     value: `[batch, kv_len, heads, head_dim]`.
     mask: bool, broadcastable to `[batch, heads, q_len, kv_len]`, True = attend.
     bias: float, broadcastable to `[batch, heads, q_len, kv_len]`, added to the logits.
-    dropout_rate: dropout on the attention weights ("plain" only; under bfloat16 values on
-      the bfloat16 weights of `softmax_to_bfloat16`, with its 8-bit draws).
+    dropout_rate: dropout on the attention weights ("plain" and "plain_bf16"; "plain_bf16"
+      with bfloat16 values drops the bfloat16 weights, with 8-bit draws).
     dropout_rng: PRNG key for that dropout.
     deterministic: disables dropout.
-    implementation: "plain" (einsum + softmax, any backend) or "jax"
+    implementation: "plain" (einsum + softmax, any backend), "plain_bf16" (the same, but with
+      bfloat16 values the weights come from `softmax_to_bfloat16`: the backward pass keeps them
+      in bfloat16; float32 values are computed as "plain") or "jax"
       (`jax.nn.dot_product_attention`, which uses cuDNN flash attention on GPUs when it can).
 
   Returns:
@@ -223,9 +225,9 @@ def dot_product_attention(
       bias = jnp.broadcast_to(bias, bias.shape[:2] + (query.shape[1], key.shape[1]))
       bias = bias.astype(query.dtype)
     return jax.nn.dot_product_attention(query, key, value, bias=bias, mask=mask)
-  if implementation != "plain":
+  if implementation not in ("plain", "plain_bf16"):
     raise ValueError(f"unknown attention implementation {implementation!r}")
-  if value.dtype == jnp.bfloat16:  # model.dtype=bfloat16: keep bfloat16 weights, not float32
+  if implementation == "plain_bf16" and value.dtype == jnp.bfloat16:
     weights = softmax_to_bfloat16(_attention_logits(query, key, mask, bias))
   else:
     weights = dot_product_attention_weights(query, key, mask, bias)

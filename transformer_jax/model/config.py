@@ -31,7 +31,7 @@ CHOICES = {
     # logits (q + u).k + (q + v).(W_r R_{i-j}), R sinusoids of the distance i - j.
     "positional": ("sinusoidal", "learned", "rotary", "relative_bias", "relative_xl", "none"),
     "init": ("xavier", "normal"),
-    "attention_impl": ("plain", "jax"),  # see attention.dot_product_attention
+    "attention_impl": ("plain", "plain_bf16", "jax"),  # see attention.dot_product_attention
     "dtype": ("float32", "bfloat16"),
   # The classification head's summary of a row: the mean over its real tokens, or the output at
   # its first token (BERT's [CLS]).
@@ -99,7 +99,9 @@ class ModelConfig:
   # encoder-only heads) nor in LayerNorm (Llama, T5); the q/k/v biases follow model.qkv_bias.
   use_bias: bool = True
   init: str = "xavier"  # parameter init: xavier (uniform, the paper's) | normal (GPT-2's 0.02)
-  attention_impl: str = "plain"  # plain (ours, with dropout) | jax (jax.nn.dot_product_attention)
+  # plain (ours, with dropout) | plain_bf16 (plain; under dtype=bfloat16 the backward pass keeps
+  # bfloat16 attention weights, not float32 ones) | jax (jax.nn.dot_product_attention)
+  attention_impl: str = "plain"
   layer_norm_eps: float = 1e-6  # epsilon of LayerNorm / RMSNorm
   dtype: str = "float32"  # compute dtype; parameters stay float32
   remat: str = "none"  # recompute layer activations in the backward pass: none | full | dots
