@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from launcher import QUICK_COMPILE
 
 from transformer_jax.core import platforms
 from transformer_jax.data import cache
@@ -21,6 +22,11 @@ from transformer_jax.model import ModelConfig
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 platforms.cpu_only_unless_accelerated()  # before JAX starts: no TPU runtime warnings
+
+# Before JAX starts too: XLA reads XLA_FLAGS once, when its first backend starts. The tests'
+# quick-compiling flags (launcher.QUICK_COMPILE: why) for this process and every process the tests
+# start; anything already in XLA_FLAGS is kept.
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {QUICK_COMPILE}".strip()
 
 
 @pytest.fixture(autouse=True, scope="session")
