@@ -29,6 +29,34 @@ platforms.cpu_only_unless_accelerated()  # before JAX starts: no TPU runtime war
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {QUICK_COMPILE}".strip()
 
 
+# The order in which pytest-xdist's workers take the files (`-n 2 --dist loadfile`): the most
+# expensive first, so that the run does not end with one worker busy on a long file while the
+# other waits. CPU seconds of each file (test process and subprocesses) in one whole run of the
+# suite on the 2-vCPU dev machine (2026-11-24); a file not listed goes last, in pytest's order. A
+# scheduling hint only: a missing or stale entry changes which worker runs what, never a result.
+FILE_COST = {
+    "test_bucket_workdir.py": 87, "test_gpu_suite.py": 85, "test_hf.py": 84, "test_train.py": 66,
+    "test_checkpoint.py": 64, "test_hf_t5.py": 60, "test_sharding.py": 59, "test_compile.py": 54,
+    "test_sweep.py": 51, "test_evaluate.py": 51, "test_decode.py": 49, "test_errors.py": 44,
+    "test_hf_marian.py": 42, "test_multiprocess.py": 42, "test_hf_llama.py": 40,
+    "test_model.py": 39, "test_tasks.py": 37, "test_faults.py": 36, "test_plot.py": 34,
+    "test_docs.py": 32, "test_launch.py": 20, "test_length_options.py": 20,
+    "test_install.py": 13, "test_data.py": 13, "test_attention.py": 10, "test_benchmark.py": 10,
+    "test_tfds_prepare.py": 10, "test_profile.py": 9, "test_pretrained.py": 8, "test_flops.py": 7,
+    "test_layers.py": 5, "test_storage.py": 4, "test_cache.py": 3, "test_scan.py": 2}
+
+
+def pytest_configure(config):
+  # xdist's default for --dist loadfile orders the files by their number of tests, which puts
+  # the few-test expensive files (the GPU suite's dry run, the 8-device run) last.
+  if hasattr(config.option, "loadscopereorder"):
+    config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config, items):
+  items.sort(key=lambda item: -FILE_COST.get(item.path.name, 0))  # stable: a file keeps its order
+
+
 @pytest.fixture(autouse=True, scope="session")
 def data_cache(tmp_path_factory):
   """The tokenised-data cache of every run in the tests (launch.py subprocesses included, through
