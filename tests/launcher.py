@@ -77,7 +77,22 @@ def environment(cache_dir=None) -> dict:
 # (2.6 s with the first flag alone), and runs a step about 6 ms slower (not noticed below some
 # 750 steps). What XLA computes is the same program; only its machine code differs. Users' runs
 # (make demo, the benchmarks) keep XLA's defaults.
-QUICK_COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+_QUICK_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+_QUICK_ENV = "TRANSFORMER_JAX_TEST_XLA_FLAGS"
+
+
+def _quick_compile() -> str:
+  """_QUICK_FLAGS where this XLA knows them (it aborts a process on an unknown flag, and a later
+  XLA may drop the second), else only the first, LLVM's level, which every XLA has. Probed once
+  in a short process; the result goes into the environment for the test workers and runs."""
+  if _QUICK_ENV not in os.environ:
+    probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], capture_output=True,
+                           env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=_QUICK_FLAGS))
+    os.environ[_QUICK_ENV] = _QUICK_FLAGS if probe.returncode == 0 else _QUICK_FLAGS.split()[0]
+  return os.environ[_QUICK_ENV]
+
+
+QUICK_COMPILE = _quick_compile()
 
 
 # A user and mount namespace of the server's own, where it may mount file systems (a small
