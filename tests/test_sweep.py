@@ -191,6 +191,53 @@ def test_dry_run_with_seeds_names_each_run_by_trial_and_seed(tmp_path):
   assert not list(tmp_path.iterdir())
 
 
+def test_dry_run_with_chosen_trials_keeps_their_numbers_and_order(tmp_path):
+  out = subprocess.run([sys.executable, "launch.py", "--config=experiments/tiny.py",
+                        f"--workdir={tmp_path}", "--sweep_dry_run", "--sweep_seeds=2",
+                        "--sweep_trials=3,1"],
+                       cwd=ROOT, check=True, capture_output=True, text=True).stdout.splitlines()
+  names = [line.split("--workdir=")[1].split()[0].rsplit("/", 1)[1] for line in out]
+  assert names == ["trial_003_seed0", "trial_003_seed1", "trial_001_seed0", "trial_001_seed1"]
+  everything = subprocess.run([sys.executable, "launch.py", "--config=experiments/tiny.py",
+                               f"--workdir={tmp_path}", "--sweep_dry_run", "--sweep_seeds=2"],
+                              cwd=ROOT, check=True, capture_output=True,
+                              text=True).stdout.splitlines()
+  assert out == everything[6:8] + everything[2:4]  # the same commands as in the whole sweep
+
+
+TWO_TRIALS = """from transformer_jax.experiments import tiny
+
+get_config = tiny.get_config
+
+
+def get_sweep():
+  return [{"train.learning_rate": 1e-3}, {"train.learning_rate": 2e-3}]
+"""
+
+
+def test_chosen_trials_run_alone_and_the_table_keeps_the_others(tmp_path):
+  """--sweep_trials=1 runs trial 1 only (trial 0 gets no directory); a later --sweep_trials=0
+  runs trial 0 and leaves trial 1 finished, and the table lists both. (Two tiny runs.)"""
+  experiment = tmp_path / "two.py"
+  experiment.write_text(TWO_TRIALS)
+  workdir = tmp_path / "sweep"
+  command = [sys.executable, "launch.py", f"--config={experiment}", f"--workdir={workdir}",
+             "--sweep", "--sweep_metric=loss"] + FAST
+  out = subprocess.run(command + ["--sweep_trials=1"], cwd=ROOT, check=True,
+                       capture_output=True, text=True).stdout
+  assert "--sweep_trials chose 1 runs" in out
+  assert sorted(p.name for p in workdir.iterdir() if p.name.startswith("trial_")) == \
+      ["trial_001"]
+  out = subprocess.run(command + ["--sweep_trials=0"], cwd=ROOT, check=True,
+                       capture_output=True, text=True).stdout
+  assert "1 already finished, running 1" in out
+  assert _starts(workdir) == [1, 0]
+  with open(workdir / "results.csv", encoding="utf-8") as f:
+    rows = list(csv.DictReader(f))
+  assert sorted(r["trial"] for r in rows) == ["trial_000", "trial_001"]
+  assert all(r["status"] == "done" for r in rows)
+
+
 def _result(loss, best_em, test_em, status="done"):
   return {"status": status, "metrics": {"loss": loss, "exact_match": best_em / 2},
           "best": {"metric": "exact_match", "step": 2, "metrics": {"exact_match": best_em}},

@@ -69,6 +69,9 @@ _SWEEP_SEEDS = flags.DEFINE_integer(
     "sweep_seeds", 0, "Runs of every trial, with seeds S, S+1, ... (S: the trial's config seed), "
     "in WORKDIR/trial_NNN_seedK; results.md adds the median, min and max over seeds. 0 = as "
     "get_sweep() says: a trial's 'seeds' entry, else one run.")
+_SWEEP_TRIALS = flags.DEFINE_list(
+    "sweep_trials", None, "Run only these trials of get_sweep() (numbers from 0, comma-separated), "
+    "in this order; the others' finished runs stay in the results tables.")
 _SWEEP_TEST_BEST = flags.DEFINE_bool(
     "sweep_test_best", False, "Train each trial without data.test_split, then score its "
     "checkpoint with the best train.best_metric on data.test_split once (test_* columns; "
@@ -94,8 +97,8 @@ _CHECKPOINT_STEP = flags.DEFINE_integer(
     "checkpoint_step", None,
     "Checkpoint to evaluate, translate or generate with (default: the latest).")
 _OUR_FLAGS = (_CONFIG, _WORKDIR, _MODE, _CHECKPOINT_STEP, _SPLIT, _TEXT, _SWEEP, _SWEEP_PARALLEL,
-              _SWEEP_DRY_RUN, _SWEEP_METRIC, _COORDINATOR, _NUM_PROCESSES, _PROCESS_ID,
-              _KEEP_HOST_MEMORY, _HF_DIR)
+              _SWEEP_SEEDS, _SWEEP_TRIALS, _SWEEP_TEST_BEST, _SWEEP_DRY_RUN, _SWEEP_METRIC,
+              _COORDINATOR, _NUM_PROCESSES, _PROCESS_ID, _KEEP_HOST_MEMORY, _HF_DIR)
 
 
 def _help() -> str:
@@ -118,6 +121,17 @@ def _help() -> str:
             "installed experiments (--config=NAME): " + ", ".join(experiments.names()),
             "", "--helpfull adds the flags of the libraries (absl)."]
   return "\n".join(lines)
+
+
+def _sweep_trials():
+  """--sweep_trials as trial numbers (None when not given)."""
+  if _SWEEP_TRIALS.value is None:
+    return None
+  try:
+    return [int(t) for t in _SWEEP_TRIALS.value]
+  except ValueError:
+    raise UserError("--sweep_trials takes trial numbers of get_sweep(), comma-separated (e.g. "
+                    f"--sweep_trials=5,3,0); got {','.join(_SWEEP_TRIALS.value)}") from None
 
 
 def _fail(message: str) -> None:
@@ -393,7 +407,7 @@ def run(argv) -> None:
                     config_flags.get_override_values(flags.FLAGS["config"]),
                     parallel=_SWEEP_PARALLEL.value, dry_run=_SWEEP_DRY_RUN.value,
                     metric=_SWEEP_METRIC.value, seeds=_SWEEP_SEEDS.value,
-                    test_best=_SWEEP_TEST_BEST.value)
+                    test_best=_SWEEP_TEST_BEST.value, only=_sweep_trials())
     return
   from transformer_jax.train import sharding
   sharding.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)

@@ -21,6 +21,10 @@ and, once finished, its checkpoint with the best train.best_metric on data.eval_
 train.keep_best keeps) is scored once on data.test_split (--mode=evaluate in the run's
 directory): the test_* columns. They are reported, never used to sort or select.
 
+--sweep_trials=5,3,0 runs only those trials of get_sweep() (numbered from 0 in its order), in
+that order; the others are not started, and their runs already finished in DIR stay in the
+results tables. The trial numbers, and so the directories, are those of the whole sweep.
+
 DIR may be a bucket (`gs://`, `s3://`, see docs/storage.md): every read and write of the sweep
 goes through core/storage.py, and each trial trains into DIR/trial_NNN there.
 """
@@ -525,12 +529,14 @@ def _launchable(workdir: str, runs: list, pending: list, waiting: set) -> Option
 def run_sweep(config_path: str, workdir: str, base_overrides: Optional[dict] = None,
               parallel: int = 1, dry_run: bool = False, metric: str = "loss",
               out=sys.stdout, seeds: int = 0,
-              test_best: bool = False) -> list[tuple[str, dict]]:
+              test_best: bool = False,
+              only: Optional[Sequence[int]] = None) -> list[tuple[str, dict]]:
   """Runs (or with dry_run, prints) every run not yet finished; writes the results tables.
 
   Every trial's config is validated first: a bad one is refused before any trial runs.
   seeds: --sweep_seeds (0: each trial's "seeds" entry, else one run); test_best:
-  --sweep_test_best (see the module docstring). Returns [(run name, result)].
+  --sweep_test_best (see the module docstring); only: --sweep_trials, the trial numbers to run,
+  in that order (None: all). Returns [(run name, result)].
   """
   if parallel < 1:
     raise UserError(f"--sweep_parallel must be >= 1, got {parallel}")
@@ -544,24 +550,40 @@ def run_sweep(config_path: str, workdir: str, base_overrides: Optional[dict] = N
   base_overrides = dict(base_overrides or {})
   configs = check_trials(config_path, trials, base_overrides)
   runs = expand_runs(trials, configs, counts)
+  chosen = chosen_runs(runs, len(trials), only)
   test = TestPass(config_path, base_overrides) if test_best else None
   workdir = checkpoint.check_workdir(workdir, entries={})
   left_out = TEST_LEFT_OUT if test_best else {}
   commands = [trial_command(config_path, _trial_dir(workdir, run), {**run.overrides, **left_out},
                             base_overrides) for run in runs]
   if dry_run:
-    for command in commands:
-      out.write(shlex.join(command) + "\n")
+    for j in chosen:
+      out.write(shlex.join(commands[j]) + "\n")
     return []
 
-  for run in runs:  # all checked before anything is written
-    _check_trial_dir(_trial_dir(workdir, run), run.overrides)
+  for j in chosen:  # all checked before anything is written
+    _check_trial_dir(_trial_dir(workdir, runs[j]), runs[j].overrides)
   checkpoint.create_workdir(workdir)
   sweep_lock = storage.lock(workdir, "the sweep's --workdir")  # flock, or a bucket's lease
   sweep_lock.acquire()
   with sweep_lock:
     return _run_trials(workdir, runs, [configs[run.trial] for run in runs], commands, parallel,
-                       metric, test)
+                       metric, test, chosen)
+
+
+def chosen_runs(runs: list, num_trials: int, only: Optional[Sequence[int]]) -> list[int]:
+  """The indices into `runs` of --sweep_trials' trials, in the flag's order (all: None)."""
+  if only is None:
+    return list(range(len(runs)))
+  only = list(only)
+  wrong = [t for t in only if not 0 <= t < num_trials]
+  if wrong or not only:
+    raise UserError(f"--sweep_trials must name trials 0..{num_trials - 1} of get_sweep(); got "
+                    f"{','.join(map(str, only)) or 'none'}")
+  if len(set(only)) != len(only):
+    raise UserError(f"--sweep_trials names a trial twice: {','.join(map(str, only))}")
+  return sorted((j for j, run in enumerate(runs) if run.trial in only),
+                key=lambda j: (only.index(runs[j].trial), j))
 
 
 class _Progress:
@@ -569,8 +591,12 @@ class _Progress:
   the running trials' step and loss, read from their metrics.jsonl (trials run in subprocesses
   that write to their own logs). Drawn only for a person watching (core/progress.py)."""
 
-  def __init__(self, workdir: str, configs: list, done: list, names: Optional[list] = None):
-    self._workdir, self._steps = workdir, [c.train.steps for c in configs]
+  def __init__(self, workdir: str, configs: list, done: list, names: Optional[list] = None,
+               chosen: Optional[list] = None):
+    # Runs --sweep_trials left out count for nothing.
+    self._workdir = workdir
+    self._steps = [c.train.steps if chosen is None or i in chosen else 0
+                   for i, c in enumerate(configs)]
     self._names = names or [f"trial_{i:03d}" for i in range(len(configs))]
     self._finished = sum(self._steps[i] for i in done)
     self._bar = progress.bar(total=sum(self._steps), initial=self._finished, desc="sweep",
@@ -660,15 +686,25 @@ class _TrialLog:
 
 
 def _run_trials(workdir, runs, configs, commands, parallel, metric,
-                test=None) -> list[tuple[str, dict]]:
-  """Runs the `runs` not finished yet; configs[j] and commands[j] are run j's."""
+                test=None, chosen=None) -> list[tuple[str, dict]]:
+  """Runs the `runs` not finished yet, of those in `chosen` (indices, in the order to run them;
+  None: all); configs[j] and commands[j] are run j's. The results tables also list the other
+  runs' results already in the workdir."""
+  chosen = list(range(len(runs))) if chosen is None else chosen
   results, pending = {}, []
   for j, run in enumerate(runs):
     directory = _trial_dir(workdir, run)
+    path = storage.join(directory, RESULT_FILE)
+    if j not in chosen:
+      if storage.exists(path):
+        try:
+          results[run.name] = _read_json(path, "the trial's result")
+        except UserError as e:
+          print(f"warning: {e}", file=sys.stderr, flush=True)
+      continue
     if not storage.exists(storage.join(directory, "trial.json")):
       checkpoint.create_workdir(directory)
       storage.write(storage.join(directory, "trial.json"), json.dumps({"overrides": run.overrides}))
-    path = storage.join(directory, RESULT_FILE)
     result = None
     if storage.exists(path):
       try:
@@ -679,15 +715,18 @@ def _run_trials(workdir, runs, configs, commands, parallel, metric,
       results[run.name] = result
     else:
       pending.append(j)
+  pending.sort(key=chosen.index)
   seeded = any(run.seed is not None for run in runs)
   what = (f"{len({run.trial for run in runs})} trials in {len(runs)} runs (seeds)" if seeded
           else f"{len(runs)} trials")
+  if len(chosen) < len(runs):
+    what += f", of which --sweep_trials chose {len(chosen)} runs"
   print(f"sweep: {what}, {len(results)} already finished, running {len(pending)} "
         f"({parallel} at a time) in {workdir}", flush=True)
 
   running, waiting = {}, set()  # running: index -> (process, start time, log file)
-  watch = _Progress(workdir, configs, done=[j for j in range(len(runs)) if j not in pending],
-                    names=[run.name for run in runs])
+  watch = _Progress(workdir, configs, done=[j for j in chosen if j not in pending],
+                    names=[run.name for run in runs], chosen=chosen)
   with _Signals(running) as signals, watch:
     while (pending and not signals.signal) or running:
       while pending and len(running) < parallel and not signals.signal:
