@@ -75,5 +75,10 @@ def get_sweep():
       {"model.positional": "relative_xl", "model.share_layers": True},
       {"model.positional": "relative_xl", "model.random_positions_max": 256},
       {**DECODER_ONLY, "model.positional": "rotary", "model.random_positions_max": 256},
+      # Added 2026-11-24: positions drawn at evaluation too, as Ruoss et al. do at test time (the
+      # trial above reads 0, 1, ... at evaluation, neighbours 1 apart where training had them
+      # about 256 / length apart).
+      {**DECODER_ONLY, "model.positional": "rotary", "model.random_positions_max": 256,
+       "model.random_positions_eval": True},
   ]
   return [{**trial, "seeds": SEEDS} for trial in trials]

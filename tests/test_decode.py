@@ -194,7 +194,12 @@ def cached_and_full_decoder_only(config, params, source, decoder_inputs):
     ("encoder_decoder", dict(positional="relative_xl", share_layers=True)),
     ("decoder_only", dict(positional="relative_xl", num_heads=4, num_kv_heads=2,
                           random_positions_max=64)),
-    ("decoder_only", dict(positional="rotary", share_layers=True, random_positions_max=64))])
+    ("decoder_only", dict(positional="rotary", share_layers=True, random_positions_max=64)),
+    # Positions drawn at evaluation too: each decoding step reads its position's draw.
+    ("decoder_only", dict(positional="rotary", random_positions_max=64,
+                          random_positions_eval=True)),
+    ("encoder_decoder", dict(positional="relative_xl", random_positions_max=64,
+                             random_positions_eval=True))])
 def test_cached_steps_match_the_full_model_for_every_option(arch, changes):
   config = make_config(arch=arch, **changes)
   params = random_params(config, 0)

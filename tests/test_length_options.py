@@ -15,6 +15,7 @@ from transformer_jax.core.errors import UserError
 from transformer_jax.model import ModelConfig, count_params, describe, make_model, param_shapes
 from transformer_jax.model import attention as attention_lib
 from transformer_jax.model import positions as positions_lib
+from transformer_jax.model import transformer as transformer_lib
 from transformer_jax.model.transformer import init_boxed_params
 from transformer_jax.train.sharding import RULES
 
@@ -216,6 +217,41 @@ def test_random_positions_train_only(arch, positional):
   assert not np.allclose(train(params, source, inputs, jax.random.PRNGKey(1)), first, atol=1e-3)
 
 
+@pytest.mark.parametrize("arch, positional", [("decoder_only", "rotary"),
+                                              ("encoder_decoder", "relative_xl")])
+def test_random_positions_at_evaluation_are_a_fixed_draw_of_max_len(arch, positional):
+  """model.random_positions_eval: evaluation reads the positions of one fixed draw of max_len
+  from [0, random_positions_max) per row, the same in every call (deterministic), not 0, 1, ...
+  The model with those positions given explicitly is the same function."""
+  off = config(arch, positional=positional)
+  on = off.replace(random_positions_max=64, random_positions_eval=True)
+  params = numpy_params(param_shapes(off))
+  source, inputs = tokens(0, (2, 6)), tokens(1, (2, 5))
+  key = jax.random.PRNGKey(0)
+  evaluated = apply_fn(on)(params, source, inputs, key)
+  np.testing.assert_array_equal(apply_fn(on)(params, source, inputs, jax.random.PRNGKey(1)),
+                                evaluated)  # not drawn from the run's random stream
+  assert not np.allclose(apply_fn(off)(params, source, inputs, key), evaluated, atol=1e-3)
+  # The draw: max_len (24) sorted distinct positions of [0, 64) per row; position p reads the
+  # p-th. Given as explicit positions to the model without the option, the same logits.
+  drawn = np.asarray(positions_lib.random_positions(
+      jax.random.PRNGKey(transformer_lib.EVAL_POSITIONS_KEY), jnp.zeros((2, 24), jnp.int32)
+      + jnp.arange(24), 64))
+  assert (np.diff(drawn, axis=1) > 0).all() and drawn.max() < 64 and drawn[:, -1].min() > 23
+  if arch == "decoder_only":
+    # Rotary, with these positions given explicitly to the model without the option: the same
+    # logits. The model reads "source target" as one sequence: its target positions are given
+    # from 0 and follow the source's 6. (relative_xl without the option embeds no distance past
+    # max_len at evaluation; its draws are checked against cached decoding in test_decode.py.)
+    explicit = apply_fn(off)(params, source, inputs, key,
+                             source_positions=jnp.asarray(drawn[:, :6]),
+                             target_positions=jnp.asarray(drawn[:, 6:11] - 6))
+    np.testing.assert_allclose(explicit, evaluated, atol=1e-5)
+  with pytest.raises(UserError, match="random_positions_eval"):
+    off.replace(random_positions_eval=True).validate()
+  assert "in training and evaluation" in describe(on)
+
+
 def test_random_positions_widen_a_learned_table_and_are_validated():
   cfg = config(positional="learned", random_positions_max=64)
   assert param_shapes(cfg)["encoder"]["positions"]["table"].shape == (64, 16)
@@ -273,7 +309,9 @@ def test_shared_layers_with_remat_give_the_same_gradients():
 
 @pytest.mark.parametrize("changes, key", [
     (dict(share_layers=True), "share_layers"),
-    (dict(positional="learned", random_positions_max=64), "random_positions_max")])
+    (dict(positional="learned", random_positions_max=64), "random_positions_max"),
+    (dict(positional="rotary", random_positions_max=64, random_positions_eval=True),
+     "random_positions_eval")])
 def test_export_to_hugging_face_refuses_shared_layers_and_a_widened_table(changes, key):
   from transformer_jax.tools.hf import convert
   model = config("decoder_only", norm="pre", activation="gelu", embed_scale=False, **changes)

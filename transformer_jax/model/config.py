@@ -80,8 +80,12 @@ class ModelConfig:
   max_len: int = 256  # longest sequence the positions (and decoding) allow
   # > 0: in training, each row's positions are a sorted random subset of [0, this) (Ruoss et al.,
   # 2023), so that the positions of longer test sequences were all seen; at least max_len.
-  # Evaluation and decoding use 0, 1, ... as always. 0 = off.
+  # Evaluation and decoding use 0, 1, ... unless random_positions_eval. 0 = off.
   random_positions_max: int = 0
+  # With random_positions_max: evaluation and decoding draw positions too, as Ruoss et al. do at
+  # test time: each row a sorted random subset of max_len positions from a fixed key (the same
+  # draw for every call and decoding step of a batch row; deterministic, not seeded by the run).
+  random_positions_eval: bool = False
   embed_scale: bool = True  # token embeddings times sqrt(d_model), as the paper (not GPT-2, BERT)
   # > 0: a learned table of that many token types (BERT's segment A/B) whose row 0 is added to
   # every token's embedding: the model reads one segment, as BERT does a single sentence.
@@ -190,6 +194,9 @@ class ModelConfig:
     if self.random_positions_max and self.positional == "none":
       raise UserError("model.random_positions_max draws positions, which model.positional=none "
                       "never reads; set model.random_positions_max=0 or choose positions")
+    if self.random_positions_eval and not self.random_positions_max:
+      raise UserError("model.random_positions_eval draws evaluation positions from [0, "
+                      "model.random_positions_max), which is 0 (off); set it (e.g. 4 x max_len)")
     if self.random_positions_max and self.random_positions_max < self.max_len:
       raise UserError(f"model.random_positions_max ({self.random_positions_max}) must be at least "
                       f"model.max_len ({self.max_len}), or 0 (off)")

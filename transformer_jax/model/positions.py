@@ -5,6 +5,8 @@ the queries), and randomised positions for training (Ruoss et al., 2023)."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -185,20 +187,23 @@ def relative_position_logits(query: Array, embeddings: Array, distances: Array,
 # ----------------------------------------------------------------------------- random offsets
 
 
-def random_positions(rng: Array, positions: Array, max_positions: int) -> Array:
+def random_positions(rng: Array, positions: Array, max_positions: int,
+                     draw: Optional[int] = None) -> Array:
   """Randomised positions (Ruoss et al., 2023): position p of a row becomes the p-th smallest of
   a random subset of [0, max_positions) drawn for that row, so positions stay increasing and
   distinct within each example (packed examples of a row share the row's draw).
 
   Args:
     rng: PRNG key.
-    positions: int `[batch, length]`, each in [0, length) (negative: padding, kept as is).
-    max_positions: the range drawn from; at least length.
+    positions: int `[batch, length]`, each in [0, draw) (negative: padding, kept as is).
+    max_positions: the range drawn from; at least `draw`.
+    draw: the size of each row's subset (default: length). A fixed size (model.max_len) makes
+      the positions of a decoding step, called with one token, those of the full sequence.
 
   Returns:
     int32 `[batch, length]`.
   """
-  batch, length = positions.shape
+  batch, length = positions.shape[0], draw or positions.shape[1]
   if length > max_positions:
     raise UserError(f"a sequence of {length} positions cannot draw distinct positions from "
                     f"model.random_positions_max={max_positions}; raise it")

@@ -104,12 +104,21 @@ def _relative_distances(cfg: ModelConfig, query_positions: Array,
   return query_positions[:, :, None] - key_positions[:, None, :]
 
 
+# model.random_positions_eval: the key of the evaluation's draw (any fixed key would do).
+EVAL_POSITIONS_KEY = 29
+
+
 def _training_positions(module: nn.Module, cfg: ModelConfig, positions: Array) -> Array:
   """With model.random_positions_max, in training (not deterministic): the positions mapped to
   a sorted random subset of [0, random_positions_max), drawn from the "dropout" RNG stream;
-  otherwise (evaluation, decoding) unchanged."""
-  if not cfg.random_positions_max or cfg.deterministic:
+  in evaluation and decoding unchanged, or with model.random_positions_eval mapped to a subset
+  of max_len positions drawn from a fixed key, so that a decoding step sees the positions the
+  whole sequence would."""
+  if not cfg.random_positions_max or (cfg.deterministic and not cfg.random_positions_eval):
     return positions
+  if cfg.deterministic:
+    return random_positions(jax.random.PRNGKey(EVAL_POSITIONS_KEY), positions,
+                            cfg.random_positions_max, draw=cfg.max_len)
   return random_positions(module.make_rng("dropout"), positions, cfg.random_positions_max)
 
 
@@ -476,8 +485,9 @@ def describe(config: ModelConfig) -> str:
             "encoder_only": f"encoder-only, {c.num_encoder_layers} layers"}[c.arch]
   if c.share_layers:
     stacks += " (one shared layer per stack)"
-  drawn = (f" (drawn from [0, {c.random_positions_max}) in training)" if c.random_positions_max
-           else "")
+  drawn = (f" (drawn from [0, {c.random_positions_max}) in training"
+           + (" and evaluation)" if c.random_positions_eval else ")")
+           if c.random_positions_max else "")
   head = f" ({c.num_labels} classes)" if c.num_labels else ""
   kv = f", {c.kv_heads} key/value heads" if c.kv_heads != c.num_heads else ""
   block = f"{c.norm}-{c.norm_type}, {c.activation}" + (", parallel blocks" if c.parallel_block
