@@ -205,13 +205,14 @@ def test_dry_run_with_chosen_trials_keeps_their_numbers_and_order(tmp_path):
   assert out == everything[6:8] + everything[2:4]  # the same commands as in the whole sweep
 
 
+# Two trials of the same compiled programs (see SHARED_PROGRAM_GRID).
 TWO_TRIALS = """from transformer_jax.experiments import tiny
 
 get_config = tiny.get_config
 
 
 def get_sweep():
-  return [{"train.learning_rate": 1e-3}, {"train.learning_rate": 2e-3}]
+  return [{"data.shuffle_buffer": 0}, {"data.shuffle_buffer": 16}]
 """
 
 
