@@ -694,17 +694,10 @@ def _run_trials(workdir, runs, configs, commands, parallel, metric,
   results, pending = {}, []
   for j, run in enumerate(runs):
     directory = _trial_dir(workdir, run)
-    path = storage.join(directory, RESULT_FILE)
-    if j not in chosen:
-      if storage.exists(path):
-        try:
-          results[run.name] = _read_json(path, "the trial's result")
-        except UserError as e:
-          print(f"warning: {e}", file=sys.stderr, flush=True)
-      continue
-    if not storage.exists(storage.join(directory, "trial.json")):
+    if j in chosen and not storage.exists(storage.join(directory, "trial.json")):
       checkpoint.create_workdir(directory)
       storage.write(storage.join(directory, "trial.json"), json.dumps({"overrides": run.overrides}))
+    path = storage.join(directory, RESULT_FILE)
     result = None
     if storage.exists(path):
       try:
@@ -713,7 +706,7 @@ def _run_trials(workdir, runs, configs, commands, parallel, metric,
         print(f"warning: {e}", file=sys.stderr, flush=True)
     if result is not None:
       results[run.name] = result
-    else:
+    elif j in chosen:
       pending.append(j)
   pending.sort(key=chosen.index)
   seeded = any(run.seed is not None for run in runs)
