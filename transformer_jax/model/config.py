@@ -133,6 +133,13 @@ class ModelConfig:
   def gated(self) -> bool:
     return self.activation in ("swiglu", "geglu")
 
+  @property
+  def draws_positions(self) -> bool:
+    """Whether this model's positions are a random draw from [0, random_positions_max): in
+    training, and with random_positions_eval in evaluation and decoding too."""
+    return bool(self.random_positions_max) and (not self.deterministic
+                                                or self.random_positions_eval)
+
   def replace(self, **changes) -> "ModelConfig":
     return dataclasses.replace(self, **changes)
 

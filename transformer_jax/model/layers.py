@@ -67,10 +67,8 @@ def attention(cfg: ModelConfig, name: str, decode: bool = False, rotary: bool = 
   """The attention of a layer; `rotary` (self-attention) applies the position options that act
   inside attention (rotary, relative_xl), `bidirectional` says whether keys follow queries."""
   relative = rotary and cfg.positional == "relative_xl"
-  # Randomised positions (in training, or drawn at evaluation too) reach random_positions_max:
-  # embed every distance below it.
-  drawn = not cfg.deterministic or cfg.random_positions_eval
-  span = cfg.random_positions_max if drawn else 0
+  # Randomised positions reach random_positions_max: embed every distance below it.
+  span = cfg.random_positions_max if cfg.draws_positions else 0
   return MultiHeadAttention(
       num_heads=cfg.num_heads, d_model=cfg.d_model, num_kv_heads=cfg.num_kv_heads,
       head_dim=cfg.head_dim,

@@ -108,13 +108,13 @@ def _relative_distances(cfg: ModelConfig, query_positions: Array,
 EVAL_POSITIONS_KEY = 29
 
 
-def _training_positions(module: nn.Module, cfg: ModelConfig, positions: Array) -> Array:
-  """With model.random_positions_max, in training (not deterministic): the positions mapped to
-  a sorted random subset of [0, random_positions_max), drawn from the "dropout" RNG stream;
-  in evaluation and decoding unchanged, or with model.random_positions_eval mapped to a subset
-  of max_len positions drawn from a fixed key, so that a decoding step sees the positions the
-  whole sequence would."""
-  if not cfg.random_positions_max or (cfg.deterministic and not cfg.random_positions_eval):
+def _drawn_positions(module: nn.Module, cfg: ModelConfig, positions: Array) -> Array:
+  """The positions the model reads (cfg.draws_positions): in training mapped to a sorted random
+  subset of [0, random_positions_max), drawn from the "dropout" RNG stream; in evaluation and
+  decoding with model.random_positions_eval to a subset of max_len positions drawn from a fixed
+  key, so that a decoding step sees the positions the whole sequence would; otherwise
+  unchanged."""
+  if not cfg.draws_positions:
     return positions
   if cfg.deterministic:
     return random_positions(jax.random.PRNGKey(EVAL_POSITIONS_KEY), positions,
@@ -217,7 +217,7 @@ class Encoder(nn.Module):
     cfg = self.config
     deterministic = cfg.deterministic
     positions = _default_positions(tokens) if positions is None else positions
-    positions = _training_positions(self, cfg, positions)
+    positions = _drawn_positions(self, cfg, positions)
     valid = tokens > 0
     mask = attention.padding_mask(valid, valid)
     if segments is not None:
@@ -260,7 +260,7 @@ class Decoder(nn.Module):
     """
     cfg = self.config
     deterministic = cfg.deterministic
-    positions = _training_positions(self, cfg, positions)
+    positions = _drawn_positions(self, cfg, positions)
     key_positions = _cached_key_positions(self, positions) if cfg.decode else None
     if key_positions is not None:
       # A decoding step (or prompt): the cache says which slots hold keys of real positions;

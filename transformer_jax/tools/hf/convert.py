@@ -504,10 +504,12 @@ def _target(model: ModelConfig):
   """(Architecture, Head) that expresses our model; refuses, naming the option, when none does."""
   # Options no exported class has: one layer's weights shared by the stack, a learned position
   # table widened for randomised training positions, and positions drawn at evaluation.
-  if model.share_layers or (model.random_positions_max and model.positional == "learned") or \
-      model.random_positions_eval:
-    key = ("share_layers" if model.share_layers else
-           "random_positions_eval" if model.random_positions_eval else "random_positions_max")
+  unexported = {"share_layers": model.share_layers,
+                "random_positions_max": model.random_positions_max
+                                        and model.positional == "learned",
+                "random_positions_eval": model.random_positions_eval}
+  key = next((key for key, present in unexported.items() if present), None)
+  if key:
     raise UserError(f"no Hugging Face class that this project exports has model.{key} "
                     f"(got {getattr(model, key)!r}); train without it to export")
   reasons = []
