@@ -231,7 +231,7 @@ def test_chosen_trials_run_alone_and_the_table_keeps_the_others(tmp_path):
       ["trial_001"]
   out = subprocess.run(command + ["--sweep_trials=0"], cwd=ROOT, check=True,
                        capture_output=True, text=True).stdout
-  assert "1 already finished, running 1" in out
+  assert "0 of the chosen already finished (and 1 of the others), running 1" in out
   assert _starts(workdir) == [1, 0]
   with open(workdir / "results.csv", encoding="utf-8") as f:
     rows = list(csv.DictReader(f))

@@ -712,10 +712,15 @@ def _run_trials(workdir, runs, configs, commands, parallel, metric,
   seeded = any(run.seed is not None for run in runs)
   what = (f"{len({run.trial for run in runs})} trials in {len(runs)} runs (seeds)" if seeded
           else f"{len(runs)} trials")
+  finished = f"{len(results)} already finished"
   if len(chosen) < len(runs):
+    # Counted apart: "chose 9 runs, 9 already finished, running 9" read as if the 9 were the same.
+    ours = sum(runs[j].name in results for j in chosen)
     what += f", of which --sweep_trials chose {len(chosen)} runs"
-  print(f"sweep: {what}, {len(results)} already finished, running {len(pending)} "
-        f"({parallel} at a time) in {workdir}", flush=True)
+    finished = (f"{ours} of the chosen already finished (and {len(results) - ours} of the "
+                f"others)")
+  print(f"sweep: {what}, {finished}, running {len(pending)} ({parallel} at a time) in {workdir}",
+        flush=True)
 
   running, waiting = {}, set()  # running: index -> (process, start time, log file)
   watch = _Progress(workdir, configs, done=[j for j in chosen if j not in pending],
