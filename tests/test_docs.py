@@ -56,6 +56,7 @@ OTHERS = {
     "JAX_PLATFORMS=cpu .venv/bin/python benchmarks/ct2_decode.py": "test_hf_llama (the Llama "
     "export that CTranslate2 converts and decodes as ours)",
     ".venv/bin/python benchmarks/marian_scan.py": "test_hf_marian (a sample of the same check)",
+    ".venv/bin/python benchmarks/scan_structure.py": "test_scan runs it and checks its table",
 }
 
 

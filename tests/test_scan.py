@@ -29,6 +29,47 @@ def test_interpretation(command, actions):
   assert dict(scan.all_pairs())[command] == actions
 
 
+def test_repetitions_account_for_every_action_of_every_command():
+  """Each S's chunk x times, summed, is the length of the grammar's own output, for all 20,910
+  commands; and the examples read as the grammar says."""
+  for command, actions in scan.all_pairs():
+    assert sum(chunk * times for chunk, times in scan.repetitions(command)) == \
+        len(actions.split()), command
+  assert scan.repetitions("jump around left thrice") == [(8, 3)]
+  assert scan.repetitions("turn around left thrice after run twice") == [(4, 3), (1, 2)]
+  assert scan.repetitions("walk opposite right and look left") == [(3, 1), (2, 1)]
+  with pytest.raises(ValueError, match="not a SCAN command"):
+    scan.repetitions("jump twice twice")
+
+
+def test_the_length_split_tests_a_repetition_train_never_shows():
+  """What docs/benchmarks.md says of the length split: 8 actions three times (24, past 22) is
+  in no train command and in most test commands; a command counts once per kind."""
+  train = scan.repetition_counts(scan.load("length", "train"))
+  test_pairs = scan.load("length", "test")
+  test = scan.repetition_counts(test_pairs)
+  assert (8, 3) not in train and (8, 2) in train
+  assert test[(8, 3)] == sum((8, 3) in scan.repetitions(c) for c, _ in test_pairs) > 3920 // 2
+  assert scan.repetition_counts([("jump around left thrice and walk around right thrice", "")]) \
+      == {(8, 3): 1}
+
+
+def test_structure_table_prints_the_counts_of_each_part():
+  """benchmarks/scan_structure.py, as docs/benchmarks.md runs it: one row per (chunk, times),
+  one column per part, the counts of `repetition_counts`."""
+  out = subprocess.run([sys.executable, "benchmarks/scan_structure.py", "--dev_cutoff=16"],
+                       check=True, capture_output=True, text=True).stdout
+  rows = {line.split(" | ")[0].strip("| "): line for line in out.splitlines()
+          if line.startswith("| ") and " x " in line.split(" | ")[0]}
+  parts = ["train", "train_without_dev", "dev", "test"]
+  for (chunk, times) in [(8, 3), (8, 2), (1, 1)]:
+    cells = [c.strip() for c in rows[f"{chunk} x {times}"].strip("|").split("|")]
+    expected = [scan.repetition_counts(scan.load("length", part, 16)).get((chunk, times), 0)
+                for part in parts]
+    assert cells[1] == str(chunk * times)
+    assert [int(c.replace(",", "")) for c in cells[2:]] == expected
+
+
 def test_length_split_follows_the_22_action_rule():
   pairs = scan.all_pairs()
   expected_train = sum(len(a.split()) <= 22 for _, a in pairs)

@@ -100,6 +100,34 @@ def load(split: str, part: str, dev_cutoff: int = DEV_CUTOFF) -> list[tuple[str,
   return [p for p, n in zip(pairs, actions) if keep(n)]
 
 
+def repetitions(command: str) -> list[tuple[int, int]]:
+  """(chunk, times) for each S of a command, in the command's order: how many actions its V
+  means and how often they repeat ("jump around left thrice" -> [(8, 3)]). Read from the grammar,
+  not from the actions: a length split's test outputs differ from train's by which repetitions
+  they need (see `repetition_counts`)."""
+  chunks = {words: len(actions) for words, actions in _verb_phrases()}
+  out = []
+  for sentence in command.replace(" after ", " and ").split(" and "):
+    words = tuple(sentence.split())
+    times = {"twice": 2, "thrice": 3}.get(words[-1], 1)
+    if times > 1:
+      words = words[:-1]
+    if words not in chunks:
+      raise ValueError(f"not a SCAN command: {command!r}")
+    out.append((chunks[words], times))
+  return out
+
+
+def repetition_counts(pairs: list[tuple[str, str]]) -> dict[tuple[int, int], int]:
+  """For each (chunk, times): how many of the commands hold an S repeating a chunk of that many
+  actions that many times (a command with two such S counts once)."""
+  counts: dict[tuple[int, int], int] = {}
+  for command, _ in pairs:
+    for key in set(repetitions(command)):
+      counts[key] = counts.get(key, 0) + 1
+  return counts
+
+
 def texts(split: str, part: str, dev_cutoff: int = DEV_CUTOFF) -> list[tuple[str, str]]:
   """(command + " " + actions, "") for each command of the part: text for lm and mlm."""
   return [(f"{command} {actions}", "") for command, actions in load(split, part, dev_cutoff)]
