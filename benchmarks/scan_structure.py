@@ -3,21 +3,67 @@
 Each S of a command ("jump around left thrice") repeats a chunk of actions ("jump around left":
 8 actions) once, twice or thrice. This prints, for each (chunk, times), how many commands of each
 part of the length split hold such an S (data/scan.py `repetition_counts`), so that a table of
-exact match can be read against what training covered:
+exact match can be read against what training covered. With --workdirs, trained runs of the
+length split decode every command of --split (default test; greedy, the model's own EOS, the
+newest checkpoint of each run, as transformer_jax.load gives it) and their exact match is
+printed by the kind of command: which S repeat the 8-action chunk ("X around Y", X not turn),
+the rest "short"; median [min, max] over the runs, and each run's figure.
 
   .venv/bin/python benchmarks/scan_structure.py
   .venv/bin/python benchmarks/scan_structure.py --dev_cutoff=16   # the dev of scan_length.py
+  .venv/bin/python benchmarks/scan_structure.py --workdirs runs/scan_full/trial_003_seed*
+  .venv/bin/python benchmarks/scan_structure.py --dev_cutoff=16 --split=dev \
+    --workdirs runs/scan_seeds/trial_014_seed*
 """
 
 import argparse
+import statistics
 
 from transformer_jax.data import scan
+
+LONG_CHUNK = 8  # "X around Y" with X a verb that acts: the only chunk longer than 4 actions
+
+
+def kind(command: str) -> str:
+  """The command's S repeating the 8-action chunk ("8x3 + 8x1"), longest first; "short" for
+  the others ("8x3 + short"; "short" alone when none repeats it)."""
+  parts = sorted((r for r in scan.repetitions(command) if r[0] == LONG_CHUNK), reverse=True)
+  names = [f"{chunk}x{times}" for chunk, times in parts]
+  if len(parts) < len(scan.repetitions(command)):
+    names.append("short")
+  return " + ".join(names)
+
+
+def exact_match_by_kind(workdirs: list[str], split: str, dev_cutoff: int) -> None:
+  import transformer_jax  # jax only when models are decoded
+
+  pairs = scan.load("length", split, dev_cutoff)
+  kinds = [kind(command) for command, _ in pairs]
+  right = {}
+  for workdir in workdirs:
+    hypotheses = transformer_jax.load(workdir).translate([command for command, _ in pairs])
+    right[workdir] = [h == reference for h, (_, reference) in zip(hypotheses, pairs)]
+    print(f"{workdir}: {sum(right[workdir]) / len(pairs):.2%} of {len(pairs):,} {split} commands",
+          flush=True)
+  print(f"\nExact match on {split} by kind of command, median [min, max] over {len(workdirs)} "
+        "runs\n")
+  print("| kind | commands | exact match | per run |")
+  print("| --- | ---: | ---: | --- |")
+  for name in sorted(set(kinds), key=lambda k: (-kinds.count(k), k)):
+    rows = [i for i, k in enumerate(kinds) if k == name]
+    rates = [100 * sum(right[w][i] for i in rows) / len(rows) for w in workdirs]
+    print(f"| {name} | {len(rows):,} | {statistics.median(rates):.2f}% [{min(rates):.2f}, "
+          f"{max(rates):.2f}] | " + " / ".join(f"{r:.2f}" for r in rates) + " |")
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--dev_cutoff", type=int, default=scan.DEV_CUTOFF,
                       help="data.scan_dev_cutoff: the most actions of a train_without_dev output")
+  parser.add_argument("--workdirs", nargs="*", default=[],
+                      help="runs of the length split: their exact match by kind of command")
+  parser.add_argument("--split", default="test", choices=["test", "dev"],
+                      help="the part the runs decode (dev: cut at --dev_cutoff)")
   args = parser.parse_args()
   parts = ["train", "train_without_dev", "dev", "test"]
   pairs = {part: scan.load("length", part, args.dev_cutoff) for part in parts}
@@ -31,6 +77,9 @@ def main():
   for chunk, times in keys:
     cells = [f"{counts[part].get((chunk, times), 0):,}" for part in parts]
     print(f"| {chunk} x {times} | {chunk * times} | " + " | ".join(cells) + " |")
+  if args.workdirs:
+    print()
+    exact_match_by_kind(args.workdirs, args.split, args.dev_cutoff)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The SCAN generator against the grammar's published counts and semantics."""
 
+import importlib.util
 import subprocess
 import sys
 
@@ -68,6 +69,20 @@ def test_structure_table_prints_the_counts_of_each_part():
                 for part in parts]
     assert cells[1] == str(chunk * times)
     assert [int(c.replace(",", "")) for c in cells[2:]] == expected
+
+
+def test_kinds_of_command_name_the_repeated_8_action_chunks():
+  """benchmarks/scan_structure.py's rows of exact match by kind: each command gets one kind."""
+  spec = importlib.util.spec_from_file_location("scan_structure", "benchmarks/scan_structure.py")
+  structure = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(structure)
+  assert structure.kind("jump around left thrice") == "8x3"
+  assert structure.kind("jump twice after look around right thrice") == "8x3 + short"
+  assert structure.kind("walk around left and run around right twice") == "8x2 + 8x1"
+  assert structure.kind("turn around left thrice and jump") == "short"
+  kinds = [structure.kind(command) for command, _ in scan.load("length", "test")]
+  assert sum("8x3" in k for k in kinds) == scan.repetition_counts(
+      scan.load("length", "test"))[(8, 3)]
 
 
 def test_length_split_follows_the_22_action_rule():
