@@ -35,6 +35,8 @@ def kind(command: str) -> str:
 
 
 def exact_match_by_kind(workdirs: list[str], split: str, dev_cutoff: int) -> None:
+  from transformer_jax.core import platforms
+  platforms.cpu_only_unless_accelerated()  # as launch.py: no TPU runtime's warnings on a CPU
   import transformer_jax  # jax only when models are decoded
 
   pairs = scan.load("length", split, dev_cutoff)
