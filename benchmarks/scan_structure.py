@@ -18,6 +18,7 @@ the rest "short"; median [min, max] over the runs, and each run's figure.
 
 import argparse
 import statistics
+import sys
 
 from transformer_jax.data import scan
 
@@ -27,9 +28,10 @@ LONG_CHUNK = 8  # "X around Y" with X a verb that acts: the only chunk longer th
 def kind(command: str) -> str:
   """The command's S repeating the 8-action chunk ("8x3 + 8x1"), longest first; "short" for
   the others ("8x3 + short"; "short" alone when none repeats it)."""
-  parts = sorted((r for r in scan.repetitions(command) if r[0] == LONG_CHUNK), reverse=True)
+  every = scan.repetitions(command)
+  parts = sorted((r for r in every if r[0] == LONG_CHUNK), reverse=True)
   names = [f"{chunk}x{times}" for chunk, times in parts]
-  if len(parts) < len(scan.repetitions(command)):
+  if len(parts) < len(every):
     names.append("short")
   return " + ".join(names)
 
@@ -81,8 +83,14 @@ def main():
     print(f"| {chunk} x {times} | {chunk * times} | " + " | ".join(cells) + " |")
   if args.workdirs:
     print()
-    exact_match_by_kind(args.workdirs, args.split, args.dev_cutoff)
+    from transformer_jax.core.errors import UserError
+    try:
+      exact_match_by_kind(args.workdirs, args.split, args.dev_cutoff)
+    except UserError as e:  # a workdir without a trained model, say: one line, as launch.py
+      print(f"error: {e}", file=sys.stderr)
+      return 2
+  return 0
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(main())
