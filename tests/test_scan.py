@@ -62,11 +62,11 @@ def test_structure_table_prints_the_counts_of_each_part():
                        check=True, capture_output=True, text=True).stdout
   rows = {line.split(" | ")[0].strip("| "): line for line in out.splitlines()
           if line.startswith("| ") and " x " in line.split(" | ")[0]}
-  parts = ["train", "train_without_dev", "dev", "test"]
+  counts = [scan.repetition_counts(scan.load("length", part, 16))
+            for part in ["train", "train_without_dev", "dev", "test"]]
   for (chunk, times) in [(8, 3), (8, 2), (1, 1)]:
     cells = [c.strip() for c in rows[f"{chunk} x {times}"].strip("|").split("|")]
-    expected = [scan.repetition_counts(scan.load("length", part, 16)).get((chunk, times), 0)
-                for part in parts]
+    expected = [part.get((chunk, times), 0) for part in counts]
     assert cells[1] == str(chunk * times)
     assert [int(c.replace(",", "")) for c in cells[2:]] == expected
 

@@ -100,12 +100,18 @@ def load(split: str, part: str, dev_cutoff: int = DEV_CUTOFF) -> list[tuple[str,
   return [p for p, n in zip(pairs, actions) if keep(n)]
 
 
+@functools.lru_cache(maxsize=1)
+def _chunk_lengths() -> dict[tuple[str, ...], int]:
+  """Every V's words -> how many actions it means."""
+  return {words: len(actions) for words, actions in _verb_phrases()}
+
+
 def repetitions(command: str) -> list[tuple[int, int]]:
   """(chunk, times) for each S of a command, in the command's order: how many actions its V
   means and how often they repeat ("jump around left thrice" -> [(8, 3)]). Read from the grammar,
   not from the actions: a length split's test outputs differ from train's by which repetitions
   they need (see `repetition_counts`)."""
-  chunks = {words: len(actions) for words, actions in _verb_phrases()}
+  chunks = _chunk_lengths()
   out = []
   for sentence in command.replace(" after ", " and ").split(" and "):
     words = tuple(sentence.split())

@@ -715,7 +715,7 @@ def _run_trials(workdir, runs, configs, commands, parallel, metric,
   finished = f"{len(results)} already finished"
   if len(chosen) < len(runs):
     # Counted apart: "chose 9 runs, 9 already finished, running 9" read as if the 9 were the same.
-    ours = sum(runs[j].name in results for j in chosen)
+    ours = len(chosen) - len(pending)  # a chosen run is either finished or pending
     what += f", of which --sweep_trials chose {len(chosen)} runs"
     finished = (f"{ours} of the chosen already finished (and {len(results) - ours} of the "
                 f"others)")
