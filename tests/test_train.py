@@ -109,6 +109,39 @@ def test_label_smoothing_gradient_and_correct_match_float64(bf16):
   assert correct[0, 0]
 
 
+@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("eps", [0.0, 0.2])
+def test_rows_at_minus_infinity_leave_the_vocabulary_loss_and_gradient(bf16, eps):
+  """model.excluded_rows reach the loss as -inf logits: loss, nll and gradient are those of the
+  vocabulary without them (the smoothing spread over the others), the gradient 0 on them."""
+  rng = np.random.default_rng(3)
+  vocab, excluded = 9, [0, 1, 6]
+  kept = [i for i in range(vocab) if i not in excluded]
+  logits = rng.normal(size=(2, 3, vocab)) - 30.0  # strongly negative: a 0 logit would dominate
+  logits = _bfloat16_values(logits) if bf16 else logits
+  logits[..., excluded] = -np.inf
+  targets = rng.choice(kept, size=(2, 3))
+
+  def objective(x):
+    loss, nll, _ = losses.label_smoothed_cross_entropy(x, jnp.asarray(targets), eps, bf16)
+    return loss.sum() + nll.sum(), (loss, nll)
+
+  (_, (loss, nll)), grad = jax.value_and_grad(objective, has_aux=True)(
+      jnp.asarray(logits, jnp.float32))
+  small = logits[..., kept]  # the same model over the real rows only, in float64
+  log_p = small - np.log(np.exp(small - small.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+      - small.max(-1, keepdims=True)
+  index = np.searchsorted(kept, targets)
+  expected_nll = -np.take_along_axis(log_p, index[..., None], -1)[..., 0]
+  np.testing.assert_allclose(nll, expected_nll, rtol=1e-5)
+  np.testing.assert_allclose(loss, (1 - eps) * expected_nll - eps * log_p.mean(-1), rtol=1e-5)
+  one_hot = np.eye(len(kept))[index]
+  expected = 2 * np.exp(log_p) - (2 - eps) * one_hot - eps / len(kept)
+  np.testing.assert_allclose(np.asarray(grad)[..., kept], expected,
+                             rtol=2**-8 if bf16 else 1e-4, atol=1e-6)
+  assert not np.asarray(grad)[..., excluded].any()
+
+
 def test_one_pass_loss_matches_float64_on_wide_bfloat16_logits():
   # The one-pass reduction rescales its running sum of exponentials whenever the maximum grows:
   # logits spread over +-40 (exp alone would overflow float32 past 88) across a vocabulary wide

@@ -97,6 +97,10 @@ class ModelConfig:
   # BOS embeds as a zero vector (its row of a tied table also gives it zero logits): the decoder
   # starts from zeros, as Marian's does and CTranslate2 assumes of every Marian model.
   zero_bos_embedding: bool = False
+  # Ids of vocabulary rows that never receive probability: their logits are -inf wherever the
+  # model outputs logits (training, evaluation, scoring, decoding). An imported model's rows that
+  # its original vocabulary lacks (a new padding row, a special token's copy); () = all real.
+  excluded_rows: tuple = ()
   fused_qkv: bool = False  # one matmul for queries, keys and values (another parameter layout)
   qkv_bias: bool = True  # biases on the query, key and value projections
   # False: no bias in any other dense layer (attention output, FFN, an untied output layer, the
@@ -210,6 +214,12 @@ class ModelConfig:
     if self.logits_bias and self.arch == "encoder_only":
       raise UserError("model.logits_bias is a bias of the decoder's logits; an encoder_only model "
                       "has its head's own bias (set model.logits_bias=False)")
+    rows = self.excluded_rows
+    if not isinstance(rows, tuple) or not all(
+        isinstance(r, int) and 0 <= r < self.vocab_size for r in rows) or len(set(rows)) != len(
+        rows) or len(rows) >= self.vocab_size:
+      raise UserError(f"model.excluded_rows must be distinct row ids in [0, model.vocab_size="
+                      f"{self.vocab_size}) leaving at least one row, got {rows!r}")
     stack = {"decoder_only": "num_decoder_layers", "encoder_only": "num_encoder_layers"}
     if self.arch in stack and getattr(self, stack[self.arch]) == 0:
       raise UserError(f"model.arch={self.arch} needs model.{stack[self.arch]} > 0")
@@ -221,4 +231,7 @@ class ModelConfig:
     unknown = sorted(set(values) - fields)
     if unknown:
       raise UserError(f"unknown model config key(s): {', '.join('model.' + k for k in unknown)}")
-    return cls(**dict(values)).validate()
+    values = dict(values)
+    if isinstance(values.get("excluded_rows"), list):  # as JSON writes a tuple
+      values["excluded_rows"] = tuple(values["excluded_rows"])
+    return cls(**values).validate()

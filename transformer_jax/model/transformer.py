@@ -148,9 +148,20 @@ def _output_projection_bwd(residuals, d_logits):
 output_projection.defvjp(_output_projection_fwd, _output_projection_bwd)
 
 
-def _logits(cfg: ModelConfig, embed: nn.Embed, y: Array) -> Array:
+def exclude_rows(logits: Array, rows: tuple) -> Array:
+  """logits `[..., vocab]` with the entries of `rows` (model.excluded_rows) at -inf: those rows
+  get probability 0 from every softmax taken of them, and no gradient."""
+  if not rows:
+    return logits
+  excluded = np.zeros(logits.shape[-1], bool)
+  excluded[list(rows)] = True
+  return jnp.where(excluded, -jnp.inf, logits)
+
+
+def _logits(cfg: ModelConfig, embed: nn.Embed, y: Array, bias: Optional[Array] = None) -> Array:
   """float32 logits `[batch, length, vocab]` of the outputs y: the embedding table transposed
-  (tied) or a Dense layer named "logits"."""
+  (tied) or a Dense layer named "logits", plus `bias` `[vocab]`; the rows of
+  model.excluded_rows at -inf. Every vocabulary distribution of the model comes from here."""
   if cfg.tie_output:
     embedding = jnp.asarray(embed.embedding, cfg.compute_dtype)
     if cfg.zero_bos_embedding:
@@ -161,7 +172,8 @@ def _logits(cfg: ModelConfig, embed: nn.Embed, y: Array) -> Array:
                       kernel_init=param_init(kernel_init(cfg), "embed", "vocab"),
                       bias_init=param_init(nn.initializers.zeros_init(), "vocab"),
                       name="logits")(y)
-  return constrain(logits.astype(jnp.float32), "batch", "length", "vocab")
+  logits = logits.astype(jnp.float32) + (0.0 if bias is None else bias)
+  return constrain(exclude_rows(logits, cfg.excluded_rows), "batch", "length", "vocab")
 
 
 def _maybe_remat(layer_class, cfg: ModelConfig, deterministic_argnum: int):
@@ -285,11 +297,9 @@ class Decoder(nn.Module):
     y = y[:, output_from:]
     if cfg.norm == "pre":
       y = norm_layer(cfg, "final_norm")(y)
-    logits = _logits(cfg, self.embed, y)
-    if cfg.logits_bias:
-      logits = logits + self.param("logits_bias", param_init(nn.initializers.zeros_init(), "vocab"),
-                                   (cfg.vocab_size,))
-    return logits
+    bias = (self.param("logits_bias", param_init(nn.initializers.zeros_init(), "vocab"),
+                       (cfg.vocab_size,)) if cfg.logits_bias else None)
+    return _logits(cfg, self.embed, y, bias)
 
 
 class Transformer(nn.Module):
@@ -423,11 +433,9 @@ class EncoderOnly(nn.Module):
       return logits[:, None, :].astype(jnp.float32)
     h = ACTIVATIONS[cfg.activation](dense(cfg.d_model, ("embed", "mlp"), "mlm_dense")(x))
     h = norm_layer(cfg, "mlm_norm")(h)
-    if not cfg.tie_output or not cfg.use_bias:
-      return _logits(cfg, embed, h)
-    bias = self.param("mlm_bias", param_init(nn.initializers.zeros_init(), "vocab"),
-                      (cfg.vocab_size,))
-    return _logits(cfg, embed, h) + bias
+    bias = (self.param("mlm_bias", param_init(nn.initializers.zeros_init(), "vocab"),
+                       (cfg.vocab_size,)) if cfg.tie_output and cfg.use_bias else None)
+    return _logits(cfg, embed, h, bias)
 
 
 MODELS = {"encoder_decoder": Transformer, "decoder_only": DecoderOnly,
@@ -500,6 +508,8 @@ def describe(config: ModelConfig) -> str:
                                       ("embedding norm", c.embed_norm),
                                       ("logits bias", c.logits_bias),
                                       ("zero BOS embedding", c.zero_bos_embedding),
+                                      (f"{len(c.excluded_rows)} rows without probability",
+                                       c.excluded_rows),
                                       (f"{c.pooling}-pooled", c.num_labels and
                                        c.pooling != "mean")) if on]
   block += "".join(", " + name for name in embeddings)

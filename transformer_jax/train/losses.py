@@ -12,6 +12,9 @@ def label_smoothed_cross_entropy(logits, targets, smoothing: float,
                                  bfloat16_logits: bool = False):
   """Per-position loss against q = (1 - smoothing) * one_hot(target) + smoothing / vocab.
 
+  A logit of -inf (model.excluded_rows) takes its row out of the vocabulary: it gets neither
+  probability nor a share of the smoothing, which spreads over the rows with finite logits.
+
   Args:
     logits: float `[batch, length, vocab]`.
     targets: int `[batch, length]`.
@@ -48,21 +51,26 @@ def _cross_entropy(logits, targets, smoothing, one_pass):
 def _cross_entropy_fwd(logits, targets, smoothing, one_pass):
   x = logits.astype(jnp.float32)
   if one_pass:
-    x_max, log_normalizer, total, target_logit = _one_pass_statistics(x, targets)
-    mean = total / x.shape[-1]
+    x_max, log_normalizer, total, count, target_logit = _one_pass_statistics(x, targets)
   else:
     x_max = jnp.max(x, axis=-1)
     log_normalizer = x_max + jnp.log(jnp.sum(jnp.exp(x - x_max[..., None]), axis=-1))
     # A gather, not a one-hot product: the backward pass below never differentiates it.
     target_logit = jnp.take_along_axis(x, targets[..., None], axis=-1)[..., 0]
   nll = log_normalizer - target_logit
-  uniform = log_normalizer - (mean if one_pass else jnp.mean(x, axis=-1))  # -mean(log p)
-  loss = (1.0 - smoothing) * nll + smoothing * uniform
+  loss = nll
+  if smoothing:  # -mean(log p) over the rows with finite logits
+    if not one_pass:
+      finite = x > -jnp.inf
+      total = jnp.sum(jnp.where(finite, x, 0.0), axis=-1)
+      count = jnp.sum(finite, axis=-1, dtype=jnp.float32)
+    loss = (1.0 - smoothing) * nll + smoothing * (log_normalizer - total / count)
   return (loss, nll, target_logit >= x_max), (logits, targets, log_normalizer)
 
 
 def _one_pass_statistics(x, targets):
-  """(max, log-sum-exp, sum, target's logit) over the last axis of x in ONE variadic reduction.
+  """(max, log-sum-exp, sum and count of the finite entries, target's logit) over the last axis
+  of x in ONE variadic reduction.
 
   The sum of exponentials is kept relative to the running maximum and rescaled when the maximum
   grows (the "online softmax" of Milakov & Gimelshein, 2018), so the logits are read once where
@@ -73,19 +81,23 @@ def _one_pass_statistics(x, targets):
   hit = targets[..., None] == jnp.arange(x.shape[-1], dtype=targets.dtype)
 
   def combine(a, b):
-    (max_a, sum_a, total_a, target_a), (max_b, sum_b, total_b, target_b) = a, b
+    (max_a, sum_a, total_a, count_a, target_a) = a
+    (max_b, sum_b, total_b, count_b, target_b) = b
     high, low = jnp.maximum(max_a, max_b), jnp.minimum(max_a, max_b)
     scaled = jnp.where(max_a >= max_b, sum_b, sum_a)  # the sum kept against the lower maximum
     # exp(low - high) <= 1; equal maxima (two empty -inf partials included) scale by 1.
     factor = jnp.exp(jnp.where(high == low, 0.0, low - high))
     kept = jnp.where(max_a >= max_b, sum_a, sum_b)
-    return high, kept + scaled * factor, total_a + total_b, target_a + target_b
+    return (high, kept + scaled * factor, total_a + total_b, count_a + count_b,
+            target_a + target_b)
 
   zero = jnp.zeros((), x.dtype)
-  x_max, exp_sum, total, target_logit = jax.lax.reduce(
-      (x, jnp.ones_like(x), x, jnp.where(hit, x, zero)),
-      (jnp.array(-jnp.inf, x.dtype), zero, zero, zero), combine, (x.ndim - 1,))
-  return x_max, x_max + jnp.log(exp_sum), total, target_logit
+  finite = x > -jnp.inf
+  x_max, exp_sum, total, count, target_logit = jax.lax.reduce(
+      (x, jnp.ones_like(x), jnp.where(finite, x, zero), finite.astype(x.dtype),
+       jnp.where(hit, x, zero)),
+      (jnp.array(-jnp.inf, x.dtype), zero, zero, zero, zero), combine, (x.ndim - 1,))
+  return x_max, x_max + jnp.log(exp_sum), total, count, target_logit
 
 
 def _cross_entropy_bwd(smoothing, one_pass, residuals, cotangents):
@@ -96,8 +108,11 @@ def _cross_entropy_bwd(smoothing, one_pass, residuals, cotangents):
   # d loss / dx = p - q and d nll / dx = p - one_hot.
   on_target = ((1.0 - smoothing) * d_loss + d_nll)[..., None]
   d_logits = ((d_loss + d_nll)[..., None] * probs
-              - jnp.where(_one_hot(targets, x.shape[-1]), on_target, 0.0)
-              - (smoothing / x.shape[-1]) * d_loss[..., None])
+              - jnp.where(_one_hot(targets, x.shape[-1]), on_target, 0.0))
+  if smoothing:  # the uniform share of q, over the rows with finite logits
+    finite = x > -jnp.inf
+    count = jnp.sum(finite, axis=-1, keepdims=True, dtype=jnp.float32)
+    d_logits = d_logits - jnp.where(finite, smoothing * d_loss[..., None] / count, 0.0)
   return d_logits.astype(logits.dtype), None
 
 
