@@ -42,6 +42,11 @@ class Vocab(NamedTuple):
   def to_hf(self, table: np.ndarray) -> np.ndarray:
     return table[self.our_ids]
 
+  def extra_rows(self) -> tuple:
+    """Our rows that are no row of theirs (a new row, or a copy of a row another of ours
+    owns): model.excluded_rows, so that they never take probability from their rows."""
+    return tuple(int(r) for r, h in enumerate(self.hf_ids) if h < 0 or self.our_ids[h] != r)
+
 
 def vocab_layout(hf_vocab_size: int, specials: dict, slots: tuple) -> Vocab:
   """Our vocabulary: the `slots` (our special ids, in order 0, 1, ...: names of `specials`),
