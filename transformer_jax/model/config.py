@@ -101,6 +101,10 @@ class ModelConfig:
   # model outputs logits (training, evaluation, scoring, decoding). An imported model's rows that
   # its original vocabulary lacks (a new padding row, a special token's copy); () = all real.
   excluded_rows: tuple = ()
+  # (token, row) pairs: the token embeds as another row (its own row unread), so that two ids of
+  # ours that are one token of an imported model's (GPT-2's BOS and <|endoftext|>) share one
+  # row, and its gradient, as in the original; () = every token its own row.
+  row_copies: tuple = ()
   fused_qkv: bool = False  # one matmul for queries, keys and values (another parameter layout)
   qkv_bias: bool = True  # biases on the query, key and value projections
   # False: no bias in any other dense layer (attention output, FFN, an untied output layer, the
@@ -220,6 +224,12 @@ class ModelConfig:
         rows) or len(rows) >= self.vocab_size:
       raise UserError(f"model.excluded_rows must be distinct row ids in [0, model.vocab_size="
                       f"{self.vocab_size}) leaving at least one row, got {rows!r}")
+    pairs = self.row_copies
+    if not isinstance(pairs, tuple) or not all(
+        isinstance(p, tuple) and len(p) == 2 and all(
+            isinstance(i, int) and 0 <= i < self.vocab_size for i in p) for p in pairs):
+      raise UserError(f"model.row_copies must be (token, row) pairs of ids in [0, "
+                      f"model.vocab_size={self.vocab_size}), got {pairs!r}")
     stack = {"decoder_only": "num_decoder_layers", "encoder_only": "num_encoder_layers"}
     if self.arch in stack and getattr(self, stack[self.arch]) == 0:
       raise UserError(f"model.arch={self.arch} needs model.{stack[self.arch]} > 0")
@@ -234,4 +244,7 @@ class ModelConfig:
     values = dict(values)
     if isinstance(values.get("excluded_rows"), list):  # as JSON writes a tuple
       values["excluded_rows"] = tuple(values["excluded_rows"])
+    if isinstance(values.get("row_copies"), (list, tuple)):
+      values["row_copies"] = tuple(tuple(pair) if isinstance(pair, list) else pair
+                                   for pair in values["row_copies"])
     return cls(**values).validate()

@@ -60,7 +60,10 @@ def _embed_tokens(cfg: ModelConfig, embed: nn.Embed, positions_module: AddPositi
 
   Called in a stack's compact scope: the type table and the norm are that stack's
   "token_types" and "embed_norm"."""
-  x = embed(tokens)
+  rows = tokens
+  for token, row in cfg.row_copies:
+    rows = jnp.where(tokens == token, row, rows)
+  x = embed(rows)
   if cfg.zero_bos_embedding:
     x = jnp.where((tokens == BOS_ID)[..., None], jnp.zeros((), x.dtype), x)
   if cfg.embed_scale:
