@@ -42,6 +42,12 @@ class Vocab(NamedTuple):
   def to_hf(self, table: np.ndarray) -> np.ndarray:
     return table[self.our_ids]
 
+  def copies(self) -> tuple:
+    """(our row, the row of ours that owns the same row of theirs) of every copy: as
+    model.row_copies, the copy reads its owner's row."""
+    return tuple((int(r), int(self.our_ids[h])) for r, h in enumerate(self.hf_ids)
+                 if h >= 0 and self.our_ids[h] != r)
+
   def extra_rows(self) -> tuple:
     """Our rows that are no row of theirs (a new row, or a copy of a row another of ours
     owns): model.excluded_rows, so that they never take probability from their rows."""
