@@ -65,7 +65,7 @@ def default_config() -> ml_collections.ConfigDict:
   c.data.target_lang = "de"  # the language translated into
   c.data.text_field = "text"  # source=tfds, task lm / mlm / classify: the record's text field
   c.data.label_field = "label"  # source=tfds, task classify: the record's label field
-  c.data.labels = ""  # task classify: the classes, comma-separated; "" = the train split's, sorted
+  c.data.labels = ""  # task classify: the classes by id, comma-separated; "" = fixed at train start
   # task classify: rows of two texts (GLUE's sentence pairs): SPLIT.tsv lines of
   # text_a<TAB>text_b<TAB>label (or TFDS records, data.text_pair_field), read as BERT's
   # "[CLS] A [SEP] B [SEP]" with B's tokens of token type 1; pairs longer than
@@ -132,6 +132,12 @@ def default_config() -> ml_collections.ConfigDict:
   c.eval.decode = "greedy"  # greedy | beam | sample
   c.eval.beam_size = 4  # decode=beam: hypotheses kept at each step
   c.eval.length_penalty = 0.6  # decode=beam: GNMT alpha; 0 = rank by log-probability
+  # decode=beam: gnmt: log p / ((5 + |Y|) / 6)^alpha; length: log p / |Y|^alpha (transformers')
+  c.eval.length_penalty_form = "gnmt"
+  # An output that reaches the decode length ends with EOS there, EOS counted as log 1
+  # (transformers' forced_eos_token_id, which an imported Marian has).
+  c.eval.force_eos = False
+  c.eval.suppress_tokens = ()  # token ids (the workdir's) never generated; () = none
   c.eval.temperature = 1.0  # decode=sample: the logits are divided by it
   c.eval.top_k = 0  # decode=sample: sample among the k most probable tokens; 0 = all
   c.eval.max_examples = 0  # examples evaluated, the first of the split; 0 = the whole split
@@ -280,6 +286,7 @@ CHOICES = {
     "train.best_metric": metric_names.EVAL_METRICS,
     "train.on_nonfinite": ("stop", "skip"),
     "eval.decode": ("greedy", "beam", "sample"),
+    "eval.length_penalty_form": ("gnmt", "length"),
     "data.tokenizer.model_type": ("bpe", "unigram", "word"),
 }
 
@@ -380,6 +387,14 @@ def validate(config: ml_collections.ConfigDict, platform: str = "cpu") -> ModelC
   data_tasks.check(model.arch, config.data)
   if config.data.task == "classify" and not model.num_labels:
     raise UserError("data.task=classify needs model.num_labels, the number of classes")
+  named = [name for name in config.data.labels.split(",")] if config.data.labels else []
+  if config.data.task == "classify" and named and len(named) != model.num_labels:
+    raise UserError(f"data.labels names {len(named)} classes but model.num_labels is "
+                    f"{model.num_labels}; give one name per class, in the order of their ids")
+  suppressed = config.eval.suppress_tokens
+  if not all(isinstance(t, int) and 0 <= t < model.vocab_size for t in suppressed):
+    raise UserError(f"eval.suppress_tokens must be token ids in [0, model.vocab_size="
+                    f"{model.vocab_size}), got {tuple(suppressed)!r}")
   if config.data.task == "mlm" and not 0.0 < config.data.mask_rate < 1.0:
     raise UserError(f"data.mask_rate must be in (0, 1), got {config.data.mask_rate}")
   return model

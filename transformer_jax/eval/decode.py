@@ -194,10 +194,21 @@ def decode_step(params, config: ModelConfig, cache: Cache, context: tuple, token
   return logits[:, 0], variables["cache"]
 
 
-def _mask_special(log_probs: Array, bos_id: int) -> Array:
-  """Forbids PAD (0) and BOS: log_probs `[..., vocab]` with those entries set to NEG_INF."""
-  forbidden = (jnp.arange(log_probs.shape[-1]) == 0) | (jnp.arange(log_probs.shape[-1]) == bos_id)
+def _mask_special(log_probs: Array, bos_id: int, suppressed: tuple = ()) -> Array:
+  """Forbids PAD (0), BOS and the `suppressed` ids (eval.suppress_tokens): log_probs
+  `[..., vocab]` with those entries set to NEG_INF."""
+  ids = jnp.arange(log_probs.shape[-1])
+  forbidden = (ids == 0) | (ids == bos_id)
+  for token in suppressed:
+    forbidden = forbidden | (ids == token)
   return jnp.where(forbidden, NEG_INF, log_probs)
+
+
+def _force_eos(log_probs: Array, step: Array, max_length: int, eos_id: int) -> Array:
+  """eval.force_eos: at the last output position only EOS, counted as log 1 (as transformers'
+  forced_eos_token_id: an output cut at the length limit still ends with EOS)."""
+  eos = jnp.arange(log_probs.shape[-1]) == eos_id
+  return jnp.where(step == max_length - 1, jnp.where(eos, 0.0, NEG_INF), log_probs)
 
 
 def _empty_rows(source_tokens: Array) -> Array:
@@ -205,36 +216,45 @@ def _empty_rows(source_tokens: Array) -> Array:
   return ~jnp.any(source_tokens != 0, axis=-1)
 
 
-def _step_log_probs(params, config, cache, context, tokens, positions, bos_id):
+def _step_log_probs(params, config, cache, context, tokens, positions, bos_id, suppressed=()):
   """decode_step followed by log_softmax and the PAD/BOS mask: `[batch, vocab]`, cache."""
   logits, cache = decode_step(params, config, cache, context, tokens, positions)
-  return _mask_special(jax.nn.log_softmax(logits, axis=-1), bos_id), cache
+  return _mask_special(jax.nn.log_softmax(logits, axis=-1), bos_id, suppressed), cache
 
 
 @functools.partial(jax.jit, static_argnames=("config", "bos_id"))
-def sequence_log_prob(params, config: ModelConfig, source_tokens: Array, output_tokens: Array,
-                      bos_id: int = 1) -> Array:
-  """log p(output | source) under the full, uncached model (teacher forcing).
+def token_log_probs(params, config: ModelConfig, source_tokens: Array, output_tokens: Array,
+                    bos_id: int = 1) -> Array:
+  """log p of each output token under the full, uncached model (teacher forcing).
 
   Args:
     source_tokens: int `[batch, src_len]` (decoder-only: the source, not its prompt: the model
-      reads "source BOS output" as in training).
+      reads "source BOS output" as in training; src_len may be 0).
     output_tokens: int `[batch, length]` as the decoders return them (no BOS; zeros after EOS).
 
   Returns:
-    float32 `[batch]`: the sum of log-probabilities of the non-zero output tokens.
+    float32 `[batch, length]`: log p of each non-zero output token, 0 elsewhere.
   """
   # Inputs after EOS become padding; they only feed positions that are not counted below.
   decoder_inputs = shift_right(output_tokens, bos_id)
   logits = _model(config, decode=False).apply({"params": params}, source_tokens, decoder_inputs)
   log_probs = jax.nn.log_softmax(logits, axis=-1)
   token_log_probs = jnp.take_along_axis(log_probs, output_tokens[..., None], axis=-1)[..., 0]
-  return jnp.sum(jnp.where(output_tokens != 0, token_log_probs, 0.0), axis=-1)
+  return jnp.where(output_tokens != 0, token_log_probs, 0.0)
 
 
-def length_penalty(length: Array, alpha: float) -> Array:
-  """GNMT length penalty lp(Y) = ((5 + |Y|) / 6)^alpha; a hypothesis scores log p(Y) / lp(Y)."""
-  return ((5.0 + jnp.asarray(length, jnp.float32)) / 6.0) ** alpha
+@functools.partial(jax.jit, static_argnames=("config", "bos_id"))
+def sequence_log_prob(params, config: ModelConfig, source_tokens: Array, output_tokens: Array,
+                      bos_id: int = 1) -> Array:
+  """log p(output | source): float32 `[batch]`, the sums of `token_log_probs`."""
+  return jnp.sum(token_log_probs(params, config, source_tokens, output_tokens, bos_id), axis=-1)
+
+
+def length_penalty(length: Array, alpha: float, form: str = "gnmt") -> Array:
+  """The length penalty lp(Y) of eval.length_penalty_form: GNMT's ((5 + |Y|) / 6)^alpha, or
+  "length": |Y|^alpha (transformers'); a hypothesis scores log p(Y) / lp(Y)."""
+  length = jnp.asarray(length, jnp.float32)
+  return (length if form == "length" else (5.0 + length) / 6.0) ** alpha
 
 
 # ----------------------------------------------------------------------------- greedy, sampling
@@ -242,12 +262,14 @@ def length_penalty(length: Array, alpha: float) -> Array:
 
 def _left_to_right(params, config: ModelConfig, source_tokens: Array, max_length: int,
                    choose: Callable[[Array, Array], Array], bos_id: int, eos_id: int,
-                   lengths: Array | None = None) -> Array:
+                   lengths: Array | None = None, suppressed: tuple = (),
+                   force_eos: bool = False) -> Array:
   """One token per row per step, chosen by `choose(log_probs [batch, vocab], step) -> [batch]`.
 
   Stops once every row has emitted EOS (or after `max_length` steps); returns `[batch, max_length]`.
   With `lengths` (int `[batch]`, the oracle length): EOS is forbidden and row r stops after
   exactly lengths[r] tokens (capped at max_length), so that only the tokens are the model's.
+  `suppressed`, `force_eos`: eval.suppress_tokens and eval.force_eos.
   """
   batch = source_tokens.shape[0]
   begin = start(params, config, source_tokens, max_length, bos_id=bos_id)
@@ -261,7 +283,9 @@ def _left_to_right(params, config: ModelConfig, source_tokens: Array, max_length
   def advance(state):
     step, last, tokens, cache, finished = state
     log_probs, cache = _step_log_probs(params, config, cache, begin.context, last,
-                                       begin.first_positions + step, bos_id)
+                                       begin.first_positions + step, bos_id, suppressed)
+    if force_eos:
+      log_probs = _force_eos(log_probs, step, max_length, eos_id)
     if lengths is not None:
       log_probs = log_probs.at[:, eos_id].set(NEG_INF)
     chosen = jnp.where(finished, 0, choose(log_probs, step)).astype(jnp.int32)
@@ -279,9 +303,11 @@ def _left_to_right(params, config: ModelConfig, source_tokens: Array, max_length
   return jax.lax.while_loop(not_done, advance, state)[2]
 
 
-@functools.partial(jax.jit, static_argnames=("config", "max_length", "bos_id", "eos_id"))
+@functools.partial(jax.jit, static_argnames=("config", "max_length", "bos_id", "eos_id",
+                                             "suppressed", "force_eos"))
 def greedy_decode(params, config: ModelConfig, source_tokens: Array, max_length: int,
-                  bos_id: int = 1, eos_id: int = 2, lengths: Array | None = None) -> Array:
+                  bos_id: int = 1, eos_id: int = 2, lengths: Array | None = None,
+                  suppressed: tuple = (), force_eos: bool = False) -> Array:
   """Picks the most probable token at every step.
 
   Args:
@@ -298,13 +324,14 @@ def greedy_decode(params, config: ModelConfig, source_tokens: Array, max_length:
   """
   return _left_to_right(params, config, source_tokens, max_length,
                         lambda log_probs, step: jnp.argmax(log_probs, axis=-1), bos_id, eos_id,
-                        lengths)
+                        lengths, suppressed, force_eos)
 
 
-@functools.partial(jax.jit,
-                   static_argnames=("config", "max_length", "top_k", "bos_id", "eos_id"))
+@functools.partial(jax.jit, static_argnames=("config", "max_length", "top_k", "bos_id",
+                                             "eos_id", "suppressed", "force_eos"))
 def sample(params, config: ModelConfig, source_tokens: Array, max_length: int, rng: Array,
-           temperature: float = 1.0, top_k: int = 0, bos_id: int = 1, eos_id: int = 2) -> Array:
+           temperature: float = 1.0, top_k: int = 0, bos_id: int = 1, eos_id: int = 2,
+           suppressed: tuple = (), force_eos: bool = False) -> Array:
   """Ancestral sampling from softmax(logits / temperature), optionally among the top-k tokens.
 
   Args:
@@ -326,7 +353,8 @@ def sample(params, config: ModelConfig, source_tokens: Array, max_length: int, r
       logits = jnp.where(logits < kth_best, -jnp.inf, logits)
     return jax.random.categorical(jax.random.fold_in(rng, step), logits, axis=-1)
 
-  return _left_to_right(params, config, source_tokens, max_length, choose, bos_id, eos_id)
+  return _left_to_right(params, config, source_tokens, max_length, choose, bos_id, eos_id,
+                        suppressed=suppressed, force_eos=force_eos)
 
 
 # ----------------------------------------------------------------------------- beam search
@@ -366,11 +394,13 @@ def _tile_beams(x: Array, beam_size: int) -> Array:
   return jnp.repeat(x, beam_size, axis=0)
 
 
-@functools.partial(jax.jit,
-                   static_argnames=("config", "max_length", "beam_size", "bos_id", "eos_id"))
+@functools.partial(jax.jit, static_argnames=("config", "max_length", "beam_size", "bos_id",
+                                             "eos_id", "penalty_form", "suppressed",
+                                             "force_eos"))
 def beam_search(params, config: ModelConfig, source_tokens: Array, max_length: int,
                 beam_size: int = 4, alpha: float = 0.6, bos_id: int = 1,
-                eos_id: int = 2) -> tuple[Array, Array]:
+                eos_id: int = 2, penalty_form: str = "gnmt", suppressed: tuple = (),
+                force_eos: bool = False) -> tuple[Array, Array]:
   """Beam search with the GNMT length penalty; returns the best hypothesis of each row.
 
   Each step extends every alive beam by every token and ranks the `2 * beam_size` best
@@ -390,6 +420,8 @@ def beam_search(params, config: ModelConfig, source_tokens: Array, max_length: i
     max_length: output positions, EOS included (static).
     beam_size: beams per row (static).
     alpha: length-penalty exponent, >= 0 (0 = rank by raw log-probability).
+    penalty_form: eval.length_penalty_form ("gnmt" or "length", see `length_penalty`).
+    suppressed, force_eos: eval.suppress_tokens and eval.force_eos.
 
   Returns:
     (tokens int32 `[batch, max_length]`: no BOS, EOS included, zeros after EOS;
@@ -401,7 +433,7 @@ def beam_search(params, config: ModelConfig, source_tokens: Array, max_length: i
   begin = start(params, config, source_tokens, max_length, beam_size, bos_id)
   first_tokens = begin.first_tokens.reshape(batch, beam_size)
   vocab = config.vocab_size
-  best_possible_penalty = length_penalty(max_length, alpha)
+  best_possible_penalty = length_penalty(max_length, alpha, penalty_form)
 
   def not_done(beams: _Beams):
     bound = beams.alive_log_probs[:, 0] / best_possible_penalty
@@ -413,7 +445,10 @@ def beam_search(params, config: ModelConfig, source_tokens: Array, max_length: i
     last = jnp.where(step == 0, first_tokens,
                      beams.alive_tokens[:, :, jnp.maximum(step - 1, 0)])
     log_probs, cache = _step_log_probs(params, config, beams.cache, begin.context,
-                                       last.reshape(-1), begin.first_positions + step, bos_id)
+                                       last.reshape(-1), begin.first_positions + step, bos_id,
+                                       suppressed)
+    if force_eos:
+      log_probs = _force_eos(log_probs, step, max_length, eos_id)
     scores = beams.alive_log_probs[:, :, None] + log_probs.reshape(batch, beam_size, vocab)
     top_log_probs, top_index = jax.lax.top_k(scores.reshape(batch, -1), 2 * beam_size)
     parents, tokens = top_index // vocab, top_index % vocab
@@ -422,8 +457,8 @@ def beam_search(params, config: ModelConfig, source_tokens: Array, max_length: i
 
     # Finished: ended candidates that made the top beam_size, merged with the earlier ones.
     in_beam = jnp.arange(2 * beam_size) < beam_size
-    new_scores = jnp.where(ended & in_beam, top_log_probs / length_penalty(step + 1, alpha),
-                           NEG_INF)
+    new_scores = jnp.where(ended & in_beam,
+                           top_log_probs / length_penalty(step + 1, alpha, penalty_form), NEG_INF)
     finished_scores, keep = jax.lax.top_k(
         jnp.concatenate([beams.finished_scores, new_scores], axis=1), beam_size)
     finished_tokens = _gather(

@@ -25,8 +25,14 @@ def decode_settings(eval_config) -> dict:
   settings = {"decode": e.decode}
   if e.decode == "beam":
     settings.update(beam_size=e.beam_size, length_penalty=e.length_penalty)
+    if e.get("length_penalty_form", "gnmt") != "gnmt":
+      settings["length_penalty_form"] = e.length_penalty_form
   elif e.decode == "sample":
     settings.update(temperature=e.temperature, top_k=e.top_k)
+  if e.get("force_eos", False):
+    settings["force_eos"] = True
+  if e.get("suppress_tokens", ()):
+    settings["suppress_tokens"] = list(e.suppress_tokens)
   return settings
 
 
@@ -61,18 +67,22 @@ def decode_batch(params, model_config: ModelConfig, eval_config, inputs, max_len
     placed = sharding.shard_batch(placed, mesh)
     inputs, lengths = placed["inputs"], placed.get("lengths", lengths)
     context = sharding.context(mesh)
+  rules = {"suppressed": tuple(int(t) for t in e.get("suppress_tokens", ())),
+           "force_eos": bool(e.get("force_eos", False))}
   with context:
     if lengths is not None:
-      tokens = decode.greedy_decode(params, cfg, inputs, max_length, lengths=jnp.asarray(lengths))
+      tokens = decode.greedy_decode(params, cfg, inputs, max_length, lengths=jnp.asarray(lengths),
+                                    suppressed=rules["suppressed"])
     elif e.decode == "beam":
       tokens, _ = decode.beam_search(params, cfg, inputs, max_length, beam_size=e.beam_size,
-                                     alpha=e.length_penalty)
+                                     alpha=e.length_penalty,
+                                     penalty_form=e.get("length_penalty_form", "gnmt"), **rules)
     elif e.decode == "sample":
       rng = jax.random.key(0) if rng is None else rng
       tokens = decode.sample(params, cfg, inputs, max_length, rng, temperature=e.temperature,
-                             top_k=e.top_k)
+                             top_k=e.top_k, **rules)
     else:
-      tokens = decode.greedy_decode(params, cfg, inputs, max_length)
+      tokens = decode.greedy_decode(params, cfg, inputs, max_length, **rules)
   return sharding.to_host(tokens)[:rows]
 
 
