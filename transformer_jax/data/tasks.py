@@ -23,6 +23,7 @@ side leave it empty (length 0), so its batch array has no columns.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 
@@ -103,7 +104,8 @@ _TRAIN_LABELS = {}  # the labels of a train split, by where it is read from
 
 def label_names(data_config) -> tuple:
   """The classes of data.task=classify, in the order of their ids: data.labels (comma-separated)
-  or the sorted distinct labels of the train split."""
+  or the sorted distinct labels of the train split (a workdir trained before `fix_labels`
+  wrote its labels into its config reads them so, as it was trained)."""
   d = data_config
   if d.labels:
     return tuple(label.strip() for label in d.labels.split(","))
@@ -114,6 +116,30 @@ def label_names(data_config) -> tuple:
     _TRAIN_LABELS[key] = tuple(sorted({label for _, label in sources.gather(pairs,
                                                                               range(len(pairs)))}))
   return _TRAIN_LABELS[key]
+
+
+def _natural_key(label: str) -> list:
+  """LABEL_2 before LABEL_10: digit runs compare as numbers."""
+  return [(int(part) if i % 2 else part) for i, part in enumerate(re.split(r"(\d+)", label))]
+
+
+def fix_labels(data_config, saved_labels=None) -> None:
+  """Sets data.labels of a classifier's new run once, before it trains, so that the id of each
+  class never depends on how its names sort later: the train split's labels, digit runs read
+  as numbers (LABEL_2 before LABEL_10). `saved_labels`: data.labels of the workdir's own
+  config.json (a run that resumes keeps them, even empty: it trained with the sorted order)."""
+  d = data_config
+  if d.task != "classify" or d.labels:
+    return
+  if saved_labels is not None:
+    d.labels = saved_labels
+    return
+  names = sorted(label_names(d), key=_natural_key)
+  bad = next((n for n in names if "," in n or n != n.strip() or not n), None)
+  if bad is not None:
+    raise UserError(f"the train split has the label {bad!r}, which data.labels (comma-separated) "
+                    "cannot hold; rename it in the data, or name the classes in data.labels")
+  d.labels = ",".join(names)
 
 
 def examples(data_config, pairs, tokenizer: Tokenizer) -> pipeline.Encoded:

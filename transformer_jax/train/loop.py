@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import json
 import os
 from typing import Any, Callable, Optional
 
@@ -19,7 +20,7 @@ from jax.experimental import multihost_utils
 from transformer_jax import config as config_lib
 from transformer_jax.core import progress, storage
 from transformer_jax.core.errors import UserError
-from transformer_jax.data import cache, pipeline, prepare, sources
+from transformer_jax.data import cache, pipeline, prepare, sources, tasks
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.model import ModelConfig, count_params, describe
 from transformer_jax.model.flops import peak_flops
@@ -123,6 +124,15 @@ def prepare_data_once(config, workdir: str, vocab_size: int):
                                     processes=processes))
 
 
+def _saved_labels(workdir: str) -> Optional[str]:
+  """data.labels of the workdir's config.json, or None where it has none (a new run)."""
+  path = storage.join(workdir, config_lib.SAVED)
+  try:
+    return str(json.loads(storage.read_text(path))["data"]["labels"])
+  except (OSError, ValueError, KeyError, TypeError):
+    return None
+
+
 def train(config, workdir: str, evaluate_fn: EvaluateFn) -> Result:
   """Trains `config` in `workdir` (resuming from its newest readable checkpoint), then evaluates.
 
@@ -137,6 +147,7 @@ def train(config, workdir: str, evaluate_fn: EvaluateFn) -> Result:
     storage.lock(workdir).check()
   if t.init_from:
     pretrained.source_config(t.init_from)  # there is a run to start from
+  tasks.fix_labels(config.data, _saved_labels(workdir))
   tokenizer, new_tokenizer, train_set, eval_pairs = prepare_data_once(
       config, workdir, model_config.vocab_size)
   d = config.data
