@@ -7,8 +7,10 @@
 
 Loading reads the workdir's config.json, tokenizer and newest checkpoint (or `step`; with
 `eval.average_last` the mean of the last checkpoints), exactly as --mode=evaluate does.
-Inference is deterministic: `model.module` is the Transformer with dropout off, so
-`model.module.apply({"params": model.params}, inputs, decoder_inputs)` needs no dropout RNG.
+Inference is deterministic: `model.module` is the Flax module of the workdir's architecture
+(model.arch: Transformer, DecoderOnly or EncoderOnly) with dropout off, so `apply` needs no
+dropout RNG: `(inputs, decoder_inputs)` for the first two (a decoder-only model's inputs may have
+width 0), `(inputs)` for the encoder-only one (README.md, "Python API").
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ import numpy as np
 from transformer_jax import config as config_lib
 from transformer_jax.core.errors import UserError
 from transformer_jax.core.tokens import EOS_ID
+from transformer_jax.data.tokenizer import HFTokenizer
 from transformer_jax.eval import decode, load, translate
-from transformer_jax.model import ModelConfig, Transformer
+from transformer_jax.model import ModelConfig, make_model
 from transformer_jax.train import checkpoint
 
 
@@ -37,9 +40,10 @@ class Model:
   mesh: Any = None  # the device mesh the parameters live on (config.mesh)
 
   @property
-  def module(self) -> Transformer:
-    """The Flax module, for `apply` with `{"params": self.params}`."""
-    return Transformer(self.model_config)
+  def module(self):
+    """The Flax module of model.arch (Transformer, DecoderOnly or EncoderOnly), for `apply`
+    with `{"params": self.params}`."""
+    return make_model(self.model_config)
 
   def translate(self, sentences: Sequence[str]) -> list:
     """Translations of `sentences`, in order, decoded with config.eval (greedy by default)."""
@@ -49,12 +53,18 @@ class Model:
         self.params, self.model_config, self.config, self.tokenizer, list(sentences),
         self.mesh)]
 
-  def score(self, sources: Sequence[str], targets: Sequence[str]) -> list:
-    """log p(target | source) of each pair (natural log, EOS included), by teacher forcing.
+  def token_log_probs(self, sources: Sequence[str], targets: Sequence[str]) -> list:
+    """log p of each target token given the source and the tokens before it (natural log, EOS
+    included), by teacher forcing: one float32 array per pair, as long as the target's ids and
+    its EOS. A decoder-only model reads an empty source as no source at all (a language model
+    scores the text alone, after BOS).
 
     Sources longer than data.max_source_len - 1 tokens are truncated as translate does;
     targets are scored in full.
     """
+    if self.model_config.arch == "encoder_only":
+      raise UserError("an encoder-only model has no targets to score; apply model.module to "
+                      "the inputs for its logits (README.md, Python API)")
     if isinstance(sources, str) or isinstance(targets, str):
       raise UserError("score takes lists of sentences; wrap one sentence in a list")
     if len(sources) != len(targets):
@@ -64,15 +74,28 @@ class Model:
       return []
     inputs, _ = translate.encode_sources(self.tokenizer, list(sources),
                                          self.config.data.max_source_len, len(sources))
-    rows = [ids + [EOS_ID] for ids in self.tokenizer.encode(list(targets))]
+    if self.model_config.arch == "decoder_only":
+      inputs[[i for i, text in enumerate(sources) if not text]] = 0
+      inputs = inputs[:, :max(1, int((inputs != 0).sum(axis=1).max()))]
+      inputs = inputs if inputs.any() else inputs[:, :0]
+    encoded = (self.tokenizer.encode(list(targets), target=True)
+               if isinstance(self.tokenizer, HFTokenizer) else self.tokenizer.encode(list(targets)))
+    rows = [ids + [EOS_ID] for ids in encoded]
     outputs = np.zeros((len(rows), max(map(len, rows))), np.int32)
     for i, row in enumerate(rows):
       outputs[i, :len(row)] = row
     if outputs.shape[1] > self.model_config.max_len:
       raise UserError(f"a target has {outputs.shape[1]} tokens, more than model.max_len "
                       f"({self.model_config.max_len})")
-    return [float(x) for x in np.asarray(decode.sequence_log_prob(
-        self.params, self.model_config, inputs, outputs))]
+    per_token = np.asarray(decode.token_log_probs(self.params, self.model_config, inputs,
+                                                  outputs))
+    return [per_token[i, :len(row)] for i, row in enumerate(rows)]
+
+  def score(self, sources: Sequence[str], targets: Sequence[str]) -> list:
+    """log p(target | source) of each pair (natural log, EOS included), by teacher forcing:
+    the sums of `token_log_probs`."""
+    return [float(np.sum(row, dtype=np.float64))
+            for row in self.token_log_probs(sources, targets)]
 
 
 def load_model(workdir: str, step: Optional[int] = None, overrides: Optional[dict] = None
