@@ -96,9 +96,15 @@ _HF_DIR = flags.DEFINE_string("hf_dir", None, "--mode=import_hf / export_hf: the
 _CHECKPOINT_STEP = flags.DEFINE_integer(
     "checkpoint_step", None,
     "Checkpoint to evaluate, translate or generate with (default: the latest).")
+_OUTPUT_FORMAT = flags.DEFINE_enum(
+    "output_format", "text", ["text", "escaped", "jsonl"],
+    "--mode=translate / generate: how each output is written as one line. text: line breaks "
+    "inside an output (\\n, \\x0b, \\x1d, ...) as spaces, counted on stderr; escaped: "
+    "Python string escapes (\\\\, \\n, \\xHH, \\uHHHH); jsonl: {\"output\": ...} per line.")
 _OUR_FLAGS = (_CONFIG, _WORKDIR, _MODE, _CHECKPOINT_STEP, _SPLIT, _TEXT, _SWEEP, _SWEEP_PARALLEL,
               _SWEEP_SEEDS, _SWEEP_TRIALS, _SWEEP_TEST_BEST, _SWEEP_DRY_RUN, _SWEEP_METRIC,
-              _COORDINATOR, _NUM_PROCESSES, _PROCESS_ID, _KEEP_HOST_MEMORY, _HF_DIR)
+              _COORDINATOR, _NUM_PROCESSES, _PROCESS_ID, _KEEP_HOST_MEMORY, _HF_DIR,
+              _OUTPUT_FORMAT)
 
 
 def _help() -> str:
@@ -258,7 +264,8 @@ def _check_flags(mode: str) -> None:
                       "leave the flag out")
   for flag, modes in ((_CHECKPOINT_STEP, ("evaluate", "translate", "generate", "plot")),
                       (_TEXT, ("plot",)),
-                      (_SPLIT, ("export", "evaluate")), (_HF_DIR, HF_MODES)):
+                      (_SPLIT, ("export", "evaluate")), (_HF_DIR, HF_MODES),
+                      (_OUTPUT_FORMAT, ("translate", "generate"))):
     if flags.FLAGS[flag.name].present and mode not in modes:
       raise UserError(f"--{flag.name} is for --mode={' or '.join(modes)}, not --mode={mode}"
                       + ("; training always resumes from the newest checkpoint"
@@ -427,11 +434,13 @@ def run(argv) -> None:
     from transformer_jax.eval import translate
     # Bytes, decoded by translate: a line that is not UTF-8 must not lose its whole batch.
     translate.translate_from_workdir(config, _WORKDIR.value, sys.stdin.buffer, sys.stdout,
-                                    step=_CHECKPOINT_STEP.value)
+                                    step=_CHECKPOINT_STEP.value,
+                                    output_format=_OUTPUT_FORMAT.value)
   elif mode == "generate":  # stdin prompts -> stdout continuations, in order
     from transformer_jax.eval import generate
     generate.generate_from_workdir(config, _WORKDIR.value, sys.stdin.buffer, sys.stdout,
-                                   step=_CHECKPOINT_STEP.value)
+                                   step=_CHECKPOINT_STEP.value,
+                                   output_format=_OUTPUT_FORMAT.value)
 
 
 def _run_hf(mode: str) -> None:

@@ -14,7 +14,7 @@ from transformer_jax.core.tokens import BOS_ID
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.eval.load import load_trained
 from transformer_jax.eval.search import batch_rng, decode_batch, detokenize, max_decode_length
-from transformer_jax.eval.translate import DecodedLines
+from transformer_jax.eval.translate import DecodedLines, output_line, warn_folded
 from transformer_jax.model import ModelConfig
 
 
@@ -54,7 +54,8 @@ def generate(params, model_config: ModelConfig, config, tokenizer: tokenizer_lib
 
   A blank line is an empty prompt: the model writes a text from its beginning. A prompt keeps
   its last model.max_len - eval.max_decode_len tokens (BOS included), so that prompt and
-  continuation fit the positions the model has; a continuation never contains a newline.
+  continuation fit the positions the model has; a continuation is the decoded text as it is,
+  line breaks included (`translate.output_line` writes it as one line).
   """
   check_generates(model_config, config)
   batch_size, max_length = config.eval.batch_size, max_decode_length(config)
@@ -71,25 +72,29 @@ def generate(params, model_config: ModelConfig, config, tokenizer: tokenizer_lib
     tokens = decode_batch(params, model_config, config.eval, prompts, max_length,
                           batch_rng(config, index), mesh=mesh, prompts=True)
     for row in range(len(chunk)):
-      yield " ".join(detokenize(tokenizer, tokens[row]).splitlines()), bool(truncated[row])
+      yield detokenize(tokenizer, tokens[row]), bool(truncated[row])
 
 
 def generate_from_workdir(config, workdir: str, lines: Iterable, out=sys.stdout,
-                          err=sys.stderr, step=None) -> int:
-  """Writes one continuation per line of `lines` (bytes or text) to `out`, with checkpoint
+                          err=sys.stderr, step=None, output_format: str = "text") -> int:
+  """Writes one continuation per line of `lines` (bytes or text) to `out`, each as
+  `translate.output_line` writes it in `output_format`, with checkpoint
   `step` of `workdir` (default: the latest); returns the line count. Truncated prompts and lines
   that are not UTF-8 are counted on `err`, as translate does."""
   # Checked on the config before any checkpoint is read: restoring another architecture's
   # checkpoint into this one would fail first, with a message about the tree, not the mode.
   check_generates(config.model, config)
+  output_line("", output_format)  # an unknown format is refused before any work
   trained = load_trained(config, workdir, step)
   lines = DecodedLines(lines)
-  count, truncated = 0, 0
+  count, truncated, folded = 0, 0, 0
   for text, cut in generate(trained.params, trained.model_config, config, trained.tokenizer,
                             lines, trained.mesh):
-    out.write(text + "\n")
+    line, was_folded = output_line(text, output_format)
+    out.write(line + "\n")
     out.flush()
-    count, truncated = count + 1, truncated + cut
+    count, truncated, folded = count + 1, truncated + cut, folded + was_folded
+  warn_folded(folded, count, "continuations", err)
   if truncated:
     print(f"warning: {truncated} of {count} prompts were longer than model.max_len - "
           "eval.max_decode_len tokens and kept only their end", file=err, flush=True)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import json
+import re
 import sys
 from typing import Iterable, Iterator, Sequence
 
@@ -34,6 +36,51 @@ def encode_sources(tokenizer: tokenizer_lib.Tokenizer, texts: Sequence[str], max
   return inputs, truncated
 
 
+# How --mode=translate / generate write each output as one line of stdout (--output_format):
+#   text: as decoded, each line break inside it (what str.splitlines breaks at: \n, \r, \x0b,
+#     \x0c, \x1c-\x1e, \x85, \u2028, \u2029) written as a space, and said once on stderr;
+#   escaped: backslash escapes as in a Python string literal (\\, \n, \r, \t, \xHH, \uHHHH for
+#     every control character and line separator), so `ast.literal_eval('"' + line + '"')`
+#     (with '"' escaped too) gives the output back;
+#   jsonl: one JSON object {"output": ...} per line.
+OUTPUT_FORMATS = ("text", "escaped", "jsonl")
+_NAMED_ESCAPES = {"\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escape(char: str) -> str:
+  if char in _NAMED_ESCAPES:
+    return _NAMED_ESCAPES[char]
+  code = ord(char)
+  return f"\\x{code:02x}" if code <= 0xFF else f"\\u{code:04x}"
+
+
+def _escaped(text: str) -> str:
+  return re.sub(r"[\\\x00-\x1f\x7f-\x9f\u2028\u2029]", lambda m: _escape(m.group()), text)
+
+
+def output_line(text: str, output_format: str) -> tuple[str, bool]:
+  """(one output as one line of `output_format`, without its newline; whether `text` held a
+  line break that the text format wrote as a space)."""
+  if output_format == "jsonl":
+    line = json.dumps({"output": text}, ensure_ascii=False)  # escapes \x00-\x1f, not these:
+    return re.sub("[\x85\u2028\u2029]", lambda m: f"\\u{ord(m.group()):04x}", line), False
+  if output_format == "escaped":
+    return _escaped(text), False
+  if output_format != "text":
+    raise UserError(f"--output_format must be one of {', '.join(OUTPUT_FORMATS)}; got "
+                    f"{output_format!r}")
+  parts = text.splitlines()
+  return " ".join(parts), len(parts) > 1 or text != text.rstrip("\n\r\x0b\x0c\x1c\x1d\x1e"
+                                                                "\x85\u2028\u2029")
+
+
+def warn_folded(folded: int, count: int, what: str, err) -> None:
+  if folded:
+    print(f"warning: {folded} of {count} {what} held line breaks (\\n, \\x0b, \\x1d, ...), "
+          "written as spaces to keep one output per line; --output_format=escaped or jsonl keeps "
+          "them", file=err, flush=True)
+
+
 def translate(params, model_config: ModelConfig, config, tokenizer: tokenizer_lib.Tokenizer,
               lines: Iterable[str], mesh=None, buffer_size: int = 0
               ) -> Iterator[tuple[str, bool]]:
@@ -43,7 +90,8 @@ def translate(params, model_config: ModelConfig, config, tokenizer: tokenizer_li
   decoded in batches of at most eval.batch_size rows, so that a buffer of 1 answers every line
   as soon as it is read. A blank line translates to an empty line without decoding; a source
   of more than data.max_source_len - 1 tokens (the last place is EOS's) is truncated; a
-  translation never contains a newline. `mesh`: the mesh `params` live on, if any.
+  translation is the decoded text as it is, line breaks included (`output_line` writes it as one
+  line). `mesh`: the mesh `params` live on, if any.
   """
   batch_size, max_length = config.eval.batch_size, max_decode_length(config)
   buffer_size = buffer_size or batch_size
@@ -61,8 +109,7 @@ def translate(params, model_config: ModelConfig, config, tokenizer: tokenizer_li
                             batch_rng(config, decoded), mesh=mesh)
       decoded += 1
       for row, i in enumerate(batch):
-        results[i] = (" ".join(detokenize(tokenizer, tokens[row]).splitlines()),
-                      bool(truncated[row]))
+        results[i] = (detokenize(tokenizer, tokens[row]), bool(truncated[row]))
     yield from results
 
 
@@ -108,27 +155,31 @@ def _lines(numbers: list) -> str:
 
 def write_translations(params, model_config: ModelConfig, config,
                        tokenizer: tokenizer_lib.Tokenizer, lines: Iterable, out=sys.stdout,
-                       err=sys.stderr, mesh=None) -> int:
-  """Writes one translation per line of `lines` (bytes or text) to `out`, in order; returns the
-  line count.
+                       err=sys.stderr, mesh=None, output_format: str = "text") -> int:
+  """Writes one translation per line of `lines` (bytes or text) to `out`, in order, each as
+  `output_line` writes it in `output_format`; returns the line count.
 
   How many sources were truncated, and which were not UTF-8, is said once each, on `err`, at
   the end.
   """
   size = buffer_size(config, lines)
   lines = DecodedLines(lines)
-  count, truncated = 0, []
+  output_line("", output_format)  # an unknown format is refused before any work
+  count, truncated, folded = 0, [], 0
   # A count of lines with their rate on a terminal's stderr, for a file being translated (a
   # person typing sees each answer instead).
   with progress.bar(desc="translating", unit="line", stdout_is_output=True,
                     disable=size == 1 or not progress.enabled(stdout_is_output=True)) as shown:
     for count, (translation, cut) in enumerate(
         translate(params, model_config, config, tokenizer, lines, mesh, size), 1):
-      out.write(translation + "\n")
+      line, was_folded = output_line(translation, output_format)
+      out.write(line + "\n")
       out.flush()
       shown.update()
+      folded += was_folded
       if cut:
         truncated.append(count)
+  warn_folded(folded, count, "translations", err)
   if truncated:
     print(f"warning: {len(truncated)} of {count} source lines (line {_lines(truncated)}) had "
           f"more than data.max_source_len - 1 = {config.data.max_source_len - 1} tokens and were "
@@ -152,10 +203,11 @@ def check_translates(config) -> None:
 
 
 def translate_from_workdir(config, workdir: str, lines: Iterable[str], out=sys.stdout,
-                           err=sys.stderr, step=None) -> int:
+                           err=sys.stderr, step=None, output_format: str = "text") -> int:
   """`write_translations` with checkpoint `step` of `workdir` (default: the latest), averaged
   if eval.average_last > 0."""
   check_translates(config)
+  output_line("", output_format)
   trained = load_trained(config, workdir, step)
   return write_translations(trained.params, trained.model_config, config, trained.tokenizer,
-                            lines, out, err, trained.mesh)
+                            lines, out, err, trained.mesh, output_format)
