@@ -408,6 +408,23 @@ def _params_from(tensors: dict, arch, head, model: ModelConfig, vocab: Vocab, pa
   return _nested(flat)
 
 
+def _class_names(hf_config: dict, count: int) -> list:
+  """A classifier's class names by id: their id2label (transformers' LABEL_0, LABEL_1, ... where
+  it has none), each a name that data.labels (comma-separated) holds as it is."""
+  id2label = hf_config.get("id2label") or {str(i): f"LABEL_{i}" for i in range(count)}
+  if sorted(map(str, id2label)) != sorted(str(i) for i in range(count)):
+    raise UserError(f"config.json's id2label has the ids {sorted(id2label)[:5]}, not 0 to "
+                    f"{count - 1}; give every class an id of 0..{count - 1} there")
+  names = [str(id2label[str(i)] if str(i) in id2label else id2label[i]) for i in range(count)]
+  bad = next((n for n in names if not n.strip() or "," in n or n != n.strip()), None)
+  if bad is not None or len(set(names)) != count:
+    problem = (f"the class name {bad!r}, which data.labels (comma-separated) cannot hold"
+               if bad is not None else "a class name twice")
+    raise UserError(f"config.json's id2label has {problem}; give each class its own name "
+                    "without commas or outer spaces there")
+  return names
+
+
 def _experiment_config(model: ModelConfig, task: str, hf_config: dict):
   """The full experiment config of the imported model: defaults, the model, its task (with a
   classifier's class names), limits that fit its positions, and the fine-tuning recipe."""
@@ -422,10 +439,8 @@ def _experiment_config(model: ModelConfig, task: str, hf_config: dict):
   # until then the config keeps the built-in SCAN data, which needs no files, so it validates.
   config.data.source = "scan"
   config.data.format = {"lm": "text", "mlm": "text", "classify": "tsv"}.get(task, "parallel")
-  names = [str((hf_config.get("id2label") or {}).get(str(i), "")) for i in range(model.num_labels)]
-  if task == "classify" and names != [f"LABEL_{i}" for i in range(model.num_labels)] and all(
-      name and "," not in name for name in names):
-    config.data.labels = ",".join(names)  # their class names, in the order of their ids
+  if task == "classify":  # their class names, in the order of their ids, whatever they are
+    config.data.labels = ",".join(_class_names(hf_config, model.num_labels))
   longest = model.max_len // 2 if task == "seq2seq" else model.max_len
   config.data.max_source_len = min(config.data.max_source_len, longest)
   config.data.max_target_len = min(config.data.max_target_len, longest)
@@ -433,6 +448,85 @@ def _experiment_config(model: ModelConfig, task: str, hf_config: dict):
     section, name = key.split(".")
     config[section][name] = value
   return config
+
+
+GENERATION_CONFIG = "generation_config.json"
+# transformers' values of the generation options that change outputs when they are absent.
+_GENERATION_DEFAULTS = {
+    "max_length": 20, "min_length": 0, "do_sample": False, "early_stopping": False,
+    "num_beams": 1, "temperature": 1.0, "top_k": 50, "top_p": 1.0, "min_p": None,
+    "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "repetition_penalty": 1.0,
+    "encoder_repetition_penalty": 1.0, "length_penalty": 1.0, "no_repeat_ngram_size": 0,
+    "encoder_no_repeat_ngram_size": 0, "renormalize_logits": False, "num_beam_groups": 1,
+    "diversity_penalty": 0.0, "remove_invalid_values": False}
+# Keys that are no generation setting of ours to map (ids the import reads elsewhere, outputs).
+_GENERATION_IGNORED = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id",
+                       "transformers_version", "_from_model_config", "use_cache",
+                       "num_return_sequences", "output_attentions", "output_hidden_states",
+                       "output_scores", "output_logits", "return_dict_in_generate")
+
+
+def _generation_settings(config, hf_dir: str, hf_config: dict, model: ModelConfig,
+                         vocab: Vocab, special_ids: dict) -> str:
+  """config.eval from the model's generation settings: generation_config.json, else those that
+  older models keep in config.json. Returns one line naming the settings that have no
+  counterpart here ("" when none)."""
+  if model.arch == "encoder_only":
+    return ""  # nothing generates
+  path = os.path.join(hf_dir, GENERATION_CONFIG)
+  if os.path.isfile(path):
+    settings = _read_json(path, "the model")
+  else:
+    settings = {k: v for k, v in hf_config.items() if k in _GENERATION_DEFAULTS or k in (
+        "max_new_tokens", "bad_words_ids", "suppress_tokens", "forced_eos_token_id",
+        "forced_bos_token_id", "begin_suppress_tokens")}
+  settings = {k: v for k, v in settings.items() if v is not None and k not in _GENERATION_IGNORED}
+  e, unmapped = config.eval, []
+  value = lambda key: settings.get(key, _GENERATION_DEFAULTS.get(key))  # noqa: E731
+  # Their max_length counts the decoder's start token, or a decoder-only model's prompt too.
+  longest = model.max_len - (model.arch == "decoder_only")  # a prompt of one token at least
+  if "max_new_tokens" in settings:
+    e.max_decode_len = min(int(settings["max_new_tokens"]), longest)
+  elif "max_length" in settings and model.arch == "encoder_decoder":
+    e.max_decode_len = min(int(settings["max_length"]) - 1, longest)
+  elif "max_length" in settings:
+    unmapped.append(f"max_length={settings['max_length']} (prompt and output together; "
+                    "eval.max_decode_len counts the output only)")
+  if value("do_sample"):
+    e.decode, e.temperature, e.top_k = "sample", float(value("temperature")), int(value("top_k"))
+  elif value("num_beams") > 1:
+    e.decode, e.beam_size = "beam", int(value("num_beams"))
+    e.length_penalty, e.length_penalty_form = float(value("length_penalty")), "length"
+    if value("early_stopping") is not True and e.length_penalty > 0:
+      unmapped.append(f"early_stopping={value('early_stopping')!r} (transformers may stop a "
+                      "beam search that a longer hypothesis would still win; ours does not)")
+  else:
+    e.decode = "greedy"
+  suppressed = list(settings.get("suppress_tokens") or [])
+  for words in settings.get("bad_words_ids") or []:
+    if len(words) == 1:
+      suppressed += words
+    else:
+      unmapped.append(f"bad_words_ids {words} (a sequence of tokens; only single tokens here)")
+  ours = sorted({int(vocab.our_ids[t]) for t in suppressed if 0 <= t < len(vocab.our_ids)}
+                - {PAD_ID, BOS_ID})  # never generated anyway
+  e.suppress_tokens = tuple(ours)
+  forced = settings.get("forced_eos_token_id")
+  if forced is not None:
+    if forced in (special_ids.get("eos"), [special_ids.get("eos")]):
+      e.force_eos = True
+    else:
+      unmapped.append(f"forced_eos_token_id={forced} (not the EOS token)")
+  for key in sorted(settings):
+    handled = key in ("max_length", "max_new_tokens", "do_sample", "num_beams", "temperature",
+                      "top_k", "length_penalty", "early_stopping", "suppress_tokens",
+                      "bad_words_ids", "forced_eos_token_id")
+    if not handled and settings[key] != _GENERATION_DEFAULTS.get(key, object()):
+      unmapped.append(f"{key}={settings[key]!r}")
+  if not unmapped:
+    return ""
+  return (f"note: {GENERATION_CONFIG if os.path.isfile(path) else CONFIG}'s generation settings "
+          f"{'; '.join(unmapped)} have no counterpart here and are left out")
 
 
 def _check_new_workdir(workdir: str) -> str:
@@ -466,11 +560,13 @@ def import_hf(hf_dir: str, workdir: str) -> str:
                                                             hf_config)
   vocab = vocab_layout(hf_vocab_size, special_ids, arch.slots)
   try:
-    model = ModelConfig(vocab_size=len(vocab.hf_ids), **options).validate()
+    model = ModelConfig(vocab_size=len(vocab.hf_ids), excluded_rows=vocab.extra_rows(),
+                        row_copies=vocab.copies(), **options).validate()
   except UserError as e:
     raise UserError(f"{config_path} maps to a model this project refuses: {e}") from None
   params = _params_from(weights.read(hf_dir), arch, head, model, vocab, config_path)
   config = _experiment_config(model, head.task, hf_config)
+  generation_note = _generation_settings(config, hf_dir, hf_config, model, vocab, special_ids)
   config_lib.validate(config)
   tokenizer_file = json.dumps({
       **tokenizer_record, "hf_ids": vocab.hf_ids.tolist(),
@@ -492,6 +588,8 @@ def import_hf(hf_dir: str, workdir: str) -> str:
     manager.wait()
   finally:
     manager.close()
+  if generation_note:
+    print(generation_note, file=sys.stderr)
   return (f"imported {hf_config.get('model_type')} ({head.hf_class}) from {hf_dir} into "
           f"{workdir}: {model.arch}, {len(jax.tree.leaves(params))} parameter arrays, "
           f"vocabulary {model.vocab_size} (theirs {hf_vocab_size}), data.task={head.task}")
