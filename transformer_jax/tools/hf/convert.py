@@ -552,6 +552,12 @@ def import_hf(hf_dir: str, workdir: str) -> str:
     raise UserError(f"{hf_dir} holds no {CONFIG}; download the model's config.json with its "
                     "weights")
   hf_config = _read_json(config_path, "the model")
+  generation_path = os.path.join(hf_dir, GENERATION_CONFIG)
+  if hf_config.get("decoder_start_token_id") is None and os.path.isfile(generation_path):
+    # transformers 5 keeps it there only; it decides which token the decoder starts from.
+    start = _read_json(generation_path, "the model").get("decoder_start_token_id")
+    if start is not None:
+      hf_config = {**hf_config, "decoder_start_token_id": start}
   arch, head = _architecture(hf_config, config_path)
   options = _model_options(arch, head, hf_config, config_path)
   weights.check_present(hf_dir)
