@@ -112,8 +112,9 @@ def test_label_smoothing_gradient_and_correct_match_float64(bf16):
 @pytest.mark.parametrize("bf16", [False, True])
 @pytest.mark.parametrize("eps", [0.0, 0.2])
 def test_rows_at_minus_infinity_leave_the_vocabulary_loss_and_gradient(bf16, eps):
-  """model.excluded_rows reach the loss as -inf logits: loss, nll and gradient are those of the
-  vocabulary without them (the smoothing spread over the others), the gradient 0 on them."""
+  """model.excluded_rows reach the loss as -inf logits (and by name, for the smoothing): loss,
+  nll and gradient are those of the vocabulary without them (the smoothing spread over the
+  others), the gradient 0 on them."""
   rng = np.random.default_rng(3)
   vocab, excluded = 9, [0, 1, 6]
   kept = [i for i in range(vocab) if i not in excluded]
@@ -123,7 +124,8 @@ def test_rows_at_minus_infinity_leave_the_vocabulary_loss_and_gradient(bf16, eps
   targets = rng.choice(kept, size=(2, 3))
 
   def objective(x):
-    loss, nll, _ = losses.label_smoothed_cross_entropy(x, jnp.asarray(targets), eps, bf16)
+    loss, nll, _ = losses.label_smoothed_cross_entropy(x, jnp.asarray(targets), eps, bf16,
+                                                      excluded_rows=tuple(excluded))
     return loss.sum() + nll.sum(), (loss, nll)
 
   (_, (loss, nll)), grad = jax.value_and_grad(objective, has_aux=True)(

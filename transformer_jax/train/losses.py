@@ -6,14 +6,15 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def label_smoothed_cross_entropy(logits, targets, smoothing: float,
-                                 bfloat16_logits: bool = False):
+                                 bfloat16_logits: bool = False, excluded_rows: tuple = ()):
   """Per-position loss against q = (1 - smoothing) * one_hot(target) + smoothing / vocab.
 
-  A logit of -inf (model.excluded_rows) takes its row out of the vocabulary: it gets neither
-  probability nor a share of the smoothing, which spreads over the rows with finite logits.
+  excluded_rows: model.excluded_rows, whose logits the model makes -inf: they take no
+  probability, and the smoothing's uniform share spreads over the other rows only.
 
   Args:
     logits: float `[batch, length, vocab]`.
@@ -37,40 +38,49 @@ def label_smoothed_cross_entropy(logits, targets, smoothing: float,
     # Exact for bfloat16 values: XLA folds the model's upcast and this cast away, and the
     # gradient comes back in bfloat16, as the model's own cast would have made it.
     logits = logits.astype(jnp.bfloat16)
-  return _cross_entropy(logits, targets, float(smoothing), bool(bfloat16_logits))
+  return _cross_entropy(logits, targets, float(smoothing), bool(bfloat16_logits),
+                        tuple(excluded_rows))
 
 
 # The gradient with respect to the logits is softmax(logits) - q, computed in one elementwise pass
 # over the `[tokens, vocab]` array. Left to autodiff, log_softmax + take_along_axis gave a scatter
 # and a transposed recomputation of the softmax, and the loss head took a third of the CPU step.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _cross_entropy(logits, targets, smoothing, one_pass):
-  return _cross_entropy_fwd(logits, targets, smoothing, one_pass)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _cross_entropy(logits, targets, smoothing, one_pass, excluded):
+  return _cross_entropy_fwd(logits, targets, smoothing, one_pass, excluded)[0]
 
 
-def _cross_entropy_fwd(logits, targets, smoothing, one_pass):
+def _kept(vocab: int, excluded: tuple) -> np.ndarray:
+  """bool `[vocab]`: the rows that take part in the smoothing (a constant of the program)."""
+  kept = np.ones(vocab, bool)
+  kept[list(excluded)] = False
+  return kept
+
+
+def _cross_entropy_fwd(logits, targets, smoothing, one_pass, excluded):
   x = logits.astype(jnp.float32)
+  # The uniform share of q over the rows kept: their mean logit (-inf rows read as 0 in it).
+  summed = jnp.where(_kept(x.shape[-1], excluded), x, 0.0) if excluded else x
+  kept = x.shape[-1] - len(excluded)
   if one_pass:
-    x_max, log_normalizer, total, count, target_logit = _one_pass_statistics(x, targets)
+    x_max, log_normalizer, total, target_logit = _one_pass_statistics(x, targets, summed)
+    mean = total / kept
   else:
     x_max = jnp.max(x, axis=-1)
     log_normalizer = x_max + jnp.log(jnp.sum(jnp.exp(x - x_max[..., None]), axis=-1))
     # A gather, not a one-hot product: the backward pass below never differentiates it.
     target_logit = jnp.take_along_axis(x, targets[..., None], axis=-1)[..., 0]
   nll = log_normalizer - target_logit
-  loss = nll
-  if smoothing:  # -mean(log p) over the rows with finite logits
-    if not one_pass:
-      finite = x > -jnp.inf
-      total = jnp.sum(jnp.where(finite, x, 0.0), axis=-1)
-      count = jnp.sum(finite, axis=-1, dtype=jnp.float32)
-    loss = (1.0 - smoothing) * nll + smoothing * (log_normalizer - total / count)
+  if not smoothing:
+    return (nll, nll, target_logit >= x_max), (logits, targets, log_normalizer)
+  uniform = log_normalizer - (mean if one_pass else jnp.sum(summed, axis=-1) / kept)
+  loss = (1.0 - smoothing) * nll + smoothing * uniform  # uniform: -mean(log p) over kept rows
   return (loss, nll, target_logit >= x_max), (logits, targets, log_normalizer)
 
 
-def _one_pass_statistics(x, targets):
-  """(max, log-sum-exp, sum and count of the finite entries, target's logit) over the last axis
-  of x in ONE variadic reduction.
+def _one_pass_statistics(x, targets, summed):
+  """(max, log-sum-exp, sum of `summed` (x, or x with excluded rows at 0), target's logit) over
+  the last axis of x in ONE variadic reduction.
 
   The sum of exponentials is kept relative to the running maximum and rescaled when the maximum
   grows (the "online softmax" of Milakov & Gimelshein, 2018), so the logits are read once where
@@ -81,26 +91,22 @@ def _one_pass_statistics(x, targets):
   hit = targets[..., None] == jnp.arange(x.shape[-1], dtype=targets.dtype)
 
   def combine(a, b):
-    (max_a, sum_a, total_a, count_a, target_a) = a
-    (max_b, sum_b, total_b, count_b, target_b) = b
+    (max_a, sum_a, total_a, target_a), (max_b, sum_b, total_b, target_b) = a, b
     high, low = jnp.maximum(max_a, max_b), jnp.minimum(max_a, max_b)
     scaled = jnp.where(max_a >= max_b, sum_b, sum_a)  # the sum kept against the lower maximum
     # exp(low - high) <= 1; equal maxima (two empty -inf partials included) scale by 1.
     factor = jnp.exp(jnp.where(high == low, 0.0, low - high))
     kept = jnp.where(max_a >= max_b, sum_a, sum_b)
-    return (high, kept + scaled * factor, total_a + total_b, count_a + count_b,
-            target_a + target_b)
+    return high, kept + scaled * factor, total_a + total_b, target_a + target_b
 
   zero = jnp.zeros((), x.dtype)
-  finite = x > -jnp.inf
-  x_max, exp_sum, total, count, target_logit = jax.lax.reduce(
-      (x, jnp.ones_like(x), jnp.where(finite, x, zero), finite.astype(x.dtype),
-       jnp.where(hit, x, zero)),
-      (jnp.array(-jnp.inf, x.dtype), zero, zero, zero, zero), combine, (x.ndim - 1,))
-  return x_max, x_max + jnp.log(exp_sum), total, count, target_logit
+  x_max, exp_sum, total, target_logit = jax.lax.reduce(
+      (x, jnp.ones_like(x), summed, jnp.where(hit, x, zero)),
+      (jnp.array(-jnp.inf, x.dtype), zero, zero, zero), combine, (x.ndim - 1,))
+  return x_max, x_max + jnp.log(exp_sum), total, target_logit
 
 
-def _cross_entropy_bwd(smoothing, one_pass, residuals, cotangents):
+def _cross_entropy_bwd(smoothing, one_pass, excluded, residuals, cotangents):
   logits, targets, log_normalizer = residuals
   d_loss, d_nll, _ = cotangents
   x = logits.astype(jnp.float32)
@@ -109,10 +115,10 @@ def _cross_entropy_bwd(smoothing, one_pass, residuals, cotangents):
   on_target = ((1.0 - smoothing) * d_loss + d_nll)[..., None]
   d_logits = ((d_loss + d_nll)[..., None] * probs
               - jnp.where(_one_hot(targets, x.shape[-1]), on_target, 0.0))
-  if smoothing:  # the uniform share of q, over the rows with finite logits
-    finite = x > -jnp.inf
-    count = jnp.sum(finite, axis=-1, keepdims=True, dtype=jnp.float32)
-    d_logits = d_logits - jnp.where(finite, smoothing * d_loss[..., None] / count, 0.0)
+  if smoothing:
+    uniform = (smoothing / (x.shape[-1] - len(excluded))) * d_loss[..., None]
+    d_logits = d_logits - (jnp.where(_kept(x.shape[-1], excluded), uniform, 0.0) if excluded
+                           else uniform)
   return d_logits.astype(logits.dtype), None
 
 

@@ -96,7 +96,8 @@ def _loss_and_metrics(params, model, batch, rng, smoothing, normalizer):
   # bfloat16 compute runs on accelerators, where the step is HBM-bound and the loss's passes
   # over the [tokens, vocab] logits are its largest kernels; float32 keeps the CPU's faster form.
   loss, nll, correct = label_smoothed_cross_entropy(
-      logits, labels, smoothing, bfloat16_logits=model.config.compute_dtype == jnp.bfloat16)
+      logits, labels, smoothing, bfloat16_logits=model.config.compute_dtype == jnp.bfloat16,
+      excluded_rows=() if model.config.num_labels else model.config.excluded_rows)
   correct = correct * weights
   sums = {"loss": (loss * weights).sum(), "nll": (nll * weights).sum(), "correct": correct.sum()}
   return sums["loss"] / normalizer, sums
