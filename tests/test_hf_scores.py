@@ -251,6 +251,22 @@ def test_the_excluded_rows_are_what_their_vocabulary_lacks(workdirs):
                   "marian": ((0,), ((0, 1),)), "bert_mlm": ((), ())}
 
 
+def test_a_workdir_from_before_the_excluded_rows_loads_with_every_row(workdirs, tmp_path):
+  """A config.json without the new keys (a workdir imported or trained before them) loads,
+  its model with every row real, as it was."""
+  import shutil
+  workdir = tmp_path / "old"
+  shutil.copytree(workdirs["llama"], workdir)
+  meta = workdir / "checkpoints" / "0" / "meta" / "metadata"  # the checkpoint's own config
+  for path, config in ((workdir / "config.json", None), (meta, "config")):
+    saved = json.loads(path.read_text())
+    for key in ("excluded_rows", "row_copies"):
+      del (saved[config] if config else saved)["model"][key]
+    path.write_text(json.dumps(saved))
+  old = trained_from(workdir)
+  assert (old.model_config.excluded_rows, old.model_config.row_copies) == ((), ())
+
+
 README_SNIPPET = "## Python API"
 
 
