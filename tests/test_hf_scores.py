@@ -414,9 +414,12 @@ def test_imported_generation_settings(workdirs, capsys, tmp_path, dirs):
   """Marian's generation_config.json: beams and transformers' length penalty, the length limit
   (their max_length counts the decoder start), forced EOS, <pad> as a bad word (our BOS: never
   generated anyway); a setting with no counterpart is named in one line."""
-  e = config_lib.from_workdir(str(workdirs["marian"])).eval
+  config = config_lib.from_workdir(str(workdirs["marian"]))
+  e = config.eval
   assert (e.decode, e.beam_size, e.length_penalty, e.length_penalty_form, e.max_decode_len,
           e.force_eos, tuple(e.suppress_tokens)) == ("beam", 4, 1.0, "length", 11, True, ())
+  # Its evaluations go to files of their own, not to those of our default beam search.
+  assert evaluate_lib.decode_name(config) == "beam4-lplength1-eos-len11"
   model = transformers.MarianMTModel.from_pretrained(dirs["marian"])
   model.generation_config.no_repeat_ngram_size = 3
   model.save_pretrained(tmp_path / "hf")

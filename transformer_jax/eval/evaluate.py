@@ -143,14 +143,18 @@ def evaluate(params, model_config: ModelConfig, config, tokenizer: tokenizer_lib
 
 def decode_name(config) -> str:
   """The search of `config.eval` in a file name: greedy, beam4-lp0.6, sample-t0.8-top40, with
-  -lenK when eval.max_decode_len sets the output length."""
+  -lenK when eval.max_decode_len sets the output length (beam4-lplength1.0 with transformers'
+  length penalty; -eos with eval.force_eos, -suppressN with N eval.suppress_tokens)."""
   e = config.eval
   if e.decode == "beam":
-    name = f"beam{e.beam_size}-lp{e.length_penalty:g}"
+    form = "" if e.get("length_penalty_form", "gnmt") == "gnmt" else e.length_penalty_form
+    name = f"beam{e.beam_size}-lp{form}{e.length_penalty:g}"
   elif e.decode == "sample":
     name = f"sample-t{e.temperature:g}" + (f"-top{e.top_k}" if e.top_k else "")
   else:
     name = "greedy"
+  name += "-eos" if e.get("force_eos", False) else ""
+  name += f"-suppress{len(e.suppress_tokens)}" if e.get("suppress_tokens", ()) else ""
   return name + (f"-len{e.max_decode_len}" if e.max_decode_len else "")
 
 
