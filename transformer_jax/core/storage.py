@@ -135,6 +135,7 @@ def filesystem(scheme: str):
         extra = {"gs": "gcs", "s3": "s3"}[scheme]
         raise UserError(f"a {scheme}:// workdir needs {client}, which is not installed; "
                         f"pip install -e '.[{extra}]' (or pip install {client})") from None
+      _check_credentials_file(scheme)
       if scheme == "gs":
         # gcsfs logs a warning per bucket when it cannot ask for the bucket's kind, and a
         # traceback for each failed request; the failures reach the user as one UserError.
@@ -161,6 +162,20 @@ def filesystem(scheme: str):
                                               "retries": {"max_attempts": RETRIES}})
       _FILESYSTEMS[key] = fs
     return _FILESYSTEMS[key]
+
+
+_CREDENTIALS_FILES = {"gs": ("GOOGLE_APPLICATION_CREDENTIALS",),
+                      "s3": ("AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE")}
+
+
+def _check_credentials_file(scheme: str) -> None:
+  """A credentials file that a variable names but that is not there is one line at once (the
+  libraries would otherwise go on to their other sources and wait for each)."""
+  for variable in _CREDENTIALS_FILES[scheme]:
+    path = os.environ.get(variable)
+    if path and not os.path.isfile(os.path.expanduser(path)):
+      raise UserError(f"{variable} names {path}, which is not a file; point it at the "
+                      f"credentials file of {SCHEMES[scheme]} (or unset it)")
 
 
 def _failure(url: str, e: BaseException, doing: str) -> Optional[UserError]:
@@ -193,7 +208,8 @@ def _failure(url: str, e: BaseException, doing: str) -> Optional[UserError]:
                      f"and the endpoint, or raise {TIMEOUT_ENV}")
   if name in ("EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError",
               "ClientConnectorError", "ServerDisconnectedError", "ConnectionError",
-              "TimeoutError", "ConnectionRefusedError", "ClientOSError") or isinstance(
+              "TimeoutError", "ConnectionRefusedError", "ClientOSError") or name.startswith(
+                "ClientConnector") or isinstance(
                 e, (ConnectionError, TimeoutError)):
     return UserError(f"cannot {doing} {url}: {endpoint(scheme)} does not answer ({name}: {text}, "
                      f"after {RETRIES} attempts); check the network and the endpoint "
