@@ -17,6 +17,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -243,3 +244,70 @@ def gcs_buckets(*names: str):
     finally:
       os.environ.clear()
       os.environ.update(saved)
+
+
+class Outage:
+  """A TCP relay in front of an endpoint (a thread of the test process), taken down and brought
+  back by the test: down, it refuses new connections and cuts the open ones, as a store that
+  went away does; the emulator behind it keeps every object. Point the client at `url`."""
+
+  def __init__(self, target: str):
+    self.target = target.split("://", 1)[-1].split(":")
+    self.port = free_port()
+    self.url = f"http://127.0.0.1:{self.port}"
+    self._open, self._listener, self._thread = [], None, None
+    self._lock = threading.Lock()
+    self.up()
+
+  def up(self) -> None:
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", self.port))
+    listener.listen(64)
+    self._listener = listener
+    self._thread = threading.Thread(target=self._accept, args=(listener,), daemon=True)
+    self._thread.start()
+
+  def down(self) -> None:
+    listener, self._listener = self._listener, None
+    with contextlib.suppress(OSError):
+      listener.shutdown(socket.SHUT_RDWR)
+    listener.close()
+    self._thread.join(timeout=5)
+    with self._lock:
+      for connection in self._open:
+        with contextlib.suppress(OSError):
+          connection.shutdown(socket.SHUT_RDWR)
+        connection.close()
+      self._open = []
+
+  def _accept(self, listener) -> None:
+    while True:
+      try:
+        client, _ = listener.accept()
+      except OSError:
+        return  # closed by down()
+      try:
+        server = socket.create_connection((self.target[0], int(self.target[1])))
+      except OSError:
+        client.close()
+        continue
+      with self._lock:
+        self._open += [client, server]
+      for a, b in ((client, server), (server, client)):
+        threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+  @staticmethod
+  def _pump(source, sink) -> None:
+    try:
+      while data := source.recv(65536):
+        sink.sendall(data)
+    except OSError:
+      pass
+    finally:
+      with contextlib.suppress(OSError):
+        sink.shutdown(socket.SHUT_WR)
+
+  def close(self) -> None:
+    if self._listener is not None:
+      self.down()

@@ -204,10 +204,13 @@ def _workdir_config(workdir: str, mode: str) -> Optional[str]:
       storage.check_bucket(path)  # a bounded wait, and the one line for a bucket's problem
     if storage.isfile(storage.join(path, "config.json")):
       return f"{os.path.join(experiments.DIRECTORY, '_workdir.py')}:{path}"
-    if mode != "train" and (storage.is_url(path) or os.path.isdir(path)):
+    if mode != "train":
+      problem = ("does not exist" if not storage.is_url(path) and not os.path.lexists(path)
+                 else "is a file, not a directory" if not storage.is_url(path)
+                 and not os.path.isdir(path) else "holds no config.json")
       _WORKDIR_PROBLEM[workdir] = UserError(
-          f"--workdir {workdir} holds no config.json, so no run was trained there; give the "
-          "workdir of a trained run (or --config=EXPERIMENT to start from an experiment)")
+          f"--workdir {workdir} {problem} to take the run's config from; give the workdir of a "
+          "trained run, or --config=EXPERIMENT (the one it was trained with)")
   except UserError as e:
     _WORKDIR_PROBLEM[workdir] = e
   except OSError:
@@ -425,7 +428,8 @@ def run(argv) -> None:
   if mode in HF_MODES:
     _run_hf(mode)
     return
-  if mode in READING_MODES and _WORKDIR.value is not None:
+  if _WORKDIR.value is not None and (mode in READING_MODES or mode in DESCRIBING_MODES
+                                     and _CONFIG.value is None):
     check_trained_workdir(_WORKDIR.value)  # before "--config is required": a typo says so
   if _CONFIG.value is None:
     if flags.FLAGS["config"].present:  # a file was given, and its get_config() returned None

@@ -17,7 +17,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from transformer_jax import config as config_lib
-from transformer_jax.core import progress, storage
+from transformer_jax.core import outage, progress, storage
 from transformer_jax.core.errors import UserError
 from transformer_jax.data import cache, pipeline, prepare, sources
 from transformer_jax.data import tokenizer as tokenizer_lib
@@ -168,6 +168,8 @@ def train(config, workdir: str, evaluate_fn: EvaluateFn) -> Result:
   config_json = config.to_json_best_effort(indent=2)
   checkpoint.create_workdir(workdir)
   lock = checkpoint.claim_workdir(workdir, seen_steps)  # held until training and its eval end
+  if storage.is_url(workdir):  # the bucket answered: from now on its outages are ridden out
+    outage.arm(t.storage_outage_s)
   if is_main and new_tokenizer:
     storage.write(storage.join(workdir, tokenizer.filename), tokenizer.model_proto)
   if is_main:
@@ -281,6 +283,7 @@ def train(config, workdir: str, evaluate_fn: EvaluateFn) -> Result:
     logger.close()
   checkpoint_steps = manager.all_steps()
   manager.close()
+  outage.arm(0)
   return Result(workdir=workdir, state=state, model_config=model_config, tokenizer=tokenizer,
                 start_step=start, final_metrics=final_metrics, test_metrics=test_metrics,
                 stopped_by=preemption.signal,
