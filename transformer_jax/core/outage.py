@@ -132,6 +132,8 @@ def retry(fn: Callable, endpoint: str, waited_for: str):
   to the armed bound of the outage; other failures are raised at once."""
   delay = FIRST_DELAY_S
   while True:
+    if _gave_up:  # the run is on its way out: nothing more waits for the store
+      raise give_up(endpoint, waited_for)
     try:
       result = fn()
     except Exception as e:  # the libraries raise many types; `unreachable` sorts them
