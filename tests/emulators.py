@@ -257,6 +257,15 @@ class Outage:
     self.url = f"http://127.0.0.1:{self.port}"
     self._open, self._listener, self._thread = [], None, None
     self._lock = threading.Lock()
+    self.refusing = ()  # texts: connections whose first request line holds them all get 403
+    self.up()
+
+  def refuse(self, *texts) -> None:
+    """From now on, a connection whose first request line holds each of `texts` is answered 403
+    Forbidden, as GCS answers a write its caller may not make (none: forward all again). Open
+    connections are cut, so that every client opens new ones."""
+    self.refusing = texts
+    self.down()
     self.up()
 
   def up(self) -> None:
@@ -287,15 +296,34 @@ class Outage:
         client, _ = listener.accept()
       except OSError:
         return  # closed by down()
+      threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+
+  _FORBIDDEN = json.dumps({"error": {"code": 403, "message": "Forbidden: the relay of the "
+                                     "tests refuses this request", "errors": []}}).encode()
+
+  def _serve(self, client) -> None:
+    if self.refusing:
       try:
-        server = socket.create_connection((self.target[0], int(self.target[1])))
+        first = client.recv(8192, socket.MSG_PEEK).split(b"\r\n", 1)[0]
       except OSError:
         client.close()
-        continue
-      with self._lock:
-        self._open += [client, server]
-      for a, b in ((client, server), (server, client)):
-        threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+        return
+      if all(text.encode() in first for text in self.refusing):
+        with contextlib.suppress(OSError):
+          client.sendall(b"HTTP/1.1 403 Forbidden\r\nContent-Type: application/json\r\n"
+                         b"Connection: close\r\nContent-Length: %d\r\n\r\n"
+                         % len(self._FORBIDDEN) + self._FORBIDDEN)
+        client.close()
+        return
+    try:
+      server = socket.create_connection((self.target[0], int(self.target[1])))
+    except OSError:
+      client.close()
+      return
+    with self._lock:
+      self._open += [client, server]
+    for a, b in ((client, server), (server, client)):
+      threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
 
   @staticmethod
   def _pump(source, sink) -> None:

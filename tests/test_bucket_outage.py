@@ -99,3 +99,41 @@ def test_past_the_bound_it_stops_in_one_line_keeping_its_last_checkpoint(store):
   steps = checkpoint.saved_steps(workdir)
   assert steps and steps[-1] < STEPS, steps
   assert restore_latest(workdir).step == steps[-1]
+
+
+@pytest.mark.parametrize("workdir, env, says", [
+    ("gs://bucket/never_trained", {}, "gs://bucket/never_trained holds no config.json to take "
+                                      "the run's config from"),
+    ("gs://no-such-bucket/run", {}, "the bucket gs://no-such-bucket does not exist"),
+    ("gs://bucket/run", {"GOOGLE_APPLICATION_CREDENTIALS": "/nonexistent/key.json"},
+     "GOOGLE_APPLICATION_CREDENTIALS names /nonexistent/key.json, which is not a file")])
+def test_a_bucket_workdir_to_read_without_config_names_what_is_missing(store, workdir, env, says):
+  """Not "--config is required": the workdir, its bucket or the credentials are what is wrong
+  (the last at once, not after the credential chain's waits)."""
+  _, launcher = store
+  started = time.time()
+  code, out, err = launcher.run(f"--workdir={workdir}", "--mode=evaluate", env=env)
+  assert code == 2 and err.count("\n") == 1 and err.startswith("error: "), err
+  assert says in err, err
+  assert time.time() - started < 30
+
+
+def test_a_checkpoint_write_the_store_refuses_is_one_line(store):
+  """The store answers 403 to the checkpoints' uploads (every other request passes): one line
+  naming the answer, exit 2, none of orbax's tracebacks."""
+  relay, launcher = store
+  workdir = "gs://bucket/refused"
+  relay.refuse("/upload/", "checkpoints")  # uploads only: the listings pass
+  try:
+    code, out, err = launcher.run(*RUN, f"--workdir={workdir}")
+  finally:
+    relay.refuse()
+  assert code == 2, err
+  assert "Traceback" not in err, err
+  # (TensorStore, at an emulator without credentials, logs one line of its own when it looks
+  # for them: "Could not find the credentials file"; a real run has credentials.)
+  lines = [line for line in err.strip().splitlines()
+           if "google_auth_provider.cc" not in line]
+  assert len(lines) == 1 and lines[0].startswith("error: "), err
+  assert "permission denied" in lines[0] and "Forbidden" in lines[0], err
+  assert "no checkpoint was written" in lines[0], err

@@ -226,6 +226,14 @@ def _ride(url: str, doing: str, fn: Callable, *args, **kwargs):
                       f"to {doing} {url}")
 
 
+def user_failure(url: str, e: BaseException, doing: str) -> Optional[UserError]:
+  """The UserError of `_failure` for a failure met elsewhere (orbax's writes), or None."""
+  try:
+    return _failure(url, e, doing)
+  except UserError as error:  # a URL of no known scheme
+    return error
+
+
 def _call(url: str, doing: str, fn: Callable, *args, **kwargs):
   """fn(*args, **kwargs), a request about `url`; user-fixable failures become one UserError."""
   try:

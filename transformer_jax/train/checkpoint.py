@@ -292,8 +292,12 @@ class _WriteFailureFilter(logging.Filter):
   abandoned tasks for a write that failed (disk full, read-only): `Manager` raises that failure
   as one UserError in the main thread, and nothing else needs saying."""
 
+  bucket_saves = False  # a writable Manager of a bucket exists: it reports every failed save
+
   def filter(self, record: logging.LogRecord) -> bool:
     exception = record.exc_info[1] if record.exc_info else None
+    if self.bucket_saves and record.levelno >= logging.ERROR and "orbax" in record.pathname:
+      return False  # a save the store refused or cut: Manager raises it in one line
     if outage.armed() and (outage.unreachable(Exception(record.getMessage()))
                            or exception is not None and outage.unreachable(exception)
                            or record.getMessage().startswith("Waiting for previous save")):
@@ -437,6 +441,7 @@ class Manager:
     if writable:
       if storage.is_url(self.workdir):
         _bound_tensorstore_retries()
+        _FILTER.bucket_saves = True
       for name in ("absl", "asyncio"):
         logging.getLogger(name).addFilter(_FILTER)
       if not getattr(sys.unraisablehook, "drops_write_failure_noise", False):
@@ -533,6 +538,24 @@ class Manager:
       self._manager.reload()
       self._put(step, args, metrics)
 
+  def _refused(self, error: Exception) -> UserError:
+    """One line for a checkpoint write that the bucket's store refused (no permission, a
+    bucket deleted, a quota): its answer, and what is intact."""
+    _release_cut_save()
+    gc.collect()
+    cause = error
+    while cause.__cause__ is not None or cause.__context__ is not None:
+      cause = cause.__cause__ or cause.__context__
+    known = storage.user_failure(self.directory, cause, "write a checkpoint in")
+    reason = " ".join(str(cause).split())[:200] or type(cause).__name__
+    steps = saved_steps(self.workdir)
+    kept = (f"the checkpoints written before (steps {steps}) are intact" if steps
+            else "no checkpoint was written")
+    if known is not None:
+      return UserError(f"{known}; {kept}")
+    return UserError(f"cannot write a checkpoint in {self.directory}: the store answered "
+                     f"{type(cause).__name__}: {reason}; {kept}")
+
   def _endpoint(self) -> str:
     return storage.endpoint(self.directory.split("://", 1)[0])
 
@@ -564,6 +587,8 @@ class Manager:
         outage.failed(self._endpoint(), e, "to save a checkpoint")
         raise _Unanswered() from None
       code = _write_errno(e)
+      if code is None and storage.is_url(self.directory):
+        raise self._refused(e) from None
       if code is None:
         raise
       steps = saved_steps(self.workdir)
