@@ -26,6 +26,7 @@ def test_every_flag_says_which_modes_use_it():
   assert "only applies with --sweep" in cli.refused_flag("sweep_seeds", "train", ["sweep_seeds"])
   assert cli.refused_flag("sweep_seeds", "train", ["sweep", "sweep_seeds"]) is None
   assert cli.refused_flag("checkpoint_step", "export_hf", []) is None
+  assert "compile    compiles for a TPU slice or GPUs on any machine" in cli._help()
 
 
 GPT2_LIKE = dict(vocab_size=30, d_model=16, d_ff=24, num_heads=2, num_decoder_layers=1,
@@ -129,6 +130,7 @@ def test_an_armed_retry_waits_out_failures_then_gives_up_in_one_line(monkeypatch
                                         r"\(train.storage_outage_s=0\) while this run waited to "
                                         r"write gs://b/y; what was written before is intact"):
       outage.retry(never, "http://store", "to write gs://b/y")
+    outage.arm(0.3)  # a new run: the process that gave up fails every request at once
     with pytest.raises(ValueError):  # not an outage: raised at once
       outage.retry(lambda: int("x"), "http://store", "to write")
   finally:

@@ -52,8 +52,8 @@ QUIET_S = 60.0
 
 def arm(seconds: float) -> None:
   """Lets this process's requests wait out an outage of up to `seconds` (0: not at all)."""
-  global _limit, _gave_up
-  _limit, _gave_up = max(float(seconds), 0.0), False
+  global _limit, _gave_up, _since
+  _limit, _gave_up, _since = max(float(seconds), 0.0), False, None
 
 
 def armed() -> bool:

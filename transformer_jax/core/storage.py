@@ -164,8 +164,9 @@ def filesystem(scheme: str):
     return _FILESYSTEMS[key]
 
 
-_CREDENTIALS_FILES = {"gs": ("GOOGLE_APPLICATION_CREDENTIALS",),
-                      "s3": ("AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE")}
+# google-auth fails on a key file that is not there (after gcsfs's chain has waited on its other
+# sources); botocore treats a missing shared-credentials file as none, a common way to use none.
+_CREDENTIALS_FILES = {"gs": ("GOOGLE_APPLICATION_CREDENTIALS",), "s3": ()}
 
 
 def _check_credentials_file(scheme: str) -> None:
