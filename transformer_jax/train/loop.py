@@ -169,7 +169,7 @@ def train(config, workdir: str, evaluate_fn: EvaluateFn) -> Result:
   checkpoint.create_workdir(workdir)
   lock = checkpoint.claim_workdir(workdir, seen_steps)  # held until training and its eval end
   if storage.is_url(workdir):  # the bucket answered: from now on its outages are ridden out
-    outage.arm(t.storage_outage_s)
+    outage.arm(t.storage_outage_s)  # (up to the run's last write: run.py disarms)
   if is_main and new_tokenizer:
     storage.write(storage.join(workdir, tokenizer.filename), tokenizer.model_proto)
   if is_main:
@@ -283,7 +283,6 @@ def train(config, workdir: str, evaluate_fn: EvaluateFn) -> Result:
     logger.close()
   checkpoint_steps = manager.all_steps()
   manager.close()
-  outage.arm(0)
   return Result(workdir=workdir, state=state, model_config=model_config, tokenizer=tokenizer,
                 start_step=start, final_metrics=final_metrics, test_metrics=test_metrics,
                 stopped_by=preemption.signal,
