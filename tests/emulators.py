@@ -17,6 +17,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -243,3 +244,98 @@ def gcs_buckets(*names: str):
     finally:
       os.environ.clear()
       os.environ.update(saved)
+
+
+class Outage:
+  """A TCP relay in front of an endpoint (a thread of the test process), taken down and brought
+  back by the test: down, it refuses new connections and cuts the open ones, as a store that
+  went away does; the emulator behind it keeps every object. Point the client at `url`."""
+
+  def __init__(self, target: str):
+    self.target = target.split("://", 1)[-1].split(":")
+    self.port = free_port()
+    self.url = f"http://127.0.0.1:{self.port}"
+    self._open, self._listener, self._thread = [], None, None
+    self._lock = threading.Lock()
+    self.refusing = ()  # texts: connections whose first request line holds them all get 403
+    self.up()
+
+  def refuse(self, *texts) -> None:
+    """From now on, a connection whose first request line holds each of `texts` is answered 403
+    Forbidden, as GCS answers a write its caller may not make (none: forward all again). Open
+    connections are cut, so that every client opens new ones."""
+    self.refusing = texts
+    self.down()
+    self.up()
+
+  def up(self) -> None:
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", self.port))
+    listener.listen(64)
+    self._listener = listener
+    self._thread = threading.Thread(target=self._accept, args=(listener,), daemon=True)
+    self._thread.start()
+
+  def down(self) -> None:
+    listener, self._listener = self._listener, None
+    with contextlib.suppress(OSError):
+      listener.shutdown(socket.SHUT_RDWR)
+    listener.close()
+    self._thread.join(timeout=5)
+    with self._lock:
+      for connection in self._open:
+        with contextlib.suppress(OSError):
+          connection.shutdown(socket.SHUT_RDWR)
+        connection.close()
+      self._open = []
+
+  def _accept(self, listener) -> None:
+    while True:
+      try:
+        client, _ = listener.accept()
+      except OSError:
+        return  # closed by down()
+      threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+
+  _FORBIDDEN = json.dumps({"error": {"code": 403, "message": "Forbidden: the relay of the "
+                                     "tests refuses this request", "errors": []}}).encode()
+
+  def _serve(self, client) -> None:
+    if self.refusing:
+      try:
+        first = client.recv(8192, socket.MSG_PEEK).split(b"\r\n", 1)[0]
+      except OSError:
+        client.close()
+        return
+      if all(text.encode() in first for text in self.refusing):
+        with contextlib.suppress(OSError):
+          client.sendall(b"HTTP/1.1 403 Forbidden\r\nContent-Type: application/json\r\n"
+                         b"Connection: close\r\nContent-Length: %d\r\n\r\n"
+                         % len(self._FORBIDDEN) + self._FORBIDDEN)
+        client.close()
+        return
+    try:
+      server = socket.create_connection((self.target[0], int(self.target[1])))
+    except OSError:
+      client.close()
+      return
+    with self._lock:
+      self._open += [client, server]
+    for a, b in ((client, server), (server, client)):
+      threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+  @staticmethod
+  def _pump(source, sink) -> None:
+    try:
+      while data := source.recv(65536):
+        sink.sendall(data)
+    except OSError:
+      pass
+    finally:
+      with contextlib.suppress(OSError):
+        sink.shutdown(socket.SHUT_WR)
+
+  def close(self) -> None:
+    if self._listener is not None:
+      self.down()

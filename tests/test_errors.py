@@ -18,6 +18,7 @@ import tempfile
 
 import jax.numpy as jnp
 import pytest
+from hf_files import gpt2_files
 from launcher import ROOT, Launcher, environment
 
 import transformer_jax
@@ -143,6 +144,9 @@ def paths(tmp_path_factory):
                                       **test}),
       "latin1": data_dir("latin1", {"train.en": good, "train.de": "springen\nl\xe4ufen\nx\n"
                                     .encode("latin-1"), **test}),
+      "labels_empty": data_dir("labels_empty", {"train.tsv": b"a\tb\tyes\nc\td\t\n"}),
+      "labels_unknown": data_dir("labels_unknown", {
+          "train.tsv": b"a\tb\tyes\nc\td\tno\ne\tf\tmaybe\n"}),
   }
   holder.release()
   shutil.rmtree(base)
@@ -279,8 +283,8 @@ ROWS = [
                                               "--num_processes=2", "--process_id=0"],
      ["--coordinator_address must be host:port"]),
     ("--checkpoint_step with train", TRAINED + ["--checkpoint_step=10"],
-     ["--checkpoint_step is for --mode=evaluate or translate or generate or plot, not "
-      "--mode=train",
+     ["--checkpoint_step is for --mode=evaluate or translate or generate or plot or export_hf, "
+      "not --mode=train",
       "resumes from the newest checkpoint"]),
     ("--split with train", TRAINED + ["--split=test"], ["--split is for --mode=export"]),
     # --- train: numbers that are not finite or out of range
@@ -373,7 +377,7 @@ ROWS = [
                                                 "--config.train.learning_rate=nan"],
      ["train.learning_rate must be a finite number"]),
     ("evaluate: no --config, no config.json", ["--mode=evaluate", "--workdir={trained}"],
-     ["--config is required", "may leave it out"]),
+     ["trained holds no config.json to take the run's config from", "--config=EXPERIMENT"]),
     ("evaluate: the workdir's config.json, a step it lacks",  # reached the checkpoints
      ["--mode=evaluate", "--workdir={configured}", "--checkpoint_step=7"],
      ["no checkpoint at step 7", "available: [10]"]),
@@ -521,6 +525,44 @@ ROWS = [
                                      "--config.model.position_base=nan"],
      ["model.position_base must be a finite number"]),
 ]
+# --- issue 40: flags a mode does not use (cli.FLAG_USES), refusals that name the cause (a
+# classifier's labels by file and line), a describing mode that reads --workdir's config.
+CLASSIFY = ["--config=experiments/tiny.py", "--workdir={fresh}", *FILES,
+            "--config.data.format=tsv", "--config.data.task=classify",
+            "--config.model.arch=encoder_only", "--config.model.num_labels=2",
+            "--config.data.text_pair=True", "--config.data.test_split="]
+ROWS += [
+    ("--sweep_trials without --sweep", TRAINED + ["--sweep_trials=1"],
+     ["--sweep_trials only applies with --sweep or --sweep_dry_run", "add --sweep"]),
+    ("--sweep_seeds with evaluate", EVALUATE + ["--workdir={trained}", "--sweep_seeds=3"],
+     ["--sweep_seeds is for --mode=train, not --mode=evaluate"]),
+    ("--sweep_metric without --sweep", TRAINED + ["--sweep_metric=bleu"],
+     ["--sweep_metric only applies with --sweep"]),
+    ("--sweep_parallel with plot", PLOT + ["--workdir={trained}", "--sweep_parallel=2"],
+     ["--sweep_parallel is for --mode=train, not --mode=plot"]),
+    ("--workdir with benchmark", BENCHMARK + ["--workdir={trained}"],
+     ["--mode=benchmark does not use --workdir", "leave it out"]),
+    ("--num_processes with describe", ["--config=experiments/tiny.py", "--mode=describe",
+                                       "--num_processes=2"],
+     ["--num_processes is for --mode=train or evaluate", "not --mode=describe"]),
+    ("--checkpoint_step with export", EXPORT + ["--checkpoint_step=10"],
+     ["--checkpoint_step is for --mode=", "export_hf, not --mode=export"]),
+    ("--keep_host_memory with export_hf", ["--mode=export_hf", "--workdir={trained}",
+                                            "--hf_dir={fresh}", "--keep_host_memory=true"],
+     ["--mode=export_hf does not use --keep_host_memory"]),
+    ("describe: a --workdir without config.json", ["--mode=describe", "--workdir={root}"],
+     ["{root} holds no config.json to take the run's config from"]),
+    ("config: a --workdir that is a file", ["--mode=config", "--workdir={a_file}"],
+     ["a_file is a file, not a directory; give the directory of a trained run"]),
+    ("classify: an empty label", CLASSIFY + ["--config.data.path={labels_empty}"],
+     ["labels_empty/train.tsv line 2 has an empty label", "give every example its class"]),
+    ("classify: an unknown label", CLASSIFY + ["--config.data.path={labels_unknown}",
+                                               "--config.data.labels=yes,no"],
+     ["labels_unknown/train.tsv line 3 has the label 'maybe'", "data.labels"]),
+    ("classify: more classes than the head", CLASSIFY + ["--config.data.path={labels_unknown}"],
+     ["has 3 classes ('maybe', 'no', 'yes') but model.num_labels is 2",
+      "--config.model.num_labels=3"]),
+]
 COUNTS = collections.Counter(_mode(row[1]) for row in ROWS)
 
 
@@ -560,35 +602,29 @@ HF_ROWS = [
      ["no Hugging Face class", "model.arch=encoder_decoder"]),
     ("--hf_dir with train", TRAINED + ["--hf_dir={hf_good}"],
      ["--hf_dir is for --mode=import_hf or export_hf"]),
+    # issue 40: the flags the Hugging Face modes do not use, and untrusted files
+    ("import_hf: --config.KEY", IMPORT_HF + ["--hf_dir={hf_good}", "--config.model.d_ff=8"],
+     ["--mode=import_hf does not use --config", "comes from --hf_dir"]),
+    ("import_hf: --config", IMPORT_HF + ["--hf_dir={hf_good}", "--config=tiny"],
+     ["--mode=import_hf does not use --config"]),
+    ("export_hf: --config.KEY", ["--mode=export_hf", "--workdir={trained}", "--hf_dir={fresh}",
+                                 "--config.model.d_ff=8"],
+     ["--mode=export_hf does not use --config", "the workdir's own config.json"]),
+    ("import_hf: --split", IMPORT_HF + ["--hf_dir={hf_good}", "--split=train"],
+     ["--split is for --mode=export or evaluate, not --mode=import_hf"]),
+    ("import_hf: a header of 2^62 bytes", IMPORT_HF + ["--hf_dir={hf_huge_header}"],
+     ["model.safetensors does not read as safetensors", "header claims"]),
+    ("import_hf: tokenizer.json of random bytes", IMPORT_HF + ["--hf_dir={hf_random_tokenizer}"],
+     ["tokenizer.json is not UTF-8 text", "download the tokenizer again"]),
+    ("import_hf: NaN weights", IMPORT_HF + ["--hf_dir={hf_nan}"],
+     ["NaN or infinite value(s) in transformer.wte.weight"]),
+    ("import_hf: a count of the wrong type", IMPORT_HF + ["--hf_dir={hf_layers_text}"],
+     ["n_layer=\"one\", but model.num_decoder_layers needs an integer"]),
 ]
 COUNTS.update(_mode(row[1]) for row in HF_ROWS)
 
 
-def _gpt2_files(directory, vocab_size=300, d=8, positions=16, **config):
-  """A GPT-2 of one layer that imports: config.json, model.safetensors, tokenizer.json."""
-  import numpy as np
-  from safetensors.numpy import save_file
-  from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-  directory.mkdir()
-  (directory / "config.json").write_text(json.dumps(dict(
-      model_type="gpt2", architectures=["GPT2LMHeadModel"], vocab_size=vocab_size, n_embd=d,
-      n_head=2, n_layer=1, n_positions=positions, **config)))
-  shapes = {"transformer.wte.weight": (vocab_size, d), "transformer.wpe.weight": (positions, d)}
-  for name, shape in (("ln_1", (d,)), ("ln_2", (d,)), ("attn.c_attn", (d, 3 * d)),
-                      ("attn.c_proj", (d, d)), ("mlp.c_fc", (d, 4 * d)),
-                      ("mlp.c_proj", (4 * d, d))):
-    shapes[f"transformer.h.0.{name}.weight"] = shape
-    shapes[f"transformer.h.0.{name}.bias"] = shape[-1:]
-  shapes.update({"transformer.ln_f.weight": (d,), "transformer.ln_f.bias": (d,)})
-  save_file({k: np.ones(v, np.float32) for k, v in shapes.items()},
-            str(directory / "model.safetensors"))
-  tokenizer = Tokenizer(models.BPE())
-  tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel()
-  tokenizer.train_from_iterator(["jump left", "walk right twice"], trainers.BpeTrainer(
-      vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
-      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-  tokenizer.save(str(directory / "tokenizer.json"))
-  return directory
+_gpt2_files = gpt2_files  # tests/hf_files.py
 
 
 @pytest.fixture(scope="module")
@@ -627,6 +663,15 @@ def hf_paths(paths):
     os.remove(directory / "model.safetensors")
     (directory / "pytorch_model.bin").write_bytes(pickle.dumps(print))
 
+  def huge_header(directory):
+    data = (directory / "model.safetensors").read_bytes()
+    (directory / "model.safetensors").write_bytes((2**62).to_bytes(8, "little") + data[8:])
+
+  def nan_weights(directory):
+    tensors = load_file(str(directory / "model.safetensors"))
+    tensors["transformer.wte.weight"][3, 1] = np.nan
+    save_file(tensors, str(directory / "model.safetensors"))
+
   return {
       "hf_good": variant("hf_good"),
       "hf_no_config": variant("hf_no_config", lambda d: os.remove(d / "config.json")),
@@ -639,6 +684,12 @@ def hf_paths(paths):
       "hf_shapes": variant("hf_shapes", shapes),
       "hf_sharded": variant("hf_sharded", sharded),
       "hf_pickle": variant("hf_pickle", pickle_file),
+      "hf_huge_header": variant("hf_huge_header", huge_header),
+      "hf_random_tokenizer": variant("hf_random_tokenizer", lambda d: (
+          d / "tokenizer.json").write_bytes(bytes(range(128, 256)) * 8)),
+      "hf_nan": variant("hf_nan", nan_weights),
+      "hf_layers_text": variant("hf_layers_text", lambda d: (d / "config.json").write_text(
+          (d / "config.json").read_text().replace('"n_layer": 1', '"n_layer": "one"'))),
       # A Marian whose decoder is narrower than its encoder (model.d_ff is one number for both).
       "hf_marian_widths": variant("hf_marian_widths", lambda d: (d / "config.json").write_text(
           json.dumps(dict(model_type="marian", architectures=["MarianMTModel"], vocab_size=300,

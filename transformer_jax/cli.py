@@ -24,6 +24,7 @@ import logging
 import os
 import re
 import sys
+from typing import Optional
 
 import ml_collections
 from absl import app, flags
@@ -45,12 +46,20 @@ MODE_HELP = {
     "config": "every config key with its value and what it does (overrides applied)",
     "export": "a data split (--split) as source<TAB>target lines",
     "benchmark": "times the train step and decoding on a synthetic batch",
-    "compile": "compiles for a TPU slice on any machine: memory, FLOPs, estimated step time",
+    "compile": "compiles for a TPU slice or GPUs on any machine: memory, FLOPs, step time",
     "import_hf": "a Hugging Face model directory (--hf_dir) -> a workdir at step 0",
     "export_hf": "a workdir -> a Hugging Face model directory (--hf_dir) for from_pretrained",
 }
 MODES = tuple(MODE_HELP)
 HF_MODES = ("import_hf", "export_hf")  # Hugging Face model directories in and out: no --config
+# Modes that read a workdir: without --config they load the config it was trained with.
+WORKDIR_MODES = ("train", "evaluate", "translate", "generate", "plot")
+# Modes that only read a trained workdir.
+READING_MODES = ("evaluate", "translate", "generate", "plot")
+# Modes that read a config alone: with --workdir and without --config, the workdir's.
+DESCRIBING_MODES = ("describe", "config", "export")
+CONFIG_MODES = tuple(m for m in MODES if m not in HF_MODES)  # the modes --config is for
+SWEEPS = ("sweep", "sweep_dry_run")  # the flags that start a sweep (--mode=train)
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment config: a file (experiments/*.py) or an installed experiment's "
@@ -176,10 +185,6 @@ def _resolve_config_flags(argv: list) -> list:
   return resolved
 
 
-# Modes that read a workdir: without --config they load the config it was trained with.
-WORKDIR_MODES = ("train", "evaluate", "translate", "generate", "plot")
-
-
 def _flag_value(argv: list, name: str):
   """The value of --name=V or --name V in argv (the last one), or None."""
   value = None
@@ -191,6 +196,34 @@ def _flag_value(argv: list, name: str):
   return value
 
 
+_WORKDIR_PROBLEM: dict = {}  # why --workdir gave no config (see _workdir_config), by workdir
+
+
+def _workdir_config(workdir: str, mode: str) -> Optional[str]:
+  """The --config that loads `workdir`'s config.json (`experiments/_workdir.py:WORKDIR`), or None
+  with the reason kept in _WORKDIR_PROBLEM: a bucket that is missing or unreachable, missing
+  credentials, or a workdir without config.json (a local one that does not exist is left to
+  check_trained_workdir, which suggests a neighbour)."""
+  try:
+    path = storage.check(workdir)
+    if storage.is_url(path):
+      storage.check_bucket(path)  # a bounded wait, and the one line for a bucket's problem
+    if storage.isfile(storage.join(path, "config.json")):
+      return f"{os.path.join(experiments.DIRECTORY, '_workdir.py')}:{path}"
+    if mode != "train":
+      problem = ("does not exist" if not storage.is_url(path) and not os.path.lexists(path)
+                 else "is a file, not a directory" if not storage.is_url(path)
+                 and not os.path.isdir(path) else "holds no config.json")
+      _WORKDIR_PROBLEM[workdir] = UserError(
+          f"--workdir {workdir} {problem} to take the run's config from; give the workdir of a "
+          "trained run, or --config=EXPERIMENT (the one it was trained with)")
+  except UserError as e:
+    _WORKDIR_PROBLEM[workdir] = e
+  except OSError:
+    pass  # a bad --workdir is reported by the mode itself, in one line
+  return None
+
+
 def _workdir_config_flags(argv: list) -> list:
   """Without --config, a mode that reads a workdir holding config.json gets
   `--config=experiments/_workdir.py:WORKDIR`: the workdir's config, which `--config.key=value`
@@ -198,16 +231,16 @@ def _workdir_config_flags(argv: list) -> list:
   if any(arg == "--config" or arg.startswith("--config=") for arg in argv):
     return argv
   workdir = _flag_value(argv, "workdir")
-  if (_flag_value(argv, "mode") or "train") not in WORKDIR_MODES or not workdir:
+  mode = _flag_value(argv, "mode") or "train"
+  if mode not in WORKDIR_MODES + DESCRIBING_MODES or not workdir or not workdir.strip():
     return argv
-  try:  # a bad --workdir is reported by the mode itself, in one line
-    workdir = storage.check(workdir)
-    if not storage.isfile(storage.join(workdir, "config.json")):
-      return argv
-  except (UserError, OSError):
-    return argv
-  loader = os.path.join(experiments.DIRECTORY, "_workdir.py")
-  return argv[:1] + [f"--config={loader}:{workdir}"] + argv[1:]
+  if workdir not in _WORKDIR_LOADER:
+    _WORKDIR_LOADER[workdir] = _workdir_config(workdir, mode)
+  loader = _WORKDIR_LOADER[workdir]
+  return argv if loader is None else argv[:1] + [f"--config={loader}"] + argv[1:]
+
+
+_WORKDIR_LOADER: dict = {}  # _workdir_config's answer, by workdir (argv is read twice)
 
 
 def _parse_flags(argv):
@@ -221,14 +254,22 @@ def _parse_flags(argv):
   if "--config=" in argv:
     _fail("--config is empty (an unset shell variable?); give an experiment file or name, e.g. "
           "--config=experiments/scan_simple.py")
+  mode = _flag_value(argv, "mode")
+  if mode in HF_MODES and any(a.split("=")[0].startswith("--config") for a in argv[1:]):
+    _fail(refused_flag("config", mode, ()))  # absl would call --config.KEY an unknown flag
   argv = _workdir_config_flags(_resolve_config_flags(argv))
   # ml_collections reads overrides from sys.argv
   sys.argv[:] = _workdir_config_flags(_resolve_config_flags(sys.argv))
   # ml_collections logs a warning when get_config() returns None; run() reports that as an error.
   logging.getLogger("absl").setLevel(logging.ERROR)
-  if _flag_value(argv, "mode") == "compile":
+  if any(arg.startswith("--config=") for arg in argv) or mode in HF_MODES:
     from transformer_jax.core import platforms
-    platforms.quiet_compiler_logs()  # before the config file imports JAX
+    if mode == "compile":
+      platforms.quiet_compiler_logs()  # before the config file imports JAX
+    # Before anything (a config file, a workdir's checks) starts a JAX backend: JAX would look
+    # for the accelerator plugins first, and an installed CUDA plugin without a GPU prints its
+    # traceback.
+    platforms.cpu_only_unless_accelerated()
   try:
     remaining = flags.FLAGS(argv)
   except flags.Error as e:
@@ -256,24 +297,69 @@ def _parse_flags(argv):
   return remaining
 
 
+# Which modes use each of our flags, and the flags it needs beside it (any one of them): a flag
+# given to another mode, or without what it needs, is refused in one line. A new flag is one
+# entry here.
+FLAG_USES = {
+    "config": (CONFIG_MODES, ()),
+    "workdir": (WORKDIR_MODES + DESCRIBING_MODES + HF_MODES, ()),
+    "checkpoint_step": (READING_MODES + ("export_hf",), ()),
+    "split": (("export", "evaluate"), ()),
+    "text": (("plot",), ()),
+    "hf_dir": (HF_MODES, ()),
+    "output_format": (("translate", "generate"), ()),
+    "sweep": (("train",), ()),
+    "sweep_dry_run": (("train",), ()),
+    "sweep_parallel": (("train",), SWEEPS),
+    "sweep_seeds": (("train",), SWEEPS),
+    "sweep_trials": (("train",), SWEEPS),
+    "sweep_test_best": (("train",), SWEEPS),
+    "sweep_metric": (("train",), SWEEPS),
+    "coordinator_address": (WORKDIR_MODES, ()),
+    "num_processes": (WORKDIR_MODES, ()),
+    "process_id": (WORKDIR_MODES, ()),
+    "keep_host_memory": (CONFIG_MODES, ()),
+}
+# What a refusal adds where the reason is not obvious: (flag, mode) -> the rest of the line.
+_WHY_NOT = {
+    ("checkpoint_step", "train"): "; training always resumes from the newest checkpoint",
+    ("config", "import_hf"): "; the model's config comes from --hf_dir (its config.json): leave "
+                             "--config out, then override keys (--config.KEY=VALUE) in the modes "
+                             "that read the new --workdir",
+    ("config", "export_hf"): "; the export writes the workdir's own config.json and checkpoint: "
+                             "leave --config out (to change the model, train it first)",
+}
+
+
+def refused_flag(name: str, mode: str, given) -> Optional[str]:
+  """The one line that refuses --name (a key of FLAG_USES) for `mode` when the mode does not use
+  it or none of the flags it needs is among `given` (flag names); None when it is used."""
+  modes, needs = FLAG_USES[name]
+  if mode not in modes:
+    if name in SWEEPS:
+      return f"--{name} trains every trial; it does not combine with --mode={mode}"
+    why = _WHY_NOT.get((name, mode), "")
+    if len(modes) > 5:  # most modes take it: name the mode that does not
+      return f"--mode={mode} does not use --{name}" + (why or "; leave it out")
+    return f"--{name} is for --mode={' or '.join(modes)}, not --mode={mode}" + why
+  if needs and not any(n in given for n in needs):
+    options = " or ".join(f"--{n}" for n in needs)
+    return f"--{name} only applies with {options}; add --{needs[0]} or leave --{name} out"
+  return None
+
+
 def _check_flags(mode: str) -> None:
-  """Flag values that no library call checks."""
+  """Flag values that no library call checks, and flags the mode does not use (FLAG_USES)."""
   for flag in (_WORKDIR, _TEXT, _SPLIT, _COORDINATOR):
     if flag.value is not None and not flag.value.strip():
       raise UserError(f"--{flag.name} is empty (an unset shell variable?); give a value or "
                       "leave the flag out")
-  for flag, modes in ((_CHECKPOINT_STEP, ("evaluate", "translate", "generate", "plot")),
-                      (_TEXT, ("plot",)),
-                      (_SPLIT, ("export", "evaluate")), (_HF_DIR, HF_MODES),
-                      (_OUTPUT_FORMAT, ("translate", "generate"))):
-    if flags.FLAGS[flag.name].present and mode not in modes:
-      raise UserError(f"--{flag.name} is for --mode={' or '.join(modes)}, not --mode={mode}"
-                      + ("; training always resumes from the newest checkpoint"
-                         if flag is _CHECKPOINT_STEP and mode == "train" else ""))
-  sweep = _SWEEP.value or _SWEEP_DRY_RUN.value
-  if sweep and mode != "train":
-    raise UserError(f"--sweep trains every trial; it does not combine with --mode={mode}")
-  if sweep:
+  given = [name for name in FLAG_USES if flags.FLAGS[name].present]
+  for name in given:
+    problem = refused_flag(name, mode, given)
+    if problem:
+      raise UserError(problem)
+  if _SWEEP.value or _SWEEP_DRY_RUN.value:
     from transformer_jax.core import metric_names
     if _SWEEP_METRIC.value not in metric_names.EVAL_METRICS:
       raise UserError(f"--sweep_metric must be one of {', '.join(metric_names.EVAL_METRICS)}; "
@@ -310,10 +396,6 @@ def _check_workdir_config(config, workdir: str) -> None:
     raise UserError(f"the config given does not fit {workdir} (its config.json): {shown}; leave "
                     "--config out to use the workdir's own config (--config.key=value still "
                     "overrides), or pick another --workdir")
-
-
-# Modes that only read a trained workdir.
-READING_MODES = ("evaluate", "translate", "generate", "plot")
 
 
 def check_trained_workdir(workdir: str) -> None:
@@ -353,12 +435,16 @@ def run(argv) -> None:
   if mode in HF_MODES:
     _run_hf(mode)
     return
-  if mode in READING_MODES and _WORKDIR.value is not None:
+  if _WORKDIR.value is not None and (mode in READING_MODES or mode in DESCRIBING_MODES
+                                     and _CONFIG.value is None):
     check_trained_workdir(_WORKDIR.value)  # before "--config is required": a typo says so
   if _CONFIG.value is None:
     if flags.FLAGS["config"].present:  # a file was given, and its get_config() returned None
       raise UserError("the experiment's get_config() returned None; return a ConfigDict "
                       "(see experiments/tiny.py)")
+    problem = _WORKDIR_PROBLEM.get(_WORKDIR.value)
+    if problem is not None:
+      raise problem  # the workdir's own problem, not the missing --config
     raise UserError("--config is required, e.g. --config=experiments/scan_simple.py (a mode "
                     "that reads a --workdir holding config.json may leave it out)")
   config = _CONFIG.value

@@ -114,6 +114,10 @@ def default_config() -> ml_collections.ConfigDict:
   c.train.keep_best = 1  # also keep the N best by train.best_metric (at eval_every steps); 0 = off
   c.train.best_metric = "loss"  # loss | perplexity (lower is better) | token_accuracy | bleu | ...
   c.train.on_nonfinite = "stop"  # NaN/inf loss or gradients: stop, keeping good checkpoints | skip
+  # A workdir in a bucket: seconds its writes (checkpoints, metrics, the lease) wait out a store
+  # that does not answer, retrying, while training goes on; past them the run stops in one line.
+  # (The storage libraries' own retries come first: about half a minute.)
+  c.train.storage_outage_s = 300.0
   # A workdir whose latest parameters start a new run (fine-tuning, e.g. a classifier from a
   # masked-LM run): those of the same name and shape are copied, and its tokenizer is used.
   c.train.init_from = ""
@@ -356,7 +360,7 @@ def validate(config: ml_collections.ConfigDict, platform: str = "cpu") -> ModelC
   for key in ("train.warmup_steps", "train.eval_every", "eval.max_decode_len", "data.prefetch",
               "eval.max_examples", "eval.buffer_size", "train.grad_clip_norm", "train.weight_decay",
               "eval.length_penalty", "eval.top_k", "eval.average_last", "train.keep_best",
-              "train.profile_steps", "train.profile_start",
+              "train.profile_steps", "train.profile_start", "train.storage_outage_s",
               "compile.batch_size", "compile.source_len", "compile.target_len"):
     if _get(config, key) < 0:
       raise UserError(f"{key} must be >= 0, got {_get(config, key)}")

@@ -11,7 +11,7 @@ from typing import Optional
 import jax
 
 from transformer_jax import config as config_lib
-from transformer_jax.core import storage
+from transformer_jax.core import outage, storage
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.eval import evaluate as evaluate_lib
 from transformer_jax.tools import summary
@@ -100,6 +100,14 @@ def train_and_evaluate(config, workdir: str) -> dict:
           f"summary.md in {storage.check(workdir)} are unchanged; raise train.steps to train "
           "further, or --mode=evaluate to evaluate otherwise", flush=True)
     return done[config.data.eval_split]
+  try:  # a bucket's outage is ridden out up to the last write (core/outage.py), then no more
+    return _train_and_report(config, workdir)
+  finally:
+    outage.arm(0)
+
+
+def _train_and_report(config, workdir: str) -> dict:
+  """Training, then its results, summary and map of the workdir (train_and_evaluate's body)."""
   result = loop.train(config, workdir, evaluate_fn=evaluate_lib.evaluate)
   is_main = jax.process_index() == 0
   if result.stopped_by:

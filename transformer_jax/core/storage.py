@@ -38,7 +38,7 @@ import weakref
 from concurrent import futures
 from typing import Callable, Optional
 
-from transformer_jax.core import files
+from transformer_jax.core import files, outage
 from transformer_jax.core import lock as lock_lib
 from transformer_jax.core.errors import UserError
 
@@ -135,6 +135,7 @@ def filesystem(scheme: str):
         extra = {"gs": "gcs", "s3": "s3"}[scheme]
         raise UserError(f"a {scheme}:// workdir needs {client}, which is not installed; "
                         f"pip install -e '.[{extra}]' (or pip install {client})") from None
+      _check_credentials_file(scheme)
       if scheme == "gs":
         # gcsfs logs a warning per bucket when it cannot ask for the bucket's kind, and a
         # traceback for each failed request; the failures reach the user as one UserError.
@@ -161,6 +162,21 @@ def filesystem(scheme: str):
                                               "retries": {"max_attempts": RETRIES}})
       _FILESYSTEMS[key] = fs
     return _FILESYSTEMS[key]
+
+
+# google-auth fails on a key file that is not there (after gcsfs's chain has waited on its other
+# sources); botocore treats a missing shared-credentials file as none, a common way to use none.
+_CREDENTIALS_FILES = {"gs": ("GOOGLE_APPLICATION_CREDENTIALS",), "s3": ()}
+
+
+def _check_credentials_file(scheme: str) -> None:
+  """A credentials file that a variable names but that is not there is one line at once (the
+  libraries would otherwise go on to their other sources and wait for each)."""
+  for variable in _CREDENTIALS_FILES[scheme]:
+    path = os.environ.get(variable)
+    if path and not os.path.isfile(os.path.expanduser(path)):
+      raise UserError(f"{variable} names {path}, which is not a file; point it at the "
+                      f"credentials file of {SCHEMES[scheme]} (or unset it)")
 
 
 def _failure(url: str, e: BaseException, doing: str) -> Optional[UserError]:
@@ -193,7 +209,8 @@ def _failure(url: str, e: BaseException, doing: str) -> Optional[UserError]:
                      f"and the endpoint, or raise {TIMEOUT_ENV}")
   if name in ("EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError",
               "ClientConnectorError", "ServerDisconnectedError", "ConnectionError",
-              "TimeoutError", "ConnectionRefusedError", "ClientOSError") or isinstance(
+              "TimeoutError", "ConnectionRefusedError", "ClientOSError") or name.startswith(
+                "ClientConnector") or isinstance(
                 e, (ConnectionError, TimeoutError)):
     return UserError(f"cannot {doing} {url}: {endpoint(scheme)} does not answer ({name}: {text}, "
                      f"after {RETRIES} attempts); check the network and the endpoint "
@@ -201,10 +218,27 @@ def _failure(url: str, e: BaseException, doing: str) -> Optional[UserError]:
   return None
 
 
+def _ride(url: str, doing: str, fn: Callable, *args, **kwargs):
+  """fn(*args, **kwargs), a request about `url`: in a training run (`outage.arm`) retried while
+  the store does not answer, up to train.storage_outage_s (`core/outage.py`)."""
+  if not outage.armed():
+    return fn(*args, **kwargs)
+  return outage.retry(lambda: fn(*args, **kwargs), endpoint(_split(url)[0]),
+                      f"to {doing} {url}")
+
+
+def user_failure(url: str, e: BaseException, doing: str) -> Optional[UserError]:
+  """The UserError of `_failure` for a failure met elsewhere (orbax's writes), or None."""
+  try:
+    return _failure(url, e, doing)
+  except UserError as error:  # a URL of no known scheme
+    return error
+
+
 def _call(url: str, doing: str, fn: Callable, *args, **kwargs):
   """fn(*args, **kwargs), a request about `url`; user-fixable failures become one UserError."""
   try:
-    return fn(*args, **kwargs)
+    return _ride(url, doing, fn, *args, **kwargs)
   except UserError:
     raise
   except FileNotFoundError:
@@ -247,6 +281,18 @@ def check_bucket(url: str, what: str = "--workdir") -> None:
 
 
 # ------------------------------------------------------------------------- paths, reads and writes
+
+def probe(url: str, seconds: float = 5.0) -> None:
+  """Whether the store of `url` answers at all, quickly (a connection to its endpoint, without
+  the libraries' retries of a request): raises ConnectionError (or TimeoutError) if not."""
+  scheme, _ = _split(url)
+  address = endpoint(scheme)
+  if address in ("storage.googleapis.com", "Amazon S3"):
+    address = "https://" + ("storage.googleapis.com" if scheme == "gs" else "s3.amazonaws.com")
+  found = re.match(r"^(?:(https?)://)?([^/:]+)(?::(\d+))?", address)
+  port = int(found.group(3) or (80 if found.group(1) == "http" else 443))
+  socket.create_connection((found.group(2), port), timeout=seconds).close()
+
 
 def join(base: str, *parts: str) -> str:
   if is_url(base):
@@ -378,9 +424,11 @@ def remove_if(path: str, at_version: str) -> bool:
   bucket, _, name = key.partition("/")
   try:
     if scheme == "gs":
-      fs.call("DELETE", "b/{}/o/{}", bucket, name, ifGenerationMatch=at_version)
+      _ride(path, "delete", fs.call, "DELETE", "b/{}/o/{}", bucket, name,
+            ifGenerationMatch=at_version)
     else:
-      fs.call_s3("delete_object", Bucket=bucket, Key=name, IfMatch=at_version)
+      _ride(path, "delete", fs.call_s3, "delete_object", Bucket=bucket, Key=name,
+            IfMatch=at_version)
   except (FileNotFoundError, FileExistsError):  # gone already, or (gcsfs: 412) changed
     return False
   except OSError as e:
@@ -400,11 +448,12 @@ def write_if(path: str, content: bytes | str, at_version: str) -> Optional[str]:
   bucket, _, name = key.partition("/")
   try:
     if scheme == "gs":
-      answer = fs.call("POST", fs._location + "/upload/storage/v1/b/{}/o", bucket,
-                       uploadType="media", name=name, ifGenerationMatch=at_version, data=data,
-                       json_out=True)
+      answer = _ride(path, "write", fs.call, "POST",
+                     fs._location + "/upload/storage/v1/b/{}/o", bucket, uploadType="media",
+                     name=name, ifGenerationMatch=at_version, data=data, json_out=True)
       return str(answer["generation"])
-    return fs.call_s3("put_object", Bucket=bucket, Key=name, Body=data, IfMatch=at_version)["ETag"]
+    return _ride(path, "write", fs.call_s3, "put_object", Bucket=bucket, Key=name, Body=data,
+                 IfMatch=at_version)["ETag"]
   except (FileNotFoundError, FileExistsError):  # gone, or (gcsfs: 412) changed
     return None
   except OSError as e:
@@ -825,8 +874,10 @@ class Lease:
           return
         self._version = renewed
       except Exception as e:  # a failed renewal is retried at the next one
-        print(f"warning: could not renew the lease on {self.directory}: {e}", file=sys.stderr,
-              flush=True)
+        if outage.ongoing() or outage.unreachable(e):
+          continue  # an outage, said once by core/outage.py (and the run's writes end it)
+        print(f"warning: could not renew the lease on {self.directory}: "
+              f"{' '.join(str(e).split())}", file=sys.stderr, flush=True)
 
   def release(self) -> None:
     """Stops renewing and deletes the lease if it is still this run's."""

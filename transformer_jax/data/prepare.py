@@ -134,6 +134,8 @@ def prepare_data(config, workdir: str, vocab_size: int, cached: bool = False,
   else:
     # Only seq2seq's examples are the cached corpus filtered by the limits: the other tasks cut
     # texts into pieces or map labels to ids (tasks.examples), so they are encoded each start.
+    if d.task == "classify":
+      tasks.check_class_count(d, config.model.num_labels)
     with progress.waiting(f"encoding {len(train_pairs):,} training examples"):
       train_set = tasks.examples(d, train_pairs, tokenizer)
   if not len(train_set):

@@ -119,6 +119,14 @@ class LazyPairs(collections.abc.Sequence):
   def gather(self, indices):
     return gather(self.pairs, indices)
 
+  def where(self, index: int) -> str:
+    return where(self.pairs, index)
+
+
+def where(pairs: Pairs, index: int) -> str:
+  """Where pair `index` of `pairs` comes from (a file and line where there is one)."""
+  return pairs.where(index) if hasattr(pairs, "where") else f"example {int(index) + 1}"
+
 
 def gather(pairs: Pairs, indices) -> list[tuple[str, str]]:
   """pairs[i] for each i, in one batched read where the source supports it."""
@@ -142,6 +150,10 @@ class _PairSequence(collections.abc.Sequence):
 
   def gather(self, indices) -> list[tuple[str, str]]:
     raise NotImplementedError
+
+  def where(self, index: int) -> str:
+    """Where pair `index` comes from, for messages: a file and line where there is one."""
+    return f"example {int(index) + 1}"
 
 
 # ----------------------------------------------------------------------------- local files
@@ -252,6 +264,9 @@ class ParallelFiles(_PairSequence):
   def gather(self, indices):
     return [(self.source.line(i), self.target.line(i)) for i in indices]
 
+  def where(self, index: int) -> str:
+    return f"{self.target.path} line {int(index) + 1}"
+
 
 class TsvFile(_PairSequence):
   """`source<TAB>target` lines; with `pairs`, `text_a<TAB>text_b<TAB>label` lines read as
@@ -279,6 +294,9 @@ class TsvFile(_PairSequence):
 
   def gather(self, indices):
     return [tuple(self.lines.line(i).rsplit("\t", 1)) for i in indices]
+
+  def where(self, index: int) -> str:
+    return f"{self.lines.path} line {int(index) + 1}"
 
 
 class TextFile(_PairSequence):

@@ -113,8 +113,9 @@ def label_names(data_config) -> tuple:
          bool(d.get("text_pair", False)))
   if key not in _TRAIN_LABELS:
     pairs = sources.load_split(d, d.train_split)
-    _TRAIN_LABELS[key] = tuple(sorted({label for _, label in sources.gather(pairs,
-                                                                              range(len(pairs)))}))
+    labels = [label for _, label in sources.gather(pairs, range(len(pairs)))]
+    check_labels(pairs, range(len(pairs)), labels)
+    _TRAIN_LABELS[key] = tuple(sorted(set(labels)))
   return _TRAIN_LABELS[key]
 
 
@@ -142,6 +143,32 @@ def fix_labels(data_config, saved_labels=None) -> None:
   d.labels = ",".join(names)
 
 
+def check_class_count(data_config, num_labels: int) -> None:
+  """More classes than the model's head has outputs would train labels past its last logit (a
+  non-finite loss): refused, naming both counts."""
+  names = label_names(data_config)
+  if len(names) > num_labels:
+    source = "data.labels" if data_config.labels else f"the {data_config.train_split!r} split"
+    shown = ", ".join(map(repr, names[:6])) + (", ..." if len(names) > 6 else "")
+    raise UserError(f"{source} has {len(names)} classes ({shown}) but model.num_labels is "
+                    f"{num_labels}; set --config.model.num_labels={len(names)}, or fix the "
+                    "labels")
+
+
+def check_labels(pairs, indices, labels, known=None) -> None:
+  """Refuses the first example (by file and line, where it has them) whose label is empty or,
+  given the `known` classes, not one of them: either would train a class the model lacks."""
+  for index, label in zip(indices, labels):
+    if not label.strip():
+      raise UserError(f"{sources.where(pairs, index)} has an empty label; give every example "
+                      "its class (text<TAB>label, or text_a<TAB>text_b<TAB>label with "
+                      "data.text_pair) or remove the line")
+    if known is not None and label not in known:
+      raise UserError(f"{sources.where(pairs, index)} has the label {label[:60]!r}, which is not "
+                      f"among the classes {list(known)[:10]}; fix the data, or list every class "
+                      "in data.labels (comma-separated)")
+
+
 def examples(data_config, pairs, tokenizer: Tokenizer) -> pipeline.Encoded:
   """The tokenised examples of a split's pairs for data.task (see the module docstring)."""
   d = data_config
@@ -159,10 +186,7 @@ def examples(data_config, pairs, tokenizer: Tokenizer) -> pipeline.Encoded:
     tokenizer = PairTokenizer(tokenizer, d.max_source_len)
   encoded = pipeline.encode(_SourceOnly(pairs), tokenizer, d.max_source_len, 1)
   kept = sources.gather(pairs, encoded.index)
-  unknown = sorted({label for _, label in kept if label not in labels})
-  if unknown:
-    raise UserError(f"labels {unknown[:5]} are not among the classes {list(labels)}; fix the "
-                    "data or data.labels")
+  check_labels(pairs, encoded.index, [label for _, label in kept], labels)
   ids = np.asarray([labels[label] + 1 for _, label in kept], np.int32)
   return dataclasses.replace(encoded, target=ids, target_starts=np.arange(len(ids)),
                              target_lengths=np.ones(len(ids), np.int64), max_target_len=1)

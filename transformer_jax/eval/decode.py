@@ -59,7 +59,8 @@ def _model(config: ModelConfig, decode: bool):
 def _check_length(config: ModelConfig, length: int, what: str = "decode length") -> None:
   if not 1 <= length <= config.max_len:
     raise UserError(f"{what} {length} must be in [1, model.max_len={config.max_len}]; "
-                    f"lower the decode length or raise model.max_len")
+                    "lower eval.max_decode_len (its default is data.max_target_len), or "
+                    "shorten the input")
 
 
 def encode(params, config: ModelConfig, source_tokens: Array) -> Array:

@@ -245,6 +245,15 @@ def _greedy_output(params, cfg, prompt, max_length: int) -> np.ndarray:
   return output[:length]
 
 
+def text_room(model_config, max_length: int, task: str) -> int:
+  """How many tokens of an input attention_maps draws: a decoder-only model's sequence holds the
+  text (lm: after BOS; else "text EOS BOS") and max_length decoded tokens within model.max_len;
+  otherwise the text and EOS."""
+  if model_config.arch != "decoder_only":
+    return model_config.max_len - 1
+  return model_config.max_len - max_length - (0 if task == "lm" else 2)
+
+
 def attention_maps(params, model_config, tokenizer, text: str, max_length: int, task: str =
                    "seq2seq"):
   """Attention weights of every layer and head for one input and what the model makes of it.
@@ -260,7 +269,9 @@ def attention_maps(params, model_config, tokenizer, text: str, max_length: int, 
   """
   cfg = model_config.replace(deterministic=True, decode=False)
   model = make_model(cfg)
-  ids = tokenizer.encode([text])[0][: cfg.max_len - 1]
+  ids = tokenizer.encode([text])[0]
+  room = max(text_room(cfg, max_length, task), 0)
+  ids = ids[max(len(ids) - room, 0):] if cfg.arch == "decoder_only" and task == "lm" else ids[:room]
   if cfg.arch == "encoder_only":
     source = jnp.asarray([ids + [EOS_ID]], jnp.int32)
     _, state = model.apply({"params": params}, source, mutable=["intermediates"])
@@ -270,7 +281,7 @@ def attention_maps(params, model_config, tokenizer, text: str, max_length: int, 
                                                "self_attention")}
     return maps, pieces, pieces, ""
   if cfg.arch == "decoder_only" and task == "lm":
-    kept = ids[-(cfg.max_len - max_length):]
+    kept = ids
     # As --mode=generate reads it: an imported GPT-2 without BOS (eval/generate.py).
     prompt = [BOS_ID] + kept if tokenizer.prompt_bos or not kept else kept
     output = _greedy_output(params, cfg, jnp.asarray([prompt], jnp.int32), max_length)
@@ -339,6 +350,32 @@ def position_picture(model_config, params) -> Optional[tuple[np.ndarray, str]]:
   return None
 
 
+def _checked_text(text: str, config, model_config, tokenizer) -> tuple[str, int]:
+  """(--text as text, the decode length): bytes that are not UTF-8 read as U+FFFD and a text
+  longer than the model reads cut, each with the warning that translate and generate give; a
+  decode length that leaves the text no room is refused by its key (eval.max_decode_len)."""
+  raw = text.encode("utf-8", "surrogateescape")  # argv's undecodable bytes: lone surrogates
+  try:
+    text = raw.decode("utf-8")
+  except UnicodeDecodeError:
+    text = raw.decode("utf-8", errors="replace")
+    print("warning: --text is not UTF-8; its undecodable bytes were read as U+FFFD",
+          file=sys.stderr, flush=True)
+  max_length = search.max_decode_length(config)
+  tokens = len(tokenizer.encode([text])[0])
+  room = text_room(model_config, max_length, config.data.task)
+  if room < 1:
+    raise UserError(f"eval.max_decode_len ({max_length}) leaves no room for --text in "
+                    f"model.max_len ({model_config.max_len}); lower it, e.g. "
+                    f"--config.eval.max_decode_len={max(model_config.max_len // 4, 1)}")
+  kept = "last" if model_config.arch == "decoder_only" and config.data.task == "lm" else "first"
+  if tokens > room:
+    print(f"warning: --text has {tokens} tokens, more than the {room} that model.max_len "
+          f"({model_config.max_len}) leaves it; the {kept} {room} were drawn", file=sys.stderr,
+          flush=True)
+  return text, max_length
+
+
 def plot_workdir(config, workdir: str, text: Optional[str] = None,
                  step: Optional[int] = None) -> list[str]:
   """Writes every plot for a run into WORKDIR/plots; returns the paths."""
@@ -371,7 +408,7 @@ def plot_workdir(config, workdir: str, text: Optional[str] = None,
                                           title))
 
   if text is not None:
-    max_length = config.eval.max_decode_len or config.data.max_target_len
+    text, max_length = _checked_text(text, config, model_config, tokenizer)
     maps, source_pieces, target_pieces, output = attention_maps(
         params, model_config, tokenizer, text, max_length, config.data.task)
     axes = {"encoder_self_attention": (source_pieces, source_pieces),

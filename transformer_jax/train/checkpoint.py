@@ -36,7 +36,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from transformer_jax.core import files, lock, metric_names, storage, trees
+from transformer_jax.core import files, lock, metric_names, outage, storage, trees
 from transformer_jax.core.errors import UserError
 from transformer_jax.train import sharding
 
@@ -234,6 +234,47 @@ class _Unreadable(Exception):
   pass
 
 
+class _Unanswered(Exception):
+  """A checkpoint write cut by a store that does not answer (Manager rides it out)."""
+
+
+# TensorStore's own retries of a bucket's requests (it writes the arrays): about half a minute,
+# as gcsfs's (orbax's other files), instead of its default 32 tries of up to 32 s each; past
+# them the outage is ridden out by train.storage_outage_s (`core/outage.py`), which says so.
+_STORE_RETRIES = {"max_retries": 5, "initial_delay": "1s", "max_delay": "16s"}
+
+
+def _bound_tensorstore_retries() -> None:
+  """Puts _STORE_RETRIES into the TensorStore context orbax builds for every array it writes
+  (a private table of orbax 0.11 to 0.12; another orbax keeps TensorStore's defaults)."""
+  try:
+    from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
+    for context in (ts_utils._BASE_TS_CONTEXT, ts_utils._DEFAULT_OCDBT_TS_CONTEXT):
+      for resource in ("gcs_request_retries", "s3_request_retries"):
+        context.setdefault(resource, dict(_STORE_RETRIES))
+  except (ImportError, AttributeError):
+    pass
+
+
+def _release_cut_save() -> None:
+  """Ends the threads of a save cut short that still wait for a signal of it (the creation of
+  its directory, which failed): orbax would keep them, and the process at its end, for its
+  coordination timeout (5 minutes), then log a TimeoutError each. They are marked cancelled
+  and woken, so that each returns without running its part of the save. Private parts of orbax
+  (0.11 to 0.12): where they differ, the threads time out as before."""
+  # Their coroutines, never started, would each say so when the interpreter ends.
+  warnings.filterwarnings("ignore", message="coroutine .* was never awaited",
+                          category=RuntimeWarning)
+  try:
+    from orbax.checkpoint._src.futures import future as ocp_future
+    for thread in threading.enumerate():
+      if isinstance(thread, ocp_future._SignalingThread) and thread.is_alive():
+        thread._cancelled = True
+        ocp_future.set_signals(thread._receive_signals, operation_id=thread._operation_id)
+  except Exception:  # noqa: BLE001  another orbax: its own timeout ends them
+    pass
+
+
 def _write_errno(e: BaseException):
   """The errno of a failed write, found in an OSError or in the text of the error that orbax and
   tensorstore raise for it (`... No space left on device [os_error_code='28']`); else None."""
@@ -251,8 +292,16 @@ class _WriteFailureFilter(logging.Filter):
   abandoned tasks for a write that failed (disk full, read-only): `Manager` raises that failure
   as one UserError in the main thread, and nothing else needs saying."""
 
+  bucket_saves = False  # a writable Manager of a bucket exists: it reports every failed save
+
   def filter(self, record: logging.LogRecord) -> bool:
     exception = record.exc_info[1] if record.exc_info else None
+    if self.bucket_saves and record.levelno >= logging.ERROR and "orbax" in record.pathname:
+      return False  # a save the store refused or cut: Manager raises it in one line
+    if outage.armed() and (outage.unreachable(Exception(record.getMessage()))
+                           or exception is not None and outage.unreachable(exception)
+                           or record.getMessage().startswith("Waiting for previous save")):
+      return False  # a save cut, or held up, by a store that does not answer: ridden out
     return _write_errno(Exception(f"{record.getMessage()} {exception}")) is None
 
 
@@ -266,6 +315,7 @@ def _drop_write_failure_noise(previous):
   def hook(unraisable):
     value = unraisable.exc_value
     if (_write_errno(Exception(str(value))) is None
+        and not (outage.armed() and value is not None and outage.unreachable(value))
         and not (isinstance(value, RuntimeError) and str(value) == "Event loop is closed")):
       previous(unraisable)
   hook.drops_write_failure_noise = True
@@ -387,7 +437,11 @@ class Manager:
     self.config = config
     self.tokenizer_sha = tokenizer_sha
     self.unreadable = []  # steps found unreadable by latest_good()
+    self._last = self._unsaved = None  # the newest save asked for; one not written (an outage)
     if writable:
+      if storage.is_url(self.workdir):
+        _bound_tensorstore_retries()
+        _FILTER.bucket_saves = True
       for name in ("absl", "asyncio"):
         logging.getLogger(name).addFilter(_FILTER)
       if not getattr(sys.unraisablehook, "drops_write_failure_noise", False):
@@ -444,23 +498,97 @@ class Manager:
     }
     if metrics is not None:
       metrics = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
-    with self._writing():
-      self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                       meta=ocp.args.JsonSave(meta)),
-                         metrics=metrics, force=True)
+    self._last = (step, ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                           meta=ocp.args.JsonSave(meta)), metrics)
+    self._put(*self._last)
+
+  def _put(self, step: int, args, metrics) -> None:
+    """orbax's async save of `step`. Through an outage of a bucket's store (`core/outage.py`,
+    armed by training) a save that cannot start is skipped, and training goes on: the next
+    save, or `wait` at the end, writes a newer state once the store answers."""
+    while True:
+      if outage.ongoing() and not self._answers(f"to save checkpoint step {step}"):
+        self._unsaved = (step, args, metrics)
+        return
+      try:
+        with self._writing():
+          self._manager.save(step, args=args, metrics=metrics, force=True)
+        self._unsaved = None
+        return
+      except _Unanswered:
+        continue  # the save before this one was cut by the outage: see whether it is over
 
   def wait(self) -> None:
-    with self._writing():
-      self._manager.wait_until_finished()
+    """Waits for the save under way; through an outage, until the store answers (up to
+    train.storage_outage_s), then writes the newest state asked for, whole."""
+    while True:
+      try:
+        with self._writing():
+          self._manager.wait_until_finished()
+      except _Unanswered:
+        self._unsaved = self._last  # the save in flight was the newest one asked for
+      if self._unsaved is None:
+        return
+      step, args, metrics = self._unsaved
+      outage.wait_until_answering(lambda: storage.probe(self.directory), self._endpoint(),
+                                  f"to save checkpoint step {step}")
+      # What the cut save left of the step (no commit file: never read) goes, and orbax
+      # forgets it, so that the step is written again from the start.
+      storage.remove_tree(storage.join(self.directory, str(step)))
+      self._manager.reload()
+      self._put(step, args, metrics)
+
+  def _refused(self, error: Exception) -> UserError:
+    """One line for a checkpoint write that the bucket's store refused (no permission, a
+    bucket deleted, a quota): its answer, and what is intact."""
+    _release_cut_save()
+    gc.collect()
+    cause = error
+    while cause.__cause__ is not None or cause.__context__ is not None:
+      cause = cause.__cause__ or cause.__context__
+    known = storage.user_failure(self.directory, cause, "write a checkpoint in")
+    reason = " ".join(str(cause).split())[:200] or type(cause).__name__
+    steps = saved_steps(self.workdir)
+    kept = (f"the checkpoints written before (steps {steps}) are intact" if steps
+            else "no checkpoint was written")
+    if known is not None:
+      return UserError(f"{known}; {kept}")
+    return UserError(f"cannot write a checkpoint in {self.directory}: the store answered "
+                     f"{type(cause).__name__}: {reason}; {kept}")
+
+  def _endpoint(self) -> str:
+    return storage.endpoint(self.directory.split("://", 1)[0])
+
+  def _answers(self, waited_for: str) -> bool:
+    """One request to the store: True if it answers (the outage is over), False while it does
+    not (up to the bound, past which the outage's UserError is raised)."""
+    try:
+      storage.probe(self.directory)
+    except Exception as e:  # noqa: BLE001  sorted by outage.unreachable
+      if not outage.unreachable(e):
+        raise
+      outage.failed(self._endpoint(), e, waited_for)
+      return False
+    outage.answered()
+    return True
 
   @contextlib.contextmanager
   def _writing(self):
     """A failed write of a checkpoint (here, or in the async save of an earlier one: orbax
-    raises it at the next call) becomes one UserError naming the directory and the free space."""
+    raises it at the next call) becomes one UserError naming the directory and the free space;
+    one cut by a store that does not answer, in a training run that rides out outages, raises
+    _Unanswered (after `outage.failed`, which raises its UserError past the bound)."""
     try:
       yield
     except Exception as e:  # orbax wraps the OSError in whatever its layer raises
+      if storage.is_url(self.directory) and outage.armed() and outage.unreachable(e):
+        _release_cut_save()
+        gc.collect()  # the cut save's abandoned coroutines complain when collected: now
+        outage.failed(self._endpoint(), e, "to save a checkpoint")
+        raise _Unanswered() from None
       code = _write_errno(e)
+      if code is None and storage.is_url(self.directory):
+        raise self._refused(e) from None
       if code is None:
         raise
       steps = saved_steps(self.workdir)

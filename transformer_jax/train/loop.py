@@ -18,7 +18,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from transformer_jax import config as config_lib
-from transformer_jax.core import progress, storage
+from transformer_jax.core import outage, progress, storage
 from transformer_jax.core.errors import UserError
 from transformer_jax.data import cache, pipeline, prepare, sources, tasks
 from transformer_jax.data import tokenizer as tokenizer_lib
@@ -179,6 +179,8 @@ def train(config, workdir: str, evaluate_fn: EvaluateFn) -> Result:
   config_json = config.to_json_best_effort(indent=2)
   checkpoint.create_workdir(workdir)
   lock = checkpoint.claim_workdir(workdir, seen_steps)  # held until training and its eval end
+  if storage.is_url(workdir):  # the bucket answered: from now on its outages are ridden out
+    outage.arm(t.storage_outage_s)  # (up to the run's last write: run.py disarms)
   if is_main and new_tokenizer:
     storage.write(storage.join(workdir, tokenizer.filename), tokenizer.model_proto)
   if is_main:

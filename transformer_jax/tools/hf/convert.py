@@ -25,7 +25,7 @@ from transformer_jax.core.errors import UserError
 from transformer_jax.core.tokens import BOS_ID, EOS_ID, PAD_ID
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.model import ModelConfig, init_boxed_params, param_shapes
-from transformer_jax.tools.hf import weights
+from transformer_jax.tools.hf import checks, weights
 from transformer_jax.tools.hf.architectures import (
   ARCHITECTURES,
   COUNT,
@@ -106,24 +106,20 @@ def _nested(flat: dict) -> dict:
 
 
 def _read_json(path: str, what: str) -> dict:
-  try:
-    with open(path, encoding="utf-8") as f:
-      value = json.load(f)
-  except (OSError, ValueError) as e:
-    raise UserError(f"cannot read {path} ({e}); download {what} again") from None
-  if not isinstance(value, dict):
-    raise UserError(f"{path} is not a JSON object; download {what} again")
-  return value
+  return checks.read_json(path, what)  # bounded, UTF-8, a JSON object: or one line
 
 
 def _architecture(hf_config: dict, path: str):
   """(Architecture, Head) of their config: by model_type, then by its `architectures` class."""
-  model_type = hf_config.get("model_type")
+  model_type = checks.hashable(hf_config.get("model_type"), "model_type", path)
   if model_type not in ARCHITECTURES:
     raise UserError(f"{path} has model_type {model_type!r}, which cannot be imported (supported: "
                     f"{', '.join(ARCHITECTURES)}); import a model of one of those types")
   arch = ARCHITECTURES[model_type]
   classes = hf_config.get("architectures") or [arch.heads[0].hf_class]
+  if not isinstance(classes, list) or not all(isinstance(c, str) for c in classes):
+    raise UserError(f"{path} has architectures={checks.shown(classes)}, not a list of class "
+                    "names; fix the value or download config.json again")
   for head in arch.heads:
     if head.hf_class in classes:
       return arch, head
@@ -136,20 +132,26 @@ def _field_value(field, hf_config: dict, path: str):
   """Our value of a Field, from their config."""
   if field.hf in hf_config and hf_config[field.hf] is not None:
     value = hf_config[field.hf]
+  elif callable(field.default):
+    try:  # derived from their other values, which may be of any type
+      value = field.default(hf_config)
+    except (TypeError, ValueError, KeyError, AttributeError, ArithmeticError):
+      value = None
   else:
-    value = field.default(hf_config) if callable(field.default) else field.default
+    value = field.default
   if value is None:
     raise UserError(f"{path} lacks {field.hf}, which sets model.{field.ours}; download the "
                     "model's config.json again")
   if field.values == COUNT:
-    return len(value)
+    return checks.count_list(value, field.hf, path)
   if field.values is not None:
-    if value not in field.values:
+    if checks.hashable(value, field.hf, path) not in field.values:
       raise UserError(f"{path} has {field.hf}={value!r}, which model.{field.ours} cannot express "
                       f"(it maps {', '.join(map(repr, field.values))}); this model cannot be "
                       "imported")
     return field.values[value]
-  return value
+  default = checks.option_default(ModelConfig, field.ours)  # the option's type
+  return checks.option_value(field.ours, field.hf, value, default, path)
 
 
 def _model_options(arch, head, hf_config: dict, path: str) -> dict:
@@ -226,8 +228,7 @@ def _marian_tokenizer(arch, hf_dir: str, hf_vocab_size: int, hf_config: dict):
                     f"{hf_vocab_size}; the tokenizer belongs to another model")
   models = {}
   for name in (SOURCE_SPM, TARGET_SPM):
-    with open(os.path.join(hf_dir, name), "rb") as f:
-      models[name] = f.read()
+    models[name] = checks.read_bytes(os.path.join(hf_dir, name), "the tokenizer")
     try:
       tokenizer_lib.spm_processor(models[name])
     except ValueError:
@@ -268,8 +269,7 @@ def _t5_tokenizer(arch, hf_dir: str, hf_vocab_size: int, hf_config: dict):
                       f"download {SPIECE})")
     record, tokens, ids = _tokenizer(arch, hf_dir, hf_vocab_size, hf_config, generic=True)
   else:
-    with open(path, "rb") as f:
-      proto = f.read()
+    proto = checks.read_bytes(path, "the tokenizer")
     try:
       processor = tokenizer_lib.spm_processor(proto)
     except ValueError:
@@ -322,8 +322,7 @@ def _tokenizer(arch, hf_dir: str, hf_vocab_size: int, hf_config: dict, generic: 
   except ImportError:
     raise UserError("importing a Hugging Face model needs its libraries; install the hf extra "
                     "(pip install 'transformer_jax[hf]')") from None
-  with open(path, encoding="utf-8") as f:
-    text = f.read()
+  text = checks.read_text(path, "the tokenizer")
   try:
     tokenizer = Tokenizer.from_str(text)
   except Exception as e:  # the tokenizers library's own exception type
@@ -604,6 +603,10 @@ def import_hf(hf_dir: str, workdir: str) -> str:
 # ----------------------------------------------------------------------------- writing theirs
 
 
+# Keys of ModelConfig that an architecture does not read: the stack it does not have.
+_UNREAD = {"decoder_only": ("num_encoder_layers",), "encoder_only": ("num_decoder_layers",)}
+
+
 def _target(model: ModelConfig):
   """(Architecture, Head) that expresses our model; refuses, naming the option, when none does."""
   # Options no exported class has: one layer's weights shared by the stack, a learned position
@@ -624,7 +627,10 @@ def _target(model: ModelConfig):
       fixed = {**arch.fixed, **head.fixed}
       if "num_labels" not in fixed and not model.num_labels:
         continue  # a classifier's class: not for a model without classes
-      wrong = [(k, v) for k, v in fixed.items() if getattr(model, k) != v]
+      # A key the architecture never reads (a decoder-only model's num_encoder_layers) is no
+      # reason to refuse: the export writes what the model has.
+      wrong = [(k, v) for k, v in fixed.items()
+               if getattr(model, k) != v and k not in _UNREAD.get(model.arch, ())]
       if not wrong:
         for field in arch.fields:
           if field.values not in (None, COUNT):
@@ -633,8 +639,8 @@ def _target(model: ModelConfig):
               wrong.append((field.ours, "/".join(sorted(set(field.values.values())))))
       if not wrong:
         return arch, head
-      key, value = wrong[0]
-      reasons.append(f"{head.hf_class} needs model.{key}={value}, not {getattr(model, key)!r}")
+      reasons.append(f"{head.hf_class} needs " + ", ".join(
+          f"model.{key}={value} (not {getattr(model, key)!r})" for key, value in wrong[:3]))
   raise UserError(f"no Hugging Face class that this project exports expresses this model.arch="
                   f"{model.arch} ({'; '.join(reasons) or 'none for this architecture'}); "
                   "train with the options of one of them to export")

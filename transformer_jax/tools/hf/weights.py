@@ -8,15 +8,14 @@ Written: one `model.safetensors`.
 
 from __future__ import annotations
 
-import json
 import os
-import struct
 import warnings
 
 import ml_dtypes
 import numpy as np
 
 from transformer_jax.core.errors import UserError
+from transformer_jax.tools.hf import checks
 
 SAFETENSORS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -32,41 +31,21 @@ DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dt
 
 def _safetensors(path: str) -> dict:
   """The tensors of a .safetensors file: an 8-byte little-endian header size, a JSON header
-  {name: {dtype, shape, data_offsets}}, then the bytes (memory-mapped, read on use)."""
-  def damaged(reason):
-    return UserError(f"{path} does not read as safetensors ({reason}); download it again")
-
+  {name: {dtype, shape, data_offsets}}, then the bytes (memory-mapped, read on use). Every
+  size in it is checked against the file before anything is mapped (`checks.py`)."""
+  length, header = checks.safetensors_header(path, DTYPES)
   try:
-    with open(path, "rb") as f:
-      size = struct.unpack("<Q", f.read(8))[0]
-      header = json.loads(f.read(size))
-    data = np.memmap(path, np.uint8, mode="r", offset=8 + size)
-  except (OSError, ValueError, struct.error) as e:
-    raise damaged(e) from None
-  tensors = {}
-  for name, info in header.items():
-    if name == "__metadata__":
-      continue
-    try:
-      dtype = np.dtype(DTYPES[info["dtype"]])
-      start, end = info["data_offsets"]
-      shape = tuple(info["shape"])
-      tensors[name] = data[start:end].view(dtype).reshape(shape)
-    except KeyError as e:
-      raise damaged(f"{name}: no dtype {e} here") from None
-    except (ValueError, TypeError) as e:
-      raise damaged(f"{name}: {e}") from None
-  return tensors
+    data = np.memmap(path, np.uint8, mode="r", offset=8 + length) if os.path.getsize(
+        path) > 8 + length else np.zeros(0, np.uint8)  # a file of empty tensors maps nothing
+  except (OSError, ValueError) as e:
+    raise UserError(f"{path} does not read as safetensors ({e}); download it again") from None
+  return {name: data[start:end].view(dtype).reshape(shape)
+          for name, (dtype, shape, start, end) in header.items()}
 
 
 def _sharded(hf_dir: str) -> dict:
   index_path = os.path.join(hf_dir, INDEX)
-  try:
-    with open(index_path, encoding="utf-8") as f:
-      weight_map = json.load(f)["weight_map"]
-  except (OSError, ValueError, KeyError, TypeError) as e:
-    raise UserError(f"{index_path} is no safetensors index with a weight_map ({e}); download "
-                    "it again") from None
+  weight_map = checks.weight_map(checks.read_json(index_path, "the index"), index_path)
   shards = sorted(set(weight_map.values()))
   missing = [s for s in shards if not os.path.isfile(os.path.join(hf_dir, s))]
   if missing:
@@ -125,7 +104,9 @@ def read(hf_dir: str) -> dict:
   tensors = {SAFETENSORS: _safetensors, INDEX: lambda _: _sharded(hf_dir),
              PYTORCH: _pytorch}[found[0]](path)
   floating = (np.float64, np.float16, ml_dtypes.bfloat16)
-  return {k: v.astype(np.float32) if v.dtype in floating else v for k, v in tensors.items()}
+  tensors = {k: v.astype(np.float32) if v.dtype in floating else v for k, v in tensors.items()}
+  checks.finite(tensors, hf_dir)
+  return tensors
 
 
 def write(hf_dir: str, tensors: dict) -> None:
