@@ -57,6 +57,8 @@ OTHERS = {
     "export that CTranslate2 converts and decodes as ours)",
     ".venv/bin/python benchmarks/marian_scan.py": "test_hf_marian (a sample of the same check)",
     ".venv/bin/python benchmarks/scan_structure.py": "test_scan runs it and checks its table",
+    ".venv/bin/python -m pytest -q -s tests/test_hf_scores.py": "the test itself (its printed "
+    "figures)",
 }
 
 
