@@ -341,7 +341,8 @@ def position_picture(model_config, params) -> Optional[tuple[np.ndarray, str]]:
 
 def plot_workdir(config, workdir: str, text: Optional[str] = None,
                  step: Optional[int] = None) -> list[str]:
-  """Writes every plot for a run into WORKDIR/plots; returns the paths."""
+  """Writes every plot for a run into WORKDIR/plots, and sends them to the run's trackers;
+  returns the paths."""
   workdir = storage.check(workdir)
   out = storage.join(workdir, "plots")
   # Curves need a training run; attention maps (--text) need only a checkpoint, which an
@@ -383,4 +384,6 @@ def plot_workdir(config, workdir: str, text: Optional[str] = None,
       queries, keys = axes[kind]
       paths.append(plot_attention(maps[kind], queries, keys, storage.join(out, f"{kind}.png"),
                                   f"{kind.replace('_', ' ')}: {text!r} -> {output!r}"))
+  # The run's W&B / MLflow run shows them too (train.trackers), at its last step.
+  logger.publish_images(config, workdir, paths, max((r["step"] for r in records), default=0))
   return paths
