@@ -134,6 +134,13 @@ _NOT_SCALARS = ("step", "split", "interval_s", "interval_steps", "interval_token
                 "compile_tokens")
 
 
+def _scalars(record: dict) -> dict:
+  """{"SPLIT/KEY": number} of a metrics.jsonl record, as TensorBoard and the trackers show it."""
+  return {f"{record['split']}/{key}": value for key, value in record.items()
+          if key not in _NOT_SCALARS and isinstance(value, (int, float))
+          and not isinstance(value, bool)}
+
+
 class MetricLogger:
   """Writes metrics to stdout, metrics.jsonl (one JSON object per line), TensorBoard and the
   trackers of train.trackers (`config`; without one, TensorBoard alone)."""
@@ -163,12 +170,14 @@ class MetricLogger:
     self._jsonl = storage.JsonLog(path)
     self._tb = (_Events(storage.join(workdir, "tensorboard")) if "tensorboard" in chosen
                 else None)
-    self._trackers = trackers.open_trackers(config, workdir, run_id) if run_id else []
+    # The trackers get metrics.jsonl's earlier records too: those their run lacks are sent.
+    backlog = ([(r["split"], _scalars(r), r["step"]) for r in read_metrics(workdir)
+                if isinstance(r.get("split"), str)] if run_id else [])
+    self._trackers = trackers.open_trackers(config, workdir, run_id, backlog) if run_id else []
 
   def _write(self, record: dict) -> None:
     self._jsonl.append(record)
-    values = {f"{record['split']}/{key}": value for key, value in record.items()
-              if key not in _NOT_SCALARS and isinstance(value, (int, float))}
+    values = _scalars(record)
     if self._tb:
       self._tb.scalars(values, record["step"])
     for tracker in self._trackers:

@@ -284,7 +284,7 @@ def train(config, workdir: str, evaluate_fn: EvaluateFn) -> Result:
     logger.summary({"step": int(state.step), "tokens_seen": throughput.tokens_seen,
                     "train_time_s": throughput.train_seconds, "wall_time_s": wall_time,
                     **{f"{split}/{k}": v for split, metrics in (
-                        (d.eval_split, final_metrics), (d.test_split, test_metrics))
+                        ("eval", final_metrics), ("test", test_metrics))
                        for k, v in metrics.items() if isinstance(v, (int, float))}})
     logger.close("stopped" if preemption.signal else "finished")
   checkpoint_steps = manager.all_steps()

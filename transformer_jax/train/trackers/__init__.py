@@ -32,7 +32,11 @@ def check(config) -> list:
   chosen = config_lib.tracker_names(config)
   for name in chosen:
     package = PACKAGES.get(name)
-    if package and importlib.util.find_spec(package) is None:
+    try:
+      missing = package and importlib.util.find_spec(package) is None
+    except ValueError:  # in sys.modules as None: an import of it fails
+      missing = True
+    if missing:
       raise UserError(f"train.trackers asks for {name}, which is not installed: pip install "
                       f"'transformer_jax[{name}]' (or leave {name} out of train.trackers)")
   return chosen
@@ -90,8 +94,9 @@ def make(name: str, config, workdir: str) -> Tracker:
   return MlflowTracker(config, run_name)
 
 
-def open_trackers(config, workdir: str, run_id: str) -> list:
-  """A started Background for each tracker of train.trackers but TensorBoard (the logger's)."""
+def open_trackers(config, workdir: str, run_id: str, backlog: list = ()) -> list:
+  """A started Background for each tracker of train.trackers but TensorBoard (the logger's).
+  backlog: the scalar records of the steps before this run (Background)."""
   return [Background(make(name, config, workdir), run_id, flat_config(config),
-                     retry_s=config.train.tracker_retry_s)
+                     retry_s=config.train.tracker_retry_s, backlog=backlog)
           for name in check(config) if name != "tensorboard"]

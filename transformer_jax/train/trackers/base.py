@@ -31,8 +31,9 @@ class Tracker:
   def open(self, run_id: str, config: dict) -> dict:
     raise NotImplementedError
 
-  def scalars(self, split: str, values: dict, step: int) -> None:
-    """values: {"SPLIT/KEY": number}, the numbers of one metrics.jsonl record."""
+  def scalars(self, records: list) -> None:
+    """records: [(split, {"SPLIT/KEY": number}, step)], the numbers of metrics.jsonl records
+    in their order (those queued while the previous call ran go together)."""
 
   def table(self, name: str, columns: list, rows: list, step: int) -> None:
     """Sample translations: rows of `columns` strings."""
@@ -53,14 +54,19 @@ class Tracker:
 # Seconds to wait at the end of a run for a tracker to take what is queued; after that the
 # rest is given up (it is in metrics.jsonl) rather than keep a finished run waiting.
 CLOSE_TIMEOUT_S = 60.0
+MAX_VALUES = 1000  # numbers sent in one call of Tracker.scalars
 
 
 class Background:
   """Drives `tracker` on a thread; each public method returns at once."""
 
   def __init__(self, tracker: Tracker, run_id: str, config: dict, retry_s: float = 60.0,
-               capacity: int = 10_000):
+               capacity: int = 10_000, backlog: list = ()):
+    """backlog: the scalar records (split, values, step) of the steps before this run's start
+    (metrics.jsonl's): those the tracker run does not show yet (lost to a kill before they
+    were sent, or logged before the tracker was chosen) are sent first."""
     self.tracker = tracker
+    self._backlog = list(backlog)
     self._retry_s = retry_s
     self._calls = collections.deque()
     self._capacity = capacity
@@ -98,12 +104,23 @@ class Background:
   def checkpoints(self, steps: list, directory: str) -> None:
     self._put("checkpoints", steps, directory)
 
-  def _shown_before(self, method: str, args) -> bool:
-    """A scalar record or table of a step the run already shows (logged before a kill)."""
-    if method not in ("scalars", "table") or not self._shown:
-      return False
-    split = args[0] if method == "scalars" else args[0].split("/")[0]
-    return args[-1] <= self._shown.get(split, self._shown.get("*", -1))
+  def _shown_before(self, split: str, step: int) -> bool:
+    """A record of a step the run already shows (logged before a kill)."""
+    return bool(self._shown) and step <= self._shown.get(split, self._shown.get("*", -1))
+
+  def _next(self) -> tuple:
+    """(method, args, calls taken): the first call queued, and with a scalar record the ones
+    queued right after it, up to MAX_VALUES numbers (one request: MLflow's limit per batch)."""
+    method, args = self._calls[0]
+    if method != "scalars":
+      return method, args, 1
+    records, values = [], 0
+    for method_, args_ in self._calls:
+      if method_ != "scalars" or (records and values + len(args_[1]) > MAX_VALUES):
+        break
+      records.append(args_)
+      values += len(args_[1])
+    return "scalars", records, len(records)
 
   def _work(self) -> None:
     warned, failing, final_try = False, False, False
@@ -113,12 +130,22 @@ class Background:
           self._cond.wait()
         if not self._calls:
           break
-        method, args = self._calls[0]
+        method, args, count = self._next()
       try:
-        if not self._shown_before(method, args):
+        if method == "scalars":
+          records = [r for r in args if not self._shown_before(r[0], r[2])]
+          if records:
+            self.tracker.scalars(records)
+        elif method != "table" or not self._shown_before(args[0].split("/")[0], args[-1]):
           result = getattr(self.tracker, method)(*args)
           if method == "open":
             self._shown = result or {}
+            missing = [r for r in self._backlog if not self._shown_before(r[0], r[2])]
+            self._backlog = []
+            with self._cond:  # right after the open, before this run's records
+              self._calls.popleft()
+              self._calls.extendleft(reversed([("scalars", r) for r in missing]))
+              self._calls.appendleft(("open", args))  # taken off below
       except Exception as e:  # any failure of the service: wait and try again
         if not warned:
           warned = True
@@ -136,7 +163,8 @@ class Background:
           self._cond.wait(self._retry_s)
         continue
       with self._cond:
-        self._calls.popleft()
+        for _ in range(count):
+          self._calls.popleft()
       if failing:
         failing = False
         print(f"{self.tracker.name}: reached again; sending what was held back",

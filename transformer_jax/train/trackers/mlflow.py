@@ -118,8 +118,10 @@ class MlflowTracker(Tracker):
     return {split: max((m.step for m in client.get_metric_history(run.info.run_id, key)),
                        default=-1) for split, key in keys.items()}
 
-  def scalars(self, split: str, values: dict, step: int) -> None:
-    metrics = [_metric(k, v, step) for k, v in values.items()]
+  def scalars(self, records: list) -> None:
+    # One request (base.MAX_VALUES numbers at most, MLflow's limit): a retry never sends
+    # half of them twice. A record of more numbers, split, could.
+    metrics = [_metric(k, v, step) for _, values, step in records for k, v in values.items()]
     for i in range(0, len(metrics), 1000):
       self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
 

@@ -66,8 +66,9 @@ class WandbTracker(Tracker):
       before = max(before, self.run.starting_step - 1)
     return {"*": before} if before >= 0 else {}
 
-  def scalars(self, split: str, values: dict, step: int) -> None:
-    self.run.log(values, step=step)
+  def scalars(self, records: list) -> None:
+    for _, values, step in records:
+      self.run.log(values, step=step)
 
   def table(self, name: str, columns: list, rows: list, step: int) -> None:
     import wandb
