@@ -9,7 +9,9 @@ default (a local store). A server, a file store (file:/path) and a SQLite databa
 from __future__ import annotations
 
 import json
+import logging
 import os
+import threading
 import time
 
 from transformer_jax.train.trackers.base import Tracker
@@ -26,9 +28,20 @@ _BATCH = 100  # params and tags per log_batch call (MLflow's limit); metrics go 
 _PARAM_CHARS = 6000  # MLflow's longest param value
 
 
+class _OwnRetries(logging.Filter):
+  """urllib3's warning at each retry of a request, from a tracker's thread: the tracker says
+  once that it cannot reach its server (base.Background), not once per request."""
+
+  def filter(self, record) -> bool:
+    return not threading.current_thread().name.startswith("tracker-")
+
+
 def _client(tracking_uri: str):
   for name, value in _HTTP_DEFAULTS.items():
     os.environ.setdefault(name, value)
+  retries = logging.getLogger("urllib3.connectionpool")
+  if not any(isinstance(f, _OwnRetries) for f in retries.filters):
+    retries.addFilter(_OwnRetries())
   from mlflow.tracking import MlflowClient
   return MlflowClient(tracking_uri=tracking_uri or None)
 
