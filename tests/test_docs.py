@@ -57,6 +57,10 @@ OTHERS = {
     "export that CTranslate2 converts and decodes as ours)",
     ".venv/bin/python benchmarks/marian_scan.py": "test_hf_marian (a sample of the same check)",
     ".venv/bin/python benchmarks/scan_structure.py": "test_scan runs it and checks its table",
+    ".venv/bin/wandb sync": "W&B's own upload (needs its service); test_trackers reads the "
+                            "offline run files with W&B's own reader",
+    ".venv/bin/mlflow ui": "MLflow's own UI; test_trackers reads the runs through its server",
+    ".venv/bin/python benchmarks/trackers.py": "test_trackers (the same trackers, shorter runs)",
 }
 
 

@@ -202,21 +202,22 @@ def test_a_run_killed_and_resumed_shows_every_step_once(tmp_path, launcher, mlfl
   run, one W&B run id, every step once, each value metrics.jsonl's. (W&B's offline file loses
   the last steps before the kill: the resumed run sends them from metrics.jsonl.)"""
   workdir = tmp_path / "run"
-  # Saves at 200 and 400; the evaluation at 210 (after step 210's log) leaves the test time to
-  # see step 210 in MLflow and kill the run before it saves again.
+  # Saves at 200 and 400 only (keep_best=0: none at the evaluation); the evaluation at 210
+  # (after step 210's log) leaves the test time to see step 210 in MLflow and kill the run.
   flags = [*TINY, f"--workdir={workdir}", "--config.train.steps=400",
            "--config.eval.max_examples=32", "--config.train.log_every=10",
            "--config.train.checkpoint_every=200", "--config.train.eval_every=210",
-           "--config.train.trackers=mlflow,wandb",
+           "--config.train.keep_best=0", "--config.train.trackers=mlflow,wandb",
            "--config.wandb.mode=offline", "--config.wandb.project=tiny",
            *_mlflow_flags(mlflow_server, "killed")]
   pid = launcher.start(*flags)
-  runs, shown = [], -1
-  while _alive(pid) and shown < 210:
+  runs, shown, saved = [], -1, []
+  while _alive(pid) and not (shown >= 210 and 200 in saved):  # orbax finishes saves later
     time.sleep(0.05)
     runs = runs or _runs(mlflow_server, "killed")
     if runs:
       shown = max((s for s, _ in _history(mlflow_server, runs[0], "train/loss")), default=-1)
+      saved = [int(n) for n in os.listdir(workdir / "checkpoints") if n.isdigit()]
   launcher.send(signal.SIGKILL)
   assert launcher.wait() == -signal.SIGKILL, "the run ended before MLflow showed step 210"
   saved = [int(n) for n in os.listdir(workdir / "checkpoints") if n.isdigit()]
