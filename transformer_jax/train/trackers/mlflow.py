@@ -123,13 +123,12 @@ class MlflowTracker(Tracker):
 
   @staticmethod
   def _last_steps(client, run) -> dict:
-    """{split: last step} of the metrics the run shows, one metric's history per split."""
-    keys = {}
-    for key in sorted(run.data.metrics):
-      if "/" in key:
-        keys.setdefault(key.split("/")[0], key)
-    return {split: max((m.step for m in client.get_metric_history(run.info.run_id, key)),
-                       default=-1) for split, key in keys.items()}
+    """{split: last step} of the records the run shows: the history of SPLIT/time, which
+    every record of metrics.jsonl has."""
+    splits = {key.split("/")[0] for key in run.data.metrics if key.endswith("/time")}
+    return {split: max((m.step for m in client.get_metric_history(run.info.run_id,
+                                                                   f"{split}/time")), default=-1)
+            for split in splits}
 
   def scalars(self, records: list) -> None:
     # One request (base.MAX_VALUES numbers at most, MLflow's limit): a retry never sends
