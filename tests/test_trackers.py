@@ -171,8 +171,9 @@ def test_a_run_in_mlflow_equals_metrics_jsonl_and_joins_its_sweep(tmp_path, laun
   plots = {os.path.basename(f.path) for f in client.list_artifacts(run.info.run_id, "plots")}
   assert plots == set(os.listdir(workdir / "plots")) and "curves.png" in plots
 
-  assert mlflow_tracker.record_trial(config, parent, 0, "PRUNED", params={"lr": 0.01}, value=2.5,
-                                     step=10, run_id=_run_id(workdir)) == run.info.run_id
+  # The hook of the sweep engine, with the trial's config (as its workdir holds it).
+  trackers.record_trial(config_lib.from_workdir(str(workdir)), str(workdir), 0, "PRUNED",
+                        params={"lr": 0.01}, value=2.5, step=10)
   other = mlflow_tracker.record_trial(config, parent, 1, "COMPLETE", params={"lr": 0.001},
                                       value=1.5, step=20)
   mlflow_tracker.end_study(config, parent, best={"trial": 1, "value": 1.5,
@@ -400,6 +401,27 @@ def test_wandb_offline_holds_the_config_the_scalars_and_one_id_across_a_resume(t
   for r in _records(workdir, "train"):
     assert history[r["step"]]["train/loss"] == pytest.approx(r["loss"], rel=1e-6)
   assert {r["step"] for r in _records(workdir, "train")} == {5, 10, 15, 20}
+
+
+def test_a_sweep_trial_in_its_wandb_group_with_its_state(tmp_path):
+  """trackers.record_trial, the sweep's hook: the trial's W&B run (resumed by the id of its
+  workdir) gets its state, pruning step, value and parameters, in the study's group."""
+  config = config_lib.default_config()
+  config.train.update(trackers="tensorboard,wandb", tracker_group="study-b")
+  config.wandb.update(mode="offline", project="sweep")
+  run_id = trackers.claim_run_id(str(tmp_path))
+  trackers.record_trial(config, str(tmp_path), 3, "PRUNED", params={"train.learning_rate": 0.01},
+                        value=2.5, step=10)
+  [run_dir] = (tmp_path / "wandb").glob(f"offline-run-*-{run_id}")
+  summary = json.loads(_wandb_inspect(run_dir, "--summary"))
+  assert summary["run_id"] == run_id
+  assert {k: summary["summary"][k] for k in ("trial/number", "trial/state",
+                                             "trial/pruned_at_step", "trial/value")} == {
+      "trial/number": 3, "trial/state": "PRUNED", "trial/pruned_at_step": 10, "trial/value": 2.5}
+  assert summary["config"]["trial/train.learning_rate"] == 0.01
+  [run] = [json.loads(line)["run"] for line in _wandb_inspect(run_dir).splitlines()
+           if json.loads(line)["type"] == "run"]
+  assert run["run_group"] == "study-b"
 
 
 # ---------------------------------------------------------------------------- the choice

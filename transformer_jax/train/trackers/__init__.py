@@ -100,3 +100,21 @@ def open_trackers(config, workdir: str, run_id: str, backlog: list = ()) -> list
   return [Background(make(name, config, workdir), run_id, flat_config(config),
                      retry_s=config.train.tracker_retry_s, backlog=backlog)
           for name in check(config) if name != "tensorboard"]
+
+
+def record_trial(config, workdir: str, trial: int, state: str, params: dict | None = None,
+                 value: float | None = None, step: int | None = None) -> None:
+  """For the sweep engine: a trial's outcome (Optuna's state: COMPLETE, PRUNED, FAIL; its
+  parameters; objective value; last reported step, the pruning step of a pruned trial) on the
+  tracker run of its training workdir, in each tracker of `config` (the trial's config: its
+  train.tracker_group, and for MLflow its mlflow.parent_run_id from mlflow.start_study).
+  Nothing where the workdir has no tracker run yet or no tracker is chosen."""
+  run_id = read_run_id(workdir)
+  chosen = [n for n in check(config) if n != "tensorboard"]
+  if "mlflow" in chosen and config.mlflow.parent_run_id:
+    from transformer_jax.train.trackers import mlflow
+    mlflow.record_trial(config, config.mlflow.parent_run_id, trial, state, params, value, step,
+                        run_id=run_id or "")
+  if "wandb" in chosen and run_id:
+    from transformer_jax.train.trackers import wandb
+    wandb.record_trial(config, workdir, run_id, trial, state, params, value, step)

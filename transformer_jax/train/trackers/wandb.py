@@ -59,8 +59,11 @@ class WandbTracker(Tracker):
     mode = self.settings["mode"] or os.environ.get("WANDB_MODE", "")
     offline = mode in ("offline", "dryrun")
     before = last_offline_step(self.settings["dir"], run_id) if offline else -1
+    # W&B's console capture wraps sys.stdout and sys.stderr: every line and progress-bar
+    # update of the training thread would pass through it. Off unless WANDB_CONSOLE asks.
+    settings = wandb.Settings(silent=True, console=os.environ.get("WANDB_CONSOLE", "off"))
     self.run = wandb.init(id=run_id, resume="allow", config=config, reinit="create_new",
-                          settings=wandb.Settings(silent=True), **self.settings)
+                          settings=settings, **self.settings)
     self.run.config.update(config, allow_val_change=True)  # a resumed run's changed keys
     if self.run.resumed and not offline:
       before = max(before, self.run.starting_step - 1)
@@ -90,3 +93,25 @@ class WandbTracker(Tracker):
       if state == "stopped":
         self.run.mark_preempting()
       self.run.finish(exit_code=0 if state != "failed" else 1)
+
+
+def record_trial(config, workdir: str, run_id: str, trial: int, state: str,
+                 params: dict | None = None, value: float | None = None,
+                 step: int | None = None) -> None:
+  """A sweep trial's outcome on its W&B run (resumed for it; in the group train.tracker_group):
+  its state (Optuna's: COMPLETE, PRUNED, FAIL), parameters, objective value and last reported
+  step (the pruning step of a pruned trial), in the run's summary and config."""
+  import wandb
+  tracker = WandbTracker(config, workdir, run_name="")
+  settings = {k: v for k, v in tracker.settings.items() if k != "name"}
+  run = wandb.init(id=run_id, resume="allow", reinit="create_new",
+                   settings=wandb.Settings(silent=True, console="off"), **settings)
+  try:
+    run.config.update({f"trial/{k}": v for k, v in (params or {}).items()},
+                      allow_val_change=True)
+    run.summary.update({"trial/number": trial, "trial/state": state,
+                        **({"trial/value": value} if value is not None else {}),
+                        **({"trial/pruned_at_step" if state == "PRUNED" else "trial/last_step":
+                            step} if step is not None else {})})
+  finally:
+    run.finish(exit_code=1 if state == "FAIL" else 0)
