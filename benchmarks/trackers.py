@@ -1,14 +1,15 @@
 """Training throughput of the tiny model with each experiment tracker on and off.
 
-  python benchmarks/trackers.py [STEPS [ROUNDS [LOG_EVERY]]]   (default: 3000 3 100)
+  python benchmarks/trackers.py [STEPS [ROUNDS [LOG_EVERY]]]   (default: 2000 8 100)
 
 Each round trains experiments/tiny.py for STEPS steps (launch.py, a fresh workdir) once with
 TensorBoard alone (today's default, "off"), once with MLflow beside it (a real `mlflow server`
 with a SQLite store, started here on 127.0.0.1), once with W&B (offline mode: no network) and
-once with both; the rounds interleave the four so that the machine's load falls on all alike.
+once with both; the rounds interleave the four (each in every position in turn) so that the
+machine's load falls on all alike, and each round's ratio is to that round's run without.
 Throughput is the training clock's (metrics.jsonl: steps over seconds of train steps, the
 compiling ones, evaluation and saves left out), at train.log_every=LOG_EVERY (the default: 100).
-Prints one JSON line per run, then the median of each and its ratio to "off".
+Prints one JSON line per run, then for each setup the median rate and the median of its ratios.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def train(directory: str, name: str, steps: int, log_every: int, uri: str, env: 
   return sum(r["interval_steps"] for r in train) / sum(r["interval_s"] for r in train)
 
 
-def main(steps: int = 3000, rounds: int = 3, log_every: int = 100) -> None:
+def main(steps: int = 2000, rounds: int = 8, log_every: int = 100) -> None:
   with tempfile.TemporaryDirectory() as directory:
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                JAX_COMPILATION_CACHE_DIR=os.path.join(directory, "jax_cache"),
@@ -72,8 +73,9 @@ def main(steps: int = 3000, rounds: int = 3, log_every: int = 100) -> None:
     try:
       rates = {name: [] for name in SETUPS}
       train(directory, "off.warmup", 20, log_every, uri, env)  # the data and compilation caches
+      names = list(SETUPS)
       for round_ in range(rounds):
-        for name in SETUPS:
+        for name in names[round_ % 4:] + names[:round_ % 4]:  # each setup in each position
           rate = train(directory, f"{name}.{round_}", steps, log_every, uri, env)
           rates[name].append(rate)
           print(json.dumps({"trackers": SETUPS[name], "round": round_, "steps_per_s": rate}),
@@ -81,11 +83,14 @@ def main(steps: int = 3000, rounds: int = 3, log_every: int = 100) -> None:
     finally:
       os.killpg(server.pid, signal.SIGTERM)
       server.wait()
-  off = statistics.median(rates["off"])
   for name, values in rates.items():
-    median = statistics.median(values)
-    print(json.dumps({"trackers": SETUPS[name], "median_steps_per_s": round(median, 1),
-                      "ratio_to_off": round(median / off, 4)}), flush=True)
+    # Each round's ratio to the same round's run without trackers (the load of the machine at
+    # that time), then their median.
+    ratios = [value / off for value, off in zip(values, rates["off"])]
+    print(json.dumps({"trackers": SETUPS[name],
+                      "median_steps_per_s": round(statistics.median(values), 1),
+                      "median_ratio_to_off": round(statistics.median(ratios), 4),
+                      "ratios": [round(r, 3) for r in ratios]}), flush=True)
 
 
 if __name__ == "__main__":
