@@ -71,6 +71,8 @@ class Background:
     self._calls = collections.deque()
     self._capacity = capacity
     self._dropped = 0
+    self._busy = 0  # calls at the head of the queue that the thread is making now
+    self.unsent = 0  # calls given up at the end
     self._cond = threading.Condition()
     self._closing = False
     self._shown: Optional[dict] = None  # {split: last step} the run showed before this one
@@ -83,8 +85,8 @@ class Background:
     with self._cond:
       if self._closing:
         return
-      if len(self._calls) >= self._capacity:
-        del self._calls[1 if self._calls[0][0] == "open" else 0]  # the oldest, not the open
+      if len(self._calls) >= self._capacity:  # the oldest waiting, never one in flight or the open
+        del self._calls[max(self._busy, self._calls[0][0] == "open")]
         self._dropped += 1
       self._calls.append((method, args))
       self._cond.notify()
@@ -131,6 +133,7 @@ class Background:
         if not self._calls:
           break
         method, args, count = self._next()
+        self._busy = count
       try:
         if method == "scalars":
           records = [r for r in args if not self._shown_before(r[0], r[2])]
@@ -143,9 +146,8 @@ class Background:
             missing = [r for r in self._backlog if not self._shown_before(r[0], r[2])]
             self._backlog = []
             with self._cond:  # right after the open, before this run's records
-              self._calls.popleft()
-              self._calls.extendleft(reversed([("scalars", r) for r in missing]))
-              self._calls.appendleft(("open", args))  # taken off below
+              for record in reversed(missing):
+                self._calls.insert(1, ("scalars", record))
       except Exception as e:  # any failure of the service: wait and try again
         if not warned:
           warned = True
@@ -155,6 +157,7 @@ class Background:
                 file=sys.stderr, flush=True)
         failing = True
         with self._cond:
+          self._busy = 0
           if self._closing:
             if final_try:
               break
@@ -165,6 +168,7 @@ class Background:
       with self._cond:
         for _ in range(count):
           self._calls.popleft()
+        self._busy = 0
       if failing:
         failing = False
         print(f"{self.tracker.name}: reached again; sending what was held back",
@@ -179,12 +183,14 @@ class Background:
       self._closing = True
       self._cond.notify()
     self._thread.join(timeout)
-    unsent = getattr(self, "unsent", None)
-    if self._thread.is_alive() or unsent:
+    if self._thread.is_alive() or self.unsent:
       with self._cond:
-        left = len(self._calls) + self._dropped
-      print(f"{self.tracker.name}: {left} record(s) not sent ({self.tracker.where} did not "
-            "answer); metrics.jsonl holds them all", file=sys.stderr, flush=True)
+        left, dropped = len(self._calls), self._dropped
+      lost = ([f"{left} record(s) not sent ({self.tracker.where} did not answer)"] if left else []
+              ) + ([f"{dropped} dropped while it did not (more than {self._capacity} waited)"]
+                   if dropped else [])
+      print(f"{self.tracker.name}: {'; '.join(lost)}; metrics.jsonl holds them all",
+            file=sys.stderr, flush=True)
 
 
 def _one_line(error: BaseException) -> str:
