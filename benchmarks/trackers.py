@@ -1,24 +1,25 @@
-"""Training throughput of the tiny model with each experiment tracker on and off.
+"""Training throughput of the tiny model with each experiment tracker on and off, in one run.
 
-  python benchmarks/trackers.py [STEPS [ROUNDS [LOG_EVERY]]]   (default: 2000 8 100)
+  python benchmarks/trackers.py [BLOCKS [LOG_EVERY]]   (default: 40 100)
 
-Each round trains experiments/tiny.py for STEPS steps (launch.py, a fresh workdir) once with
-TensorBoard alone (today's default, "off"), once with MLflow beside it (a real `mlflow server`
-with a SQLite store, started here on 127.0.0.1), once with W&B (offline mode: no network) and
-once with both; the rounds interleave the four (each in every position in turn) so that the
-machine's load falls on all alike, and each round's ratio is to that round's run without.
-Throughput is the training clock's (metrics.jsonl: steps over seconds of train steps, the
-compiling ones, evaluation and saves left out), at train.log_every=LOG_EVERY (the default: 100).
-Prints one JSON line per run, then for each setup the median rate and the median of its ratios.
+One process trains experiments/tiny.py (its train step and batches, as train/loop.py runs them)
+through four MetricLoggers at once, each with its own workdir: TensorBoard alone (today's
+default, "off"), with MLflow (a real `mlflow server` with a SQLite store, started here on
+127.0.0.1), with W&B (offline mode: no network), and with both. Training alternates between
+them in blocks of 2 x LOG_EVERY steps, each logger logging every LOG_EVERY steps of its blocks
+(train.log_every's default: 100), the four in a new order each round, so that the machine's
+load (it is shared) falls on all four alike. A block is timed from its first step's dispatch to
+its last step's result. Prints one JSON line per setup: its steps/s over its BLOCKS blocks and
+the ratio to "off"'s.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -26,11 +27,25 @@ import time
 import urllib.request
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+from transformer_jax import config as config_lib  # noqa: E402
+from transformer_jax.data import pipeline, prepare  # noqa: E402
+from transformer_jax.experiments import tiny  # noqa: E402
+from transformer_jax.train import actions, sharding  # noqa: E402
+from transformer_jax.train import state as state_lib  # noqa: E402
+from transformer_jax.train import step as step_lib  # noqa: E402
+from transformer_jax.train.logger import MetricLogger  # noqa: E402
+
 SETUPS = {"off": "tensorboard", "mlflow": "tensorboard,mlflow", "wandb": "tensorboard,wandb",
           "both": "tensorboard,mlflow,wandb"}
 
 
-def _server(directory: str) -> tuple:
+def mlflow_server(directory: str) -> tuple:
+  """`mlflow server` (SQLite store) on a free port of 127.0.0.1: (process, URI)."""
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
@@ -38,6 +53,7 @@ def _server(directory: str) -> tuple:
       [os.path.join(os.path.dirname(sys.executable), "mlflow"), "server", "--backend-store-uri",
        f"sqlite:///{directory}/mlflow.db", "--artifacts-destination", f"{directory}/artifacts",
        "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+      env=dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false"),
       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
   uri = f"http://127.0.0.1:{port}"
   for _ in range(600):
@@ -49,48 +65,66 @@ def _server(directory: str) -> tuple:
   raise RuntimeError("mlflow server did not start")
 
 
-def train(directory: str, name: str, steps: int, log_every: int, uri: str, env: dict) -> float:
-  workdir = os.path.join(directory, name)
-  subprocess.run([sys.executable, "launch.py", "--config=experiments/tiny.py", "--mode=train",
-                  f"--workdir={workdir}", f"--config.train.steps={steps}",
-                  f"--config.train.log_every={log_every}",
-                  f"--config.train.checkpoint_every={steps}", "--config.eval.max_examples=8",
-                  f"--config.train.trackers={SETUPS[name.split('.')[0]]}",
-                  f"--config.mlflow.tracking_uri={uri}", "--config.mlflow.experiment=benchmark",
-                  "--config.wandb.mode=offline", "--config.wandb.project=benchmark"],
-                 cwd=REPO, env=env, check=True, capture_output=True)
-  with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
-    train = [r for r in map(json.loads, f) if r["split"] == "train"]
-  return sum(r["interval_steps"] for r in train) / sum(r["interval_s"] for r in train)
+def main(blocks: int = 40, log_every: int = 100) -> None:
+  directory = tempfile.mkdtemp(prefix="trackers_benchmark_")
+  server, uri = mlflow_server(directory)
+  try:
+    config = tiny.get_config()
+    config.train.log_every = log_every
+    config.mlflow.update(tracking_uri=uri, experiment="benchmark")
+    config.wandb.update(mode="offline", project="benchmark")
+    model_config = config_lib.validate(config)
+    _, _, train_set, _ = prepare.prepare_data(config, directory, model_config.vocab_size)
+    mesh = sharding.make_mesh(config.mesh.to_dict())
+    optimizer = state_lib.make_optimizer(config.train, model_config.d_model)
+    train_step = step_lib.make_train_step(model_config, config, mesh, optimizer)
+    state = state_lib.init_state(model_config, optimizer, config.seed, mesh)
+    rng = jax.random.PRNGKey(config.seed)
+    block = 2 * log_every
+    total = ((blocks + 1) * len(SETUPS) + 1) * block
+    stream = pipeline.TrainStream(train_set, config.data, config.seed)
+    batches = pipeline.batches(stream, 0, total,
+                               place=lambda host: sharding.shard_batch(host, mesh))
+    loggers = {}
+    for name, trackers in SETUPS.items():
+      config.train.trackers = trackers
+      os.makedirs(os.path.join(directory, name))
+      loggers[name] = MetricLogger(os.path.join(directory, name), total_steps=total,
+                                   config=config)
+    throughput = actions.Throughput(model_config)
 
+    def run(steps: int, logger=None) -> float:
+      nonlocal state
+      start, metrics = time.perf_counter(), None
+      for i in range(1, steps + 1):
+        batch = next(batches)
+        state, metrics = train_step(state, batch.data, rng)
+        throughput.count(batch.tokens, batch.shape, compiled=False)
+        if logger is not None and i % log_every == 0:  # as the loop logs
+          logged = {k: v for k, v in jax.device_get(metrics).items() if k != "finite"}
+          logger.train(int(state.step), logged, 1e-3, **throughput.take())
+      jax.block_until_ready(metrics)
+      return time.perf_counter() - start
 
-def main(steps: int = 2000, rounds: int = 8, log_every: int = 100) -> None:
-  with tempfile.TemporaryDirectory() as directory:
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               JAX_COMPILATION_CACHE_DIR=os.path.join(directory, "jax_cache"),
-               TRANSFORMER_JAX_CACHE=os.path.join(directory, "data_cache"))
-    server, uri = _server(directory)
-    try:
-      rates = {name: [] for name in SETUPS}
-      train(directory, "off.warmup", 20, log_every, uri, env)  # the data and compilation caches
-      names = list(SETUPS)
-      for round_ in range(rounds):
-        for name in names[round_ % 4:] + names[:round_ % 4]:  # each setup in each position
-          rate = train(directory, f"{name}.{round_}", steps, log_every, uri, env)
-          rates[name].append(rate)
-          print(json.dumps({"trackers": SETUPS[name], "round": round_, "steps_per_s": rate}),
-                flush=True)
-    finally:
-      os.killpg(server.pid, signal.SIGTERM)
-      server.wait()
-  for name, values in rates.items():
-    # Each round's ratio to the same round's run without trackers (the load of the machine at
-    # that time), then their median.
-    ratios = [value / off for value, off in zip(values, rates["off"])]
-    print(json.dumps({"trackers": SETUPS[name],
-                      "median_steps_per_s": round(statistics.median(values), 1),
-                      "median_ratio_to_off": round(statistics.median(ratios), 4),
-                      "ratios": [round(r, 3) for r in ratios]}), flush=True)
+    run(block)  # compiles
+    for logger in loggers.values():  # untimed: the trackers open their runs meanwhile
+      run(block, logger)
+    seconds = dict.fromkeys(SETUPS, 0.0)
+    names = list(SETUPS)
+    for round_ in range(blocks):
+      for name in names[round_ % 4:] + names[:round_ % 4]:
+        seconds[name] += run(block, loggers[name])
+    batches.close()
+    for logger in loggers.values():
+      logger.close()
+  finally:
+    os.killpg(server.pid, signal.SIGTERM)
+    server.wait()
+    shutil.rmtree(directory, ignore_errors=True)
+  for name in SETUPS:
+    print(json.dumps({"trackers": SETUPS[name], "steps": blocks * block,
+                      "steps_per_s": round(blocks * block / seconds[name], 1),
+                      "ratio_to_off": round(seconds["off"] / seconds[name], 4)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,8 @@ def mlflow_server(tmp_path_factory):
        f"sqlite:///{directory}/mlflow.db", "--artifacts-destination", str(directory / "artifacts"),
        "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
       cwd=directory, stdout=open(directory / "server.log", "w"), stderr=subprocess.STDOUT,
+      # Without the job runner (its seven worker processes serve MLflow's GenAI jobs).
+      env=dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false"),
       start_new_session=True)  # its workers in its process group, stopped together
   uri = f"http://127.0.0.1:{port}"
   deadline = time.time() + 120
