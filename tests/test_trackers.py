@@ -202,8 +202,9 @@ def _alive(pid) -> bool:
 def test_a_run_killed_and_resumed_shows_every_step_once(tmp_path, launcher, mlflow_server):
   """SIGKILL once MLflow shows steps past the newest checkpoint; the resumed run logs those
   steps again to metrics.jsonl but not to the trackers (MLflow, and W&B offline): one MLflow
-  run, one W&B run id, every step once, each value metrics.jsonl's. (W&B's offline file loses
-  the last steps before the kill: the resumed run sends them from metrics.jsonl.)"""
+  run, one W&B run id, every step once, each value metrics.jsonl's (W&B's offline file loses
+  the last steps before the kill: the resumed run sends them from metrics.jsonl). W&B, read
+  back by its own reader, has the flattened config, the project and tags, the summary."""
   workdir = tmp_path / "run"
   # Saves at 200 and 400 only (keep_best=0: none at the evaluation); the evaluation at 210
   # (after step 210's log) leaves the test time to see step 210 in MLflow and kill the run.
@@ -211,7 +212,7 @@ def test_a_run_killed_and_resumed_shows_every_step_once(tmp_path, launcher, mlfl
            "--config.eval.max_examples=32", "--config.train.log_every=10",
            "--config.train.checkpoint_every=200", "--config.train.eval_every=210",
            "--config.train.keep_best=0", "--config.train.trackers=mlflow,wandb",
-           "--config.wandb.mode=offline", "--config.wandb.project=tiny",
+           "--config.wandb.mode=offline", "--config.wandb.project=tiny", "--config.wandb.tags=a,b",
            *_mlflow_flags(mlflow_server, "killed")]
   pid = launcher.start(*flags)
   runs, shown, saved = [], -1, []
@@ -243,6 +244,14 @@ def test_a_run_killed_and_resumed_shows_every_step_once(tmp_path, launcher, mlfl
   assert sorted(history) == [r["step"] for r in train]  # evaluations and saves share their rows
   for r in train:
     assert history[r["step"]]["train/loss"] == pytest.approx(r["loss"], rel=1e-6)
+  summary = json.loads(_wandb_inspect(sorted((workdir / "wandb").glob("offline-run-*"))[-1],
+                                      "--summary"))
+  assert (summary["run_id"], summary["project"], summary["tags"]) == (_run_id(workdir), "tiny",
+                                                                      ["a", "b"])
+  assert summary["config"]["model.d_model"] == 32 and summary["config"]["train.steps"] == 400
+  assert summary["summary"]["summary/step"] == 400
+  assert summary["summary"]["checkpoint_steps"] == [200, 400]
+  assert not (workdir / "tensorboard").exists()  # not asked for
 
 
 class Proxy:
@@ -379,30 +388,6 @@ def _wandb_history(workdir):
         assert step not in history, f"step {step} shown twice"
         history[step] = record["history"]["item"]
   return history, run_ids
-
-
-def test_wandb_offline_holds_the_config_the_scalars_and_one_id_across_a_resume(tmp_path,
-                                                                            launcher):
-  workdir = tmp_path / "run"
-  flags = [*TINY, f"--workdir={workdir}", "--config.train.log_every=5",
-           "--config.train.trackers=wandb", "--config.wandb.mode=offline",
-           "--config.wandb.project=tiny", "--config.wandb.tags=a,b"]
-  for steps in (10, 20):  # the second run resumes the first
-    code, out, err = launcher.run(*flags, f"--config.train.steps={steps}")
-    assert code == 0, out + err
-  assert not (workdir / "tensorboard").exists()  # not asked for
-  runs = sorted((workdir / "wandb").glob("offline-run-*"))
-  assert len(runs) == 2
-  summary = json.loads(_wandb_inspect(runs[-1], "--summary"))
-  assert summary["run_id"] == _run_id(workdir) and summary["project"] == "tiny"
-  assert summary["tags"] == ["a", "b"]
-  assert summary["config"]["model.d_model"] == 32 and summary["config"]["train.steps"] == 20
-  assert summary["summary"]["summary/step"] == 20
-  history, run_ids = _wandb_history(workdir)
-  assert run_ids == {_run_id(workdir)}
-  for r in _records(workdir, "train"):
-    assert history[r["step"]]["train/loss"] == pytest.approx(r["loss"], rel=1e-6)
-  assert {r["step"] for r in _records(workdir, "train")} == {5, 10, 15, 20}
 
 
 def test_a_sweep_trial_in_its_wandb_group_with_its_state(tmp_path):
