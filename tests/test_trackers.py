@@ -256,13 +256,19 @@ def test_a_run_killed_and_resumed_shows_every_step_once(tmp_path, launcher, mlfl
 
 class Proxy:
   """A TCP relay on 127.0.0.1 to `port`, which the test takes down (connections refused, the
-  open ones cut) and brings up again: the tracking server as a training run sees it when the
-  server or the network between them goes away."""
+  open ones cut), brings up again or stalls: the tracking server as a training run sees it when
+  the server or the network between them goes away or hangs."""
 
   def __init__(self, port: int):
     self.target, self.port = port, _free_port()
-    self._open, self._listener = [], None
+    self._open, self._listener, self._stalled = [], None, False
     self.up()
+
+  def stall(self):
+    """Connections are taken and never answered (a server that hangs); the open ones cut."""
+    self._stalled = True
+    for connection in self._open:
+      connection.close()
 
   def up(self):
     self._listener = socket.create_server(("127.0.0.1", self.port))
@@ -285,6 +291,9 @@ class Proxy:
         client, _ = listener.accept()
       except OSError:
         return
+      if self._stalled:
+        self._open.append(client)  # held open, unanswered
+        continue
       server = socket.create_connection(("127.0.0.1", self.target))
       self._open += [client, server]
       for a, b in ((client, server), (server, client)):
@@ -307,8 +316,8 @@ class Proxy:
 def test_a_tracker_away_mid_run_costs_one_warning_and_catches_up(tmp_path, launcher,
                                                                 mlflow_server):
   """The server goes away mid-run: training goes on, metrics.jsonl and TensorBoard complete,
-  one warning; the server back, the retries send what was held. Gone for good at the end: the
-  run still finishes, saying what was not sent."""
+  one warning; the server back, the retries send what was held. A server that stops answering
+  for good: the run still finishes, saying what was not sent."""
   proxy = Proxy(int(mlflow_server.rsplit(":", 1)[1]))
   workdir = tmp_path / "run"
   flags = [*TINY, f"--workdir={workdir}", "--config.train.log_every=2",
@@ -331,8 +340,9 @@ def test_a_tracker_away_mid_run_costs_one_warning_and_catches_up(tmp_path, launc
   [run] = _runs(mlflow_server, "away")
   _assert_shows_metrics_jsonl(mlflow_server, run, workdir)
 
-  proxy.down()  # for good
-  code, out, err = launcher.run(*flags, "--config.train.steps=220", env=env)
+  proxy.stall()  # for good: requests hang (until MLflow's own timeout, set by its variable)
+  code, out, err = launcher.run(*flags, "--config.train.steps=220",
+                                env=dict(env, MLFLOW_HTTP_REQUEST_TIMEOUT="2"))
   assert code == 0, out + err
   assert [s["step"] for s in _records(workdir, "train")] == list(range(2, 221, 2))
   assert err.count("warning: mlflow") == 1, err
