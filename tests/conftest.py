@@ -44,7 +44,7 @@ FILE_COST = {
     "test_install.py": 13, "test_data.py": 13, "test_attention.py": 10, "test_benchmark.py": 10,
     "test_tfds_prepare.py": 10, "test_profile.py": 9, "test_pretrained.py": 8, "test_flops.py": 7,
     "test_layers.py": 5, "test_storage.py": 4, "test_cache.py": 3, "test_scan.py": 2,
-    "test_trackers.py": 70}
+    "test_trackers.py": 67}
 
 
 def pytest_configure(config):
