@@ -46,14 +46,23 @@ def _client(tracking_uri: str):
   return MlflowClient(tracking_uri=tracking_uri or None)
 
 
-def _experiment_id(client, name: str) -> str:
+def _artifacts_beside(tracking_uri: str) -> str | None:
+  """A SQLite store's artifact folder: `mlartifacts` beside the database (MLflow's default
+  would be ./mlruns of whatever directory the run started in)."""
+  if not tracking_uri.startswith("sqlite:///"):
+    return None
+  database = os.path.abspath(tracking_uri[len("sqlite:///"):])
+  return os.path.join(os.path.dirname(database), "mlartifacts")
+
+
+def _experiment_id(client, name: str, tracking_uri: str = "") -> str:
   """The id of the experiment `name`, created if it does not exist (by this call or another
   process's at the same time)."""
   found = client.get_experiment_by_name(name)
   if found is not None:
     return found.experiment_id
   try:
-    return client.create_experiment(name)
+    return client.create_experiment(name, artifact_location=_artifacts_beside(tracking_uri))
   except Exception:  # another process created it first
     found = client.get_experiment_by_name(name)
     if found is None:
@@ -94,7 +103,7 @@ class MlflowTracker(Tracker):
   def open(self, run_id: str, config: dict) -> dict:
     from mlflow.entities import Param, RunTag
     client = _client(self.tracking_uri)
-    experiment_id = _experiment_id(client, self.experiment)
+    experiment_id = _experiment_id(client, self.experiment, self.tracking_uri)
     run = _find_run(client, experiment_id, RUN_ID_TAG, run_id)
     tags = {RUN_ID_TAG: run_id}
     if self.parent_run_id:
@@ -176,7 +185,7 @@ def start_study(config, study: str, storage: str = "", params: dict | None = Non
   from mlflow.entities import Param
   tracking_uri, experiment = settings(config)
   client = _client(tracking_uri)
-  experiment_id = _experiment_id(client, experiment)
+  experiment_id = _experiment_id(client, experiment, tracking_uri)
   run = _find_run(client, experiment_id, STUDY_TAG + ".parent", study)
   if run is None:
     run = client.create_run(experiment_id, run_name=study, tags={
@@ -201,7 +210,7 @@ def record_trial(config, parent_run_id: str, trial: int, state: str, params: dic
   from mlflow.entities import Param, RunTag
   tracking_uri, experiment = settings(config)
   client = _client(tracking_uri)
-  experiment_id = _experiment_id(client, experiment)
+  experiment_id = _experiment_id(client, experiment, tracking_uri)
   run = _find_run(client, experiment_id, RUN_ID_TAG, run_id) if run_id else None
   if run is None:
     run = _find_run(client, experiment_id, "trial_key", f"{parent_run_id}/{trial}")
