@@ -48,7 +48,8 @@ FILE_COST = {
     # issue 40. test_bucket_outage.py: about 20 CPU-s, but 3 minutes of wall time, most of it
     # waiting on a store that is down; listed as if it cost more, so that it starts first and
     # the other worker's files run meanwhile.
-    "test_bucket_outage.py": 120, "test_hf_damage.py": 14, "test_refusals.py": 4}
+    "test_bucket_outage.py": 120, "test_hf_damage.py": 14, "test_refusals.py": 4,
+    "test_trackers.py": 67}
 
 
 def pytest_configure(config):

@@ -59,6 +59,10 @@ OTHERS = {
     ".venv/bin/python benchmarks/scan_structure.py": "test_scan runs it and checks its table",
     ".venv/bin/python -m pytest -q -s tests/test_hf_scores.py": "the test itself (its printed "
     "figures)",
+    ".venv/bin/wandb sync": "W&B's own upload (needs its service); test_trackers reads the "
+                            "offline run files with W&B's own reader",
+    ".venv/bin/mlflow ui": "MLflow's own UI; test_trackers reads the runs through its server",
+    ".venv/bin/python benchmarks/trackers.py": "test_trackers (the same trackers, shorter runs)",
 }
 
 

@@ -126,6 +126,32 @@ def default_config() -> ml_collections.ConfigDict:
   # leaves out step 1, whose compilation would fill the trace.
   c.train.profile_steps = 0
   c.train.profile_start = 1  # the trace starts after this step (1: leaves out step 1's compilation)
+  # Where the run is logged besides metrics.jsonl, comma-separated: tensorboard | wandb | mlflow
+  # (train/trackers/; wandb and mlflow need the pip extras of those names).
+  c.train.trackers = "tensorboard"
+  # A group of runs (a sweep's study): the W&B group (where wandb.group is empty) and the tag
+  # transformer_jax.study of the MLflow run.
+  c.train.tracker_group = ""
+  c.train.tracker_retry_s = 60.0  # seconds between tries of a tracker that could not be reached
+
+  # Weights & Biases (train.trackers=wandb): each "" leaves the setting to W&B (its WANDB_*
+  # environment variables, its login).
+  c.wandb = ml_collections.ConfigDict()
+  c.wandb.project = ""  # "" = $WANDB_PROJECT, else W&B's default
+  c.wandb.entity = ""  # the team or user; "" = $WANDB_ENTITY, else the login's
+  c.wandb.group = ""  # "" = train.tracker_group, else $WANDB_RUN_GROUP
+  c.wandb.tags = ""  # comma-separated; "" = $WANDB_TAGS
+  c.wandb.mode = ""  # online | offline (synced later: wandb sync) | disabled; "" = $WANDB_MODE
+  c.wandb.name = ""  # the run's display name; "" = the workdir's name
+
+  # MLflow (train.trackers=mlflow).
+  c.mlflow = ml_collections.ConfigDict()
+  # A server (http://host:5000), a file store (file:/path) or SQLite (sqlite:///path.db);
+  # "" = $MLFLOW_TRACKING_URI, else MLflow's default local store.
+  c.mlflow.tracking_uri = ""
+  c.mlflow.experiment = ""  # "" = $MLFLOW_EXPERIMENT_NAME, else transformer_jax
+  c.mlflow.run_name = ""  # "" = the workdir's name
+  c.mlflow.parent_run_id = ""  # a sweep's parent run (trackers.mlflow.start_study); "" = none
 
   c.eval = ml_collections.ConfigDict()  # evaluation and decoding (eval/)
   c.eval.batch_size = 256  # sentences decoded together
@@ -295,6 +321,19 @@ CHOICES = {
 }
 
 
+TRACKERS = ("tensorboard", "wandb", "mlflow")  # train.trackers' names (train/trackers/)
+
+
+def tracker_names(config) -> list:
+  """train.trackers as a list, each once; a UserError for a name that is no tracker."""
+  chosen = [n.strip() for n in str(config.train.trackers).split(",") if n.strip()]
+  unknown = [n for n in chosen if n not in TRACKERS]
+  if unknown:
+    raise UserError(f"train.trackers names {', '.join(unknown)}, which is no tracker; give a "
+                    f"comma-separated list of {', '.join(TRACKERS)} (or '' for none)")
+  return list(dict.fromkeys(chosen))
+
+
 def _get(config, dotted):
   for part in dotted.split("."):
     config = config[part]
@@ -388,6 +427,12 @@ def validate(config: ml_collections.ConfigDict, platform: str = "cpu") -> ModelC
     if _get(config, key) not in choices:
       raise UserError(f"{key} must be one of {', '.join(choices)}; got {_get(config, key)!r}")
   _validate_data(config.data)
+  tracker_names(config)
+  if config.train.tracker_retry_s <= 0:
+    raise UserError(f"train.tracker_retry_s must be positive, got {config.train.tracker_retry_s}")
+  if config.wandb.mode not in ("", "online", "offline", "disabled"):
+    raise UserError(f"wandb.mode must be one of online, offline, disabled (or '' for $WANDB_MODE);"
+                    f" got {config.wandb.mode!r}")
   data_tasks.check(model.arch, config.data)
   if config.data.task == "classify" and not model.num_labels:
     raise UserError("data.task=classify needs model.num_labels, the number of classes")

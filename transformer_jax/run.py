@@ -36,7 +36,9 @@ def _workdir_map(result: loop.Result, results: list) -> str:
           f"{os.path.join(workdir, 'tensorboard')}\n"
           f"  eval/              final results: {shown}\n"
           f"  summary.md         this summary\n"
-          f"  lock               held by the run writing the workdir (its host and pid)")
+          f"  lock               held by the run writing the workdir (its host and pid)"
+          + ("\n  tracker.json       the id of its W&B / MLflow run (train.trackers)"
+             if storage.exists(storage.join(workdir, "tracker.json")) else ""))
 
 
 def final_splits(config) -> list:

@@ -378,7 +378,8 @@ def _checked_text(text: str, config, model_config, tokenizer) -> tuple[str, int]
 
 def plot_workdir(config, workdir: str, text: Optional[str] = None,
                  step: Optional[int] = None) -> list[str]:
-  """Writes every plot for a run into WORKDIR/plots; returns the paths."""
+  """Writes every plot for a run into WORKDIR/plots, and sends them to the run's trackers;
+  returns the paths."""
   workdir = storage.check(workdir)
   out = storage.join(workdir, "plots")
   # Curves need a training run; attention maps (--text) need only a checkpoint, which an
@@ -420,4 +421,6 @@ def plot_workdir(config, workdir: str, text: Optional[str] = None,
       queries, keys = axes[kind]
       paths.append(plot_attention(maps[kind], queries, keys, storage.join(out, f"{kind}.png"),
                                   f"{kind.replace('_', ' ')}: {text!r} -> {output!r}"))
+  # The run's W&B / MLflow run shows them too (train.trackers), at its last step.
+  logger.publish_images(config, workdir, paths, max((r["step"] for r in records), default=0))
   return paths

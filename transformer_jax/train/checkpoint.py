@@ -56,7 +56,7 @@ RESUMABLE_MODEL_KEYS = ("dropout_rate", "attention_dropout_rate", "attention_imp
 # (a file named `checkpoints`, say) is refused before anything is written.
 WORKDIR_ENTRIES = {"checkpoints": True, UNREADABLE: True, "tensorboard": True, "eval": True,
                    "tokenizer.model": False, "config.json": False, "metrics.jsonl": False,
-                   "summary.md": False, lock.FILENAME: False}
+                   "summary.md": False, lock.FILENAME: False, "tracker.json": False}
 
 
 def check_workdir(workdir: str, entries: dict = WORKDIR_ENTRIES) -> str:

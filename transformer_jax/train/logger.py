@@ -1,4 +1,5 @@
-"""Training logs: one readable line per log step, WORKDIR/metrics.jsonl, and TensorBoard events."""
+"""Training logs: one readable line per log step, WORKDIR/metrics.jsonl, TensorBoard events, and
+the experiment trackers of train.trackers (train/trackers/: W&B, MLflow), all fed from here."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import time
 
 from transformer_jax.core import progress, storage
 from transformer_jax.core.errors import UserError
+from transformer_jax.train import trackers
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -121,21 +123,44 @@ def write_hparams(workdir: str, hparams: dict, metrics: dict, step: int) -> None
     events.close()
 
 
+def check_trackers(config) -> None:
+  """The trackers of train.trackers exist and are installed (one UserError otherwise): checked
+  with the rest of a run's config, before the workdir changes."""
+  trackers.check(config)
+
+
+# The keys of a record that are bookkeeping, not metrics (summed by tools/summary.py instead).
+_NOT_SCALARS = ("step", "split", "interval_s", "interval_steps", "interval_tokens",
+                "compile_tokens")
+
+
+def _scalars(record: dict) -> dict:
+  """{"SPLIT/KEY": number} of a metrics.jsonl record, as TensorBoard and the trackers show it."""
+  return {f"{record['split']}/{key}": value for key, value in record.items()
+          if key not in _NOT_SCALARS and isinstance(value, (int, float))
+          and not isinstance(value, bool)}
+
+
 class MetricLogger:
-  """Writes metrics to stdout, metrics.jsonl (one JSON object per line) and TensorBoard."""
+  """Writes metrics to stdout, metrics.jsonl (one JSON object per line), TensorBoard and the
+  trackers of train.trackers (`config`; without one, TensorBoard alone)."""
 
   def __init__(self, workdir: str, total_steps: int, start_step: int = 0, enabled: bool = True,
-               peak_flops: float | None = None):
+               peak_flops: float | None = None, config=None):
     """enabled=False (every process but the first of a multi-process run) writes nothing.
 
     start_step: the step this run starts from. Records of later steps in metrics.jsonl were
     written by a run that stopped before its next checkpoint; they are dropped, as this run
-    logs those steps again. peak_flops: the devices' combined peak FLOP/s, for the MFU shown
-    in each line.
+    logs those steps again (and the trackers, which show them already, skip them). peak_flops:
+    the devices' combined peak FLOP/s, for the MFU shown in each line. Every process of a job
+    must make its logger: the tracker run's id goes from the first to the others.
     """
     self.total_steps = total_steps
     self.enabled = enabled
     self.peak_flops = peak_flops
+    self._closed = False
+    chosen = trackers.check(config) if config is not None else ["tensorboard"]
+    run_id = (trackers.shared_run_id(workdir) if set(chosen) - {"tensorboard"} else None)
     if not enabled:
       return
     path = storage.join(workdir, METRICS_FILE)
@@ -143,14 +168,20 @@ class MetricLogger:
     storage.rewrite_jsonl(path, keep=lambda r: not isinstance(r.get("step"), int)
                           or r["step"] <= start_step)
     self._jsonl = storage.JsonLog(path)
-    self._tb = _Events(storage.join(workdir, "tensorboard"))
+    self._tb = (_Events(storage.join(workdir, "tensorboard")) if "tensorboard" in chosen
+                else None)
+    # The trackers get metrics.jsonl's earlier records too: those their run lacks are sent.
+    backlog = ([(r["split"], _scalars(r), r["step"]) for r in read_metrics(workdir)
+                if isinstance(r.get("split"), str)] if run_id else [])
+    self._trackers = trackers.open_trackers(config, workdir, run_id, backlog) if run_id else []
 
   def _write(self, record: dict) -> None:
     self._jsonl.append(record)
-    self._tb.scalars({f"{record['split']}/{key}": value for key, value in record.items()
-                      if key not in ("step", "split", "interval_s", "interval_steps",
-                                     "interval_tokens", "compile_tokens")
-                      and isinstance(value, (int, float))}, record["step"])
+    values = _scalars(record)
+    if self._tb:
+      self._tb.scalars(values, record["step"])
+    for tracker in self._trackers:
+      tracker.scalars(record["split"], values, record["step"])
 
   def train(self, step: int, metrics: dict, learning_rate: float, steps: int = 0,
             seconds: float = 0.0, tokens: float = 0.0, flops: float = 0.0,
@@ -216,25 +247,75 @@ class MetricLogger:
       record["eval_s"] = seconds
     self._write(record)
     if metrics.get("samples"):
-      rows = "\n".join(f"| {s['source']} | {s['hypothesis']} | {s['reference']} |"
-                       for s in metrics["samples"])
-      header = "| source | translation | reference |\n| --- | --- | --- |\n"
-      self._tb.text(f"{split}/samples", header + rows, step)
+      rows = [[s["source"], s["hypothesis"], s["reference"]] for s in metrics["samples"]]
+      if self._tb:
+        header = "| source | translation | reference |\n| --- | --- | --- |\n"
+        self._tb.text(f"{split}/samples", header + "\n".join(f"| {' | '.join(row)} |"
+                                                             for row in rows), step)
+      for tracker in self._trackers:
+        tracker.table(f"{split}/samples", ["source", "translation", "reference"], rows, step)
     shown = " | ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
                        for k, v in record.items() if k not in ("split", "step", "time"))
     progress.write(f"{split} at step {step} | {shown}")
 
-  def checkpoint(self, step: int, seconds: float) -> None:
+  def checkpoint(self, step: int, seconds: float, kept=None, directory: str = "") -> None:
     """A checkpoint save: the seconds the loop waited for it (save_s; orbax writes the files in
-    the background, so this is mostly the copy of the state off the devices)."""
+    the background, so this is mostly the copy of the state off the devices). kept: a function
+    returning the steps the workdir keeps now, in `directory`, for the trackers (references,
+    not weights; asked only where a tracker takes them)."""
     if self.enabled:
       self._write({"split": "checkpoint", "step": step, "time": time.time(), "save_s": seconds})
+      steps = list(kept()) if kept is not None and self._trackers else None
+      for tracker in self._trackers if steps is not None else ():
+        tracker.checkpoints(steps, directory)
 
   def text(self, tag: str, text: str) -> None:
-    if self.enabled:
+    if self.enabled and self._tb:
       self._tb.text(tag, f"```\n{text}\n```", 0)
 
-  def close(self) -> None:
+  def summary(self, values: dict) -> None:
+    """The run's figures at its end, for the trackers (metrics.jsonl and summary.md have them)."""
     if self.enabled:
+      for tracker in self._trackers:
+        tracker.summary(values)
+
+  def close(self, state: str = "finished") -> None:
+    """state (for the trackers): finished | stopped (by a signal; resumable) | failed."""
+    if self.enabled and not self._closed:
+      self._closed = True
       self._jsonl.close()
-      self._tb.close()
+      if self._tb:
+        self._tb.close()
+      for tracker in self._trackers:
+        tracker.close(state)
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, kind, error, traceback):
+    self.close("finished" if kind is None else "failed")
+
+
+def publish_images(config, workdir: str, paths: list, step: int) -> None:
+  """--mode=plot's PNG files, to the workdir's tracker run (after training: the run resumed for
+  the images alone); nothing without a tracker run or a tracker that shows images."""
+  chosen = [n for n in trackers.check(config) if n != "tensorboard"]
+  run_id = trackers.read_run_id(workdir) if chosen else None
+  if not run_id or not paths:
+    return
+  import tempfile
+  with tempfile.TemporaryDirectory() as local:
+    files = {}
+    for path in paths:  # the trackers upload local files; plots of a bucket's workdir are copied
+      name = storage.basename(path).rsplit(".", 1)[0]
+      files[name] = path if not storage.is_url(path) else _copy_local(path, local)
+    for tracker in trackers.open_trackers(config, workdir, run_id):
+      tracker.images(files, step)
+      tracker.close("finished")
+
+
+def _copy_local(path: str, directory: str) -> str:
+  local = os.path.join(directory, storage.basename(path))
+  with open(local, "wb") as f:
+    f.write(storage.read_bytes(path))
+  return local

@@ -27,7 +27,7 @@ from transformer_jax.model.flops import peak_flops
 from transformer_jax.train import actions, checkpoint, pretrained, sharding
 from transformer_jax.train import state as state_lib
 from transformer_jax.train import step as step_lib
-from transformer_jax.train.logger import MetricLogger
+from transformer_jax.train.logger import MetricLogger, check_trackers
 
 DISPATCH_AHEAD = 2  # train steps the host may queue before waiting for the devices
 
@@ -172,6 +172,7 @@ def train(config, workdir: str, evaluate_fn: EvaluateFn) -> Result:
                     f"train.steps={t.steps}; raise train.steps to continue, or evaluate it with "
                     "--mode=evaluate")
   stream.plan(restored.step if restored else 0)  # a batching that fits no batch fails here
+  check_trackers(config)  # each tracker of train.trackers installed
 
   # Every check passed: from here on the workdir changes. With several processes, the first
   # writes the files; checkpoints are written by all of them together (orbax).
@@ -203,7 +204,7 @@ def train(config, workdir: str, evaluate_fn: EvaluateFn) -> Result:
 
   peak = peak_flops(jax.devices()[0])
   logger = MetricLogger(workdir, total_steps=t.steps, start_step=start, enabled=is_main,
-                        peak_flops=peak * mesh.devices.size if peak else None)
+                        peak_flops=peak * mesh.devices.size if peak else None, config=config)
   logger.text("config", config_json)
   logger.text("model", f"{describe(model_config)}\n{count_params(state.params)}")
   schedule = state_lib.make_schedule(t, model_config.d_model)
@@ -222,7 +223,8 @@ def train(config, workdir: str, evaluate_fn: EvaluateFn) -> Result:
   def save(step: int, eval_metrics) -> None:
     with throughput.paused("save"):
       manager.save(step, state, eval_metrics)  # the metrics rank checkpoints for keep_best
-    logger.checkpoint(step, throughput.last_pause["save"])
+    logger.checkpoint(step, throughput.last_pause["save"], kept=manager.all_steps,
+                      directory=manager.directory)
 
   # Batches are made ahead in a background thread, each process filling only its own rows.
   batches = pipeline.batches(
@@ -231,8 +233,9 @@ def train(config, workdir: str, evaluate_fn: EvaluateFn) -> Result:
       prefetch=config.data.prefetch)
   early = actions.EarlyProgress(start, t.steps, t.log_every)
   bar = progress.bar(total=t.steps, initial=start, desc="training", unit="step")
+  # The logger last: an error on the way closes its tracker runs as failed.
   with (lock, contextlib.closing(batches), checkpoint.Preemption() as preemption, bar,
-        contextlib.closing(profiler)):
+        contextlib.closing(profiler), logger):
     metrics = None  # the previous step's
     for step in range(start, t.steps):
       with throughput.paused("profile"):
@@ -291,7 +294,12 @@ def train(config, workdir: str, evaluate_fn: EvaluateFn) -> Result:
           logger.eval(int(state.step), test_metrics, split="test", seconds=test_seconds)
       else:
         final_metrics, test_metrics = {}, {}
-    logger.close()
+    logger.summary({"step": int(state.step), "tokens_seen": throughput.tokens_seen,
+                    "train_time_s": throughput.train_seconds, "wall_time_s": wall_time,
+                    **{f"{split}/{k}": v for split, metrics in (
+                        ("eval", final_metrics), ("test", test_metrics))
+                       for k, v in metrics.items() if isinstance(v, (int, float))}})
+    logger.close("stopped" if preemption.signal else "finished")
   checkpoint_steps = manager.all_steps()
   manager.close()
   return Result(workdir=workdir, state=state, model_config=model_config, tokenizer=tokenizer,

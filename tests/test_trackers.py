@@ -1,0 +1,444 @@
+"""Experiment trackers (train/trackers/): runs logged to a real MLflow tracking server, started
+here on 127.0.0.1 with a SQLite store, and to W&B in offline mode, read back by W&B's own reader
+(`wandb leet inspect`). What each shows must equal metrics.jsonl: after a SIGKILL and a resume,
+while the server is away and back, and from a job of two processes.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+from launcher import Launcher, environment
+
+from transformer_jax import config as config_lib
+from transformer_jax.core.errors import UserError
+from transformer_jax.train import trackers
+from transformer_jax.train.trackers import mlflow as mlflow_tracker
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--config=experiments/tiny.py", "--mode=train", "--config.eval.max_examples=8",
+        "--config.eval.batch_size=8"]
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+  """`mlflow server` with a SQLite store and its own artifact folder, on a free port of
+  127.0.0.1, for this file's tests (it takes some seconds to start: once)."""
+  directory = tmp_path_factory.mktemp("mlflow")
+  port = _free_port()
+  server = subprocess.Popen(
+      [os.path.join(os.path.dirname(sys.executable), "mlflow"), "server", "--backend-store-uri",
+       f"sqlite:///{directory}/mlflow.db", "--artifacts-destination", str(directory / "artifacts"),
+       "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+      cwd=directory, stdout=open(directory / "server.log", "w"), stderr=subprocess.STDOUT,
+      # Without the job runner (its seven worker processes serve MLflow's GenAI jobs).
+      env=dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false"),
+      start_new_session=True)  # its workers in its process group, stopped together
+  uri = f"http://127.0.0.1:{port}"
+  deadline = time.time() + 120
+  while True:
+    try:
+      with urllib.request.urlopen(f"{uri}/health", timeout=2) as answer:
+        if answer.status == 200:
+          break
+    except OSError:
+      pass
+    assert server.poll() is None and time.time() < deadline, (directory / "server.log").read_text()
+    time.sleep(0.3)
+  yield uri
+  os.killpg(server.pid, signal.SIGTERM)
+  server.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def launcher(tmp_path_factory):
+  server = Launcher(environment(), str(tmp_path_factory.mktemp("launches")))
+  yield server
+  server.close()
+
+
+def _client(uri):
+  from mlflow.tracking import MlflowClient
+  return MlflowClient(uri)
+
+
+def _runs(uri, experiment, run_id=None):
+  """The MLflow runs of `experiment` (of the workdir whose tracker id is `run_id`)."""
+  client = _client(uri)
+  found = client.get_experiment_by_name(experiment)
+  if found is None:
+    return []
+  where = f"tags.`{mlflow_tracker.RUN_ID_TAG}` = '{run_id}'" if run_id else ""
+  return client.search_runs([found.experiment_id], filter_string=where)
+
+
+def _records(workdir, split):
+  with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
+    return [r for r in map(json.loads, f) if r["split"] == split]
+
+
+def _history(uri, run, key):
+  """[(step, value)] of `key` in the MLflow run, in the order of the steps."""
+  return sorted((m.step, m.value) for m in _client(uri).get_metric_history(run.info.run_id, key))
+
+
+# What a step computes, the same when a resumed run does it again (its time, rate and
+# compilation are the run's own).
+COMPUTED = ("loss", "nll", "accuracy", "grad_norm", "learning_rate", "tokens", "padding",
+            "perplexity", "token_accuracy", "bleu", "chrf", "exact_match")
+
+
+def _assert_shows_metrics_jsonl(uri, run, workdir, splits=("train", "eval"), keys=None):
+  """Every number of every record of metrics.jsonl (or its `keys`), at its step, once."""
+  for split in splits:
+    records = _records(workdir, split)
+    assert records, split
+    shown = keys or {k for r in records for k, v in r.items() if isinstance(v, (int, float))
+                     and k not in ("step", "interval_s", "interval_steps", "interval_tokens",
+                                   "compile_tokens")}
+    for key in shown:
+      expected = [(r["step"], pytest.approx(float(r[key]), rel=1e-6)) for r in records if key in r]
+      assert _history(uri, run, f"{split}/{key}") == expected, (split, key)
+
+
+def _mlflow_flags(uri, experiment, *more):
+  return [f"--config.mlflow.tracking_uri={uri}", f"--config.mlflow.experiment={experiment}",
+          *more]
+
+
+def _run_id(workdir) -> str:
+  return json.loads((workdir / "tracker.json").read_text())["run_id"]
+
+
+# --------------------------------------------------------------------------------- MLflow
+
+
+def test_a_run_in_mlflow_equals_metrics_jsonl_and_joins_its_sweep(tmp_path, launcher,
+                                                                  mlflow_server):
+  """A tiny run with MLflow beside TensorBoard: the flattened config as params, each scalar of
+  metrics.jsonl at its step, the sample translations as a table, the checkpoints kept, the
+  summary; --mode=plot adds its plots to the same run. The sweep hook makes a parent run for a
+  study; the run, started with its id, is its child, and record_trial marks it."""
+  config = config_lib.default_config()
+  config.mlflow.tracking_uri, config.mlflow.experiment = mlflow_server, "tiny"
+  parent = mlflow_tracker.start_study(config, "study-a", storage="sqlite:///study.db",
+                                      params={"space": "train.learning_rate in [1e-4, 1e-2]"})
+  assert mlflow_tracker.start_study(config, "study-a") == parent  # a resumed sweep: the same
+
+  workdir = tmp_path / "run"
+  code, out, err = launcher.run(
+      *TINY, f"--workdir={workdir}", "--config.train.log_every=5", "--config.train.eval_every=10",
+      "--config.train.trackers=tensorboard,mlflow", "--config.train.tracker_group=study-a",
+      f"--config.mlflow.parent_run_id={parent}", *_mlflow_flags(mlflow_server, "tiny"))
+  assert code == 0, out + err
+  assert "warning" not in err, err
+  assert os.listdir(workdir / "tensorboard")  # TensorBoard as before
+  [run] = _runs(mlflow_server, "tiny", _run_id(workdir))
+  assert run.info.status == "FINISHED"
+  _assert_shows_metrics_jsonl(mlflow_server, run, workdir, ("train", "eval", "checkpoint"))
+  saved = json.loads((workdir / "config.json").read_text())
+  assert run.data.params["model.d_model"] == str(saved["model"]["d_model"]) == "32"
+  assert len(run.data.params) == len(trackers.flat_config(config))
+  assert run.data.tags["checkpoint_steps"] == "10,20"
+  assert run.data.tags["mlflow.parentRunId"] == parent
+  assert run.data.tags[mlflow_tracker.STUDY_TAG] == "study-a"
+  final = _records(workdir, "eval")[-1]
+  assert run.data.metrics["summary/eval/bleu"] == pytest.approx(final["bleu"])
+  assert run.data.metrics["summary/step"] == 20
+  client = _client(mlflow_server)
+  tables = [f.path for f in client.list_artifacts(run.info.run_id, "eval/samples")]
+  assert tables == ["eval/samples/step_000000010.json", "eval/samples/step_000000020.json"]
+  table = json.loads(open(client.download_artifacts(run.info.run_id, tables[-1],
+                                                    str(tmp_path))).read())
+  [result] = [json.loads(p.read_text()) for p in (workdir / "eval").glob("20.*.json")]
+  assert table["columns"] == ["source", "translation", "reference"]
+  assert table["data"] == [[s["source"], s["hypothesis"], s["reference"]]
+                           for s in result["samples"]]
+
+  code, out, err = launcher.run("--mode=plot", f"--workdir={workdir}")
+  assert code == 0, out + err
+  plots = {os.path.basename(f.path) for f in client.list_artifacts(run.info.run_id, "plots")}
+  assert plots == set(os.listdir(workdir / "plots")) and "curves.png" in plots
+
+  # The hook of the sweep engine, with the trial's config (as its workdir holds it).
+  trackers.record_trial(config_lib.from_workdir(str(workdir)), str(workdir), 0, "PRUNED",
+                        params={"lr": 0.01}, value=2.5, step=10)
+  other = mlflow_tracker.record_trial(config, parent, 1, "COMPLETE", params={"lr": 0.001},
+                                      value=1.5, step=20)
+  mlflow_tracker.end_study(config, parent, best={"trial": 1, "value": 1.5,
+                                                 "params": {"lr": 0.001}})
+  runs = {r.info.run_id: r for r in _runs(mlflow_server, "tiny")}
+  pruned, complete, study = runs[run.info.run_id], runs[other], runs[parent]
+  assert (pruned.info.status, pruned.data.tags["trial_state"],
+          pruned.data.tags["pruned_at_step"]) == ("KILLED", "PRUNED", "10")
+  assert pruned.data.params["lr"] == "0.01" and pruned.data.metrics["trial/value"] == 2.5
+  assert (complete.info.status, complete.data.tags["mlflow.parentRunId"]) == ("FINISHED", parent)
+  assert study.info.status == "FINISHED" and study.data.metrics["best/value"] == 1.5
+  assert study.data.params["space"] == "train.learning_rate in [1e-4, 1e-2]"
+  assert study.data.tags["study_storage"] == "sqlite:///study.db"
+
+
+def _alive(pid) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:  # ended (and reaped by the launcher's server)
+    return False
+  return True
+
+
+def test_a_run_killed_and_resumed_shows_every_step_once(tmp_path, launcher, mlflow_server):
+  """SIGKILL once MLflow shows steps past the newest checkpoint; the resumed run logs those
+  steps again to metrics.jsonl but not to the trackers (MLflow, and W&B offline): one MLflow
+  run, one W&B run id, every step once, each value metrics.jsonl's (W&B's offline file loses
+  the last steps before the kill: the resumed run sends them from metrics.jsonl). W&B, read
+  back by its own reader, has the flattened config, the project and tags, the summary."""
+  workdir = tmp_path / "run"
+  # Saves at 200 and 400 only (keep_best=0: none at the evaluation); the evaluation at 210
+  # (after step 210's log) leaves the test time to see step 210 in MLflow and kill the run.
+  flags = [*TINY, f"--workdir={workdir}", "--config.train.steps=400",
+           "--config.eval.max_examples=32", "--config.train.log_every=10",
+           "--config.train.checkpoint_every=200", "--config.train.eval_every=210",
+           "--config.train.keep_best=0", "--config.train.trackers=mlflow,wandb",
+           "--config.wandb.mode=offline", "--config.wandb.project=tiny", "--config.wandb.tags=a,b",
+           *_mlflow_flags(mlflow_server, "killed")]
+  pid = launcher.start(*flags)
+  runs, shown, saved = [], -1, []
+  while _alive(pid) and not (shown >= 210 and 200 in saved):  # orbax finishes saves later
+    time.sleep(0.05)
+    runs = runs or _runs(mlflow_server, "killed")
+    if runs:
+      shown = max((s for s, _ in _history(mlflow_server, runs[0], "train/loss")), default=-1)
+      saved = [int(n) for n in os.listdir(workdir / "checkpoints") if n.isdigit()]
+  launcher.send(signal.SIGKILL)
+  assert launcher.wait() == -signal.SIGKILL, "the run ended before MLflow showed step 210"
+  saved = [int(n) for n in os.listdir(workdir / "checkpoints") if n.isdigit()]
+  assert max(saved) == 200 < shown, (saved, shown)  # steps shown past the checkpoint
+  code, out, err = launcher.run(*flags)
+  assert code == 0, out + err
+  assert "resuming from step 200" in out
+
+  [run] = _runs(mlflow_server, "killed")
+  assert run.data.tags[mlflow_tracker.RUN_ID_TAG] == _run_id(workdir)
+  _assert_shows_metrics_jsonl(mlflow_server, run, workdir, keys=COMPUTED)
+  assert [s for s, _ in _history(mlflow_server, run, "train/loss")] == list(range(10, 401, 10))
+  for key in run.data.metrics:  # the time and rates of a step logged twice: the first run's
+    steps = [s for s, _ in _history(mlflow_server, run, key)]
+    assert len(steps) == len(set(steps)), key
+
+  history, run_ids = _wandb_history(workdir)
+  assert run_ids == {_run_id(workdir)}
+  train = _records(workdir, "train")
+  assert sorted(history) == [r["step"] for r in train]  # evaluations and saves share their rows
+  for r in train:
+    assert history[r["step"]]["train/loss"] == pytest.approx(r["loss"], rel=1e-6)
+  summary = json.loads(_wandb_inspect(sorted((workdir / "wandb").glob("offline-run-*"))[-1],
+                                      "--summary"))
+  assert (summary["run_id"], summary["project"], summary["tags"]) == (_run_id(workdir), "tiny",
+                                                                      ["a", "b"])
+  assert summary["config"]["model.d_model"] == 32 and summary["config"]["train.steps"] == 400
+  assert summary["summary"]["summary/step"] == 400
+  assert summary["summary"]["checkpoint_steps"] == [200, 400]
+  assert not (workdir / "tensorboard").exists()  # not asked for
+
+
+class Proxy:
+  """A TCP relay on 127.0.0.1 to `port`, which the test takes down (connections refused, the
+  open ones cut), brings up again or stalls: the tracking server as a training run sees it when
+  the server or the network between them goes away or hangs."""
+
+  def __init__(self, port: int):
+    self.target, self.port = port, _free_port()
+    self._open, self._listener, self._stalled = [], None, False
+    self.up()
+
+  def stall(self):
+    """Connections are taken and never answered (a server that hangs); the open ones cut."""
+    self._stalled = True
+    for connection in self._open:
+      connection.close()
+
+  def up(self):
+    self._listener = socket.create_server(("127.0.0.1", self.port))
+    threading.Thread(target=self._accept, args=(self._listener,), daemon=True).start()
+
+  def down(self):
+    self._listener.shutdown(socket.SHUT_RDWR)  # wakes its accept() (a close alone would not)
+    self._listener.close()
+    for connection in self._open:
+      try:
+        connection.shutdown(socket.SHUT_RDWR)
+      except OSError:
+        pass
+      connection.close()
+    self._open = []
+
+  def _accept(self, listener):
+    while True:
+      try:
+        client, _ = listener.accept()
+      except OSError:
+        return
+      if self._stalled:
+        self._open.append(client)  # held open, unanswered
+        continue
+      server = socket.create_connection(("127.0.0.1", self.target))
+      self._open += [client, server]
+      for a, b in ((client, server), (server, client)):
+        threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+  @staticmethod
+  def _pipe(source, sink):
+    try:
+      while data := source.recv(65536):
+        sink.sendall(data)
+    except OSError:
+      pass
+    finally:
+      try:
+        sink.shutdown(socket.SHUT_WR)
+      except OSError:
+        pass
+
+
+def test_a_tracker_away_mid_run_costs_one_warning_and_catches_up(tmp_path, launcher,
+                                                                mlflow_server):
+  """The server goes away mid-run: training goes on, metrics.jsonl and TensorBoard complete,
+  one warning; the server back, the retries send what was held. A server that stops answering
+  for good: the run still finishes, saying what was not sent."""
+  proxy = Proxy(int(mlflow_server.rsplit(":", 1)[1]))
+  workdir = tmp_path / "run"
+  flags = [*TINY, f"--workdir={workdir}", "--config.train.log_every=2",
+           "--config.train.trackers=tensorboard,mlflow", "--config.train.tracker_retry_s=0.5",
+           *_mlflow_flags(f"http://127.0.0.1:{proxy.port}", "away")]
+  # MLflow's own variable, honoured: no retry of a refused request (a warning at once).
+  env = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"}
+  pid = launcher.start(*flags, "--config.train.steps=200", env=env)
+  assert launcher.wait_for(lambda out: "step 20/200" in out)
+  proxy.down()
+  while _alive(pid) and "warning: mlflow" not in launcher.output()[1]:
+    time.sleep(0.02)
+  proxy.up()
+  code = launcher.wait()
+  out, err = launcher.output()
+  assert code == 0, out + err
+  assert [s["step"] for s in _records(workdir, "train")] == list(range(2, 201, 2))
+  assert [s["step"] for s in _events(workdir, "train/loss")] == list(range(2, 201, 2))
+  assert err.count("warning: mlflow") == 1 and "mlflow: reached again" in err, err
+  [run] = _runs(mlflow_server, "away")
+  _assert_shows_metrics_jsonl(mlflow_server, run, workdir)
+
+  proxy.stall()  # for good: requests hang (until MLflow's own timeout, set by its variable)
+  code, out, err = launcher.run(*flags, "--config.train.steps=220",
+                                env=dict(env, MLFLOW_HTTP_REQUEST_TIMEOUT="2"))
+  assert code == 0, out + err
+  assert [s["step"] for s in _records(workdir, "train")] == list(range(2, 221, 2))
+  assert err.count("warning: mlflow") == 1, err
+  assert "record(s) not sent" in err and "metrics.jsonl holds them all" in err, err
+
+
+def _events(workdir, tag):
+  """The TensorBoard scalars `tag` of the workdir, as TensorBoard's own reader finds them."""
+  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+  events = EventAccumulator(str(workdir / "tensorboard"), size_guidance={"scalars": 0})
+  events.Reload()
+  return [{"step": e.step, "value": e.value} for e in events.Scalars(tag)]
+
+
+def test_a_job_of_two_processes_logs_one_run(tmp_path, mlflow_server):
+  """Process 0 alone logs, under the id it chose and sent to process 1."""
+  from test_multiprocess import ARGS, _env
+  port = _free_port()
+  workdir = tmp_path / "run"
+  pair = [subprocess.Popen([sys.executable, "launch.py", *ARGS, f"--workdir={workdir}",
+                            "--config.train.trackers=mlflow", *_mlflow_flags(mlflow_server, "two"),
+                            f"--coordinator_address=localhost:{port}", "--num_processes=2",
+                            f"--process_id={i}"], cwd=ROOT,
+                           env=dict(_env(2), TRANSFORMER_JAX_CACHE=str(tmp_path / "cache")),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i in (0, 1)]
+  outputs = [p.communicate(timeout=300)[0].decode() for p in pair]
+  assert [p.returncode for p in pair] == [0, 0], outputs
+  [run] = _runs(mlflow_server, "two")
+  assert run.data.tags[mlflow_tracker.RUN_ID_TAG] == _run_id(workdir)
+  _assert_shows_metrics_jsonl(mlflow_server, run, workdir, ("train",))
+
+
+# ------------------------------------------------------------------------------------ W&B
+
+
+def _wandb_inspect(run_dir, *flags):
+  done = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", *flags,
+                         str(run_dir)], capture_output=True, text=True, check=True)
+  return done.stdout
+
+
+def _wandb_history(workdir):
+  """({step: history row} of every offline run of the workdir, {their run ids}), as W&B's own
+  reader of its run files gives them; a step twice fails."""
+  history, run_ids = {}, set()
+  for run_dir in sorted((workdir / "wandb").glob("offline-run-*")):
+    for line in _wandb_inspect(run_dir).splitlines():
+      record = json.loads(line)
+      if record["type"] == "run":
+        run_ids.add(record["run"]["run_id"])
+      if record["type"] == "history":
+        step = record["history"]["step"]["num"]
+        assert step not in history, f"step {step} shown twice"
+        history[step] = record["history"]["item"]
+  return history, run_ids
+
+
+def test_a_sweep_trial_in_its_wandb_group_with_its_state(tmp_path):
+  """trackers.record_trial, the sweep's hook: the trial's W&B run (resumed by the id of its
+  workdir) gets its state, pruning step, value and parameters, in the study's group."""
+  config = config_lib.default_config()
+  config.train.update(trackers="tensorboard,wandb", tracker_group="study-b")
+  config.wandb.update(mode="offline", project="sweep")
+  run_id = trackers.claim_run_id(str(tmp_path))
+  trackers.record_trial(config, str(tmp_path), 3, "PRUNED", params={"train.learning_rate": 0.01},
+                        value=2.5, step=10)
+  [run_dir] = (tmp_path / "wandb").glob(f"offline-run-*-{run_id}")
+  summary = json.loads(_wandb_inspect(run_dir, "--summary"))
+  assert summary["run_id"] == run_id
+  assert {k: summary["summary"][k] for k in ("trial/number", "trial/state",
+                                             "trial/pruned_at_step", "trial/value")} == {
+      "trial/number": 3, "trial/state": "PRUNED", "trial/pruned_at_step": 10, "trial/value": 2.5}
+  assert summary["config"]["trial/train.learning_rate"] == 0.01
+  [run] = [json.loads(line)["run"] for line in _wandb_inspect(run_dir).splitlines()
+           if json.loads(line)["type"] == "run"]
+  assert run["run_group"] == "study-b"
+
+
+# ---------------------------------------------------------------------------- the choice
+
+
+def test_a_tracker_not_installed_is_one_line_naming_the_extra(monkeypatch):
+  config = config_lib.default_config()
+  config.train.trackers = "tensorboard,wandb"
+  monkeypatch.setitem(sys.modules, "wandb", None)  # what `import wandb` finds uninstalled
+  with pytest.raises(UserError, match=r"asks for wandb, which is not installed: pip install "
+                                      r"'transformer_jax\[wandb\]'"):
+    trackers.check(config)
+  config.train.trackers = "tensorboard,neptune"
+  with pytest.raises(UserError, match="neptune, which is no tracker"):
+    config_lib.validate(config)
+
+
+def test_the_core_imports_no_tracker_package():
+  code = ("import sys, transformer_jax.run, transformer_jax.cli; "
+          "print(sorted(m for m in ('wandb', 'mlflow') if m in sys.modules))")
+  done = subprocess.run([sys.executable, "-c", code],
+                        capture_output=True, text=True, check=True, cwd=ROOT)
+  assert done.stdout.strip() == "[]"

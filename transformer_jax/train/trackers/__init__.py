@@ -1,0 +1,120 @@
+"""Experiment trackers beside TensorBoard: Weights & Biases and MLflow, chosen by train.trackers.
+
+`train/logger.py` is their one caller: it writes metrics.jsonl and TensorBoard itself and hands
+the same records to each tracker of `open_trackers`, which runs it off the training thread
+(base.Background). Each tracker's package is imported only when it is asked for, so the core
+install needs neither.
+
+One run, whatever happens to it: the tracker run's id is WORKDIR/tracker.json's, written once
+by the first training of the workdir; a resumed run (after a stop, a kill, a changed
+train.steps) continues it, and in a job of several processes process 0 alone logs, under the id
+it read or chose and sent to the others.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import uuid
+
+from transformer_jax import config as config_lib
+from transformer_jax.core import storage
+from transformer_jax.core.errors import UserError
+from transformer_jax.train.trackers.base import Background, Tracker  # noqa: F401
+
+PACKAGES = {"wandb": "wandb", "mlflow": "mlflow"}  # tracker: the package (and pip extra) it needs
+ID_FILE = "tracker.json"
+
+
+def check(config) -> list:
+  """The trackers `config` asks for, each installed; else one UserError naming the pip extra."""
+  chosen = config_lib.tracker_names(config)
+  for name in chosen:
+    package = PACKAGES.get(name)
+    try:
+      missing = package and importlib.util.find_spec(package) is None
+    except ValueError:  # in sys.modules as None: an import of it fails
+      missing = True
+    if missing:
+      raise UserError(f"train.trackers asks for {name}, which is not installed: pip install "
+                      f"'transformer_jax[{name}]' (or leave {name} out of train.trackers)")
+  return chosen
+
+
+def read_run_id(workdir: str) -> str | None:
+  """The tracker run id of WORKDIR/tracker.json; None before the workdir's first training."""
+  path = storage.join(workdir, ID_FILE)
+  try:
+    return json.loads(storage.read_text(path))["run_id"]
+  except FileNotFoundError:
+    return None
+  except (ValueError, KeyError, TypeError) as e:
+    raise UserError(f"{path} is damaged ({e}); it holds the tracker run's id: restore it, or "
+                    "delete it to log this workdir under a new tracker run") from None
+
+
+def claim_run_id(workdir: str) -> str:
+  """WORKDIR/tracker.json's id, chosen and written now if the workdir has none. Written once:
+  of two processes creating it at once one wins, and both read the winner's."""
+  found = read_run_id(workdir)
+  if found:
+    return found
+  storage.create(storage.join(workdir, ID_FILE),
+                 json.dumps({"run_id": uuid.uuid4().hex[:16]}) + "\n")
+  return read_run_id(workdir)
+
+
+def shared_run_id(workdir: str) -> str:
+  """claim_run_id's id on process 0, sent to every process of the job (all must call this)."""
+  import jax
+  import numpy as np
+  from jax.experimental import multihost_utils
+  if jax.process_count() == 1:
+    return claim_run_id(workdir)
+  chosen = claim_run_id(workdir) if jax.process_index() == 0 else ""
+  data = np.frombuffer(chosen.encode().ljust(64, b"\0"), np.uint8)
+  shared = multihost_utils.broadcast_one_to_all(data)
+  return bytes(np.asarray(shared, np.uint8)).rstrip(b"\0").decode()
+
+
+def flat_config(config) -> dict:
+  """The full config as {dotted key: value}, lists and tuples as JSON."""
+  from transformer_jax.core.trees import flatten
+  return {k: json.dumps(list(v)) if isinstance(v, (list, tuple)) else v
+          for k, v in flatten(config.to_dict()).items()}
+
+
+def make(name: str, config, workdir: str) -> Tracker:
+  run_name = os.path.basename(workdir.rstrip("/")) or workdir
+  if name == "wandb":
+    from transformer_jax.train.trackers.wandb import WandbTracker
+    return WandbTracker(config, workdir, run_name)
+  from transformer_jax.train.trackers.mlflow import MlflowTracker
+  return MlflowTracker(config, run_name)
+
+
+def open_trackers(config, workdir: str, run_id: str, backlog: list = ()) -> list:
+  """A started Background for each tracker of train.trackers but TensorBoard (the logger's).
+  backlog: the scalar records of the steps before this run (Background)."""
+  return [Background(make(name, config, workdir), run_id, flat_config(config),
+                     retry_s=config.train.tracker_retry_s, backlog=backlog)
+          for name in check(config) if name != "tensorboard"]
+
+
+def record_trial(config, workdir: str, trial: int, state: str, params: dict | None = None,
+                 value: float | None = None, step: int | None = None) -> None:
+  """For the sweep engine: a trial's outcome (Optuna's state: COMPLETE, PRUNED, FAIL; its
+  parameters; objective value; last reported step, the pruning step of a pruned trial) on the
+  tracker run of its training workdir, in each tracker of `config` (the trial's config: its
+  train.tracker_group, and for MLflow its mlflow.parent_run_id from mlflow.start_study).
+  Nothing where the workdir has no tracker run yet or no tracker is chosen."""
+  run_id = read_run_id(workdir)
+  chosen = [n for n in check(config) if n != "tensorboard"]
+  if "mlflow" in chosen and config.mlflow.parent_run_id:
+    from transformer_jax.train.trackers import mlflow
+    mlflow.record_trial(config, config.mlflow.parent_run_id, trial, state, params, value, step,
+                        run_id=run_id or "")
+  if "wandb" in chosen and run_id:
+    from transformer_jax.train.trackers import wandb
+    wandb.record_trial(config, workdir, run_id, trial, state, params, value, step)

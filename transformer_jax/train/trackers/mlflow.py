@@ -1,0 +1,249 @@
+"""MLflow: one MLflow run per workdir, found again by its tag `transformer_jax.run_id`; and a
+sweep's parent run (`start_study`, `record_trial`, `end_study`) for the sweep engine to call.
+
+The tracking URI is mlflow.tracking_uri, else MLflow's own MLFLOW_TRACKING_URI, else MLflow's
+default (a local store). A server, a file store (file:/path) and a SQLite database
+(sqlite:///path.db) work alike; the last two need no network (README: "Experiment trackers").
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+
+from transformer_jax.train.trackers.base import Tracker
+
+RUN_ID_TAG = "transformer_jax.run_id"
+STUDY_TAG = "transformer_jax.study"
+DEFAULT_EXPERIMENT = "transformer_jax"
+# MLflow's own defaults retry a failed request 7 times over some 4 minutes, each waiting up to
+# 120 s: a server that is down would hold the end of a run that long. Ours retries later
+# instead (base.Background); a user's own setting of these variables wins.
+_HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                  "MLFLOW_HTTP_REQUEST_TIMEOUT": "20"}
+_BATCH = 100  # params and tags per log_batch call (MLflow's limit); metrics go 1,000 at a time
+_PARAM_CHARS = 6000  # MLflow's longest param value
+
+
+class _OwnRetries(logging.Filter):
+  """urllib3's warning at each retry of a request, from a tracker's thread: the tracker says
+  once that it cannot reach its server (base.Background), not once per request."""
+
+  def filter(self, record) -> bool:
+    return not threading.current_thread().name.startswith("tracker-")
+
+
+def _client(tracking_uri: str):
+  for name, value in _HTTP_DEFAULTS.items():
+    os.environ.setdefault(name, value)
+  retries = logging.getLogger("urllib3.connectionpool")
+  if not any(isinstance(f, _OwnRetries) for f in retries.filters):
+    retries.addFilter(_OwnRetries())
+  from mlflow.tracking import MlflowClient
+  return MlflowClient(tracking_uri=tracking_uri or None)
+
+
+def _artifacts_beside(tracking_uri: str) -> str | None:
+  """A SQLite store's artifact folder: `mlartifacts` beside the database (MLflow's default
+  would be ./mlruns of whatever directory the run started in)."""
+  if not tracking_uri.startswith("sqlite:///"):
+    return None
+  database = os.path.abspath(tracking_uri[len("sqlite:///"):])
+  return os.path.join(os.path.dirname(database), "mlartifacts")
+
+
+def _experiment_id(client, name: str, tracking_uri: str = "") -> str:
+  """The id of the experiment `name`, created if it does not exist (by this call or another
+  process's at the same time)."""
+  found = client.get_experiment_by_name(name)
+  if found is not None:
+    return found.experiment_id
+  try:
+    return client.create_experiment(name, artifact_location=_artifacts_beside(tracking_uri))
+  except Exception:  # another process created it first
+    found = client.get_experiment_by_name(name)
+    if found is None:
+      raise
+    return found.experiment_id
+
+
+def _find_run(client, experiment_id: str, tag: str, value: str):
+  runs = client.search_runs([experiment_id], filter_string=f"tags.`{tag}` = '{value}'",
+                            max_results=1, order_by=["attributes.start_time ASC"])
+  return runs[0] if runs else None
+
+
+def settings(config) -> tuple[str, str]:
+  """(tracking URI, experiment name) of `config`: its mlflow.* keys, else MLflow's own
+  environment variables (MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_NAME)."""
+  m = config.mlflow
+  return (m.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", ""),
+          m.experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME", "") or DEFAULT_EXPERIMENT)
+
+
+def _metric(key, value, step):
+  from mlflow.entities import Metric
+  return Metric(key, float(value), int(time.time() * 1000), int(step))
+
+
+class MlflowTracker(Tracker):
+  name = "mlflow"
+
+  def __init__(self, config, run_name: str):
+    self.tracking_uri, self.experiment = settings(config)
+    self.where = self.tracking_uri or "MLflow's default store"
+    self.parent_run_id = config.mlflow.parent_run_id
+    self.group = config.train.tracker_group
+    self.run_name = config.mlflow.run_name or run_name
+    self.client = self.run_id = None
+
+  def open(self, run_id: str, config: dict) -> dict:
+    from mlflow.entities import Param, RunTag
+    client = _client(self.tracking_uri)
+    experiment_id = _experiment_id(client, self.experiment, self.tracking_uri)
+    run = _find_run(client, experiment_id, RUN_ID_TAG, run_id)
+    tags = {RUN_ID_TAG: run_id}
+    if self.parent_run_id:
+      tags["mlflow.parentRunId"] = self.parent_run_id
+    if self.group:
+      tags[STUDY_TAG] = self.group
+    if run is None:
+      run = client.create_run(experiment_id, run_name=self.run_name, tags=tags)
+      shown = {}
+    else:  # resumed: the steps it shows, which this run does not send again
+      client.update_run(run.info.run_id, status="RUNNING")
+      shown = self._last_steps(client, run)
+    self.client, self.run_id = client, run.info.run_id
+    # Params are immutable in MLflow: a resumed run with a changed config (which training
+    # allows for some keys) keeps the first values and names the changed keys in a tag.
+    known = run.data.params
+    values = {k: str(v)[:_PARAM_CHARS] for k, v in config.items()}
+    params = [Param(k, v) for k, v in values.items() if k not in known]
+    changed = sorted(k for k, v in values.items() if k in known and known[k] != v)
+    tag_list = [RunTag(k, v) for k, v in tags.items()]
+    if changed:
+      tag_list.append(RunTag("config_changed_on_resume", ", ".join(changed)[:5000]))
+    for i in range(0, max(len(params), len(tag_list)), _BATCH):
+      client.log_batch(self.run_id, params=params[i:i + _BATCH], tags=tag_list[i:i + _BATCH])
+    return shown
+
+  @staticmethod
+  def _last_steps(client, run) -> dict:
+    """{split: last step} of the records the run shows: the history of SPLIT/time, which
+    every record of metrics.jsonl has."""
+    splits = {key.split("/")[0] for key in run.data.metrics if key.endswith("/time")}
+    return {split: max((m.step for m in client.get_metric_history(run.info.run_id,
+                                                                   f"{split}/time")), default=-1)
+            for split in splits}
+
+  def scalars(self, records: list) -> None:
+    # One request (base.MAX_VALUES numbers at most, MLflow's limit): a retry never sends
+    # half of them twice. A record of more numbers, split, could.
+    metrics = [_metric(k, v, step) for _, values, step in records for k, v in values.items()]
+    for i in range(0, len(metrics), 1000):
+      self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
+
+  def table(self, name: str, columns: list, rows: list, step: int) -> None:
+    self.client.log_table(self.run_id, {c: [r[i] for r in rows] for i, c in enumerate(columns)},
+                          f"{name}/step_{step:09d}.json")
+
+  def summary(self, values: dict) -> None:
+    numbers = {k: v for k, v in values.items() if isinstance(v, (int, float))
+               and not isinstance(v, bool)}
+    step = int(values.get("step", 0))
+    self.client.log_batch(self.run_id, metrics=[_metric(f"summary/{k}", v, step)
+                                                for k, v in numbers.items()])
+
+  def images(self, paths: dict, step: int) -> None:
+    for path in paths.values():
+      self.client.log_artifact(self.run_id, path, "plots")
+
+  def checkpoints(self, steps: list, directory: str) -> None:
+    from mlflow.entities import RunTag
+    self.client.log_batch(self.run_id, tags=[
+        RunTag("checkpoint_steps", ",".join(map(str, steps))), RunTag("checkpoints", directory)])
+
+  def close(self, state: str) -> None:
+    if self.client is not None:
+      self.client.set_terminated(self.run_id, {"finished": "FINISHED", "stopped": "KILLED"}.get(
+          state, "FAILED"))
+
+
+# ------------------------------------------------------------------- a sweep's parent run
+# For the sweep engine (tools/sweep): a study's trials are child runs of one parent run, tagged
+# with the study's name. Each trial's training run reaches it through its config:
+#   train.tracker_group = STUDY (also the W&B group) and mlflow.parent_run_id = start_study(...)
+
+
+def start_study(config, study: str, storage: str = "", params: dict | None = None) -> str:
+  """The parent run of the sweep `study` in `config`'s MLflow experiment, created if it does not
+  exist (a resumed sweep finds its own); its id. storage: where the study lives (Optuna's
+  storage URL), kept as a tag; params: the sweep's settings (its space, sampler, pruner)."""
+  from mlflow.entities import Param
+  tracking_uri, experiment = settings(config)
+  client = _client(tracking_uri)
+  experiment_id = _experiment_id(client, experiment, tracking_uri)
+  run = _find_run(client, experiment_id, STUDY_TAG + ".parent", study)
+  if run is None:
+    run = client.create_run(experiment_id, run_name=study, tags={
+        STUDY_TAG + ".parent": study, STUDY_TAG: study, "study_storage": storage})
+  else:
+    client.update_run(run.info.run_id, status="RUNNING")
+  known = run.data.params
+  values = [Param(k, str(v)[:_PARAM_CHARS]) for k, v in (params or {}).items() if k not in known]
+  for i in range(0, len(values), _BATCH):
+    client.log_batch(run.info.run_id, params=values[i:i + _BATCH])
+  return run.info.run_id
+
+
+def record_trial(config, parent_run_id: str, trial: int, state: str, params: dict | None = None,
+                 value: float | None = None, step: int | None = None,
+                 run_id: str = "") -> str:
+  """A trial of the study under `parent_run_id`: its state (Optuna's: RUNNING, COMPLETE, PRUNED,
+  FAIL), its parameters, its objective value and its last reported step (the pruning step of
+  a pruned trial). run_id: the trial's training run (WORKDIR/tracker.json's id); without one,
+  or before its training run exists, a child run of its own is made for the trial.
+  Returns the MLflow id of the run that holds the trial."""
+  from mlflow.entities import Param, RunTag
+  tracking_uri, experiment = settings(config)
+  client = _client(tracking_uri)
+  experiment_id = _experiment_id(client, experiment, tracking_uri)
+  run = _find_run(client, experiment_id, RUN_ID_TAG, run_id) if run_id else None
+  if run is None:
+    run = _find_run(client, experiment_id, "trial_key", f"{parent_run_id}/{trial}")
+  if run is None:
+    run = client.create_run(experiment_id, run_name=f"trial {trial}", tags={
+        "mlflow.parentRunId": parent_run_id, "trial_key": f"{parent_run_id}/{trial}",
+        **({RUN_ID_TAG: run_id} if run_id else {})})
+  tags = [RunTag("mlflow.parentRunId", parent_run_id), RunTag("trial", str(trial)),
+          RunTag("trial_key", f"{parent_run_id}/{trial}"), RunTag("trial_state", state)]
+  if step is not None:
+    tags.append(RunTag("pruned_at_step" if state == "PRUNED" else "last_step", str(step)))
+  known = run.data.params
+  values = [Param(k, str(v)[:_PARAM_CHARS]) for k, v in (params or {}).items() if k not in known]
+  metrics = [] if value is None else [_metric("trial/value", value, step or 0)]
+  client.log_batch(run.info.run_id, metrics=metrics, params=values[:_BATCH], tags=tags)
+  for i in range(_BATCH, len(values), _BATCH):
+    client.log_batch(run.info.run_id, params=values[i:i + _BATCH])
+  status = {"COMPLETE": "FINISHED", "PRUNED": "KILLED", "FAIL": "FAILED"}.get(state)
+  if status:
+    client.set_terminated(run.info.run_id, status)
+  return run.info.run_id
+
+
+def end_study(config, parent_run_id: str, best: dict | None = None,
+              state: str = "FINISHED") -> None:
+  """Ends the parent run: the best trial's number, value and parameters (as best/...)."""
+  from mlflow.entities import RunTag
+  tracking_uri, _ = settings(config)
+  client = _client(tracking_uri)
+  best = best or {}
+  tags = [RunTag(f"best/{k}", json.dumps(v) if not isinstance(v, str) else v)
+          for k, v in best.items()]
+  metrics = ([_metric("best/value", best["value"], 0)]
+             if isinstance(best.get("value"), (int, float)) else [])
+  client.log_batch(parent_run_id, metrics=metrics, tags=tags[:_BATCH])
+  client.set_terminated(parent_run_id, state)

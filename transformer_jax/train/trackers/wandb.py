@@ -1,0 +1,117 @@
+"""Weights & Biases: one W&B run per workdir, its id WORKDIR/tracker.json's.
+
+Each setting is the config's wandb.* key where it is set, else W&B's own (WANDB_PROJECT,
+WANDB_ENTITY, WANDB_RUN_GROUP, WANDB_TAGS, WANDB_MODE, WANDB_DIR, its login). wandb.mode=offline
+writes the run under WORKDIR/wandb (or WANDB_DIR) for `wandb sync` later; a resumed offline run
+writes a second directory of the same id, which `wandb sync` adds to the same run.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+from transformer_jax.core import storage
+from transformer_jax.train.trackers.base import Tracker
+
+
+def wandb_dir(workdir: str) -> str | None:
+  """Where W&B writes its files: WANDB_DIR, else the workdir (a local one; W&B writes local
+  files only: for a workdir in a bucket, W&B's default, ./wandb)."""
+  if os.environ.get("WANDB_DIR"):
+    return os.environ["WANDB_DIR"]
+  return None if storage.is_url(workdir) else workdir
+
+
+def last_offline_step(directory: str | None, run_id: str) -> int:
+  """The last step that earlier offline runs of `run_id` in `directory` logged, read by W&B's
+  own reader of its run files (`wandb leet inspect --summary --json`); -1 if none."""
+  last = -1
+  for run_dir in glob.glob(os.path.join(directory or ".", "wandb", f"offline-run-*-{run_id}")):
+    done = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--summary", "--json",
+                           run_dir], capture_output=True, text=True, timeout=120)
+    if done.returncode == 0:
+      try:
+        last = max(last, int(json.loads(done.stdout).get("step") or -1))
+      except ValueError:
+        pass
+  return last
+
+
+class WandbTracker(Tracker):
+  name = "wandb"
+
+  def __init__(self, config, workdir: str, run_name: str):
+    w = config.wandb
+    self.settings = dict(
+        project=w.project or None, entity=w.entity or None,
+        group=w.group or config.train.tracker_group or None,
+        tags=[t.strip() for t in w.tags.split(",") if t.strip()] or None,
+        mode=w.mode or None, name=w.name or run_name, dir=wandb_dir(workdir))
+    self.where = f"project {w.project or os.environ.get('WANDB_PROJECT') or '(W&B default)'}"
+    self.run = None
+
+  def open(self, run_id: str, config: dict) -> dict:
+    import wandb
+    mode = self.settings["mode"] or os.environ.get("WANDB_MODE", "")
+    offline = mode in ("offline", "dryrun")
+    before = last_offline_step(self.settings["dir"], run_id) if offline else -1
+    # W&B's console capture wraps sys.stdout and sys.stderr: every line and progress-bar
+    # update of the training thread would pass through it. Off unless WANDB_CONSOLE asks.
+    settings = wandb.Settings(silent=True, console=os.environ.get("WANDB_CONSOLE", "off"))
+    self.run = wandb.init(id=run_id, resume="allow", config=config, reinit="create_new",
+                          settings=settings, **self.settings)
+    self.run.config.update(config, allow_val_change=True)  # a resumed run's changed keys
+    if self.run.resumed and not offline:
+      before = max(before, self.run.starting_step - 1)
+    return {"*": before} if before >= 0 else {}
+
+  def scalars(self, records: list) -> None:
+    for _, values, step in records:
+      self.run.log(values, step=step)
+
+  def table(self, name: str, columns: list, rows: list, step: int) -> None:
+    import wandb
+    self.run.log({name: wandb.Table(columns=columns, data=rows)}, step=step)
+
+  def summary(self, values: dict) -> None:
+    self.run.summary.update({f"summary/{k}": v for k, v in values.items()})
+
+  def images(self, paths: dict, step: int) -> None:
+    import wandb
+    self.run.log({f"plots/{name}": wandb.Image(path) for name, path in paths.items()},
+                 step=max(step, self.run.step))
+
+  def checkpoints(self, steps: list, directory: str) -> None:
+    self.run.summary.update({"checkpoint_steps": list(steps), "checkpoints": directory})
+
+  def close(self, state: str) -> None:
+    if self.run is not None:
+      if state == "stopped":
+        self.run.mark_preempting()
+      self.run.finish(exit_code=0 if state != "failed" else 1)
+
+
+def record_trial(config, workdir: str, run_id: str, trial: int, state: str,
+                 params: dict | None = None, value: float | None = None,
+                 step: int | None = None) -> None:
+  """A sweep trial's outcome on its W&B run (resumed for it; in the group train.tracker_group):
+  its state (Optuna's: COMPLETE, PRUNED, FAIL), parameters, objective value and last reported
+  step (the pruning step of a pruned trial), in the run's summary and config."""
+  import wandb
+  tracker = WandbTracker(config, workdir, run_name="")
+  settings = {k: v for k, v in tracker.settings.items() if k != "name"}
+  run = wandb.init(id=run_id, resume="allow", reinit="create_new",
+                   settings=wandb.Settings(silent=True, console="off"), **settings)
+  try:
+    run.config.update({f"trial/{k}": v for k, v in (params or {}).items()},
+                      allow_val_change=True)
+    run.summary.update({"trial/number": trial, "trial/state": state,
+                        **({"trial/value": value} if value is not None else {}),
+                        **({"trial/pruned_at_step" if state == "PRUNED" else "trial/last_step":
+                            step} if step is not None else {})})
+  finally:
+    run.finish(exit_code=1 if state == "FAIL" else 0)
