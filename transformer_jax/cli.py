@@ -48,6 +48,7 @@ MODE_HELP = {
     "compile": "compiles for a TPU slice on any machine: memory, FLOPs, estimated step time",
     "import_hf": "a Hugging Face model directory (--hf_dir) -> a workdir at step 0",
     "export_hf": "a workdir -> a Hugging Face model directory (--hf_dir) for from_pretrained",
+    "sweep_results": "a sweep's results.md/.csv rebuilt from its study (--workdir), no training",
 }
 MODES = tuple(MODE_HELP)
 HF_MODES = ("import_hf", "export_hf")  # Hugging Face model directories in and out: no --config
@@ -62,24 +63,51 @@ _SPLIT = flags.DEFINE_string("split", None, "Data split: for --mode=export (defa
                              "--mode=evaluate (default data.eval_split).")
 _TEXT = flags.DEFINE_string("text", None, "--mode=plot: an input sentence whose attention maps "
                             "(encoder, decoder, cross) are drawn.")
-_SWEEP = flags.DEFINE_bool("sweep", False, "Run every trial of the experiment's get_sweep(), each "
-                           "in WORKDIR/trial_NNN; finished trials are skipped on a rerun.")
-_SWEEP_PARALLEL = flags.DEFINE_integer("sweep_parallel", 1, "Trials run at the same time.")
+# --- sweeps (tools/sweep): --sweep and --sweep_dry_run (mode train); --sweep_storage also for
+# --mode=sweep_results and --mode=plot on a sweep's workdir.
+_SWEEP = flags.DEFINE_bool(
+    "sweep", False, "Be a worker of the experiment's sweep (an Optuna study): take its trials "
+    "(get_sweep()'s, then get_search_space()'s draws) until --sweep_budget is spent, each trained "
+    "in WORKDIR/trial_NNNN. The same command on more machines adds workers (with --sweep_storage).")
+_SWEEP_PARALLEL = flags.DEFINE_integer("sweep_parallel", 1, "Worker processes to start on this "
+                                       "machine (each takes trials of the study).")
 _SWEEP_SEEDS = flags.DEFINE_integer(
-    "sweep_seeds", 0, "Runs of every trial, with seeds S, S+1, ... (S: the trial's config seed), "
-    "in WORKDIR/trial_NNN_seedK; results.md adds the median, min and max over seeds. 0 = as "
-    "get_sweep() says: a trial's 'seeds' entry, else one run.")
+    "sweep_seeds", 0, "Runs of every get_sweep() trial, with seeds S, S+1, ... (S: the trial's "
+    "config seed), each a trial of its own; results.md adds the median, min and max over seeds. "
+    "0 = as get_sweep() says: a trial's 'seeds' entry, else one run.")
 _SWEEP_TRIALS = flags.DEFINE_list(
-    "sweep_trials", None, "Run only these trials of get_sweep() (numbers from 0, comma-separated), "
-    "in this order; the others' finished runs stay in the results tables.")
+    "sweep_trials", None, "Enqueue only these trials of get_sweep() (numbers from 0, "
+    "comma-separated), in this order; trials already in the study stay.")
 _SWEEP_TEST_BEST = flags.DEFINE_bool(
     "sweep_test_best", False, "Train each trial without data.test_split, then score its "
     "checkpoint with the best train.best_metric on data.test_split once (test_* columns; "
     "never used to sort).")
-_SWEEP_DRY_RUN = flags.DEFINE_bool("sweep_dry_run", False, "Print the trial commands (one per "
-                                   "line, e.g. for a SLURM job array) instead of running them.")
-_SWEEP_METRIC = flags.DEFINE_string("sweep_metric", "loss", "Final eval metric that orders the "
-                                    "results table (loss and perplexity: lower is better).")
+_SWEEP_DRY_RUN = flags.DEFINE_bool("sweep_dry_run", False, "Print the sweep's plan (enqueued "
+                                   "trials, search space, sampler, pruner, storage, budget); "
+                                   "create nothing.")
+_SWEEP_METRIC = flags.DEFINE_string("sweep_metric", "loss", "Eval metric the study optimises, "
+                                    "the pruner watches and the results table sorts by (loss "
+                                    "and perplexity: lower is better).")
+_SWEEP_SAMPLER = flags.DEFINE_string("sweep_sampler", "tpe", "Optuna sampler drawing "
+                                     "get_search_space()'s trials: tpe, gp, cmaes, random or grid.")
+_SWEEP_PRUNER = flags.DEFINE_string("sweep_pruner", "none", "Early stopping at every evaluation "
+                                    "(train.eval_every): median, asha, hyperband or none.")
+_SWEEP_BUDGET = flags.DEFINE_integer("sweep_budget", 0, "Trials of the study in all, "
+                                     "get_sweep()'s included (0: get_sweep()'s only; a grid: all "
+                                     "of it).")
+_SWEEP_STORAGE = flags.DEFINE_string(
+    "sweep_storage", None, "Database of the study, shared by workers on many machines: any "
+    "SQLAlchemy URL, e.g. postgresql+psycopg://USER:PASSWORD@HOST:5432/DB. Default: a journal "
+    "file in --workdir (one machine).")
+_SWEEP_SEED = flags.DEFINE_integer("sweep_seed", 0, "Seed of the sampler.")
+_SWEEP_HEARTBEAT_S = flags.DEFINE_integer(
+    "sweep_heartbeat_s", 60, "With --sweep_storage: seconds between a worker's heartbeats; a "
+    "trial silent for 3 of them is lost and goes back to the queue.")
+_SWEEP_RETRIES = flags.DEFINE_integer("sweep_retries", 3, "Times a trial whose worker was lost "
+                                      "(or preempted) is taken up again.")
+_SWEEP_FLAGS = (_SWEEP, _SWEEP_PARALLEL, _SWEEP_SEEDS, _SWEEP_TRIALS, _SWEEP_TEST_BEST,
+                _SWEEP_DRY_RUN, _SWEEP_METRIC, _SWEEP_SAMPLER, _SWEEP_PRUNER, _SWEEP_BUDGET,
+                _SWEEP_STORAGE, _SWEEP_SEED, _SWEEP_HEARTBEAT_S, _SWEEP_RETRIES)
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "Multi-process runs: host:port of "
                                    "process 0 (auto-detected on Cloud TPU and SLURM).")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Multi-process runs: process count.")
@@ -96,8 +124,7 @@ _HF_DIR = flags.DEFINE_string("hf_dir", None, "--mode=import_hf / export_hf: the
 _CHECKPOINT_STEP = flags.DEFINE_integer(
     "checkpoint_step", None,
     "Checkpoint to evaluate, translate or generate with (default: the latest).")
-_OUR_FLAGS = (_CONFIG, _WORKDIR, _MODE, _CHECKPOINT_STEP, _SPLIT, _TEXT, _SWEEP, _SWEEP_PARALLEL,
-              _SWEEP_SEEDS, _SWEEP_TRIALS, _SWEEP_TEST_BEST, _SWEEP_DRY_RUN, _SWEEP_METRIC,
+_OUR_FLAGS = (_CONFIG, _WORKDIR, _MODE, _CHECKPOINT_STEP, _SPLIT, _TEXT, *_SWEEP_FLAGS,
               _COORDINATOR, _NUM_PROCESSES, _PROCESS_ID, _KEEP_HOST_MEMORY, _HF_DIR)
 
 
@@ -271,6 +298,12 @@ def _check_flags(mode: str) -> None:
     if _SWEEP_METRIC.value not in metric_names.EVAL_METRICS:
       raise UserError(f"--sweep_metric must be one of {', '.join(metric_names.EVAL_METRICS)}; "
                       f"got {_SWEEP_METRIC.value!r}")
+  else:
+    for flag in _SWEEP_FLAGS:
+      allowed = (flag is _SWEEP_STORAGE and mode in ("sweep_results", "plot")
+                 or flag is _SWEEP_METRIC and mode == "sweep_results")
+      if flags.FLAGS[flag.name].present and flag not in (_SWEEP, _SWEEP_DRY_RUN) and not allowed:
+        raise UserError(f"--{flag.name} is for a sweep: add --sweep (or --sweep_dry_run)")
   count, index = _NUM_PROCESSES.value, _PROCESS_ID.value
   if count is not None and count < 1:
     raise UserError(f"--num_processes must be positive, got {count}")
@@ -346,6 +379,9 @@ def run(argv) -> None:
   if mode in HF_MODES:
     _run_hf(mode)
     return
+  if mode == "sweep_results" or (mode == "plot" and _is_sweep_workdir(_WORKDIR.value)):
+    _run_sweep_reading(mode)
+    return
   if mode in READING_MODES and _WORKDIR.value is not None:
     check_trained_workdir(_WORKDIR.value)  # before "--config is required": a typo says so
   if _CONFIG.value is None:
@@ -400,16 +436,24 @@ def run(argv) -> None:
     return
   if _WORKDIR.value is None:
     raise UserError(f"--workdir is required for --mode={mode}")
+  from transformer_jax.train import sharding
   if _SWEEP.value or _SWEEP_DRY_RUN.value:
     config_lib.validate(config)
-    from transformer_jax.tools import sweep
-    sweep.run_sweep(config_flags.get_config_filename(flags.FLAGS["config"]), _WORKDIR.value,
-                    config_flags.get_override_values(flags.FLAGS["config"]),
-                    parallel=_SWEEP_PARALLEL.value, dry_run=_SWEEP_DRY_RUN.value,
-                    metric=_SWEEP_METRIC.value, seeds=_SWEEP_SEEDS.value,
-                    test_best=_SWEEP_TEST_BEST.value, only=_sweep_trials())
+    from transformer_jax import run as run_lib
+    from transformer_jax.tools.sweep import worker
+    options = worker.Options(
+        metric=_SWEEP_METRIC.value, sampler=_SWEEP_SAMPLER.value, pruner=_SWEEP_PRUNER.value,
+        budget=_SWEEP_BUDGET.value, storage=_SWEEP_STORAGE.value, seed=_SWEEP_SEED.value,
+        heartbeat_s=_SWEEP_HEARTBEAT_S.value, retries=_SWEEP_RETRIES.value,
+        parallel=_SWEEP_PARALLEL.value, seeds=_SWEEP_SEEDS.value, only=_sweep_trials(),
+        test_best=_SWEEP_TEST_BEST.value, dry_run=_SWEEP_DRY_RUN.value)
+    if not _SWEEP_DRY_RUN.value:  # a job of several processes is one worker
+      sharding.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value,
+                                      _PROCESS_ID.value)
+    worker.run_sweep(config_flags.get_config_filename(flags.FLAGS["config"]), _WORKDIR.value,
+                     config_flags.get_override_values(flags.FLAGS["config"]),
+                     run_lib.train_and_evaluate, options, argv=sys.argv[1:])
     return
-  from transformer_jax.train import sharding
   sharding.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   if mode == "train":
     from transformer_jax import run as run_lib
@@ -432,6 +476,26 @@ def run(argv) -> None:
     from transformer_jax.eval import generate
     generate.generate_from_workdir(config, _WORKDIR.value, sys.stdin.buffer, sys.stdout,
                                    step=_CHECKPOINT_STEP.value)
+
+
+def _is_sweep_workdir(workdir) -> bool:
+  if not (workdir or "").strip():
+    return False
+  from transformer_jax.tools.sweep import store
+  return store.is_sweep_workdir(workdir)
+
+
+def _run_sweep_reading(mode: str) -> None:
+  """--mode=sweep_results, and --mode=plot on a sweep's workdir: read its study, train nothing."""
+  if not (_WORKDIR.value or "").strip():
+    raise UserError(f"--workdir is required for --mode={mode} (the sweep's)")
+  from transformer_jax.tools.sweep import results
+  if mode == "plot":
+    for path in results.plot(_WORKDIR.value, _SWEEP_STORAGE.value):
+      print(path)
+    return
+  metric = _SWEEP_METRIC.value if flags.FLAGS["sweep_metric"].present else None
+  print(results.sweep_results(_WORKDIR.value, _SWEEP_STORAGE.value, metric), end="")
 
 
 def _run_hf(mode: str) -> None:
