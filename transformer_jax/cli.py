@@ -302,7 +302,8 @@ def _check_flags(mode: str) -> None:
     for flag in _SWEEP_FLAGS:
       allowed = (flag is _SWEEP_STORAGE and mode in ("sweep_results", "plot")
                  or flag is _SWEEP_METRIC and mode == "sweep_results")
-      if flags.FLAGS[flag.name].present and flag not in (_SWEEP, _SWEEP_DRY_RUN) and not allowed:
+      if (flags.FLAGS[flag.name].present and flag.name not in ("sweep", "sweep_dry_run")
+          and not allowed):
         raise UserError(f"--{flag.name} is for a sweep: add --sweep (or --sweep_dry_run)")
   count, index = _NUM_PROCESSES.value, _PROCESS_ID.value
   if count is not None and count < 1:

@@ -186,23 +186,30 @@ def join_study(p: Plan, workdir: str, st: store.Storage):
     study = optuna.create_study(study_name=name, storage=st.storage, sampler=sampler,
                                 pruner=pruner, direction=space_lib.direction(o.metric))
     study.set_user_attr(store.STUDY_ATTR, ours)
+    _enqueue(study, p)
+    study.set_user_attr("ready", True)  # the others wait for this: no trial enqueued twice
+    return study
   except optuna.exceptions.DuplicatedStudyError:
     study = optuna.load_study(study_name=name, storage=st.storage, sampler=sampler, pruner=pruner)
-    deadline = time.time() + 60
-    while store.STUDY_ATTR not in study.user_attrs and time.time() < deadline:
-      time.sleep(0.5)  # its creator is writing it
-    theirs = study.user_attrs.get(store.STUDY_ATTR)
-    if theirs != ours:
-      raise UserError(f"the study {name} in {st.url} belongs to another sweep ({theirs}; this "
-                      f"one: {ours}): a changed experiment, config or metric; give another "
-                      "--workdir (or --sweep_storage) for a changed sweep") from None
+  deadline = time.time() + 120
+  while not study.user_attrs.get("ready") and time.time() < deadline:
+    time.sleep(0.5)  # its creator is enqueueing get_sweep()'s trials
+  theirs = study.user_attrs.get(store.STUDY_ATTR)
+  if theirs != ours:
+    raise UserError(f"the study {name} in {st.url} belongs to another sweep ({theirs}; this "
+                    f"one: {ours}): a changed experiment, config or metric; give another "
+                    "--workdir (or --sweep_storage) for a changed sweep")
+  _enqueue(study, p)  # trials that --sweep_trials or --sweep_seeds add to an earlier sweep
+  return study
+
+
+def _enqueue(study, p: Plan) -> None:
   known = {t.user_attrs.get("sweep_key") for t in study.get_trials(deepcopy=False)}
   for q in p.queued:
     if q.key not in known:
       params = {k: v for k, v in q.overrides.items() if k in (p.experiment.space or {})}
       study.enqueue_trial(params, user_attrs={"sweep_key": q.key, "sweep_index": q.index,
                                               "sweep_seed": q.seed, "sweep_overrides": q.overrides})
-  return study
 
 
 def _census(study) -> dict:
@@ -557,6 +564,7 @@ def follow(workdir: str, p: Plan, train_fn) -> None:
         train_fn(config, directory, on_eval=_Reporter(None, p.options.metric, channel))
       finally:
         os.environ.pop(TRIAL_ENV, None)
+    progress_line(f"{identity['directory']}: trained with process 0")
 
 
 def _spawn_workers(argv: list, count: int) -> int:
