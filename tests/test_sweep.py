@@ -180,8 +180,9 @@ def test_a_pruned_trial_and_a_failed_one_are_in_the_table_rebuilt_from_the_study
     assert max(r["step"] for r in map(json.loads, f)) == 5
   study = _study(workdir)
   assert [t.state.name for t in study.get_trials()] == ["COMPLETE", "COMPLETE", "PRUNED", "FAIL"]
-  assert study.get_trials()[2].intermediate_values == {5: pytest.approx(
-      float(json.loads((pruned / "metrics.jsonl").read_text().splitlines()[-1])["loss"]))}
+  with open(pruned / "metrics.jsonl", encoding="utf-8") as f:
+    (evaluation,) = [r for r in map(json.loads, f) if r["split"] == "eval"]
+  assert study.get_trials()[2].intermediate_values == {5: pytest.approx(evaluation["loss"])}
   # The trial's identity, for its training run and for trackers.
   assert json.loads((workdir / "trial_0001" / "trial.json").read_text()) == {
       "study": str(workdir), "trial": 1, "directory": "trial_0001",
@@ -192,8 +193,9 @@ def test_a_pruned_trial_and_a_failed_one_are_in_the_table_rebuilt_from_the_study
   rebuilt = _run("--mode=sweep_results", f"--workdir={workdir}").stdout
   assert (workdir / "results.md").read_text() == table and "best trial: " in rebuilt
   drawn = results.plot(str(workdir), None)
-  assert sorted(os.path.basename(p) for p in drawn) >= ["sweep_history.png",
-                                                        "sweep_intermediate_values.png"]
+  assert {os.path.basename(p) for p in drawn} >= {"sweep_history.png",
+                                                 "sweep_intermediate_values.png"}
+  assert all(open(p, "rb").read(8) == b"\x89PNG\r\n\x1a\n" for p in drawn)
   assert list((workdir / "trial_0000" / "tensorboard").glob("events.out.tfevents.*"))
   # The same command again: nothing left to run, the study unchanged.
   again = _run(f"--config={experiment}", f"--workdir={workdir}", "--sweep",
