@@ -57,6 +57,12 @@ OTHERS = {
     "export that CTranslate2 converts and decodes as ours)",
     ".venv/bin/python benchmarks/marian_scan.py": "test_hf_marian (a sample of the same check)",
     ".venv/bin/python benchmarks/scan_structure.py": "test_scan runs it and checks its table",
+    ".venv/bin/optuna-dashboard": "Optuna's viewer of the study test_sweep_postgres fills",
+    "kubectl": "GKE (its launch.py lines are checked)",
+    "sudo -u postgres psql": "tests/postgres.py makes the sweep tests' user and database so",
+    "for vm in": "gcloud in a loop (its launch.py lines are checked)",
+    "nice -n 19 .venv/bin/python benchmarks/sweep_search.py": "test_sweep (the same sweeps, "
+    "smaller)",
 }
 
 
@@ -107,7 +113,10 @@ for line in json.loads(sys.argv[1]):
       mode = cli._MODE.value
       assert mode in cli.MODES, mode
       cli._check_flags(mode)
-      if mode in cli.HF_MODES:  # no config: a Hugging Face directory in or out (test_hf runs them)
+      if mode == "sweep_results":  # no config: a sweep's study (test_sweep runs it)
+        assert cli._WORKDIR.value, "--workdir is required"
+        result = [line, "ok", mode, [None, None]]
+      elif mode in cli.HF_MODES:  # no config: a Hugging Face directory in or out (test_hf)
         assert cli._HF_DIR.value and cli._WORKDIR.value, "--hf_dir and --workdir are required"
         result = [line, "ok", mode, [None, None]]
       else:

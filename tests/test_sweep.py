@@ -127,12 +127,16 @@ def test_search_space_draws_conditional_keys_and_dry_run_creates_nothing(tmp_pat
      'sweep.uniform(1, 2, when={"model.positional": "alibi"})}', [], "none of its choices"),
     ('{"model.num_heads": sweep.integer(2, 3)}', [], "model.num_heads=3"),
     ('{"train.learning_rate": sweep.uniform(1e-3, 1e-2)}', ["grid"], "a continuous range"),
-    (GOOD, [], "needs a trial budget"),
+    (GOOD, ["tpe", "no get_sweep"], "needs a trial budget"),
 ])
 def test_a_bad_search_space_is_one_error_before_anything_runs(tmp_path, text, flags, message):
   options = worker.Options(sampler=flags[0] if flags else "tpe")
+  path = _experiment(tmp_path, text)
+  if "no get_sweep" in flags:  # a search space alone: its budget must be given
+    with open(path, "a", encoding="utf-8") as f:
+      f.write("\n\ndel get_sweep\n")
   with pytest.raises(UserError, match=message.replace("[", r"\[").replace("(", r"\(")):
-    worker.plan(_experiment(tmp_path, text), {}, options)
+    worker.plan(path, {}, options)
 
 
 @pytest.mark.parametrize("options, message", [

@@ -145,6 +145,12 @@ def _help() -> str:
             "  with their values and one line each (e.g. --config=scan_simple --mode=config); "
             "their defaults",
             "  and comments are in transformer_jax/config.py.",
+            "sweeps: --sweep makes this command a worker of the experiment's Optuna study; on "
+            "one machine",
+            "  its study is a file in --workdir (--sweep_parallel=N workers); on many, every "
+            "machine runs the",
+            "  same command with --sweep_storage=postgresql+psycopg://... (README: Sweeps; "
+            "docs/cloud.md).",
             "installed experiments (--config=NAME): " + ", ".join(experiments.names()),
             "", "--helpfull adds the flags of the libraries (absl)."]
   return "\n".join(lines)

@@ -125,11 +125,11 @@ def plan(config_path: str, base_overrides: dict, options: Options) -> Plan:
   if not budget:
     if experiment.space and options.sampler == "grid":
       budget = len(queued) + _grid_size(space_lib.grid_of(experiment.space))
-    elif experiment.space:
+    elif experiment.space and not queued:
       raise UserError(f"get_search_space() in {experiment.path} needs a trial budget: give "
                       "--sweep_budget=N (the trials of the study in all, get_sweep()'s included)")
     else:
-      budget = len(queued)
+      budget = len(queued)  # get_sweep()'s trials alone; --sweep_budget adds drawn ones
   if budget < len(queued):
     raise UserError(f"--sweep_budget={budget} is fewer than the {len(queued)} trials get_sweep() "
                     "enqueues; raise it, or choose trials with --sweep_trials")
