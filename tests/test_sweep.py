@@ -149,6 +149,12 @@ def test_unknown_sampler_pruner_or_trial_is_one_error(tmp_path, options, message
     worker.plan(_experiment(tmp_path, GOOD), {}, options)
 
 
+def test_a_sweep_in_a_bucket_names_its_database():
+  with pytest.raises(UserError, match="keeps its study in a database its workers share: give "
+                                      "--sweep_storage="):
+    worker.store.open_storage(None, "gs://runs/sweep", heartbeat_s=60, retries=3)
+
+
 # Four trials: two of the same programs (the shuffle buffer changes only the batches' order), one
 # with a learning rate too small to learn (the median pruner stops it at its first evaluation),
 # one whose test split does not exist (its own fault: failed, not retried).

@@ -470,6 +470,11 @@ def _objective(p: Plan, workdir: str, train_fn, channel: _Channel, study_name: s
       config_lib.validate(config)
     except UserError as e:
       return _fail(trial, name, str(e))
+    if history:
+      try:
+        _wait_for_the_lost_run(directory, name)
+      except UserError as e:
+        return _fail(trial, name, str(e))
     progress_line(f"{name} started{retry}: {overrides}")
     identity = _identity(study_name, trial.number, root, overrides)
     channel.send(identity)
@@ -501,6 +506,27 @@ def _objective(p: Plan, workdir: str, train_fn, channel: _Channel, study_name: s
     return value
 
   return objective
+
+
+def _wait_for_the_lost_run(directory: str, name: str) -> None:
+  """A trial taken up again trains where its lost run trained. Locally that run's lock went with
+  its process; in a bucket its lease runs out (storage.LEASE_SECONDS) unless renewed: wait for
+  that rather than fail the trial for a lease nobody holds any more."""
+  import jax
+  if jax.process_count() > 1:
+    return  # a job of several processes holds no lock of its own (train.loop)
+  deadline, said = time.time() + storage.LEASE_SECONDS + 30, False
+  while True:
+    try:
+      storage.lock(directory).check()
+      return
+    except UserError as e:
+      if time.time() > deadline:
+        raise
+      if not said:
+        progress_line(f"{name}: waiting for the lost run's hold on it to end ({e})")
+        said = True
+      time.sleep(5)
 
 
 def _fail(trial, name: str, error: str):
