@@ -115,6 +115,10 @@ class Plan(NamedTuple):
 
 def plan(config_path: str, base_overrides: dict, options: Options) -> Plan:
   _check_options(options)
+  if (options.storage or "").startswith("sqlite") and options.parallel > 1:
+    raise UserError("a SQLite study cannot be shared by several workers (SQLite has no row "
+                    "locks: two could take the same trial); leave --sweep_storage out for the "
+                    "journal file in a local --workdir, or use PostgreSQL")
   experiment = space_lib.load(os.path.abspath(config_path))
   left_out = TEST_LEFT_OUT if options.test_best else {}
   queued = space_lib.queued_trials(experiment, {**base_overrides, **left_out}, options.seeds,
