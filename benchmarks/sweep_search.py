@@ -42,7 +42,7 @@ BASE = {"train.steps": 60, "train.eval_every": 10, "train.log_every": 10,
         "train.on_nonfinite": "skip"}
 
 
-def sweep(directory, sampler, pruner, seed, budget):
+def sweep(directory, sampler, pruner, seed, budget, extra=None):
   import optuna
 
   from transformer_jax import run
@@ -53,7 +53,7 @@ def sweep(directory, sampler, pruner, seed, budget):
     f.write(EXPERIMENT)
   workdir = os.path.join(directory, f"{sampler}-{pruner}-{seed}")
   options = worker.Options(sampler=sampler, pruner=pruner, seed=seed, budget=budget)
-  p = worker.plan(path, dict(BASE), options)
+  p = worker.plan(path, {**BASE, **(extra or {})}, options)
   os.makedirs(workdir)
   st = store.open_storage(None, workdir, 60, 0)
   study = worker.join_study(p, workdir, st)
@@ -104,6 +104,7 @@ def main():
   parser.add_argument("--what", choices=("samplers", "pruners", "overhead"), required=True)
   parser.add_argument("--budget", type=int, default=10)
   parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--seed", type=int, default=None, help="run this sweep seed alone")
   parser.add_argument("--storage", default=None, help="a PostgreSQL URL for --what=overhead")
   args = parser.parse_args()
   if args.what == "overhead":
@@ -112,13 +113,16 @@ def main():
   runs = []
   with tempfile.TemporaryDirectory() as directory:
     if args.what == "samplers":
-      for seed in range(args.repeats):
+      seeds = range(args.repeats) if args.seed is None else [args.seed]
+      for seed in seeds:
         for sampler in ("tpe", "random"):
-          runs.append(sweep(directory, sampler, "none", seed, args.budget))
+          # No pruner: the final evaluation alone.
+          runs.append(sweep(directory, sampler, "none", seed, args.budget,
+                            {"train.eval_every": 0}))
           print(json.dumps(runs[-1]), flush=True)
       for sampler in ("tpe", "random"):
         best = [r["best_loss"] for r in runs if r["sampler"] == sampler]
-        print(f"{sampler}: best final loss, median of {args.repeats} sweeps "
+        print(f"{sampler}: best final loss, median of {len(best)} sweeps "
               f"{statistics.median(best):.4f} (each: {', '.join(f'{b:.4f}' for b in best)})")
     else:
       for seed in range(args.repeats):

@@ -137,7 +137,7 @@ def plan(config_path: str, base_overrides: dict, options: Options) -> Plan:
   if budget < len(queued):
     raise UserError(f"--sweep_budget={budget} is fewer than the {len(queued)} trials get_sweep() "
                     "enqueues; raise it, or choose trials with --sweep_trials")
-  space_lib.make_sampler(options.sampler, experiment.space, options.seed)  # checks it can
+  space_lib.make_sampler(options.sampler, experiment.space, options.seed, budget)  # it can
   space_lib.make_pruner(options.pruner, base_config)
   return Plan(experiment, base_overrides, left_out, base_config, queued, budget, options)
 
@@ -183,7 +183,7 @@ def join_study(p: Plan, workdir: str, st: store.Storage):
   import optuna
   o = p.options
   name = store.study_name(workdir)
-  sampler = space_lib.make_sampler(o.sampler, p.experiment.space, o.seed)
+  sampler = space_lib.make_sampler(o.sampler, p.experiment.space, o.seed, p.budget)
   pruner = space_lib.make_pruner(o.pruner, p.base_config)
   ours = store.fingerprint(p.base_config, p.experiment, o.metric)
   try:
