@@ -266,15 +266,16 @@ LENGTH = ["--config.data.scan_split=length", "--config.data.train_split=train_wi
 
 def test_seeded_sweep_scores_test_once_per_run_and_grows_with_more_seeds(tmp_path):
   """Seeds of a tiny trial, each trained without the test split and its best dev checkpoint
-  scored on test once. First one seed (--sweep_seeds=1), then the trial's own two: the study
-  takes the new seed's trial only."""
+  scored on test once. First one seed (--sweep_seeds=1), then the trial's own two with two
+  workers: the study takes the new seed's trial only, once."""
   experiment = tmp_path / "seeded.py"
   experiment.write_text(SEEDED)
   workdir = tmp_path / "sweep"
   command = [f"--config={experiment}", f"--workdir={workdir}", "--sweep",
              "--sweep_metric=exact_match", "--sweep_test_best"] + FAST + LENGTH
   _run(*command, "--sweep_seeds=1")
-  out = _run(*command).stdout
+  # Two local workers on the journal file: the one new trial is taken by one of them, once.
+  out = _run(*command, "--sweep_parallel=2").stdout
   assert out.count(" started") == 1 and "trial_0001 started" in out, out
   tests = []
   for trial in _study(workdir).get_trials():
