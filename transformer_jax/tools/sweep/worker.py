@@ -13,6 +13,9 @@ training run in this process (train_fn, run.train_and_evaluate), whose every eva
   trains in the same trial directory, resuming from its latest checkpoint;
 - its worker gets SIGTERM/SIGINT: training saves its step, the trial is handed back (failed, with
   a copy enqueued as for a lost worker) and the worker exits with code 0.
+Each trial runs through study.optimize(n_trials=1): in Optuna 5.0 that is where heartbeats live
+(its _run_trial fails stale trials, then records the trial's heartbeat from a thread while the
+objective runs; ask/tell has none), and only RDBStorage implements them (BaseHeartbeat).
 A job of several processes (jax.distributed) is one worker: process 0 takes the trial and sends
 its overrides to the others (multihost_utils), all train it, process 0 alone reports.
 
