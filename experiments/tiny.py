@@ -23,3 +23,9 @@ def get_config():
 def get_sweep():
   """Four trials, for tests of `--sweep`."""
   return sweep.grid(**{"train.learning_rate": [1e-3, 3e-3], "model.d_ff": [32, 64]})
+
+
+def get_search_space():
+  """What `--sweep --sweep_budget=N` draws beyond get_sweep()'s trials (README: Sweeps)."""
+  return {"train.learning_rate": sweep.log_uniform(3e-4, 1e-2),
+          "model.d_ff": sweep.choice([32, 64])}

@@ -37,7 +37,8 @@ os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {QUICK_COMPILE}".s
 FILE_COST = {
     "test_bucket_workdir.py": 87, "test_gpu_suite.py": 85, "test_hf.py": 84, "test_train.py": 66,
     "test_checkpoint.py": 64, "test_hf_t5.py": 60, "test_sharding.py": 59, "test_compile.py": 54,
-    "test_sweep.py": 51, "test_evaluate.py": 51, "test_decode.py": 49, "test_errors.py": 44,
+    "test_sweep.py": 60, "test_sweep_postgres.py": 70, "test_evaluate.py": 51,
+    "test_decode.py": 49, "test_errors.py": 44,
     "test_hf_marian.py": 42, "test_multiprocess.py": 42, "test_hf_llama.py": 40,
     "test_model.py": 39, "test_tasks.py": 37, "test_faults.py": 36, "test_plot.py": 34,
     "test_docs.py": 32, "test_launch.py": 20, "test_length_options.py": 20,

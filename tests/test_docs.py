@@ -63,6 +63,12 @@ OTHERS = {
                             "offline run files with W&B's own reader",
     ".venv/bin/mlflow ui": "MLflow's own UI; test_trackers reads the runs through its server",
     ".venv/bin/python benchmarks/trackers.py": "test_trackers (the same trackers, shorter runs)",
+    ".venv/bin/optuna-dashboard": "Optuna's viewer of the study test_sweep_postgres fills",
+    "kubectl": "GKE (its launch.py lines are checked)",
+    "sudo -u postgres psql": "tests/postgres.py makes the sweep tests' user and database so",
+    "for vm in": "gcloud in a loop (its launch.py lines are checked)",
+    "nice -n 19 .venv/bin/python benchmarks/sweep_search.py": "test_sweep (the same sweeps, "
+    "smaller)",
 }
 
 
@@ -113,7 +119,10 @@ for line in json.loads(sys.argv[1]):
       mode = cli._MODE.value
       assert mode in cli.MODES, mode
       cli._check_flags(mode)
-      if mode in cli.HF_MODES:  # no config: a Hugging Face directory in or out (test_hf runs them)
+      if mode == "sweep_results":  # no config: a sweep's study (test_sweep runs it)
+        assert cli._WORKDIR.value, "--workdir is required"
+        result = [line, "ok", mode, [None, None]]
+      elif mode in cli.HF_MODES:  # no config: a Hugging Face directory in or out (test_hf)
         assert cli._HF_DIR.value and cli._WORKDIR.value, "--hf_dir and --workdir are required"
         result = [line, "ok", mode, [None, None]]
       else:

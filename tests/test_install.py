@@ -63,10 +63,10 @@ def test_sweep_dry_run_and_benchmark_by_experiment_name(installed):
   result = _run(installed, "--config=tiny", "--workdir=sweep", "--sweep_dry_run")
   assert result.returncode == 0, result.stderr
   lines = result.stdout.splitlines()
-  assert len(lines) == 4  # tiny.py's get_sweep(): a 2 x 2 grid
   tiny = str(target / "transformer_jax" / "experiments" / "tiny.py")
-  for line in lines:
-    assert f"{sys.executable} -m transformer_jax --config={tiny}" in line
+  assert lines[0].startswith(f"sweep of {tiny} in ")
+  assert len([line for line in lines if line.startswith("  get_sweep[")]) == 4  # a 2 x 2 grid
+  assert not (outside / "sweep").exists()
   result = _run(installed, "--config=tiny", "--mode=benchmark", "--config.benchmark.steps=2",
                 "--config.benchmark.warmup=1", "--config.benchmark.decode_steps=0")
   assert result.returncode == 0, result.stderr

@@ -49,6 +49,7 @@ MODE_HELP = {
     "compile": "compiles for a TPU slice or GPUs on any machine: memory, FLOPs, step time",
     "import_hf": "a Hugging Face model directory (--hf_dir) -> a workdir at step 0",
     "export_hf": "a workdir -> a Hugging Face model directory (--hf_dir) for from_pretrained",
+    "sweep_results": "a sweep's results.md/.csv rebuilt from its study (--workdir), no training",
 }
 MODES = tuple(MODE_HELP)
 HF_MODES = ("import_hf", "export_hf")  # Hugging Face model directories in and out: no --config
@@ -58,8 +59,12 @@ WORKDIR_MODES = ("train", "evaluate", "translate", "generate", "plot")
 READING_MODES = ("evaluate", "translate", "generate", "plot")
 # Modes that read a config alone: with --workdir and without --config, the workdir's.
 DESCRIBING_MODES = ("describe", "config", "export")
-CONFIG_MODES = tuple(m for m in MODES if m not in HF_MODES)  # the modes --config is for
+# The modes --config is for: not the Hugging Face ones, nor sweep_results (it reads the study).
+CONFIG_MODES = tuple(m for m in MODES if m not in HF_MODES + ("sweep_results",))
 SWEEPS = ("sweep", "sweep_dry_run")  # the flags that start a sweep (--mode=train)
+# The modes that read a sweep's study (plot: where --workdir is a sweep's): its storage and
+# metric flags need no --sweep there.
+SWEEP_READING_MODES = ("sweep_results", "plot")
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment config: a file (experiments/*.py) or an installed experiment's "
@@ -71,24 +76,51 @@ _SPLIT = flags.DEFINE_string("split", None, "Data split: for --mode=export (defa
                              "--mode=evaluate (default data.eval_split).")
 _TEXT = flags.DEFINE_string("text", None, "--mode=plot: an input sentence whose attention maps "
                             "(encoder, decoder, cross) are drawn.")
-_SWEEP = flags.DEFINE_bool("sweep", False, "Run every trial of the experiment's get_sweep(), each "
-                           "in WORKDIR/trial_NNN; finished trials are skipped on a rerun.")
-_SWEEP_PARALLEL = flags.DEFINE_integer("sweep_parallel", 1, "Trials run at the same time.")
+# --- sweeps (tools/sweep): --sweep and --sweep_dry_run (mode train); --sweep_storage also for
+# --mode=sweep_results and --mode=plot on a sweep's workdir.
+_SWEEP = flags.DEFINE_bool(
+    "sweep", False, "Be a worker of the experiment's sweep (an Optuna study): take its trials "
+    "(get_sweep()'s, then get_search_space()'s draws) until --sweep_budget is spent, each trained "
+    "in WORKDIR/trial_NNNN. The same command on more machines adds workers (with --sweep_storage).")
+_SWEEP_PARALLEL = flags.DEFINE_integer("sweep_parallel", 1, "Worker processes to start on this "
+                                       "machine (each takes trials of the study).")
 _SWEEP_SEEDS = flags.DEFINE_integer(
-    "sweep_seeds", 0, "Runs of every trial, with seeds S, S+1, ... (S: the trial's config seed), "
-    "in WORKDIR/trial_NNN_seedK; results.md adds the median, min and max over seeds. 0 = as "
-    "get_sweep() says: a trial's 'seeds' entry, else one run.")
+    "sweep_seeds", 0, "Runs of every get_sweep() trial, with seeds S, S+1, ... (S: the trial's "
+    "config seed), each a trial of its own; results.md adds the median, min and max over seeds. "
+    "0 = as get_sweep() says: a trial's 'seeds' entry, else one run.")
 _SWEEP_TRIALS = flags.DEFINE_list(
-    "sweep_trials", None, "Run only these trials of get_sweep() (numbers from 0, comma-separated), "
-    "in this order; the others' finished runs stay in the results tables.")
+    "sweep_trials", None, "Enqueue only these trials of get_sweep() (numbers from 0, "
+    "comma-separated), in this order; trials already in the study stay.")
 _SWEEP_TEST_BEST = flags.DEFINE_bool(
     "sweep_test_best", False, "Train each trial without data.test_split, then score its "
     "checkpoint with the best train.best_metric on data.test_split once (test_* columns; "
     "never used to sort).")
-_SWEEP_DRY_RUN = flags.DEFINE_bool("sweep_dry_run", False, "Print the trial commands (one per "
-                                   "line, e.g. for a SLURM job array) instead of running them.")
-_SWEEP_METRIC = flags.DEFINE_string("sweep_metric", "loss", "Final eval metric that orders the "
-                                    "results table (loss and perplexity: lower is better).")
+_SWEEP_DRY_RUN = flags.DEFINE_bool("sweep_dry_run", False, "Print the sweep's plan (enqueued "
+                                   "trials, search space, sampler, pruner, storage, budget); "
+                                   "create nothing.")
+_SWEEP_METRIC = flags.DEFINE_string("sweep_metric", "loss", "Eval metric the study optimises, "
+                                    "the pruner watches and the results table sorts by (loss "
+                                    "and perplexity: lower is better).")
+_SWEEP_SAMPLER = flags.DEFINE_string("sweep_sampler", "tpe", "Optuna sampler drawing "
+                                     "get_search_space()'s trials: tpe, gp, cmaes, random or grid.")
+_SWEEP_PRUNER = flags.DEFINE_string("sweep_pruner", "none", "Early stopping at every evaluation "
+                                    "(train.eval_every): median, asha, hyperband or none.")
+_SWEEP_BUDGET = flags.DEFINE_integer("sweep_budget", 0, "Trials of the study in all, "
+                                     "get_sweep()'s included (0: get_sweep()'s only; a grid: all "
+                                     "of it).")
+_SWEEP_STORAGE = flags.DEFINE_string(
+    "sweep_storage", None, "Database of the study, shared by workers on many machines: any "
+    "SQLAlchemy URL, e.g. postgresql+psycopg://USER:PASSWORD@HOST:5432/DB. Default: a journal "
+    "file in --workdir (one machine).")
+_SWEEP_SEED = flags.DEFINE_integer("sweep_seed", 0, "Seed of the sampler.")
+_SWEEP_HEARTBEAT_S = flags.DEFINE_integer(
+    "sweep_heartbeat_s", 60, "With --sweep_storage: seconds between a worker's heartbeats; a "
+    "trial silent for 3 of them is lost and goes back to the queue.")
+_SWEEP_RETRIES = flags.DEFINE_integer("sweep_retries", 3, "Times a trial whose worker was lost "
+                                      "(or preempted) is taken up again.")
+_SWEEP_FLAGS = (_SWEEP, _SWEEP_PARALLEL, _SWEEP_SEEDS, _SWEEP_TRIALS, _SWEEP_TEST_BEST,
+                _SWEEP_DRY_RUN, _SWEEP_METRIC, _SWEEP_SAMPLER, _SWEEP_PRUNER, _SWEEP_BUDGET,
+                _SWEEP_STORAGE, _SWEEP_SEED, _SWEEP_HEARTBEAT_S, _SWEEP_RETRIES)
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "Multi-process runs: host:port of "
                                    "process 0 (auto-detected on Cloud TPU and SLURM).")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Multi-process runs: process count.")
@@ -110,8 +142,7 @@ _OUTPUT_FORMAT = flags.DEFINE_enum(
     "--mode=translate / generate: how each output is written as one line. text: line breaks "
     "inside an output (\\n, \\x0b, \\x1d, ...) as spaces, counted on stderr; escaped: "
     "Python string escapes (\\\\, \\n, \\xHH, \\uHHHH); jsonl: {\"output\": ...} per line.")
-_OUR_FLAGS = (_CONFIG, _WORKDIR, _MODE, _CHECKPOINT_STEP, _SPLIT, _TEXT, _SWEEP, _SWEEP_PARALLEL,
-              _SWEEP_SEEDS, _SWEEP_TRIALS, _SWEEP_TEST_BEST, _SWEEP_DRY_RUN, _SWEEP_METRIC,
+_OUR_FLAGS = (_CONFIG, _WORKDIR, _MODE, _CHECKPOINT_STEP, _SPLIT, _TEXT, *_SWEEP_FLAGS,
               _COORDINATOR, _NUM_PROCESSES, _PROCESS_ID, _KEEP_HOST_MEMORY, _HF_DIR,
               _OUTPUT_FORMAT)
 
@@ -133,6 +164,12 @@ def _help() -> str:
             "  with their values and one line each (e.g. --config=scan_simple --mode=config); "
             "their defaults",
             "  and comments are in transformer_jax/config.py.",
+            "sweeps: --sweep makes this command a worker of the experiment's Optuna study; on "
+            "one machine",
+            "  its study is a file in --workdir (--sweep_parallel=N workers); on many, every "
+            "machine runs the",
+            "  same command with --sweep_storage=postgresql+psycopg://... (README: Sweeps; "
+            "docs/cloud.md).",
             "installed experiments (--config=NAME): " + ", ".join(experiments.names()),
             "", "--helpfull adds the flags of the libraries (absl)."]
   return "\n".join(lines)
@@ -302,7 +339,7 @@ def _parse_flags(argv):
 # entry here.
 FLAG_USES = {
     "config": (CONFIG_MODES, ()),
-    "workdir": (WORKDIR_MODES + DESCRIBING_MODES + HF_MODES, ()),
+    "workdir": (WORKDIR_MODES + DESCRIBING_MODES + HF_MODES + ("sweep_results",), ()),
     "checkpoint_step": (READING_MODES + ("export_hf",), ()),
     "split": (("export", "evaluate"), ()),
     "text": (("plot",), ()),
@@ -314,7 +351,14 @@ FLAG_USES = {
     "sweep_seeds": (("train",), SWEEPS),
     "sweep_trials": (("train",), SWEEPS),
     "sweep_test_best": (("train",), SWEEPS),
-    "sweep_metric": (("train",), SWEEPS),
+    "sweep_metric": (("train", "sweep_results"), SWEEPS),
+    "sweep_sampler": (("train",), SWEEPS),
+    "sweep_pruner": (("train",), SWEEPS),
+    "sweep_budget": (("train",), SWEEPS),
+    "sweep_storage": (("train",) + SWEEP_READING_MODES, SWEEPS),
+    "sweep_seed": (("train",), SWEEPS),
+    "sweep_heartbeat_s": (("train",), SWEEPS),
+    "sweep_retries": (("train",), SWEEPS),
     "coordinator_address": (WORKDIR_MODES, ()),
     "num_processes": (WORKDIR_MODES, ()),
     "process_id": (WORKDIR_MODES, ()),
@@ -326,6 +370,8 @@ _WHY_NOT = {
     ("config", "import_hf"): "; the model's config comes from --hf_dir (its config.json): leave "
                              "--config out, then override keys (--config.KEY=VALUE) in the modes "
                              "that read the new --workdir",
+    ("config", "sweep_results"): "; the tables are rebuilt from the study in --workdir (and "
+                                 "--sweep_storage where it is a database)",
     ("config", "export_hf"): "; the export writes the workdir's own config.json and checkpoint: "
                              "leave --config out (to change the model, train it first)",
 }
@@ -342,7 +388,7 @@ def refused_flag(name: str, mode: str, given) -> Optional[str]:
     if len(modes) > 5:  # most modes take it: name the mode that does not
       return f"--mode={mode} does not use --{name}" + (why or "; leave it out")
     return f"--{name} is for --mode={' or '.join(modes)}, not --mode={mode}" + why
-  if needs and not any(n in given for n in needs):
+  if needs and mode not in SWEEP_READING_MODES and not any(n in given for n in needs):
     options = " or ".join(f"--{n}" for n in needs)
     return f"--{name} only applies with {options}; add --{needs[0]} or leave --{name} out"
   return None
@@ -435,6 +481,9 @@ def run(argv) -> None:
   if mode in HF_MODES:
     _run_hf(mode)
     return
+  if mode == "sweep_results" or (mode == "plot" and _is_sweep_workdir(_WORKDIR.value)):
+    _run_sweep_reading(mode)
+    return
   if _WORKDIR.value is not None and (mode in READING_MODES or mode in DESCRIBING_MODES
                                      and _CONFIG.value is None):
     check_trained_workdir(_WORKDIR.value)  # before "--config is required": a typo says so
@@ -493,16 +542,24 @@ def run(argv) -> None:
     return
   if _WORKDIR.value is None:
     raise UserError(f"--workdir is required for --mode={mode}")
+  from transformer_jax.train import sharding
   if _SWEEP.value or _SWEEP_DRY_RUN.value:
     config_lib.validate(config)
-    from transformer_jax.tools import sweep
-    sweep.run_sweep(config_flags.get_config_filename(flags.FLAGS["config"]), _WORKDIR.value,
-                    config_flags.get_override_values(flags.FLAGS["config"]),
-                    parallel=_SWEEP_PARALLEL.value, dry_run=_SWEEP_DRY_RUN.value,
-                    metric=_SWEEP_METRIC.value, seeds=_SWEEP_SEEDS.value,
-                    test_best=_SWEEP_TEST_BEST.value, only=_sweep_trials())
+    from transformer_jax import run as run_lib
+    from transformer_jax.tools.sweep import worker
+    options = worker.Options(
+        metric=_SWEEP_METRIC.value, sampler=_SWEEP_SAMPLER.value, pruner=_SWEEP_PRUNER.value,
+        budget=_SWEEP_BUDGET.value, storage=_SWEEP_STORAGE.value, seed=_SWEEP_SEED.value,
+        heartbeat_s=_SWEEP_HEARTBEAT_S.value, retries=_SWEEP_RETRIES.value,
+        parallel=_SWEEP_PARALLEL.value, seeds=_SWEEP_SEEDS.value, only=_sweep_trials(),
+        test_best=_SWEEP_TEST_BEST.value, dry_run=_SWEEP_DRY_RUN.value)
+    if not _SWEEP_DRY_RUN.value:  # a job of several processes is one worker
+      sharding.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value,
+                                      _PROCESS_ID.value)
+    worker.run_sweep(config_flags.get_config_filename(flags.FLAGS["config"]), _WORKDIR.value,
+                     config_flags.get_override_values(flags.FLAGS["config"]),
+                     run_lib.train_and_evaluate, options, argv=sys.argv[1:])
     return
-  from transformer_jax.train import sharding
   sharding.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   if mode == "train":
     from transformer_jax import run as run_lib
@@ -527,6 +584,26 @@ def run(argv) -> None:
     generate.generate_from_workdir(config, _WORKDIR.value, sys.stdin.buffer, sys.stdout,
                                    step=_CHECKPOINT_STEP.value,
                                    output_format=_OUTPUT_FORMAT.value)
+
+
+def _is_sweep_workdir(workdir) -> bool:
+  if not (workdir or "").strip():
+    return False
+  from transformer_jax.tools.sweep import store
+  return store.is_sweep_workdir(workdir)
+
+
+def _run_sweep_reading(mode: str) -> None:
+  """--mode=sweep_results, and --mode=plot on a sweep's workdir: read its study, train nothing."""
+  if not (_WORKDIR.value or "").strip():
+    raise UserError(f"--workdir is required for --mode={mode} (the sweep's)")
+  from transformer_jax.tools.sweep import results
+  if mode == "plot":
+    for path in results.plot(_WORKDIR.value, _SWEEP_STORAGE.value):
+      print(path)
+    return
+  metric = _SWEEP_METRIC.value if flags.FLAGS["sweep_metric"].present else None
+  print(results.sweep_results(_WORKDIR.value, _SWEEP_STORAGE.value, metric), end="")
 
 
 def _run_hf(mode: str) -> None:

@@ -81,12 +81,13 @@ def finished(config, workdir: str) -> Optional[dict]:
   return results
 
 
-def train_and_evaluate(config, workdir: str) -> dict:
+def train_and_evaluate(config, workdir: str, on_eval: Optional[loop.OnEval] = None) -> dict:
   """Trains `config` in `workdir` (resuming if it holds checkpoints) and evaluates the result on
   data.eval_split and data.test_split.
 
-  Returns the final evaluation metrics of data.eval_split ({} if a signal stopped the run
-  early). A workdir already trained to train.steps and evaluated is left as it is.
+  Returns the final evaluation metrics of data.eval_split ({} if a signal or on_eval stopped
+  the run early; see loop.train). A workdir already trained to train.steps and evaluated is left
+  as it is.
   """
   config_lib.validate(config, jax.default_backend())
   t = config.train
@@ -103,15 +104,19 @@ def train_and_evaluate(config, workdir: str) -> dict:
           "further, or --mode=evaluate to evaluate otherwise", flush=True)
     return done[config.data.eval_split]
   try:  # a bucket's outage is ridden out up to the last write (core/outage.py), then no more
-    return _train_and_report(config, workdir)
+    return _train_and_report(config, workdir, on_eval)
   finally:
     outage.arm(0)
 
 
-def _train_and_report(config, workdir: str) -> dict:
+def _train_and_report(config, workdir: str, on_eval: Optional[loop.OnEval] = None) -> dict:
   """Training, then its results, summary and map of the workdir (train_and_evaluate's body)."""
-  result = loop.train(config, workdir, evaluate_fn=evaluate_lib.evaluate)
+  result = loop.train(config, workdir, evaluate_fn=evaluate_lib.evaluate, on_eval=on_eval)
   is_main = jax.process_index() == 0
+  if result.pruned:
+    if is_main:
+      print(f"{result.pruned}; the checkpoint of step {result.step} is saved", flush=True)
+    return {}
   if result.stopped_by:
     if is_main and result.step >= config.train.steps:
       print(f"{result.stopped_by}: stopped during the final evaluation; the checkpoint of step "

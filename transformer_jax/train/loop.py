@@ -51,6 +51,7 @@ class Result:
   tokens_seen: int
   wall_time: float  # seconds since this run's first step, up to the final evaluation
   train_time: float  # seconds of train steps alone (Throughput's clock), compiling ones aside
+  pruned: Optional[str] = None  # why on_eval stopped the run early (a sweep's pruner), or None
 
   @property
   def step(self) -> int:
@@ -133,12 +134,19 @@ def _saved_labels(workdir: str) -> Optional[str]:
     return None
 
 
-def train(config, workdir: str, evaluate_fn: EvaluateFn) -> Result:
+# on_eval(step, eval_metrics) -> why to stop now (a sweep's pruner), or None to go on
+OnEval = Callable[[int, dict], Optional[str]]
+
+
+def train(config, workdir: str, evaluate_fn: EvaluateFn, on_eval: Optional[OnEval] = None
+          ) -> Result:
   """Trains `config` in `workdir` (resuming from its newest readable checkpoint), then evaluates.
 
   Everything the user's input can fail (config, data, tokenizer, batching, a checkpoint's
   compatibility) is checked before the workdir is touched. SIGTERM/SIGINT end the run after the
-  current step with a checkpoint.
+  current step with a checkpoint. on_eval (a sweep trial's reporter) sees every periodic
+  evaluation; when it answers with a reason, the run saves that step's checkpoint and stops
+  (Result.pruned), without the final evaluation.
   """
   model_config = config_lib.validate(config, jax.default_backend())
   t = config.train
@@ -237,6 +245,7 @@ def train(config, workdir: str, evaluate_fn: EvaluateFn) -> Result:
   with (lock, contextlib.closing(batches), checkpoint.Preemption() as preemption, bar,
         contextlib.closing(profiler), logger):
     metrics = None  # the previous step's
+    pruned = None
     for step in range(start, t.steps):
       with throughput.paused("profile"):
         profiler.before(step)
@@ -271,16 +280,18 @@ def train(config, workdir: str, evaluate_fn: EvaluateFn) -> Result:
       if due.eval:
         eval_metrics, seconds = evaluate(state.params)
         logger.eval(done, eval_metrics, seconds=seconds)
-      if due.save:
+        if on_eval is not None:
+          pruned = on_eval(done, eval_metrics)
+      if due.save or pruned:
         save(done, eval_metrics)
-      if due.stop:
+      if due.stop or pruned:
         break
     batches.close()  # its thread ends before the final evaluation
     profiler.close()
     manager.wait()
     wall_time = throughput.wall_time  # of training; the final evaluation is not counted
     final_metrics, test_metrics = {}, {}
-    if not preemption.signal:
+    if not preemption.signal and not pruned:
       # The last step's checkpoint is written: a signal now abandons the evaluation (a rerun of
       # the same command evaluates that checkpoint) instead of waiting for it.
       eval_seconds = test_seconds = 0.0
@@ -304,7 +315,7 @@ def train(config, workdir: str, evaluate_fn: EvaluateFn) -> Result:
   manager.close()
   return Result(workdir=workdir, state=state, model_config=model_config, tokenizer=tokenizer,
                 start_step=start, final_metrics=final_metrics, test_metrics=test_metrics,
-                stopped_by=preemption.signal,
+                stopped_by=preemption.signal, pruned=pruned,
                 checkpoint_steps=checkpoint_steps, tokens_seen=throughput.tokens_seen,
                 wall_time=wall_time, train_time=throughput.train_seconds)
 

@@ -1,0 +1,70 @@
+"""A real PostgreSQL server for the tests: Debian's package (`.ci/run` installs it), initdb and
+pg_ctl in a temporary directory on 127.0.0.1 and a free port, run as the `postgres` user where
+the tests run as root (PostgreSQL refuses root). One database and one user with a password."""
+
+import glob
+import os
+import pwd
+import shutil
+import socket
+import subprocess
+import tempfile
+from types import SimpleNamespace
+
+USER, PASSWORD, DATABASE = "sweeper", "s3cret-pw", "sweeps"
+
+
+def _binaries() -> str:
+  found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
+  if not found:
+    raise RuntimeError("PostgreSQL is not installed (no /usr/lib/postgresql/*/bin/initdb): "
+                       "apt-get install -y postgresql (as .ci/run does)")
+  return os.path.dirname(found[-1])
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def start() -> SimpleNamespace:
+  """A running server; stop(server) ends it and removes its files."""
+  bin_dir = _binaries()
+  root = tempfile.mkdtemp(prefix="pg-")
+  as_user = []
+  if os.geteuid() == 0:
+    owner = pwd.getpwnam("postgres")
+    os.chown(root, owner.pw_uid, owner.pw_gid)
+    as_user = ["runuser", "-u", "postgres", "--"]
+  password_file = os.path.join(root, "pw")
+  with open(password_file, "w", encoding="utf-8") as f:
+    f.write("admin-pw\n")
+  if as_user:
+    os.chown(password_file, owner.pw_uid, owner.pw_gid)
+  data = os.path.join(root, "data")
+  port = _free_port()
+
+  def run(*command):
+    subprocess.run([*as_user, *command], check=True, capture_output=True, cwd=root)
+
+  run(f"{bin_dir}/initdb", "-D", data, "-U", "postgres", "-A", "scram-sha-256",
+      f"--pwfile={password_file}", "--no-sync")
+  run(f"{bin_dir}/pg_ctl", "-D", data, "-l", os.path.join(root, "log"), "-w", "-o",
+      f"-p {port} -k {root} -c listen_addresses=127.0.0.1 -c fsync=off "
+      "-c synchronous_commit=off -c full_page_writes=off", "start")
+  import psycopg
+  with psycopg.connect(host="127.0.0.1", port=port, user="postgres", password="admin-pw",
+                       dbname="postgres", autocommit=True) as connection:
+    connection.execute(f"CREATE USER {USER} WITH PASSWORD '{PASSWORD}'")
+    connection.execute(f"CREATE DATABASE {DATABASE} OWNER {USER}")
+  server = SimpleNamespace(root=root, data=data, port=port, bin_dir=bin_dir, as_user=as_user,
+                           url=f"postgresql+psycopg://{USER}:{PASSWORD}@127.0.0.1:{port}/"
+                               f"{DATABASE}")
+  return server
+
+
+def stop(server) -> None:
+  subprocess.run([*server.as_user, f"{server.bin_dir}/pg_ctl", "-D", server.data, "-m",
+                  "immediate", "stop"], capture_output=True, cwd=server.root)
+  shutil.rmtree(server.root, ignore_errors=True)

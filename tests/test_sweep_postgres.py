@@ -1,0 +1,188 @@
+"""Sweeps whose study is in a real PostgreSQL server (tests/postgres.py starts one for this
+file): several workers share it, a killed worker's trial comes back and resumes from its own
+checkpoint, and what a worker cannot use is one line and exit code 2."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import optuna
+import postgres
+import pytest
+
+from transformer_jax.core.errors import UserError
+from transformer_jax.eval import load
+from transformer_jax.tools.sweep import space, store, worker
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Twelve trials of the same compiled programs: the shuffle buffer changes the batches' order,
+# train.log_every nothing that is compiled (tiny's learning rate and d_ff would be new programs).
+TWELVE = """from transformer_jax.experiments import tiny
+from transformer_jax.tools import sweep
+
+get_config = tiny.get_config
+
+
+def get_sweep():
+  return sweep.grid(**{"data.shuffle_buffer": [0, 4, 8, 16], "train.log_every": [1, 2, 3]})
+"""
+FAST = ["--config.train.steps=2", "--config.train.checkpoint_every=2",
+        "--config.eval.max_examples=8"]
+
+
+@pytest.fixture(scope="module")
+def db():
+  server = postgres.start()
+  yield server
+  postgres.stop(server)
+
+
+def _worker(experiment, workdir, url, *extra):
+  return subprocess.Popen([sys.executable, "launch.py", f"--config={experiment}",
+                           f"--workdir={workdir}", "--sweep", f"--sweep_storage={url}", *extra],
+                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _study(url, workdir):
+  optuna.logging.set_verbosity(optuna.logging.ERROR)
+  return optuna.load_study(study_name=str(workdir), storage=url)
+
+
+def test_three_workers_share_a_twelve_trial_study_each_trial_once(tmp_path, db):
+  experiment = tmp_path / "twelve.py"
+  experiment.write_text(TWELVE)
+  workdir = tmp_path / "sweep"
+  workers = [_worker(experiment, workdir, db.url, *FAST) for _ in range(3)]
+  outputs = [w.communicate(timeout=600)[0] for w in workers]
+  assert [w.returncode for w in workers] == [0, 0, 0], outputs
+  study = _study(db.url, workdir)
+  trials = study.get_trials()
+  assert len(trials) == 12
+  assert all(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
+  assert sorted(t.user_attrs["sweep_key"] for t in trials) == sorted(map(str, range(12)))
+  started = [line.split()[0] for out in outputs for line in out.splitlines()
+             if " started" in line]
+  assert sorted(started) == [f"trial_{i:04d}" for i in range(12)]  # each once, by one worker
+  assert all("sweep: study " in out for out in outputs), outputs  # all three joined
+  for i in range(12):  # each trained once: its log lines (train.log_every) written once
+    with open(workdir / f"trial_{i:04d}" / "metrics.jsonl", encoding="utf-8") as f:
+      steps = [r["step"] for r in map(json.loads, f) if r["split"] == "train"]
+    assert steps == [1, 2] if i % 3 == 0 else steps == [2], (i, steps)
+  table = (workdir / "results.md").read_text()
+  assert table.count("| finished |") == 12
+  # --mode=sweep_results rebuilds the same table from the study alone.
+  os.remove(workdir / "results.md")
+  out = subprocess.run([sys.executable, "launch.py", "--mode=sweep_results",
+                        f"--workdir={workdir}", f"--sweep_storage={db.url}"], cwd=ROOT,
+                       check=True, capture_output=True, text=True).stdout
+  assert (workdir / "results.md").read_text() == table and table in out
+  assert "best trial: " + str(workdir / "trial_") in out
+
+
+ONE = """from transformer_jax.experiments import tiny
+
+get_config = tiny.get_config
+
+
+def get_sweep():
+  return [{"data.shuffle_buffer": 16}]
+"""
+# Long enough to be stopped in the middle: evaluations every 10 steps, a checkpoint after each.
+KILLED = ["--config.train.steps=40", "--config.train.checkpoint_every=10",
+          "--config.train.eval_every=10", "--config.train.log_every=1",
+          "--config.eval.max_examples=8", "--config.model.qkv_bias=False",
+          "--sweep_heartbeat_s=1", "--sweep_retries=1"]
+
+
+def _params(workdir):
+  config = space.trial_config(str(workdir.parent.parent / "one.py"), {},
+                              {"model.qkv_bias": False, "data.shuffle_buffer": 16,
+                               "train.steps": 40})
+  return jax.tree.leaves(jax.device_get(load.load_trained(config, str(workdir)).params))
+
+
+def test_a_killed_workers_trial_is_requeued_and_resumes_from_its_checkpoint(tmp_path, db):
+  experiment = tmp_path / "one.py"
+  experiment.write_text(ONE)
+  reference = _worker(experiment, tmp_path / "reference", db.url, *KILLED)
+  killed_dir = tmp_path / "killed"
+  first = _worker(experiment, killed_dir, db.url, *KILLED)
+  checkpoints = killed_dir / "trial_0000" / "checkpoints"
+  deadline = time.time() + 300
+  while not (checkpoints / "10").exists() and time.time() < deadline and first.poll() is None:
+    time.sleep(0.02)
+  first.send_signal(signal.SIGSTOP)  # frozen where it is, then killed: a lost VM
+  first.send_signal(signal.SIGKILL)
+  first.communicate(timeout=60)
+  saved = sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit())
+  assert saved and saved[-1] < 40, saved  # killed mid-trial
+  out = reference.communicate(timeout=600)[0]
+  assert reference.returncode == 0, out
+
+  second = _worker(experiment, killed_dir, db.url, *KILLED)
+  out = second.communicate(timeout=600)[0]
+  assert second.returncode == 0, out
+  assert "trial_0000 started (again, after trial 0)" in out, out
+  study = _study(db.url, killed_dir)
+  lost, again = study.get_trials()
+  assert lost.state == optuna.trial.TrialState.FAIL and "sweep_error" not in lost.user_attrs
+  assert again.state == optuna.trial.TrialState.COMPLETE
+  assert again.system_attrs["failed_trial"] == 0
+  log = (killed_dir / "trial_0000" / "train.log").read_text()
+  assert "resuming from step" in log
+  with open(killed_dir / "trial_0000" / "metrics.jsonl", encoding="utf-8") as f:
+    steps = [r["step"] for r in map(json.loads, f) if r["split"] == "train"]
+  resumed = int(log.split("resuming from step ")[1].split()[0])
+  assert resumed in saved and sorted(set(steps)) == list(range(1, 41)) and steps[-1] == 40
+  assert all(steps.count(s) == 1 for s in range(1, resumed + 1))  # not trained again
+  assert "| trial_0000 | finished |" in (killed_dir / "results.md").read_text()
+  table = (killed_dir / "results.csv").read_text().splitlines()
+  assert table[1].split(",")[table[0].split(",").index("retries")] == "1"
+  for a, b in zip(_params(tmp_path / "reference" / "trial_0000"),
+                  _params(killed_dir / "trial_0000"), strict=True):
+    np.testing.assert_array_equal(a, b)
+
+
+# ------------------------------------------------------------------ what a worker refuses
+
+
+def _one_error(command, env=None):
+  result = subprocess.run([sys.executable, "launch.py", *command], cwd=ROOT, capture_output=True,
+                          text=True, env=env)
+  lines = result.stderr.strip().splitlines()
+  assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), \
+      result.stderr[-3000:]
+  return lines[0]
+
+
+def test_a_database_that_cannot_be_used_is_one_line_and_nothing_is_written(tmp_path, db):
+  workdir = tmp_path / "sweep"
+  base = ["--config=experiments/tiny.py", f"--workdir={workdir}", "--sweep"]
+  silent = postgres._free_port()
+  env = dict(os.environ, **{store.WAIT_ENV: "2"})
+  line = _one_error(base + [f"--sweep_storage=postgresql+psycopg://a:b@127.0.0.1:{silent}/x"],
+                    env)
+  assert f"no database answered at 127.0.0.1:{silent} within 2 s" in line and ":b@" not in line
+  wrong = db.url.replace(postgres.PASSWORD, "wrong")
+  line = _one_error(base + [f"--sweep_storage={wrong}"])
+  assert "refused this worker" in line and "password" in line and "wrong" not in line
+  assert not workdir.exists()
+
+
+def test_a_study_of_another_sweep_is_refused(tmp_path, db):
+  experiment = tmp_path / "twelve.py"
+  experiment.write_text(TWELVE)
+  options = worker.Options(storage=db.url)
+  p = worker.plan(str(experiment), {}, options)
+  st = store.open_storage(db.url, str(tmp_path), 60, 0)
+  worker.join_study(p, str(tmp_path / "w"), st)
+  other = worker.plan(str(experiment), {"train.steps": 3}, options)
+  with pytest.raises(UserError, match="belongs to another sweep"):
+    worker.join_study(other, str(tmp_path / "w"), st)
+  assert len(_study(db.url, tmp_path / "w").get_trials()) == 12  # enqueued once

@@ -1,0 +1,143 @@
+"""Where a sweep's study lives: Optuna's journal file in the workdir (one machine), or a database
+any SQLAlchemy URL names (many machines; PostgreSQL is the tested one).
+
+Why a journal file and not SQLite for one machine (read in Optuna 5.0's source): N worker
+processes pull waiting trials at once. RDBStorage claims a waiting trial with SELECT ... FOR
+UPDATE, and SQLite has no row locks (the clause is dropped): two workers can both read a trial
+as waiting and both run it. The journal file appends every operation under a file lock and
+replays the log in order, so exactly one claim of a trial wins. The journal has no heartbeat,
+though (only RDBStorage implements it): on one machine a dead worker is seen directly instead
+(its pid is gone, see worker.reclaim_dead_local_trials). Many machines need a database server:
+heartbeats mark a lost worker's trial failed after the grace period, and the retry callback
+puts it back in the queue.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import time
+from typing import NamedTuple, Optional
+
+from transformer_jax.core import storage
+from transformer_jax.core.errors import UserError
+
+JOURNAL = "study.journal"  # the default storage, in the sweep's workdir
+RECORD = "sweep.json"  # the workdir's note of its study: name and storage (password left out)
+# How long a worker waits for a database that does not answer (env: tests shorten it).
+WAIT_ENV = "TRANSFORMER_JAX_SWEEP_DB_WAIT_S"
+WAIT_S = 60.0
+STUDY_ATTR = "transformer_jax"  # the study's user attribute naming the sweep it belongs to
+
+
+def redact(url: str) -> str:
+  """A storage URL without its password."""
+  return re.sub(r"(//[^:/@]+):[^@/]*@", r"\1:***@", url)
+
+
+def _host(url: str) -> str:
+  match = re.search(r"@([^/?]+)", url) or re.search(r"//([^/?@]+)", url)
+  return match.group(1) if match else url
+
+
+class Storage(NamedTuple):
+  storage: object  # an optuna storage
+  url: str  # as shown: the URL without its password, or the journal file's path
+  heartbeats: bool  # RDB storage: lost workers are noticed by their heartbeats
+  local_file: Optional[str]  # the journal file (None: a database)
+
+
+def open_storage(url: Optional[str], workdir: str, heartbeat_s: int, retries: int,
+                 create: bool = True) -> Storage:
+  """The study's storage: `url` (--sweep_storage), else the journal file in `workdir`.
+
+  A database that does not answer is waited for (WAIT_S) and then one UserError naming what was
+  waited for; a refused login is one at once. create=False: the journal file must exist."""
+  import optuna
+  from optuna.storages import RetryHeartbeatStaleTrialCallback
+  if url is None:
+    if storage.is_url(workdir):
+      raise UserError(f"a sweep in a bucket ({workdir}) keeps its study in a database its workers "
+                      "share: give --sweep_storage=postgresql+psycopg://USER:PASSWORD@HOST/DB "
+                      "(see docs/cloud.md)")
+    path = os.path.join(workdir, JOURNAL)
+    if not create and not os.path.isfile(path):
+      raise UserError(f"{workdir} holds no sweep (no {JOURNAL}); give the --workdir of a sweep, "
+                      "or --sweep_storage where its study is kept")
+    from optuna.storages.journal import JournalFileBackend, JournalFileOpenLock
+    backend = JournalFileBackend(path, lock_obj=JournalFileOpenLock(path))
+    return Storage(optuna.storages.JournalStorage(backend), path, False, path)
+  if not re.match(r"^[a-z0-9+]+://", url):
+    raise UserError(f"--sweep_storage must be a database URL, e.g. postgresql+psycopg://USER:"
+                    f"PASSWORD@HOST:5432/DB or sqlite:///sweep.db; got {redact(url)!r}")
+  engine = {"pool_pre_ping": True}
+  if url.startswith("postgresql"):
+    engine["connect_args"] = {"connect_timeout": 5}
+  wait = float(os.environ.get(WAIT_ENV, WAIT_S))
+  deadline, error = time.time() + wait, None
+  import sqlalchemy.exc
+  while True:
+    try:
+      rdb = optuna.storages.RDBStorage(
+          url, engine_kwargs=engine, heartbeat_interval=heartbeat_s, grace_period=3 * heartbeat_s,
+          heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(
+              max_retry=retries, inherit_intermediate_values=True))
+      return Storage(rdb, redact(url), True, None)
+    except ImportError as e:  # a driver that is not installed
+      raise UserError(f"--sweep_storage={redact(url)} needs a database driver that is not "
+                      f"installed ({e}); install the sweep extra: pip install "
+                      "'transformer_jax[sweep]'") from None
+    except sqlalchemy.exc.ArgumentError as e:
+      raise UserError(f"--sweep_storage={redact(url)} is no database URL SQLAlchemy reads ({e})"
+                      ) from None
+    except (sqlalchemy.exc.OperationalError, sqlalchemy.exc.InterfaceError) as e:
+      text = " ".join(str(e.orig if getattr(e, "orig", None) else e).split())
+      text = text.split("(Background on this error")[0].strip()
+      if re.search(r"password|authentication|role .* does not exist|database .* does not exist",
+                   text):
+        raise UserError(f"the database at {redact(url)} refused this worker: {text}; check the "
+                        "user, password and database name in --sweep_storage") from None
+      error = text
+    if time.time() >= deadline:
+      raise UserError(f"no database answered at {_host(url)} within {wait:.0f} s (waited for "
+                      f"{redact(url)}; last: {error}); start it or check --sweep_storage and the "
+                      "network between this worker and the database")
+    time.sleep(1.0)
+
+
+def study_name(workdir: str) -> str:
+  """A sweep's study is named by its workdir (the same --workdir on every worker)."""
+  return storage.check(workdir).rstrip("/")
+
+
+def fingerprint(base_config, experiment, metric: str) -> dict:
+  """What makes two sweeps the same one: the base config, the declared trials and space, the
+  metric. Stored on the study; a worker of another sweep is refused."""
+  from transformer_jax.train import checkpoint
+  space = {k: [repr(p.distribution), p.when] for k, p in (experiment.space or {}).items()}
+  body = json.dumps({"config": checkpoint.config_json(base_config), "trials": experiment.trials,
+                     "space": space, "metric": metric}, sort_keys=True, default=repr)
+  return {"experiment": os.path.basename(experiment.path), "metric": metric,
+          "split": base_config.data.eval_split,
+          "sha256": hashlib.sha256(body.encode()).hexdigest()[:16]}
+
+
+def write_record(workdir: str, name: str, shown_url: str) -> None:
+  storage.write(storage.join(workdir, RECORD),
+                json.dumps({"study": name, "storage": shown_url}, indent=2))
+
+
+def read_record(workdir: str) -> Optional[dict]:
+  try:
+    return json.loads(storage.read_text(storage.join(workdir, RECORD)))
+  except (OSError, ValueError):
+    return None
+
+
+def is_sweep_workdir(workdir: str) -> bool:
+  try:
+    return storage.exists(storage.join(workdir, RECORD))
+  except (OSError, UserError):
+    return False
