@@ -50,7 +50,7 @@ FILE_COST = {
     # waiting on a store that is down; listed as if it cost more, so that it starts first and
     # the other worker's files run meanwhile.
     "test_bucket_outage.py": 120, "test_hf_damage.py": 14, "test_refusals.py": 4,
-    "test_trackers.py": 67}
+    "test_trackers.py": 87}
 
 
 def pytest_configure(config):

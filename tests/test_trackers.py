@@ -400,6 +400,60 @@ def _wandb_history(workdir):
   return history, run_ids
 
 
+TWO_TRIALS = """from transformer_jax.experiments import tiny
+
+get_config = tiny.get_config
+
+
+def get_sweep():
+  return [{"data.shuffle_buffer": 8}, {"data.shuffle_buffer": 16}]
+"""
+
+
+def test_a_sweep_with_mlflow_makes_its_trials_children_of_the_study(tmp_path, mlflow_server):
+  """A two-trial sweep with train.trackers=mlflow: one parent run tagged with the study (its id
+  kept in the study for every worker), each trial's training run its child with its parameters,
+  state and last step, FINISHED; the parent ends with the best trial."""
+  import optuna
+
+  from transformer_jax.tools.sweep import results, worker
+  experiment = tmp_path / "two.py"
+  experiment.write_text(TWO_TRIALS)
+  workdir = tmp_path / "sweep"
+  subprocess.run([sys.executable, "launch.py", f"--config={experiment}", f"--workdir={workdir}",
+                  "--sweep", "--sweep_pruner=none", "--config.train.steps=2",
+                  "--config.train.log_every=1", "--config.train.checkpoint_every=2",
+                  "--config.eval.max_examples=8", "--config.eval.batch_size=8",
+                  "--config.train.trackers=mlflow",
+                  *_mlflow_flags(mlflow_server, "sweep")], cwd=ROOT, check=True,
+                 capture_output=True, text=True, env=environment())
+  optuna.logging.set_verbosity(optuna.logging.ERROR)
+  study = results.open_study(str(workdir), None)
+  trials = study.get_trials()
+  assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE"]
+  parent_id = study.user_attrs[worker.PARENT_ATTR]
+  runs = {r.info.run_id: r for r in _runs(mlflow_server, "sweep")}
+  parent = runs.pop(parent_id)
+  assert parent.data.tags[mlflow_tracker.STUDY_TAG] == study.study_name
+  assert parent.info.status == "FINISHED" and parent.data.params["budget"] == "2"
+  best = min(trials, key=lambda t: t.value)
+  assert json.loads(parent.data.tags["best/trial"]) == best.number
+  assert parent.data.metrics["best/value"] == pytest.approx(best.value)
+  assert len(runs) == 2  # the two trials' training runs, and no run besides
+  for t in trials:
+    directory = workdir / worker.trial_name(t.number)
+    [run] = [r for r in runs.values()
+             if r.data.tags[mlflow_tracker.RUN_ID_TAG] == _run_id(directory)]
+    assert run.data.tags["mlflow.parentRunId"] == parent_id
+    assert run.data.tags[mlflow_tracker.STUDY_TAG] == study.study_name
+    assert (run.data.tags["trial"], run.data.tags["trial_state"]) == (str(t.number), "COMPLETE")
+    assert run.data.tags["last_step"] == "2"  # its final step (train.steps)
+    assert run.data.params["data.shuffle_buffer"] == str(
+        t.user_attrs["sweep_overrides"]["data.shuffle_buffer"])
+    assert run.data.metrics["trial/value"] == pytest.approx(t.value)
+    assert run.info.status == "FINISHED"
+
+
 def test_a_sweep_trial_in_its_wandb_group_with_its_state(tmp_path):
   """trackers.record_trial, the sweep's hook: the trial's W&B run (resumed by the id of its
   workdir) gets its state, pruning step, value and parameters, in the study's group."""
