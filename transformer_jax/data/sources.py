@@ -39,7 +39,10 @@ PAIR_SEPARATOR = "\t"
 def load_split(data_config, split: str) -> Pairs:
   """The pairs of one split of the configured source."""
   if data_config.source == "scan":
-    parts = scan.PARTS.get(data_config.scan_split, ("train", "test"))
+    try:
+      parts = scan.parts(data_config.scan_split)
+    except ValueError as e:
+      raise UserError(f"data.scan_split: {e}") from None
     if split not in parts:
       raise UserError(f"SCAN's {data_config.scan_split} split has the parts "
                       f"{', '.join(parts)}, not {split!r}")
