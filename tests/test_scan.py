@@ -56,6 +56,19 @@ def test_the_length_split_tests_a_repetition_train_never_shows():
       == {(8, 3): 1}
 
 
+def test_the_length_test_falls_into_776_trained_and_3144_unseen_repetition_counts():
+  """repetition_groups: what issue 29 measured in the published files; training on the 90% of
+  a cutoff re-split from 24 on leaves no test command with an unseen count."""
+  commands = [c for c, _ in scan.load("length", "test")]
+  groups = scan.repetition_groups(commands, "length")
+  assert (groups.count(scan.TRAINED), groups.count(scan.UNSEEN)) == (776, 3144)
+  assert [c for c, g in zip(commands, groups) if g == scan.UNSEEN] == [
+      c for c in commands if (8, 3) in scan.repetitions(c)]
+  cut = [c for c, _ in scan.load("length_cutoff_24", "test")]
+  assert set(scan.repetition_groups(cut, "length_cutoff_24", "train_without_dev")) == {
+      scan.TRAINED}
+
+
 def test_structure_table_prints_the_counts_of_each_part():
   """benchmarks/scan_structure.py, as docs/benchmarks.md runs it: one row per (chunk, times),
   one column per part, the counts of `repetition_counts`."""

@@ -178,6 +178,26 @@ def repetition_counts(pairs: list[tuple[str, str]]) -> dict[tuple[int, int], int
   return counts
 
 
+# The two groups of `repetition_groups`: SCAN's length test holds 776 and 3,144 commands.
+TRAINED, UNSEEN = "repetitions_trained", "repetition_unseen"
+
+
+@functools.lru_cache(maxsize=None)
+def _trained_repetitions(split: str, part: str, dev_cutoff: int) -> frozenset:
+  return frozenset(repetition_counts(load(split, part, dev_cutoff)))
+
+
+def repetition_groups(commands, split: str, train_part: str = "train",
+                      dev_cutoff: int = DEV_CUTOFF) -> list[str]:
+  """For each command, TRAINED if every (chunk, times) of its S (see `repetitions`) is in some
+  command of `train_part` of `split`, else UNSEEN: a count of repetitions training never showed.
+  The length split's test holds 776 of the first and 3,144 of the second ("X around Y thrice":
+  24 actions, no train output has them); from length_cutoff_24 on, every test command is of the
+  first."""
+  trained = _trained_repetitions(split, train_part, dev_cutoff)
+  return [TRAINED if set(repetitions(command)) <= trained else UNSEEN for command in commands]
+
+
 def texts(split: str, part: str, dev_cutoff: int = DEV_CUTOFF) -> list[tuple[str, str]]:
   """(command + " " + actions, "") for each command of the part: text for lm and mlm."""
   return [(f"{command} {actions}", "") for command, actions in load(split, part, dev_cutoff)]

@@ -57,6 +57,25 @@ def load_split(data_config, split: str) -> Pairs:
   raise UserError(f"data.source must be one of scan, files, tfds; got {data_config.source!r}")
 
 
+def groups(data_config, pairs: Pairs):
+  """A group name for each (source, target) pair where the source has groups worth reporting
+  apart (eval/diagnostics.py `by_group`), else None. SCAN's splits by length: whether the
+  repetitions of the command are all in the split trained on (data.train_split), or one count
+  is unseen (data/scan.py `repetition_groups`): the length split's test falls into 776 and
+  3,144 commands."""
+  d = data_config
+  if d.source != "scan" or d.task != "seq2seq":
+    return None
+  try:
+    if scan.max_train_actions(d.scan_split) is None or d.train_split not in scan.parts(
+        d.scan_split):
+      return None
+    return scan.repetition_groups([source for source, _ in pairs], d.scan_split, d.train_split,
+                                  d.get("scan_dev_cutoff", scan.DEV_CUTOFF))
+  except ValueError:  # not SCAN's commands (a bad split is refused where the data is read)
+    return None
+
+
 def split_key(data_config, split: str) -> dict:
   """What the pairs of a split are, as a JSON object that changes when they do (the cache key,
   `data/cache.py`): the files' sha256 (computed here, ~1 s per GB), or the TFDS dataset's full
