@@ -57,6 +57,7 @@ OTHERS = {
     "export that CTranslate2 converts and decodes as ours)",
     ".venv/bin/python benchmarks/marian_scan.py": "test_hf_marian (a sample of the same check)",
     ".venv/bin/python benchmarks/scan_structure.py": "test_scan runs it and checks its table",
+    ".venv/bin/python benchmarks/scan_cutoff_table.py": "test_scan runs it on runs it writes",
 }
 
 

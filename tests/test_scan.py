@@ -1,6 +1,7 @@
 """The SCAN generator against the grammar's published counts and semantics."""
 
 import importlib.util
+import json
 import re
 import subprocess
 import sys
@@ -242,3 +243,35 @@ def test_export_mode_writes_tab_separated_pairs():
   assert len(out) == 3920
   assert all(len(line.split("\t")) == 2 for line in out)
   assert [tuple(line.split("\t")) for line in out] == scan.load("length", "test")
+
+
+def test_cutoff_table_gives_median_min_max_over_seeds_of_each_cutoff_and_option(tmp_path):
+  """benchmarks/scan_cutoff_table.py over run directories as training leaves them (config.json,
+  eval/STEPS.test.greedy.json): one row per (cutoff, option), unscored runs counted apart."""
+  def run(name, split, arch, positional, seed, exact=None, oracle=None):
+    c = config_lib.default_config()
+    c.data.scan_split, c.model.arch, c.model.positional, c.seed = split, arch, positional, seed
+    c.model.dropout_rate = 0.0
+    workdir = tmp_path / "sweep" / name
+    (workdir / "eval").mkdir(parents=True)
+    (workdir / "config.json").write_text(c.to_json_best_effort())
+    if exact is not None:
+      (workdir / "eval" / f"{c.train.steps}.test.greedy.json").write_text(
+          json.dumps({"exact_match": exact, "oracle_exact_match": oracle}))
+  for seed, exact in enumerate([0.5, 0.9, 0.7]):
+    run(f"a{seed}", "length_cutoff_26", "decoder_only", "relative_bias", seed, exact, exact + 0.05)
+  run("b0", "length_cutoff_24", "encoder_decoder", "sinusoidal", 0, 0.125, 0.25)
+  run("b1", "length_cutoff_24", "encoder_decoder", "sinusoidal", 1)  # not finished
+  run("c0", "length", "encoder_decoder", "sinusoidal", 0, 0.5, 0.5)  # not a re-split
+  out = subprocess.run([sys.executable, "benchmarks/scan_cutoff_table.py", str(tmp_path / "sweep")],
+                       check=True, capture_output=True, text=True).stdout.splitlines()
+  rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in out[2:]]
+  assert rows == [
+      ["24", "encoder-decoder, sinusoidal (the paper's)", "1/2", "12.50% [12.50, 12.50]",
+       "0: 12.50", "25.00% [25.00, 25.00]", "12%"],
+      ["26", "decoder-only, relative bias 32/128", "3/3", "70.00% [50.00, 90.00]",
+       "0: 50.00 / 1: 90.00 / 2: 70.00", "75.00% [55.00, 95.00]", "61%"]]
+  empty = subprocess.run([sys.executable, "benchmarks/scan_cutoff_table.py", str(tmp_path / "no")],
+                         capture_output=True, text=True)
+  assert empty.returncode == 2 and empty.stderr.startswith("error: no run")
+
