@@ -31,6 +31,10 @@ the chosen option, 2k+1 the paper's model):
 
   .venv/bin/python launch.py --config=experiments/scan_cutoff.py --workdir=runs/scan_cutoff \
     --sweep --sweep_metric=exact_match --sweep_trials=4,5
+  .venv/bin/python benchmarks/scan_cutoff_table.py runs/scan_cutoff
+
+The sweep's results.md lists dev (the fit); the table of test, cutoff x option with median, min
+and max over seeds and the oracle length beside, is benchmarks/scan_cutoff_table.py's.
 
 One run by hand (cutoff 26, the chosen option, seed 0):
 
