@@ -7,7 +7,9 @@ exact match can be read against what training covered. With --workdirs, trained 
 length split decode every command of --split (default test; greedy, the model's own EOS, the
 newest checkpoint of each run, as transformer_jax.load gives it) and their exact match is
 printed by the kind of command: which S repeat the 8-action chunk ("X around Y", X not turn),
-the rest "short"; median [min, max] over the runs, and each run's figure.
+the rest "short"; median [min, max] over the runs, and each run's figure; and each run's right
+commands in the two parts of data/scan.py `repetition_groups` (the length test's 776 whose
+repetition counts training shows, and 3,144 with a count it never shows).
 
   .venv/bin/python benchmarks/scan_structure.py
   .venv/bin/python benchmarks/scan_structure.py --dev_cutoff=16   # the dev of scan_length.py
@@ -43,12 +45,18 @@ def exact_match_by_kind(workdirs: list[str], split: str, dev_cutoff: int) -> Non
 
   pairs = scan.load("length", split, dev_cutoff)
   kinds = [kind(command) for command, _ in pairs]
+  # The two parts by what training showed (the train split for test, train_without_dev for dev).
+  groups = scan.repetition_groups([command for command, _ in pairs], "length",
+                                  "train" if split == "test" else "train_without_dev", dev_cutoff)
   right = {}
   for workdir in workdirs:
     hypotheses = transformer_jax.load(workdir).translate([command for command, _ in pairs])
     right[workdir] = [h == reference for h, (_, reference) in zip(hypotheses, pairs)]
-    print(f"{workdir}: {sum(right[workdir]) / len(pairs):.2%} of {len(pairs):,} {split} commands",
-          flush=True)
+    parts = "; ".join(
+        f"{name}: {sum(r for r, g in zip(right[workdir], groups) if g == name):,} of "
+        f"{groups.count(name):,}" for name in (scan.TRAINED, scan.UNSEEN) if name in groups)
+    print(f"{workdir}: {sum(right[workdir]) / len(pairs):.2%} of {len(pairs):,} {split} commands "
+          f"({parts})", flush=True)
   print(f"\nExact match on {split} by kind of command, median [min, max] over {len(workdirs)} "
         "runs\n")
   print("| kind | commands | exact match | per run |")

@@ -45,7 +45,11 @@ match by kind of command.
 
 Every evaluation of this recipe also reports exact match with the oracle length (EOS masked out,
 decoding stopped at the reference's length: the gap to exact match is the error in stopping),
-and both by output length (results json, summary.md, `--mode=plot`'s by_length pictures).
+and both by output length (results json, summary.md, `--mode=plot`'s by_length pictures) and in
+the test split's two parts (`exact_match_repetitions_trained`: the 776 commands whose every
+repetition count training shows; `exact_match_repetition_unseen`: the 3,144 with the count it
+never shows; data/scan.py `repetition_groups`), also in the sweep's tables. Targets the split
+can teach are measured on Csordas et al.'s re-splits at other cutoffs: experiments/scan_cutoff.py.
 
 `get_sweep()` holds the position and architecture options compared in docs/benchmarks.md: the
 paper's model (sinusoidal positions), T5's relative position bias (with the default buckets, and

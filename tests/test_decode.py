@@ -181,8 +181,9 @@ def cached_and_full_decoder_only(config, params, source, decoder_inputs):
 @pytest.mark.parametrize("arch, changes", [
     ("encoder_decoder", dict(positional="rotary", num_kv_heads=1)),
     ("encoder_decoder", dict(positional="relative_bias", parallel_block=True)),
-    ("encoder_decoder", dict(activation="silu", logits_bias=True)),
-    ("decoder_only", dict(positional="learned", norm="post", tie_output=True)),
+    ("encoder_decoder", dict(activation="silu", logits_bias=True, residual_gate=True)),
+    ("decoder_only", dict(positional="learned", norm="post", tie_output=True,
+                          residual_gate=True)),
     ("decoder_only", dict(positional="none")),
     ("decoder_only", dict(positional="rotary", num_kv_heads=1, norm_type="rmsnorm",
                           activation="swiglu", qkv_bias=False, use_bias=False,  # Llama's

@@ -69,6 +69,7 @@ OTHERS = {
     "for vm in": "gcloud in a loop (its launch.py lines are checked)",
     "nice -n 19 .venv/bin/python benchmarks/sweep_search.py": "test_sweep (the same sweeps, "
     "smaller)",
+    ".venv/bin/python benchmarks/scan_cutoff_table.py": "test_scan runs it on runs it writes",
 }
 
 

@@ -231,6 +231,8 @@ ROWS = [
      ["data.batch_size (8)", "train.grad_accum_steps (3)"]),
     ("token budget below one example", TRAINED + ["--config.data.tokens_per_batch=16"],
      ["data.tokens_per_batch (16)"]),
+    ("SCAN cutoff past the longest output", TRAINED + ["--config.data.scan_split=length_cutoff_48"],
+     ["data.scan_split", "in [1, 47]", "length_cutoff_26"]),
     ("no --config", ["--mode=train", "--workdir={trained}"], ["--config is required"]),
     ("config file missing", ["--config=experiments/no_such.py", "--workdir={trained}"],
      ["no_such.py"]),

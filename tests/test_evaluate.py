@@ -166,6 +166,39 @@ def test_diagnostics_by_hand():
   assert table.splitlines()[2] == "| 1 | 1 | 0.0% | 0.0% | 100.0% | 100.0% |"
 
 
+def test_exact_match_by_group_by_hand():
+  references = ["a b", "c", "d e", "f"]
+  found = diagnostics.by_group(references, {"standard": ["a b", "x", "d  e", "f g"],
+                                            "oracle": ["a b", "c", "d x", "f"]},
+                               ["seen", "unseen", "seen", "unseen"])
+  assert found["by_group"] == [
+      {"group": "seen", "examples": 2, "exact_match": 1.0, "oracle_exact_match": 0.5},
+      {"group": "unseen", "examples": 2, "exact_match": 0.0, "oracle_exact_match": 1.0}]
+  assert (found["exact_match_seen"], found["oracle_exact_match_unseen"]) == (1.0, 1.0)
+  assert diagnostics.by_group_table(found).splitlines()[2] == "| seen | 2 | 100.00% | 50.00% |"
+
+
+def test_evaluate_on_scan_length_test_reports_its_two_parts(model):
+  """The length split's test in its two groups (repetitions trained or a count unseen), each
+  group's exact match from its own examples: the two, weighted, give the whole."""
+  c, model_config, params, tokenizer = model
+  c = copy.deepcopy(c)
+  c.data.scan_split = "length"
+  c.eval.update(batch_size=16, oracle_length=True)
+  pairs = scan.load("length", "test")[::98]  # 40 commands of both groups
+  metrics = evaluate_lib.evaluate(params, model_config, c, tokenizer, pairs)
+  groups = scan.repetition_groups([s for s, _ in pairs], "length")
+  rows = {row["group"]: row for row in metrics["by_group"]}
+  assert {g: rows[g]["examples"] for g in rows} == {g: groups.count(g) for g in set(groups)}
+  assert set(rows) == {scan.TRAINED, scan.UNSEEN}
+  for key in ("exact_match", "oracle_exact_match"):
+    assert metrics[key] == pytest.approx(
+        sum(r[key] * r["examples"] for r in rows.values()) / len(pairs))
+    assert metrics[f"{key}_{scan.UNSEEN}"] == rows[scan.UNSEEN][key]
+  c.data.scan_split = "simple"
+  assert "by_group" not in evaluate_lib.evaluate(params, model_config, c, tokenizer, pairs[:4])
+
+
 def test_evaluate_reports_oracle_length_and_by_length_diagnostics(model):
   """A random model (a word vocabulary: one token per word): the oracle-length outputs never
   stop early nor run on, and the by-length rows add up to the split's exact match."""

@@ -23,6 +23,7 @@ from transformer_jax.train import step as step_lib
     ("encoder_decoder", "seq2seq", dict(positional="relative_xl", share_layers=True), (24, 16)),
     ("decoder_only", "seq2seq", dict(positional="relative_xl", random_positions_max=96),
      (24, 16)),
+    ("encoder_decoder", "seq2seq", dict(residual_gate=True), (24, 16)),  # a gate per block
 ])
 def test_formula_matches_the_compiled_step(arch, task, changes, lengths):
   # Sizes at which the matrix products dominate, as they do in any real model: what XLA counts
@@ -47,6 +48,9 @@ def test_formula_matches_the_compiled_step(arch, task, changes, lengths):
   assert 1.0 <= counted / formula < 1.06, (counted, formula)
   # Each term matters: without the attention scores or the FFN the formula falls short.
   assert counted / train_flops_per_step(model_config.replace(d_ff=0), 8, *lengths) > 1.3
+  if model_config.residual_gate:  # nor without the gates
+    assert counted / train_flops_per_step(model_config.replace(residual_gate=False), 8,
+                                          *lengths) > 1.06
   if model_config.positional == "relative_xl":  # nor without relative_xl's position term
     without = train_flops_per_step(model_config.replace(positional="rotary"), 8, *lengths)
     assert counted / without > 1.04

@@ -105,6 +105,30 @@ def test_residual_wiring(norm):
   np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_residual_gate_mixes_input_and_update_by_a_sigmoid_of_the_sublayer_input(random_params,
+                                                                                  norm):
+  """model.residual_gate: x' = g u + (1 - g) x, g = sigmoid(h W + b), h the sublayer's input,
+  in float64; the gate's bias starts at GATE_BIAS (nearly a copy of x at initialisation)."""
+  cfg = small_config(d_model=8, num_heads=2, norm=norm, residual_gate=True)
+  x = random_inputs(0, (2, 3, 8)) * 3.0 + 1.0
+  sublayer = lambda h: 2.0 * h + 0.5
+  module = layers.Residual(cfg)
+  initial = module.init(jax.random.PRNGKey(0), x, sublayer)["params"]
+  np.testing.assert_array_equal(np.asarray(initial["gate"]["bias"].unbox()), layers.GATE_BIAS)
+  params = random_params(lambda rng: module.init(rng, x, sublayer))
+  out = np.asarray(module.apply({"params": params}, x, sublayer))
+  p = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float64), params)
+  x64 = np.asarray(x, np.float64)
+  scale, bias = p["norm"]["scale"], p["norm"]["bias"]
+  h = layer_norm(x64) * scale + bias if norm == "pre" else x64
+  g = 1.0 / (1.0 + np.exp(-(h @ p["gate"]["kernel"] + p["gate"]["bias"])))
+  mixed = g * (2.0 * h + 0.5) + (1.0 - g) * x64
+  expected = layer_norm(mixed) * scale + bias if norm == "post" else mixed
+  np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+  assert 0.05 < g.mean() < 0.95  # the check is not of a gate stuck open or shut
+
+
 def test_post_and_pre_layer_norm_differ_with_the_same_params(random_params):
   post, pre = small_config(d_model=16, num_heads=2, d_ff=32), small_config(
       d_model=16, num_heads=2, d_ff=32, norm="pre")

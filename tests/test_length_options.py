@@ -311,7 +311,8 @@ def test_shared_layers_with_remat_give_the_same_gradients():
     (dict(share_layers=True), "share_layers"),
     (dict(positional="learned", random_positions_max=64), "random_positions_max"),
     (dict(positional="rotary", random_positions_max=64, random_positions_eval=True),
-     "random_positions_eval")])
+     "random_positions_eval"),
+    (dict(residual_gate=True), "residual_gate")])
 def test_export_to_hugging_face_refuses_shared_layers_and_a_widened_table(changes, key):
   from transformer_jax.tools.hf import convert
   model = config("decoder_only", norm="pre", activation="gelu", embed_scale=False, **changes)

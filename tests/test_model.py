@@ -313,7 +313,7 @@ def arch_config(arch, **changes):
 
 
 @pytest.mark.parametrize("changes", [
-    dict(positional="learned", norm="pre"),
+    dict(positional="learned", norm="pre", residual_gate=True),
     dict(positional="rotary", num_kv_heads=2, norm_type="rmsnorm", activation="swiglu"),
     dict(positional="relative_bias", parallel_block=True, norm="pre", tie_output=False)])
 def test_decoder_only_is_causal_reads_its_source_and_ignores_padding(random_params, changes):

@@ -1,6 +1,8 @@
 """The SCAN generator against the grammar's published counts and semantics."""
 
 import importlib.util
+import json
+import re
 import subprocess
 import sys
 
@@ -53,6 +55,19 @@ def test_the_length_split_tests_a_repetition_train_never_shows():
   assert test[(8, 3)] == sum((8, 3) in scan.repetitions(c) for c, _ in test_pairs) > 3920 // 2
   assert scan.repetition_counts([("jump around left thrice and walk around right thrice", "")]) \
       == {(8, 3): 1}
+
+
+def test_the_length_test_falls_into_776_trained_and_3144_unseen_repetition_counts():
+  """repetition_groups: what issue 29 measured in the published files; training on the 90% of
+  a cutoff re-split from 24 on leaves no test command with an unseen count."""
+  commands = [c for c, _ in scan.load("length", "test")]
+  groups = scan.repetition_groups(commands, "length")
+  assert (groups.count(scan.TRAINED), groups.count(scan.UNSEEN)) == (776, 3144)
+  assert [c for c, g in zip(commands, groups) if g == scan.UNSEEN] == [
+      c for c in commands if (8, 3) in scan.repetitions(c)]
+  cut = [c for c, _ in scan.load("length_cutoff_24", "test")]
+  assert set(scan.repetition_groups(cut, "length_cutoff_24", "train_without_dev")) == {
+      scan.TRAINED}
 
 
 def test_structure_table_prints_the_counts_of_each_part():
@@ -123,6 +138,80 @@ def test_length_split_dev_cutoff_partitions_the_train_split_only(cutoff):
   assert "scan_dev_cutoff" not in sources.split_key(c.data, "train")  # train's cache stays
 
 
+# Test commands of each cutoff re-split (outputs of more than C actions), counted in the
+# published tasks.txt of Lake & Baroni's repository (2026-11-27); 22 is the length split.
+PUBLISHED_TEST_COUNTS = {22: 3920, 24: 3584, 25: 3136, 26: 2624, 27: 2176, 28: 1728, 30: 1152,
+                         32: 704, 33: 448, 36: 384, 40: 128}
+
+
+def grammar_length_counts() -> dict:
+  """Commands by output length, from the grammar's rules alone (not from data.scan): a
+  generating polynomial {actions: count}. V: U (4 verbs, 1 action); U D or turn D (8 of 2
+  actions, 2 of 1); opposite (8 of 3, 2 of 2); around (8 of 8, 2 of 4). S: V once, twice or
+  thrice; C: S, or S and/after S (two orders of two S each)."""
+  def times(p, q):
+    out = {}
+    for a, m in p.items():
+      for b, n in q.items():
+        out[a + b] = out.get(a + b, 0) + m * n
+    return out
+  v = {1: 4 + 2, 2: 8 + 2, 3: 8, 4: 2, 8: 8}
+  s = {}
+  for k in (1, 2, 3):
+    for n, count in v.items():
+      s[k * n] = s.get(k * n, 0) + count
+  c = dict(s)
+  for n, count in times(s, s).items():
+    c[n] = c.get(n, 0) + 2 * count
+  return c
+
+
+@pytest.mark.parametrize("cutoff", sorted(PUBLISHED_TEST_COUNTS))
+def test_cutoff_resplit_counts_match_the_grammar_and_the_published_file(cutoff):
+  """length_cutoff_C: train = outputs of at most C actions, test = the longer, disjoint and
+  together all 20,910; the counts as the grammar's own polynomial and the published file have
+  them; dev a fixed 10% of train, train_without_dev the rest."""
+  split = f"length_cutoff_{cutoff}"
+  train, test = scan.load(split, "train"), scan.load(split, "test")
+  by_length = grammar_length_counts()
+  assert len(test) == PUBLISHED_TEST_COUNTS[cutoff] == sum(
+      n for length, n in by_length.items() if length > cutoff)
+  assert len(train) + len(test) == sum(by_length.values()) == 20910
+  assert not set(train) & set(test)
+  assert max(len(a.split()) for _, a in train) <= cutoff < min(len(a.split()) for _, a in test)
+  dev, rest = scan.load(split, "dev"), scan.load(split, "train_without_dev")
+  assert len(dev) == int(0.1 * len(train)) and len(rest) == len(train) - len(dev)
+  assert sorted(dev + rest) == train and not set(dev) & set(rest)
+
+
+def test_cutoff_resplits_are_deterministic_and_22_is_the_length_split():
+  assert scan.load("length_cutoff_26", "dev") == scan.load("length_cutoff_26", "dev")
+  assert len(scan.load("length_cutoff_26", "test")) == 2624  # as issue 41 and Csordas et al.
+  for part in ("train", "test"):
+    assert scan.load("length_cutoff_22", part) == scan.load("length", part)
+  c = config_lib.default_config()
+  c.data.scan_split = "length_cutoff_26"
+  config_lib.validate(c)
+  assert sources.load_split(c.data, "dev") == scan.load("length_cutoff_26", "dev")
+  assert sources.split_key(c.data, "dev") != sources.split_key(
+      config_lib.default_config().data, "dev")  # each cutoff caches its own parts
+  classes = dict(scan.lengths_classified("length_cutoff_26", "test"))
+  assert set(classes.values()) == {"long"}  # "long" means past the split's own cutoff
+
+
+@pytest.mark.parametrize("split, message", [
+    ("length_cutoff_48", "in [1, 47]"), ("length_cutoff_0", "in [1, 47]"),
+    ("length_cutoff_x", "whole number"), ("length_cutoff_-3", "whole number"),
+    ("lenght", "unknown SCAN split"), ("length_cutoff_", "whole number")])
+def test_a_bad_scan_split_is_a_user_error(split, message):
+  c = config_lib.default_config()
+  c.data.scan_split = split
+  with pytest.raises(UserError, match=f"data.scan_split: .*{re.escape(message)}"):
+    config_lib.validate(c)
+  with pytest.raises(UserError, match=re.escape(message)):
+    sources.load_split(c.data, "train")
+
+
 def test_a_dev_cutoff_out_of_range_is_a_user_error():
   c = config_lib.default_config()
   c.data.scan_dev_cutoff = 22
@@ -154,3 +243,35 @@ def test_export_mode_writes_tab_separated_pairs():
   assert len(out) == 3920
   assert all(len(line.split("\t")) == 2 for line in out)
   assert [tuple(line.split("\t")) for line in out] == scan.load("length", "test")
+
+
+def test_cutoff_table_gives_median_min_max_over_seeds_of_each_cutoff_and_option(tmp_path):
+  """benchmarks/scan_cutoff_table.py over run directories as training leaves them (config.json,
+  eval/STEPS.test.greedy.json): one row per (cutoff, option), unscored runs counted apart."""
+  def run(name, split, arch, positional, seed, exact=None, oracle=None):
+    c = config_lib.default_config()
+    c.data.scan_split, c.model.arch, c.model.positional, c.seed = split, arch, positional, seed
+    c.model.dropout_rate = 0.0
+    workdir = tmp_path / "sweep" / name
+    (workdir / "eval").mkdir(parents=True)
+    (workdir / "config.json").write_text(c.to_json_best_effort())
+    if exact is not None:
+      (workdir / "eval" / f"{c.train.steps}.test.greedy.json").write_text(
+          json.dumps({"exact_match": exact, "oracle_exact_match": oracle}))
+  for seed, exact in enumerate([0.5, 0.9, 0.7]):
+    run(f"a{seed}", "length_cutoff_26", "decoder_only", "relative_bias", seed, exact, exact + 0.05)
+  run("b0", "length_cutoff_24", "encoder_decoder", "sinusoidal", 0, 0.125, 0.25)
+  run("b1", "length_cutoff_24", "encoder_decoder", "sinusoidal", 1)  # not finished
+  run("c0", "length", "encoder_decoder", "sinusoidal", 0, 0.5, 0.5)  # not a re-split
+  out = subprocess.run([sys.executable, "benchmarks/scan_cutoff_table.py", str(tmp_path / "sweep")],
+                       check=True, capture_output=True, text=True).stdout.splitlines()
+  rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in out[2:]]
+  assert rows == [
+      ["24", "encoder-decoder, sinusoidal (the paper's)", "1/2", "12.50% [12.50, 12.50]",
+       "0: 12.50", "25.00% [25.00, 25.00]", "12%"],
+      ["26", "decoder-only, relative bias 32/128", "3/3", "70.00% [50.00, 90.00]",
+       "0: 50.00 / 1: 90.00 / 2: 70.00", "75.00% [55.00, 95.00]", "61%"]]
+  empty = subprocess.run([sys.executable, "benchmarks/scan_cutoff_table.py", str(tmp_path / "no")],
+                         capture_output=True, text=True)
+  assert empty.returncode == 2 and empty.stderr.startswith("error: no run")
+

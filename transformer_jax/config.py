@@ -20,6 +20,7 @@ import ml_collections
 from transformer_jax.core import metric_names, storage, trees
 from transformer_jax.core.errors import UserError
 from transformer_jax.core.tokens import UNK_ID
+from transformer_jax.data import scan
 from transformer_jax.data import tasks as data_tasks
 from transformer_jax.model import config as model_config_lib
 from transformer_jax.model.config import ModelConfig
@@ -49,7 +50,10 @@ def default_config() -> ml_collections.ConfigDict:
   # | mlm (masked texts; encoder_only) | classify (text<TAB>label; encoder_only)
   c.data.task = "seq2seq"
   c.data.source = "scan"  # scan | tfds | files
-  c.data.scan_split = "simple"  # source=scan: the split of SCAN, simple | length
+  # source=scan: the split of SCAN, simple | length | length_cutoff_C (train on the outputs of
+  # at most C actions, test on the longer: Newman et al.'s and Csordas et al.'s re-splits of
+  # the length split, C in [1, 47]; data/scan.py)
+  c.data.scan_split = "simple"
   # scan_split=length: the parts dev / train_without_dev cut the train split (outputs of at
   # most 22 actions) here: train_without_dev = at most this many actions, dev = more (1..21).
   c.data.scan_dev_cutoff = 21
@@ -309,7 +313,6 @@ CHOICES = {
     "model.dtype": ("auto", *model_config_lib.CHOICES["dtype"]),  # auto: by platform
     "data.task": data_tasks.TASKS,
     "data.source": ("scan", "tfds", "files"),
-    "data.scan_split": ("simple", "length"),
     "data.batching": ("tokens", "packed", "fixed"),
     "data.format": ("parallel", "tsv", "text"),
     "train.schedule": ("rsqrt", "constant", "cosine"),
@@ -462,6 +465,11 @@ def _validate_data(d) -> None:
     if not d.source_lang or not d.target_lang or d.source_lang == d.target_lang:
       raise UserError(f"data.source_lang ({d.source_lang!r}) and data.target_lang "
                       f"({d.target_lang!r}) must be two different languages, e.g. en and de")
+  if d.source == "scan":
+    try:
+      scan.max_train_actions(d.scan_split)
+    except ValueError as e:
+      raise UserError(f"data.scan_split: {e}") from None
   for key in ("train_split", "eval_split"):
     if not d[key]:
       raise UserError(f"data.{key} is empty; name a split of the data source")

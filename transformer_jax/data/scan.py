@@ -21,6 +21,17 @@ The grammar admits exactly 20,910 commands. Splits:
     The default cutoff, 21, makes `dev` the 576 commands of 22 actions (16,414 left to train
     on); cutoff 16 makes it the 2,848 commands of 17-22 actions (six lengths, up to 1.375 times
     the longest trained on; 14,142 left).
+  length_cutoff_C (C in [1, 47]; Newman et al. 2020 and Csordas et al. 2021 use 22-40): the
+    length split's rule with the cut at C actions instead of 22: train = the commands whose
+    action sequence has at most C actions, test = the rest (length_cutoff_22 is the length
+    split; length_cutoff_26 tests the 2,624 commands of 27-48 actions). Its dev is drawn from
+    train at random, as Csordas et al.'s code draws theirs: a fixed 10% of the train commands
+    (`CUTOFF_DEV_FRACTION`, permuted by `CUTOFF_DEV_SEED`, the same for every run), and
+    `train_without_dev` the other 90%. Theirs is also 10% at random, but drawn by another
+    generator over the published file's order: the two hold different commands (at cutoff 24,
+    say, a different one of the eight 24-action commands "U around D thrice" is held out).
+    Being random, this dev measures fit at the trained lengths, not extrapolation; the
+    length split's dev (cut by length) is the one to choose options on.
 
 For the tasks other than translation (data/tasks.py) the same parts give texts, "command
 actions" (a language model learns to continue a command with its actions, a masked LM to fill
@@ -37,9 +48,13 @@ import numpy as np
 
 PRIMITIVES = {"walk": "I_WALK", "look": "I_LOOK", "run": "I_RUN", "jump": "I_JUMP", "turn": None}
 DIRECTIONS = {"left": "I_TURN_LEFT", "right": "I_TURN_RIGHT"}
-SPLITS = ("simple", "length")
+SPLITS = ("simple", "length")  # and length_cutoff_C: see `max_train_actions`
 PARTS = {"simple": ("train", "test"), "length": ("train", "test", "dev", "train_without_dev")}
 LENGTH_SPLIT_MAX_ACTIONS = 22
+CUTOFF_PREFIX = "length_cutoff_"
+LONGEST_OUTPUT = 48  # actions of the longest command ("jump around left thrice and ..."): 24 + 24
+CUTOFF_DEV_FRACTION = 0.1
+CUTOFF_DEV_SEED = 0
 DEV_CUTOFF = LENGTH_SPLIT_MAX_ACTIONS - 1  # the default of data.scan_dev_cutoff
 SIMPLE_SPLIT_SEED = 0
 SIMPLE_SPLIT_TRAIN_FRACTION = 0.8
@@ -77,14 +92,37 @@ def all_pairs() -> tuple[tuple[str, str], ...]:
   return tuple(sorted((" ".join(w), " ".join(a)) for w, a in pairs))
 
 
+def max_train_actions(split: str):
+  """The most actions of a train output of `split`: 22 for "length", C for "length_cutoff_C",
+  None for "simple" (random, not by length). Raises ValueError for a name that is none of
+  these, or a C outside [1, 47] (an empty train or test part)."""
+  if split == "simple":
+    return None
+  if split == "length":
+    return LENGTH_SPLIT_MAX_ACTIONS
+  if split.startswith(CUTOFF_PREFIX):
+    tail = split[len(CUTOFF_PREFIX):]
+    if tail.isdigit() and 1 <= int(tail) < LONGEST_OUTPUT:
+      return int(tail)
+    raise ValueError(f"{split!r}: the cutoff of {CUTOFF_PREFIX}C must be a whole number of "
+                     f"actions in [1, {LONGEST_OUTPUT - 1}], e.g. {CUTOFF_PREFIX}26")
+  raise ValueError(f"unknown SCAN split {split!r}: simple, length or {CUTOFF_PREFIX}C "
+                   f"(C in [1, {LONGEST_OUTPUT - 1}], e.g. {CUTOFF_PREFIX}26)")
+
+
+def parts(split: str) -> tuple[str, ...]:
+  """The parts `load` gives for `split` (ValueError for a bad split, see `max_train_actions`)."""
+  return PARTS["simple" if max_train_actions(split) is None else "length"]
+
+
 def load(split: str, part: str, dev_cutoff: int = DEV_CUTOFF) -> list[tuple[str, str]]:
-  """The `part` (see PARTS) of a SCAN `split` ("simple" or "length"); `dev_cutoff` (in
-  [1, 21]): the most actions of a train_without_dev output (see the module docstring)."""
+  """The `part` (see `parts`) of a SCAN `split` ("simple", "length" or "length_cutoff_C");
+  `dev_cutoff` (in [1, 21]; the length split only): the most actions of a train_without_dev
+  output (see the module docstring)."""
   if not 1 <= dev_cutoff < LENGTH_SPLIT_MAX_ACTIONS:
     raise ValueError(f"dev_cutoff must be in [1, {LENGTH_SPLIT_MAX_ACTIONS - 1}]")
-  if split not in SPLITS:
-    raise ValueError(f"unknown SCAN split {split!r}")
-  if part not in PARTS[split]:
+  longest = max_train_actions(split)
+  if part not in parts(split):
     raise ValueError(f"unknown SCAN part {part!r}")
   pairs = all_pairs()
   if split == "simple":
@@ -93,11 +131,17 @@ def load(split: str, part: str, dev_cutoff: int = DEV_CUTOFF) -> list[tuple[str,
     chosen = order[:n_train] if part == "train" else order[n_train:]
     return [pairs[i] for i in sorted(chosen)]
   actions = [len(a.split()) for _, a in pairs]
-  keep = {"train": lambda n: n <= LENGTH_SPLIT_MAX_ACTIONS,
-          "test": lambda n: n > LENGTH_SPLIT_MAX_ACTIONS,
-          "dev": lambda n: dev_cutoff < n <= LENGTH_SPLIT_MAX_ACTIONS,
-          "train_without_dev": lambda n: n <= dev_cutoff}[part]
-  return [p for p, n in zip(pairs, actions) if keep(n)]
+  if part == "test":
+    return [p for p, n in zip(pairs, actions) if n > longest]
+  train = [p for p, n in zip(pairs, actions) if n <= longest]
+  if part == "train":
+    return train
+  if split == "length":  # dev: the longest train outputs
+    keep = (lambda n: n > dev_cutoff) if part == "dev" else (lambda n: n <= dev_cutoff)
+    return [p for p in train if keep(len(p[1].split()))]
+  order = np.random.default_rng(CUTOFF_DEV_SEED).permutation(len(train))
+  dev = set(order[:int(CUTOFF_DEV_FRACTION * len(train))].tolist())
+  return [p for i, p in enumerate(train) if (i in dev) == (part == "dev")]
 
 
 @functools.lru_cache(maxsize=1)
@@ -134,6 +178,26 @@ def repetition_counts(pairs: list[tuple[str, str]]) -> dict[tuple[int, int], int
   return counts
 
 
+# The two groups of `repetition_groups`: SCAN's length test holds 776 and 3,144 commands.
+TRAINED, UNSEEN = "repetitions_trained", "repetition_unseen"
+
+
+@functools.lru_cache(maxsize=None)
+def _trained_repetitions(split: str, part: str, dev_cutoff: int) -> frozenset:
+  return frozenset(repetition_counts(load(split, part, dev_cutoff)))
+
+
+def repetition_groups(commands, split: str, train_part: str = "train",
+                      dev_cutoff: int = DEV_CUTOFF) -> list[str]:
+  """For each command, TRAINED if every (chunk, times) of its S (see `repetitions`) is in some
+  command of `train_part` of `split`, else UNSEEN: a count of repetitions training never showed.
+  The length split's test holds 776 of the first and 3,144 of the second ("X around Y thrice":
+  24 actions, no train output has them); from length_cutoff_24 on, every test command is of the
+  first."""
+  trained = _trained_repetitions(split, train_part, dev_cutoff)
+  return [TRAINED if set(repetitions(command)) <= trained else UNSEEN for command in commands]
+
+
 def texts(split: str, part: str, dev_cutoff: int = DEV_CUTOFF) -> list[tuple[str, str]]:
   """(command + " " + actions, "") for each command of the part: text for lm and mlm."""
   return [(f"{command} {actions}", "") for command, actions in load(split, part, dev_cutoff)]
@@ -141,6 +205,8 @@ def texts(split: str, part: str, dev_cutoff: int = DEV_CUTOFF) -> list[tuple[str
 
 def lengths_classified(split: str, part: str,
                        dev_cutoff: int = DEV_CUTOFF) -> list[tuple[str, str]]:
-  """(command, "long" or "short"): whether its actions number more than 22."""
-  return [(command, "long" if len(actions.split()) > LENGTH_SPLIT_MAX_ACTIONS else "short")
+  """(command, "long" or "short"): whether its actions number more than the split's train
+  outputs may (22 for the simple and length splits, C for length_cutoff_C)."""
+  longest = max_train_actions(split) or LENGTH_SPLIT_MAX_ACTIONS
+  return [(command, "long" if len(actions.split()) > longest else "short")
           for command, actions in load(split, part, dev_cutoff)]

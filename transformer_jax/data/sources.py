@@ -39,7 +39,10 @@ PAIR_SEPARATOR = "\t"
 def load_split(data_config, split: str) -> Pairs:
   """The pairs of one split of the configured source."""
   if data_config.source == "scan":
-    parts = scan.PARTS.get(data_config.scan_split, ("train", "test"))
+    try:
+      parts = scan.parts(data_config.scan_split)
+    except ValueError as e:
+      raise UserError(f"data.scan_split: {e}") from None
     if split not in parts:
       raise UserError(f"SCAN's {data_config.scan_split} split has the parts "
                       f"{', '.join(parts)}, not {split!r}")
@@ -52,6 +55,25 @@ def load_split(data_config, split: str) -> Pairs:
   if data_config.source == "tfds":
     return load_tfds(data_config, split)
   raise UserError(f"data.source must be one of scan, files, tfds; got {data_config.source!r}")
+
+
+def groups(data_config, pairs: Pairs):
+  """A group name for each (source, target) pair where the source has groups worth reporting
+  apart (eval/diagnostics.py `by_group`), else None. SCAN's splits by length: whether the
+  repetitions of the command are all in the split trained on (data.train_split), or one count
+  is unseen (data/scan.py `repetition_groups`): the length split's test falls into 776 and
+  3,144 commands."""
+  d = data_config
+  if d.source != "scan" or d.task != "seq2seq":
+    return None
+  try:
+    if scan.max_train_actions(d.scan_split) is None or d.train_split not in scan.parts(
+        d.scan_split):
+      return None
+    return scan.repetition_groups([source for source, _ in pairs], d.scan_split, d.train_split,
+                                  d.get("scan_dev_cutoff", scan.DEV_CUTOFF))
+  except ValueError:  # not SCAN's commands (a bad split is refused where the data is read)
+    return None
 
 
 def split_key(data_config, split: str) -> dict:

@@ -17,6 +17,10 @@ a translation's words), so the numbers do not depend on the subword vocabulary:
 With oracle-length decoding (EOS masked out, stopped at the reference's length; see
 `decode.greedy_decode`) no output stops early or runs on, so `oracle_exact_match` minus
 `exact_match` is the share the model loses by deciding when to stop.
+
+By group (`by_group`): exact match over named groups of the examples that the data source
+gives (data/sources.py `groups`; for SCAN's length splits, whether training showed every
+repetition count of the command), as rows and as flat metrics `exact_match_GROUP`.
 """
 
 from __future__ import annotations
@@ -88,6 +92,39 @@ def diagnose(references: Sequence[str], outputs: dict) -> dict:
     first[name] = {str(p): positions[p] for p in sorted(positions)}
     errors[name] = {k: kinds[k] for k in ("stopped_early", "ran_on", "wrong_token")}
   return {"by_length": [rows[n] for n in lengths], "first_error": first, "errors": errors}
+
+
+def by_group(references: Sequence[str], outputs: dict, groups: Sequence[str]) -> dict:
+  """Exact match by group of the examples, for each decoding of `outputs` (see `diagnose`).
+
+  Returns by_group: one row per group in order of first appearance: group, examples, and for
+  each decoding D ("" for standard, "oracle_" for oracle) D + exact_match; and the same as flat
+  metrics: D + "exact_match_" + group.
+  """
+  names = list(dict.fromkeys(groups))
+  rows = {g: {"group": g, "examples": sum(x == g for x in groups)} for g in names}
+  flat = {}
+  for name, hypotheses in outputs.items():
+    prefix = "" if name == "standard" else f"{name}_"
+    right = Counter(g for g, h, r in zip(groups, hypotheses, references) if h.split() == r.split())
+    for g, row in rows.items():
+      row[f"{prefix}exact_match"] = flat[f"{prefix}exact_match_{g}"] = right[g] / row["examples"]
+  return {"by_group": [rows[g] for g in names], **flat}
+
+
+def by_group_table(result: dict) -> str:
+  """The by-group rows of an evaluation (see `by_group`) as a Markdown table, percentages."""
+  rows = result.get("by_group") or []
+  if not rows:
+    return ""
+  oracle = "oracle_exact_match" in rows[0]
+  lines = ["| group | examples | exact match |" + (" oracle-length exact match |" if oracle
+                                                   else ""),
+           "| --- | --- | --- |" + (" --- |" if oracle else "")]
+  for row in rows:
+    lines.append(f"| {row['group']} | {row['examples']} | {100 * row['exact_match']:.2f}% |"
+                 + (f" {100 * row['oracle_exact_match']:.2f}% |" if oracle else ""))
+  return "\n".join(lines)
 
 
 def by_length_table(result: dict) -> str:

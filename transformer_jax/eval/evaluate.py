@@ -66,7 +66,9 @@ def evaluate(params, model_config: ModelConfig, config, tokenizer: tokenizer_lib
   length (`by_length`), where the first wrong token falls (`first_error`, `errors`), and, with
   eval.oracle_length (off by default; scan_length.py turns it on), the same for a second,
   oracle-length greedy decode (EOS masked out, stopped at the reference's length:
-  `oracle_exact_match`), which costs one more decode of the split; classify reports accuracy
+  `oracle_exact_match`), which costs one more decode of the split; exact match by group where
+  the data source has groups (`by_group` and `exact_match_GROUP`: SCAN's length splits, by
+  whether training showed every repetition count of the command); classify reports accuracy
   and macro-F1 over the classes. `params` live on `mesh` (default: the mesh of config.mesh),
   sharded as in training or not; batches are split over its data x fsdp devices.
   With several processes every process calls this with the same pairs and gets the same metrics.
@@ -127,6 +129,7 @@ def evaluate(params, model_config: ModelConfig, config, tokenizer: tokenizer_lib
   if oracle_length:
     outputs["oracle"] = oracle
     text["oracle_exact_match"] = text_metrics(oracle, references)["exact_match"]
+  groups = sources.groups(d, kept)
   return {
       **metrics,
       **text,
@@ -134,6 +137,7 @@ def evaluate(params, model_config: ModelConfig, config, tokenizer: tokenizer_lib
       "bleu_signature": signature,
       "decoding": {**decode_settings(e), "oracle_length": bool(oracle_length)},
       **diagnostics.diagnose(references, outputs),
+      **(diagnostics.by_group(references, outputs, groups) if groups else {}),
       "samples": [{"source": source, "hypothesis": hypothesis, "reference": reference,
                    **({"oracle_length_hypothesis": oracle[i]} if oracle_length else {})}
                   for i, ((source, reference), hypothesis) in enumerate(

@@ -73,6 +73,10 @@ class ModelConfig:
   # True: each stack has one layer's parameters, applied num_*_layers times (the universal
   # Transformer of Dehghani et al., 2019, without adaptive computation time).
   share_layers: bool = False
+  # True: every residual block chooses per position and channel between its input and the
+  # sublayer's output, g * u + (1 - g) * x, a learned sigmoid gate g of the sublayer's input
+  # (the copy gate of Csordas et al.'s Neural Data Router, 2022; layers.Residual). False: x + u.
+  residual_gate: bool = False
   positional: str = "sinusoidal"  # (see CHOICES)
   position_base: float = 10000.0  # sinusoidal, rotary and relative_xl: the base of the wavelengths
   relative_buckets: int = 32  # relative_bias: buckets of the relative distance (per direction

@@ -31,7 +31,7 @@ model.random_positions_max when that is larger.
 This is the usual "6 x parameters per token" with each weight matrix charged for the tokens it
 actually sees, plus the attention term (the causal mask's zeros are counted, as in most MFU
 reports). Positions, token types, norms, biases and the parallel block change no matrix
-product.
+product; model.residual_gate adds a d x d gate to each residual block (d^2 per token each).
 MFU = achieved FLOP/s / the device's peak dense bf16 FLOP/s.
 """
 
@@ -92,6 +92,9 @@ def train_flops_per_step(cfg: ModelConfig, batch: int, source_len: int, target_l
   le, ld = cfg.num_encoder_layers, cfg.num_decoder_layers
   d_q, d_kv = cfg.num_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
   layer = 2 * d * d_q + 2 * d * d_kv + (3 if cfg.gated else 2) * d * cfg.d_ff
+  # model.residual_gate: a d x d gate in each residual block (a layer's 2 or 3, or 1 parallel)
+  gates = d * d * (1 if cfg.parallel_block else 2) if cfg.residual_gate else 0
+  layer += gates
   s_tokens, t_tokens = batch * source_len, batch * target_len
   if cfg.arch == "decoder_only":
     length = source_len + target_len
@@ -102,7 +105,8 @@ def train_flops_per_step(cfg: ModelConfig, batch: int, source_len: int, target_l
     matmuls = le * layer * s_tokens + head * s_tokens
     scores = le * source_len**2
   else:
-    matmuls = (le * layer * s_tokens + ld * (layer + 2 * d * d_q) * t_tokens
+    cross_gate = d * d if cfg.residual_gate and not cfg.parallel_block else 0
+    matmuls = (le * layer * s_tokens + ld * (layer + 2 * d * d_q + cross_gate) * t_tokens
                + ld * 2 * d * d_kv * s_tokens + d * v * t_tokens)
     scores = le * source_len**2 + ld * target_len**2 + ld * target_len * source_len
   return 3.0 * (2.0 * matmuls + 4.0 * d_q * batch * scores

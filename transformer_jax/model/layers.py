@@ -93,23 +93,41 @@ def norm_layer(config: ModelConfig, name: str) -> nn.Module:
                       bias_init=param_init(nn.initializers.zeros_init(), "embed"), name=name)
 
 
+GATE_BIAS = -3.0  # model.residual_gate's initial bias: sigmoid(-3) = 0.047, nearly a copy
+
+
 class Residual(nn.Module):
   """Wraps sublayers with the residual connection and normalisation, post-LN or pre-LN.
 
   post (the paper): LN(x + Sublayer(x)); pre: x + Sublayer(LN(x)). With several sublayers (a
   parallel block) they all read the same input and their outputs are summed.
+
+  With model.residual_gate, the sum becomes a gated choice per position and channel between
+  keeping x and taking the sublayer's output u (the copy gate of Csordas et al.'s Neural Data
+  Router, 2022, here around every block): g = sigmoid(h W_g + b_g), x' = g * u + (1 - g) * x,
+  with h the sublayer's input (LN(x) pre-LN, x post-LN) and then LN(x') post-LN. b_g starts at
+  GATE_BIAS, so that each block starts as nearly the identity: a column keeps its state unless
+  the gate learns to let the update through.
   """
 
   config: ModelConfig
 
   @nn.compact
   def __call__(self, x: Array, *sublayers: Callable[[Array], Array]) -> Array:
-    norm = norm_layer(self.config, "norm")
-    if self.config.norm == "pre":
-      h = norm(x)
-      x = x + sum(sublayer(h) for sublayer in sublayers)
+    cfg = self.config
+    norm = norm_layer(cfg, "norm")
+    h = norm(x) if cfg.norm == "pre" else x
+    update = sum(sublayer(h) for sublayer in sublayers)
+    if cfg.residual_gate:
+      gate = nn.sigmoid(nn.Dense(
+          cfg.d_model, dtype=cfg.compute_dtype,
+          kernel_init=param_init(kernel_init(cfg), "embed", None),
+          bias_init=param_init(nn.initializers.constant(GATE_BIAS), None), name="gate")(h))
+      x = x + gate * (update - x)  # g * u + (1 - g) * x
     else:
-      x = norm(x + sum(sublayer(x) for sublayer in sublayers))
+      x = x + update
+    if cfg.norm == "post":
+      x = norm(x)
     return constrain(x, "batch", "length", "embed")
 
 

@@ -503,6 +503,7 @@ def describe(config: ModelConfig) -> str:
   kv = f", {c.kv_heads} key/value heads" if c.kv_heads != c.num_heads else ""
   block = f"{c.norm}-{c.norm_type}, {c.activation}" + (", parallel blocks" if c.parallel_block
                                                        else "")
+  block += ", gated residuals" if c.residual_gate else ""
   biases = {(True, True): "", (False, False): ", no biases", (True, False): ", q/k/v biases only",
             (False, True): ", no q/k/v biases"}[(c.qkv_bias, c.use_bias)]
   block += biases + ("" if c.tie_output else ", untied output layer")

@@ -77,6 +77,9 @@ def render(config, finals: dict, records: list[dict], final_step: int,
     if table:
       lines += ["", f"## {split}: decoded outputs by reference length (tokens of the output)", "",
                 table, "", diagnostics.errors_line(metrics)]
+    table = diagnostics.by_group_table(metrics)
+    if table:
+      lines += ["", f"## {split}: exact match by group of examples", "", table]
   eval_split = config.data.eval_split
   lines += ["", f"## Best evaluation on {eval_split} and checkpoints", ""]
   for metric in ranked_metrics(config, records):

@@ -610,11 +610,13 @@ _UNREAD = {"decoder_only": ("num_encoder_layers",), "encoder_only": ("num_decode
 def _target(model: ModelConfig):
   """(Architecture, Head) that expresses our model; refuses, naming the option, when none does."""
   # Options no exported class has: one layer's weights shared by the stack, a learned position
-  # table widened for randomised training positions, and positions drawn at evaluation.
+  # table widened for randomised training positions, positions drawn at evaluation, and gated
+  # residual blocks.
   unexported = {"share_layers": model.share_layers,
                 "random_positions_max": model.random_positions_max
                                         and model.positional == "learned",
-                "random_positions_eval": model.random_positions_eval}
+                "random_positions_eval": model.random_positions_eval,
+                "residual_gate": model.residual_gate}
   key = next((key for key, present in unexported.items() if present), None)
   if key:
     raise UserError(f"no Hugging Face class that this project exports has model.{key} "

@@ -16,7 +16,8 @@ from transformer_jax.core.errors import UserError
 
 # The metrics of a run's best evaluation and of its test pass that the tables show (those it
 # reported), after the sweep's own metric.
-SHOWN = ("exact_match", "oracle_exact_match", "token_accuracy", "bleu", "accuracy", "loss")
+SHOWN = ("exact_match", "oracle_exact_match", "token_accuracy", "bleu", "accuracy", "loss",
+         "exact_match_repetitions_trained", "exact_match_repetition_unseen")
 
 
 def _state(t) -> str:

@@ -1,0 +1,94 @@
+"""The table of SCAN's length re-splits (experiments/scan_cutoff.py): cutoff x option, exact match
+on test of each run's last checkpoint (the model's own EOS, length included) and with the oracle
+length, median [min, max] over seeds, each seed's figure, and Csordas et al.'s figure beside.
+
+Reads every run under the given directories (a sweep's trial_NNN_seedK, or single runs): its
+config.json and its result file of the test split at train.steps (eval/STEP.test.greedy.json,
+written at the end of training). Runs without that file (unfinished) are counted as missing.
+
+  .venv/bin/python benchmarks/scan_cutoff_table.py runs/scan_cutoff
+"""
+
+import argparse
+import glob
+import json
+import os
+import statistics
+import sys
+
+# Csordas, Irie & Schmidhuber 2021, relative-position Transformer on Newman et al.'s re-splits
+# (their steps and sizes; second-hand figures, see docs/benchmarks.md).
+CSORDAS = {24: 0.12, 25: 0.31, 26: 0.61, 27: 1.00}
+
+
+def option(config: dict) -> str:
+  """The model of a run's config.json in a few words."""
+  m = config["model"]
+  if m["arch"] == "encoder_decoder" and m["positional"] == "sinusoidal":
+    name = "encoder-decoder, sinusoidal (the paper's)"
+  else:
+    name = f"{m['arch'].replace('_', '-')}, {m['positional'].replace('_', ' ')}"
+    if m["positional"] == "relative_bias":
+      name += f" {m['relative_buckets']}/{m['relative_max_distance']}"
+  return name + (f", dropout {m['dropout_rate']:g}" if m["dropout_rate"] else "")
+
+
+def runs(directories: list[str]) -> list[dict]:
+  """{cutoff, option, seed, exact_match, oracle_exact_match (None if not scored)} per run."""
+  found = []
+  for directory in directories:
+    for path in sorted(glob.glob(os.path.join(directory, "**", "config.json"), recursive=True)):
+      workdir = os.path.dirname(path)
+      with open(path) as f:
+        config = json.load(f)
+      split = config["data"]["scan_split"]
+      if not split.startswith("length_cutoff_"):
+        continue
+      result = os.path.join(workdir, "eval", f"{config['train']['steps']}.test.greedy.json")
+      metrics = {}
+      if os.path.exists(result):
+        with open(result) as f:
+          metrics = json.load(f)
+      found.append({"cutoff": int(split.rsplit("_", 1)[1]), "option": option(config),
+                    "seed": config["seed"], "exact_match": metrics.get("exact_match"),
+                    "oracle_exact_match": metrics.get("oracle_exact_match")})
+  return found
+
+
+def spread(values: list) -> str:
+  return (f"{100 * statistics.median(values):.2f}% [{100 * min(values):.2f}, "
+          f"{100 * max(values):.2f}]") if values else "-"
+
+
+def table(found: list[dict]) -> str:
+  lines = ["| cutoff | option | seeds scored | exact match, median [min, max] | per seed | "
+           "oracle-length exact match, median [min, max] | Csordas et al. |",
+           "| ---: | --- | ---: | --- | --- | --- | ---: |"]
+  rows = sorted({(r["cutoff"], r["option"]) for r in found})
+  for cutoff, name in rows:
+    members = sorted((r for r in found if (r["cutoff"], r["option"]) == (cutoff, name)),
+                     key=lambda r: r["seed"])
+    scored = [r for r in members if r["exact_match"] is not None]
+    per_seed = " / ".join(f"{r['seed']}: {100 * r['exact_match']:.2f}" for r in scored)
+    paper = f"{100 * CSORDAS[cutoff]:.0f}%" if cutoff in CSORDAS else "-"
+    lines.append(f"| {cutoff} | {name} | {len(scored)}/{len(members)} | "
+                 f"{spread([r['exact_match'] for r in scored])} | {per_seed} | "
+                 f"{spread([r['oracle_exact_match'] for r in scored])} | {paper} |")
+  return "\n".join(lines)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("directories", nargs="+", help="sweep directories or run workdirs")
+  args = parser.parse_args()
+  found = runs(args.directories)
+  if not found:
+    print(f"error: no run of a length_cutoff_C split under {', '.join(args.directories)}",
+          file=sys.stderr)
+    return 2
+  print(table(found))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,74 @@
+"""SCAN, length re-splits at C actions (Newman et al. 2020; Csordas, Irie & Schmidhuber 2021):
+train on the commands whose output has at most C actions, test on the longer ones.
+
+SCAN's own length split (experiments/scan_length.py) cuts at 22 actions and tests, in 3,144 of
+its 3,920 test commands, a repetition that no train command shows (an 8-action chunk, "jump
+around left", three times). From C = 24 on, every repetition of a test command is trained, so
+these splits measure longer outputs alone: `data.scan_split=length_cutoff_C` (data/scan.py).
+
+  cutoff C           24     25     26     27     28     30     32
+  train (<= C)   17,326 17,774 18,286 18,734 19,182 19,758 20,206
+  test (> C)      3,584  3,136  2,624  2,176  1,728  1,152    704
+
+Protocol (as Csordas et al.'s code, with this project's model and steps):
+- Training reads `train_without_dev`: a fixed random 90% of the commands of at most C actions;
+  `dev` is the other 10%, evaluated every 1,000 steps to watch the fit. Csordas et al. also keep
+  a random 90%, drawn by another generator: the held-out commands differ (data/scan.py says
+  how). Being random, this dev says nothing about longer outputs, so nothing is chosen on it:
+  the option is the one scan_length.py's dev chose (its trial 14, decoder-only with relative
+  position bias, 16 buckets to distance 16, residual dropout 0.1), beside the paper's model
+  (the encoder-decoder with sinusoidal positions of scan_simple.py).
+- The model stops by emitting EOS itself; the score is exact match, length included, of the
+  last checkpoint (step 3,000, no choice among checkpoints) on `test`, once, at the end of the
+  run; exact match with the oracle length (EOS masked out, stopped at the reference's length)
+  beside it, and both by output length (results json, summary.md).
+- Each (cutoff, option) runs with SEEDS seeds, reported as median, min and max; five where a
+  row decides something (e.g. a goal met by one seed more or less): --sweep_seeds=5.
+
+A whole table: 7 cutoffs x 2 options x 3 seeds = 42 runs of about five minutes each on an idle
+2-core CPU (about 3.5 hours); `--sweep_trials` picks rows (trial 2k is cutoff CUTOFFS[k] with
+the chosen option, 2k+1 the paper's model):
+
+  .venv/bin/python launch.py --config=experiments/scan_cutoff.py --workdir=runs/scan_cutoff \
+    --sweep --sweep_metric=exact_match --sweep_trials=4,5
+  .venv/bin/python benchmarks/scan_cutoff_table.py runs/scan_cutoff
+
+The sweep's results.md lists dev (the fit); the table of test, cutoff x option with median, min
+and max over seeds and the oracle length beside, is benchmarks/scan_cutoff_table.py's.
+
+One run by hand (cutoff 26, the chosen option, seed 0):
+
+  .venv/bin/python launch.py --config=experiments/scan_cutoff.py --workdir=runs/cutoff26 \
+    --config.data.scan_split=length_cutoff_26 --config.model.arch=decoder_only \
+    --config.model.num_decoder_layers=4 --config.model.norm=pre \
+    --config.model.positional=relative_bias --config.model.relative_buckets=16 \
+    --config.model.relative_max_distance=16 --config.model.dropout_rate=0.1
+
+Csordas et al.'s table (relative-position Transformer, their steps and sizes; second-hand
+figures) has 0.12 / 0.31 / 0.61 / 1.00 exact match at cutoffs 24 / 25 / 26 / 27;
+docs/benchmarks.md has this recipe's.
+"""
+
+from transformer_jax.experiments import scan_length, scan_simple
+
+CUTOFFS = (24, 25, 26, 27, 28, 30, 32)
+# scan_length.py's dev choice (its trial 14); the paper's model is get_config() as it is.
+CHOSEN = {**scan_length.DECODER_ONLY, "model.positional": "relative_bias",
+          **scan_length.SHORT_BUCKETS, "model.dropout_rate": 0.1}
+SEEDS = 3  # runs of each trial of get_sweep(), seeds 0..2
+
+
+def get_config():
+  c = scan_simple.get_config()
+  c.model.max_len = 128  # the decoder-only option reads source and target as one sequence
+  c.data.update(scan_split="length_cutoff_26", train_split="train_without_dev", eval_split="dev",
+                test_split="test")
+  # The steps of scan_length.py: about five minutes a run on an idle 2-core CPU.
+  c.train.update(steps=3000, eval_every=1000)
+  c.eval.oracle_length = True  # the stopping error beside exact match (costs one more decode)
+  return c
+
+
+def get_sweep():
+  return [{"data.scan_split": f"length_cutoff_{cutoff}", **option, "seeds": SEEDS}
+          for cutoff in CUTOFFS for option in (CHOSEN, {})]
