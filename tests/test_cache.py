@@ -281,6 +281,7 @@ def test_tokenizers_are_cached_per_task_and_only_seq2seq_caches_its_examples(tmp
   c.data.format = "tsv"
   seq2seq, _, pairs_set, _ = prepare.prepare_data(c, str(tmp_path / "run1"), VOCAB)
   c.data.task = "classify"
+  c.model.num_labels = 2  # a classifier's config names its class count (config.validate)
   classify, _, labels_set, _ = prepare.prepare_data(c, str(tmp_path / "run2"), VOCAB)
   assert not seq2seq.has_mask() and classify.has_mask()
   unknown = [tokenizer_lib.UNK_ID]
