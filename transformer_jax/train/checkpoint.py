@@ -296,7 +296,8 @@ class _WriteFailureFilter(logging.Filter):
 
   def filter(self, record: logging.LogRecord) -> bool:
     exception = record.exc_info[1] if record.exc_info else None
-    if self.bucket_saves and record.levelno >= logging.ERROR and "orbax" in record.pathname:
+    if self.bucket_saves and record.levelno >= logging.ERROR and (
+        "orbax" in record.pathname or _abandoned_tensorstore_write(record, exception)):
       return False  # a save the store refused or cut: Manager raises it in one line
     if outage.armed() and (outage.unreachable(Exception(record.getMessage()))
                            or exception is not None and outage.unreachable(exception)
@@ -306,6 +307,14 @@ class _WriteFailureFilter(logging.Filter):
 
 
 _FILTER = _WriteFailureFilter()
+
+
+def _abandoned_tensorstore_write(record: logging.LogRecord, exception) -> bool:
+  """asyncio's "Future exception was never retrieved" for a tensorstore write of a save that
+  failed: logged whenever the future is collected, so that without this a refused save printed
+  one line or several, by chance."""
+  return (record.name == "asyncio" and "never retrieved" in record.getMessage()
+          and "tensorstore_spec" in f"{record.getMessage()} {exception}")
 
 
 def _drop_write_failure_noise(previous):
