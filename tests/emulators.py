@@ -249,7 +249,8 @@ def gcs_buckets(*names: str):
 class Outage:
   """A TCP relay in front of an endpoint (a thread of the test process), taken down and brought
   back by the test: down, it refuses new connections and cuts the open ones, as a store that
-  went away does; the emulator behind it keeps every object. Point the client at `url`."""
+  went away does; the emulator behind it keeps every object; stalled, it takes connections and
+  never answers them, as a server that hangs does. Point the client at `url`."""
 
   def __init__(self, target: str):
     self.target = target.split("://", 1)[-1].split(":")
@@ -258,6 +259,13 @@ class Outage:
     self._open, self._listener, self._thread = [], None, None
     self._lock = threading.Lock()
     self.refusing = ()  # texts: connections whose first request line holds them all get 403
+    self.stalled = False
+    self.up()
+
+  def stall(self) -> None:
+    """From now on, connections are taken and held unanswered; the open ones are cut."""
+    self.stalled = True
+    self.down()
     self.up()
 
   def refuse(self, *texts) -> None:
@@ -302,6 +310,10 @@ class Outage:
                                      "tests refuses this request", "errors": []}}).encode()
 
   def _serve(self, client) -> None:
+    if self.stalled:
+      with self._lock:
+        self._open.append(client)  # held open, unanswered
+      return
     if self.refusing:
       try:
         first = client.recv(8192, socket.MSG_PEEK).split(b"\r\n", 1)[0]

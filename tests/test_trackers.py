@@ -7,13 +7,12 @@ while the server is away and back, and from a job of two processes.
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 
+import emulators
 import pytest
 from launcher import Launcher, environment
 
@@ -27,18 +26,12 @@ TINY = ["--config=experiments/tiny.py", "--mode=train", "--config.eval.max_examp
         "--config.eval.batch_size=8"]
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory):
   """`mlflow server` with a SQLite store and its own artifact folder, on a free port of
   127.0.0.1, for this file's tests (it takes some seconds to start: once)."""
   directory = tmp_path_factory.mktemp("mlflow")
-  port = _free_port()
+  port = emulators.free_port()
   server = subprocess.Popen(
       [os.path.join(os.path.dirname(sys.executable), "mlflow"), "server", "--backend-store-uri",
        f"sqlite:///{directory}/mlflow.db", "--artifacts-destination", str(directory / "artifacts"),
@@ -254,71 +247,12 @@ def test_a_run_killed_and_resumed_shows_every_step_once(tmp_path, launcher, mlfl
   assert not (workdir / "tensorboard").exists()  # not asked for
 
 
-class Proxy:
-  """A TCP relay on 127.0.0.1 to `port`, which the test takes down (connections refused, the
-  open ones cut), brings up again or stalls: the tracking server as a training run sees it when
-  the server or the network between them goes away or hangs."""
-
-  def __init__(self, port: int):
-    self.target, self.port = port, _free_port()
-    self._open, self._listener, self._stalled = [], None, False
-    self.up()
-
-  def stall(self):
-    """Connections are taken and never answered (a server that hangs); the open ones cut."""
-    self._stalled = True
-    for connection in self._open:
-      connection.close()
-
-  def up(self):
-    self._listener = socket.create_server(("127.0.0.1", self.port))
-    threading.Thread(target=self._accept, args=(self._listener,), daemon=True).start()
-
-  def down(self):
-    self._listener.shutdown(socket.SHUT_RDWR)  # wakes its accept() (a close alone would not)
-    self._listener.close()
-    for connection in self._open:
-      try:
-        connection.shutdown(socket.SHUT_RDWR)
-      except OSError:
-        pass
-      connection.close()
-    self._open = []
-
-  def _accept(self, listener):
-    while True:
-      try:
-        client, _ = listener.accept()
-      except OSError:
-        return
-      if self._stalled:
-        self._open.append(client)  # held open, unanswered
-        continue
-      server = socket.create_connection(("127.0.0.1", self.target))
-      self._open += [client, server]
-      for a, b in ((client, server), (server, client)):
-        threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
-
-  @staticmethod
-  def _pipe(source, sink):
-    try:
-      while data := source.recv(65536):
-        sink.sendall(data)
-    except OSError:
-      pass
-    finally:
-      try:
-        sink.shutdown(socket.SHUT_WR)
-      except OSError:
-        pass
-
-
 def test_a_tracker_away_mid_run_costs_one_warning_and_catches_up(tmp_path, launcher,
                                                                 mlflow_server):
   """The server goes away mid-run: training goes on, metrics.jsonl and TensorBoard complete,
   one warning; the server back, the retries send what was held. A server that stops answering
   for good: the run still finishes, saying what was not sent."""
-  proxy = Proxy(int(mlflow_server.rsplit(":", 1)[1]))
+  proxy = emulators.Outage(mlflow_server)  # a relay the test takes down, back up, stalls
   workdir = tmp_path / "run"
   flags = [*TINY, f"--workdir={workdir}", "--config.train.log_every=2",
            "--config.train.trackers=tensorboard,mlflow", "--config.train.tracker_retry_s=0.5",
@@ -360,7 +294,7 @@ def _events(workdir, tag):
 def test_a_job_of_two_processes_logs_one_run(tmp_path, mlflow_server):
   """Process 0 alone logs, under the id it chose and sent to process 1."""
   from test_multiprocess import ARGS, _env
-  port = _free_port()
+  port = emulators.free_port()
   workdir = tmp_path / "run"
   pair = [subprocess.Popen([sys.executable, "launch.py", *ARGS, f"--workdir={workdir}",
                             "--config.train.trackers=mlflow", *_mlflow_flags(mlflow_server, "two"),
