@@ -100,6 +100,11 @@ def open_storage(url: Optional[str], workdir: str, heartbeat_s: int, retries: in
         raise UserError(f"the database at {redact(url)} refused this worker: {text}; check the "
                         "user, password and database name in --sweep_storage") from None
       error = text
+    except (sqlalchemy.exc.ProgrammingError, sqlalchemy.exc.IntegrityError) as e:
+      text = " ".join(str(e.orig if getattr(e, "orig", None) else e).split())
+      if not re.search(r"already exists|duplicate key", text):
+        raise
+      error = text  # another worker created Optuna's tables at the same moment: open again
     if time.time() >= deadline:
       raise UserError(f"no database answered at {_host(url)} within {wait:.0f} s (waited for "
                       f"{redact(url)}; last: {error}); start it or check --sweep_storage and the "
