@@ -200,8 +200,10 @@ def test_a_run_killed_and_resumed_shows_every_step_once(tmp_path, launcher, mlfl
   back by its own reader, has the flattened config, the project and tags, the summary."""
   workdir = tmp_path / "run"
   # Saves at 200 and 400 only (keep_best=0: none at the evaluation); the evaluation at 210
-  # (after step 210's log) leaves the test time to see step 210 in MLflow and kill the run.
+  # (after step 210's log) leaves the test time to see step 210 in MLflow and kill the run;
+  # tracker_interval_s=0 sends each log step at once (the default's 2 s would end the run first).
   flags = [*TINY, f"--workdir={workdir}", "--config.train.steps=400",
+           "--config.train.tracker_interval_s=0",
            "--config.eval.max_examples=32", "--config.train.log_every=10",
            "--config.train.checkpoint_every=200", "--config.train.eval_every=210",
            "--config.train.keep_best=0", "--config.train.trackers=mlflow,wandb",
@@ -289,6 +291,43 @@ def _events(workdir, tag):
   events = EventAccumulator(str(workdir / "tensorboard"), size_guidance={"scalars": 0})
   events.Reload()
   return [{"step": e.step, "value": e.value} for e in events.Scalars(tag)]
+
+
+def test_log_steps_between_two_sends_go_in_one_request_each_with_its_own_time(mlflow_server):
+  """train.tracker_interval_s: the records logged while a send waits out the interval go to
+  MLflow together (a request costs the training process milliseconds), every step once, in
+  order, each metric stamped with the time it was logged at, not the time it was sent."""
+  from transformer_jax.train.trackers.base import Background
+
+  class Counted(mlflow_tracker.MlflowTracker):
+    sends = []
+
+    def scalars(self, records):
+      self.sends.append([step for _, _, step, _ in records])
+      super().scalars(records)
+
+  config = config_lib.default_config()
+  config.mlflow.update(tracking_uri=mlflow_server, experiment="interval")
+  logger = Background(Counted(config, "interval"), "interval-run", {"a": 1}, interval_s=1.5)
+  logged = {}
+  for step in range(1, 21):
+    before = time.time()
+    logger.scalars("train", {"train/loss": 1.0 / step}, step)
+    logged[step] = (int(before * 1000), int(time.time() * 1000) + 1)
+    deadline = time.time() + 60
+    while step == 1 and not Counted.sends and time.time() < deadline:  # the run opened, 1 sent
+      time.sleep(0.01)
+    time.sleep(0.05)
+  logger.close()
+  sends = Counted.sends
+  assert [s for send in sends for s in send] == list(range(1, 21)), sends
+  assert sends[0] == [1] and len(sends) <= 3, sends  # 2-20 in ~1 s: together, or nearly
+  [run] = _runs(mlflow_server, "interval", "interval-run")
+  history = _client(mlflow_server).get_metric_history(run.info.run_id, "train/loss")
+  assert sorted((m.step, m.value) for m in history) == [(s, 1.0 / s) for s in range(1, 21)]
+  for m in history:
+    assert logged[m.step][0] <= m.timestamp <= logged[m.step][1], (m.step, m.timestamp)
+  assert run.info.status == "FINISHED"
 
 
 def test_a_job_of_two_processes_logs_one_run(tmp_path, mlflow_server):

@@ -137,6 +137,10 @@ def default_config() -> ml_collections.ConfigDict:
   # transformer_jax.study of the MLflow run.
   c.train.tracker_group = ""
   c.train.tracker_retry_s = 60.0  # seconds between tries of a tracker that could not be reached
+  # Seconds between two sends of scalars to a tracker; what is logged in between goes in one
+  # request (a request costs the training process milliseconds: trackers/base.py). 0 = each
+  # log step at once.
+  c.train.tracker_interval_s = 2.0
 
   # Weights & Biases (train.trackers=wandb): each "" leaves the setting to W&B (its WANDB_*
   # environment variables, its login).
@@ -433,6 +437,9 @@ def validate(config: ml_collections.ConfigDict, platform: str = "cpu") -> ModelC
   tracker_names(config)
   if config.train.tracker_retry_s <= 0:
     raise UserError(f"train.tracker_retry_s must be positive, got {config.train.tracker_retry_s}")
+  if config.train.tracker_interval_s < 0:
+    raise UserError(f"train.tracker_interval_s must be 0 or more seconds, got "
+                    f"{config.train.tracker_interval_s}")
   if config.wandb.mode not in ("", "online", "offline", "disabled"):
     raise UserError(f"wandb.mode must be one of online, offline, disabled (or '' for $WANDB_MODE);"
                     f" got {config.wandb.mode!r}")

@@ -98,7 +98,8 @@ def open_trackers(config, workdir: str, run_id: str, backlog: list = ()) -> list
   """A started Background for each tracker of train.trackers but TensorBoard (the logger's).
   backlog: the scalar records of the steps before this run (Background)."""
   return [Background(make(name, config, workdir), run_id, flat_config(config),
-                     retry_s=config.train.tracker_retry_s, backlog=backlog)
+                     retry_s=config.train.tracker_retry_s, backlog=backlog,
+                     interval_s=config.train.tracker_interval_s)
           for name in check(config) if name != "tensorboard"]
 
 

@@ -5,6 +5,11 @@ runs them on a thread of its own, in order, from a bounded queue that the traini
 appends to: a tracker that is slow, stalled or unreachable costs training nothing. The first
 failure prints one warning; the call is retried every `retry_s` while later calls wait behind
 it (up to `capacity`, then the oldest are dropped: metrics.jsonl and TensorBoard keep them all).
+Scalars go at most once every `interval_s`, those logged in between in one call: a request to
+a tracker costs the training process some milliseconds of Python (MLflow's client: about 2 ms
+of CPU, which the training thread waits for under the GIL), and a request every few log steps
+would cost a small model's training several percent; one every two seconds costs it nothing
+measurable (docs/benchmarks.md, "Experiment trackers on and off").
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import collections
 import sys
 import threading
+import time
 from typing import Optional
 
 
@@ -32,8 +38,9 @@ class Tracker:
     raise NotImplementedError
 
   def scalars(self, records: list) -> None:
-    """records: [(split, {"SPLIT/KEY": number}, step)], the numbers of metrics.jsonl records
-    in their order (those queued while the previous call ran go together)."""
+    """records: [(split, {"SPLIT/KEY": number}, step, wall)], the numbers of metrics.jsonl
+    records in their order (those queued since the previous call go together); wall: the
+    time.time() the record was logged at (None for a record of an earlier run's)."""
 
   def table(self, name: str, columns: list, rows: list, step: int) -> None:
     """Sample translations: rows of `columns` strings."""
@@ -55,19 +62,23 @@ class Tracker:
 # rest is given up (it is in metrics.jsonl) rather than keep a finished run waiting.
 CLOSE_TIMEOUT_S = 60.0
 MAX_VALUES = 1000  # numbers sent in one call of Tracker.scalars
+INTERVAL_S = 2.0  # train.tracker_interval_s's default
 
 
 class Background:
   """Drives `tracker` on a thread; each public method returns at once."""
 
   def __init__(self, tracker: Tracker, run_id: str, config: dict, retry_s: float = 60.0,
-               capacity: int = 10_000, backlog: list = ()):
+               capacity: int = 10_000, backlog: list = (), interval_s: float = INTERVAL_S):
     """backlog: the scalar records (split, values, step) of the steps before this run's start
     (metrics.jsonl's): those the tracker run does not show yet (lost to a kill before they
-    were sent, or logged before the tracker was chosen) are sent first."""
+    were sent, or logged before the tracker was chosen) are sent first. interval_s: the least
+    time between two calls of tracker.scalars (0: each record as soon as the thread is free)."""
     self.tracker = tracker
-    self._backlog = list(backlog)
+    self._backlog = [(split, values, step, None) for split, values, step in backlog]
     self._retry_s = retry_s
+    self._interval_s = interval_s
+    self._sent_at = -float("inf")  # time.monotonic() of the last scalars call
     self._calls = collections.deque()
     self._capacity = capacity
     self._dropped = 0
@@ -92,7 +103,7 @@ class Background:
       self._cond.notify()
 
   def scalars(self, split: str, values: dict, step: int) -> None:
-    self._put("scalars", split, values, step)
+    self._put("scalars", split, values, step, time.time())
 
   def table(self, name: str, columns: list, rows: list, step: int) -> None:
     self._put("table", name, columns, rows, step)
@@ -128,8 +139,16 @@ class Background:
     warned, failing, final_try = False, False, False
     while True:
       with self._cond:
-        while not self._calls and not self._closing:
-          self._cond.wait()
+        while True:
+          if not self._calls and not self._closing:
+            self._cond.wait()
+            continue
+          # Scalars wait out the interval (what is logged meanwhile joins them); not at the end.
+          wait = (self._sent_at + self._interval_s - time.monotonic()
+                  if self._calls and self._calls[0][0] == "scalars" and not self._closing else 0)
+          if wait <= 0:
+            break
+          self._cond.wait(wait)
         if not self._calls:
           break
         method, args, count = self._next()
@@ -138,6 +157,7 @@ class Background:
         if method == "scalars":
           records = [r for r in args if not self._shown_before(r[0], r[2])]
           if records:
+            self._sent_at = time.monotonic()
             self.tracker.scalars(records)
         elif method != "table" or not self._shown_before(args[0].split("/")[0], args[-1]):
           result = getattr(self.tracker, method)(*args)

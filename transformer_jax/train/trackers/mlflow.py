@@ -84,9 +84,10 @@ def settings(config) -> tuple[str, str]:
           m.experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME", "") or DEFAULT_EXPERIMENT)
 
 
-def _metric(key, value, step):
+def _metric(key, value, step, wall=None):
+  """wall: when the value was logged (time.time()); None: now."""
   from mlflow.entities import Metric
-  return Metric(key, float(value), int(time.time() * 1000), int(step))
+  return Metric(key, float(value), int((time.time() if wall is None else wall) * 1000), int(step))
 
 
 class MlflowTracker(Tracker):
@@ -142,7 +143,8 @@ class MlflowTracker(Tracker):
   def scalars(self, records: list) -> None:
     # One request (base.MAX_VALUES numbers at most, MLflow's limit): a retry never sends
     # half of them twice. A record of more numbers, split, could.
-    metrics = [_metric(k, v, step) for _, values, step in records for k, v in values.items()]
+    metrics = [_metric(k, v, step, wall) for _, values, step, wall in records
+               for k, v in values.items()]
     for i in range(0, len(metrics), 1000):
       self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
 

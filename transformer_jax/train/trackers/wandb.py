@@ -70,7 +70,7 @@ class WandbTracker(Tracker):
     return {"*": before} if before >= 0 else {}
 
   def scalars(self, records: list) -> None:
-    for _, values, step in records:
+    for _, values, step, _ in records:
       self.run.log(values, step=step)
 
   def table(self, name: str, columns: list, rows: list, step: int) -> None:
