@@ -1,6 +1,6 @@
 """Training throughput of the tiny model with each experiment tracker on and off, in one run.
 
-  python benchmarks/trackers.py [BLOCKS [LOG_EVERY]]   (default: 40 100)
+  python benchmarks/trackers.py [BLOCKS [LOG_EVERY [INTERVAL_S]]]   (default: 40 100 2)
 
 One process trains experiments/tiny.py (its train step and batches, as train/loop.py runs them)
 through four MetricLoggers at once, each with its own workdir: TensorBoard alone (today's
@@ -10,7 +10,8 @@ them in blocks of 2 x LOG_EVERY steps, each logger logging every LOG_EVERY steps
 (train.log_every's default: 100), the four in a new order each round, so that the machine's
 load (it is shared) falls on all four alike. A block is timed from its first step's dispatch to
 its last step's result. Prints one JSON line per setup: its steps/s over its BLOCKS blocks, the
-ratio to "off"'s, and the training thread's own time in each log call (MetricLogger.train: the
+ratio to "off"'s (INTERVAL_S: train.tracker_interval_s, the least time between two
+sends of scalars to a tracker; 0 sends each log step at once), and the training thread's own time in each log call (MetricLogger.train: the
 log line, metrics.jsonl, TensorBoard, and handing the record to the trackers' queues).
 """
 
@@ -66,12 +67,13 @@ def mlflow_server(directory: str) -> tuple:
   raise RuntimeError("mlflow server did not start")
 
 
-def main(blocks: int = 40, log_every: int = 100) -> None:
+def main(blocks: int = 40, log_every: int = 100, interval_s: float = 2.0) -> None:
   directory = tempfile.mkdtemp(prefix="trackers_benchmark_")
   server, uri = mlflow_server(directory)
   try:
     config = tiny.get_config()
     config.train.log_every = log_every
+    config.train.tracker_interval_s = interval_s
     config.mlflow.update(tracking_uri=uri, experiment="benchmark")
     config.wandb.update(mode="offline", project="benchmark")
     model_config = config_lib.validate(config)
@@ -135,4 +137,4 @@ def main(blocks: int = 40, log_every: int = 100) -> None:
 
 
 if __name__ == "__main__":
-  main(*map(int, sys.argv[1:]))
+  main(*map(int, sys.argv[1:3]), *map(float, sys.argv[3:4]))
