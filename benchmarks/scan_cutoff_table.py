@@ -30,6 +30,10 @@ def option(config: dict) -> str:
     name = f"{m['arch'].replace('_', '-')}, {m['positional'].replace('_', ' ')}"
     if m["positional"] == "relative_bias":
       name += f" {m['relative_buckets']}/{m['relative_max_distance']}"
+  if m.get("share_layers"):
+    name += ", shared layers"
+  if m.get("residual_gate"):
+    name += ", gated residuals"
   return name + (f", dropout {m['dropout_rate']:g}" if m["dropout_rate"] else "")
 
 
