@@ -373,6 +373,29 @@ def _wandb_history(workdir):
   return history, run_ids
 
 
+def test_wandb_rows_sent_together_keep_the_time_they_were_logged_at(tmp_path):
+  """W&B offline, the interval holding steps 2-5 back: each history row (W&B's own reader)
+  has its step's values and the time the step was logged at (W&B's _timestamp)."""
+  from transformer_jax.train.trackers.base import Background
+  from transformer_jax.train.trackers.wandb import WandbTracker
+  config = config_lib.default_config()
+  config.wandb.update(mode="offline", project="interval")
+  logger = Background(WandbTracker(config, str(tmp_path), "interval"), "interval-run",
+                      {"a": 1}, interval_s=30)
+  logged = {}
+  for step in range(1, 6):
+    before = time.time()
+    logger.scalars("train", {"train/loss": 1.0 / step}, step)
+    logged[step] = (before, time.time())
+    time.sleep(0.1)
+  logger.close()  # sends what the 30 s interval held back at once
+  history, run_ids = _wandb_history(tmp_path)
+  assert run_ids == {"interval-run"} and sorted(history) == [1, 2, 3, 4, 5]
+  for step, row in history.items():
+    assert row["train/loss"] == pytest.approx(1.0 / step)
+    assert logged[step][0] <= row["_timestamp"] <= logged[step][1], (step, row["_timestamp"])
+
+
 TWO_TRIALS = """from transformer_jax.experiments import tiny
 
 get_config = tiny.get_config

@@ -70,8 +70,8 @@ class WandbTracker(Tracker):
     return {"*": before} if before >= 0 else {}
 
   def scalars(self, records: list) -> None:
-    for _, values, step, _ in records:
-      self.run.log(values, step=step)
+    for _, values, step, wall in records:  # W&B takes a row's time from its _timestamp
+      self.run.log(values if wall is None else {**values, "_timestamp": wall}, step=step)
 
   def table(self, name: str, columns: list, rows: list, step: int) -> None:
     import wandb
