@@ -10,9 +10,10 @@ them in blocks of 2 x LOG_EVERY steps, each logger logging every LOG_EVERY steps
 (train.log_every's default: 100), the four in a new order each round, so that the machine's
 load (it is shared) falls on all four alike. A block is timed from its first step's dispatch to
 its last step's result. Prints one JSON line per setup: its steps/s over its BLOCKS blocks, the
-ratio to "off"'s (INTERVAL_S: train.tracker_interval_s, the least time between two
-sends of scalars to a tracker; 0 sends each log step at once), and the training thread's own time in each log call (MetricLogger.train: the
+ratio to "off"'s, and the training thread's own time in each log call (MetricLogger.train: the
 log line, metrics.jsonl, TensorBoard, and handing the record to the trackers' queues).
+INTERVAL_S: train.tracker_interval_s, the least time between two sends of scalars to a tracker
+(0: each log step at once).
 """
 
 from __future__ import annotations
