@@ -484,6 +484,12 @@ def test_a_tracker_not_installed_is_one_line_naming_the_extra(monkeypatch):
   config.train.trackers = "tensorboard,neptune"
   with pytest.raises(UserError, match="neptune, which is no tracker"):
     config_lib.validate(config)
+  config.train.trackers = "tensorboard"
+  for key, value in (("tracker_retry_s", 0.0), ("tracker_interval_s", -1.0)):
+    bad = config_lib.default_config()
+    bad.train[key] = value
+    with pytest.raises(UserError, match=f"train.{key} must be"):
+      config_lib.validate(bad)
 
 
 def test_the_core_imports_no_tracker_package():
