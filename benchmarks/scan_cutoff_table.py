@@ -21,6 +21,9 @@ import sys
 CSORDAS = {24: 0.12, 25: 0.31, 26: 0.61, 27: 1.00}
 
 
+RECIPE_STEPS = 3000  # experiments/scan_cutoff.py's train.steps
+
+
 def option(config: dict) -> str:
   """The model of a run's config.json in a few words."""
   m = config["model"]
@@ -34,7 +37,9 @@ def option(config: dict) -> str:
     name += ", shared layers"
   if m.get("residual_gate"):
     name += ", gated residuals"
-  return name + (f", dropout {m['dropout_rate']:g}" if m["dropout_rate"] else "")
+  name += f", dropout {m['dropout_rate']:g}" if m["dropout_rate"] else ""
+  steps = config["train"]["steps"]
+  return name + (f", {steps:,} steps" if steps != RECIPE_STEPS else "")
 
 
 def runs(directories: list[str]) -> list[dict]:
