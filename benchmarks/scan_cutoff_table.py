@@ -21,9 +21,6 @@ import sys
 CSORDAS = {24: 0.12, 25: 0.31, 26: 0.61, 27: 1.00}
 
 
-RECIPE_STEPS = 3000  # experiments/scan_cutoff.py's train.steps
-
-
 def option(config: dict) -> str:
   """The model of a run's config.json in a few words."""
   m = config["model"]
@@ -37,9 +34,7 @@ def option(config: dict) -> str:
     name += ", shared layers"
   if m.get("residual_gate"):
     name += ", gated residuals"
-  name += f", dropout {m['dropout_rate']:g}" if m["dropout_rate"] else ""
-  steps = config["train"]["steps"]
-  return name + (f", {steps:,} steps" if steps != RECIPE_STEPS else "")
+  return name + (f", dropout {m['dropout_rate']:g}" if m["dropout_rate"] else "")
 
 
 def runs(directories: list[str]) -> list[dict]:
@@ -59,8 +54,11 @@ def runs(directories: list[str]) -> list[dict]:
         with open(result) as f:
           metrics = json.load(f)
       found.append({"cutoff": int(split.rsplit("_", 1)[1]), "option": option(config),
-                    "seed": config["seed"], "exact_match": metrics.get("exact_match"),
+                    "steps": config["train"]["steps"], "seed": config["seed"], "exact_match": metrics.get("exact_match"),
                     "oracle_exact_match": metrics.get("oracle_exact_match")})
+  if len({r["steps"] for r in found}) > 1:  # runs of different lengths: rows of their own
+    for r in found:
+      r["option"] += f", {r['steps']:,} steps"
   return found
 
 
