@@ -54,7 +54,8 @@ def runs(directories: list[str]) -> list[dict]:
         with open(result) as f:
           metrics = json.load(f)
       found.append({"cutoff": int(split.rsplit("_", 1)[1]), "option": option(config),
-                    "steps": config["train"]["steps"], "seed": config["seed"], "exact_match": metrics.get("exact_match"),
+                    "steps": config["train"]["steps"], "seed": config["seed"],
+                    "exact_match": metrics.get("exact_match"),
                     "oracle_exact_match": metrics.get("oracle_exact_match")})
   if len({r["steps"] for r in found}) > 1:  # runs of different lengths: rows of their own
     for r in found:
