@@ -34,7 +34,9 @@ def option(config: dict) -> str:
     name += ", shared layers"
   if m.get("residual_gate"):
     name += ", gated residuals"
-  return name + (f", dropout {m['dropout_rate']:g}" if m["dropout_rate"] else "")
+  name += f", dropout {m['dropout_rate']:g}" if m["dropout_rate"] else ""
+  smoothing = config["train"]["label_smoothing"]
+  return name + (f", label smoothing {smoothing:g}" if smoothing else "")
 
 
 def runs(directories: list[str]) -> list[dict]:
