@@ -34,9 +34,7 @@ def option(config: dict) -> str:
     name += ", shared layers"
   if m.get("residual_gate"):
     name += ", gated residuals"
-  name += f", dropout {m['dropout_rate']:g}" if m["dropout_rate"] else ""
-  smoothing = config["train"]["label_smoothing"]
-  return name + (f", label smoothing {smoothing:g}" if smoothing else "")
+  return name + (f", dropout {m['dropout_rate']:g}" if m["dropout_rate"] else "")
 
 
 def runs(directories: list[str]) -> list[dict]:
@@ -56,12 +54,17 @@ def runs(directories: list[str]) -> list[dict]:
         with open(result) as f:
           metrics = json.load(f)
       found.append({"cutoff": int(split.rsplit("_", 1)[1]), "option": option(config),
-                    "steps": config["train"]["steps"], "seed": config["seed"],
+                    "steps": config["train"]["steps"],
+                    "label smoothing": config["train"]["label_smoothing"], "seed": config["seed"],
                     "exact_match": metrics.get("exact_match"),
                     "oracle_exact_match": metrics.get("oracle_exact_match")})
-  if len({r["steps"] for r in found}) > 1:  # runs of different lengths: rows of their own
+  # Training settings named in the option where the runs read differ in them: rows of their own.
+  if len({r["steps"] for r in found}) > 1:
     for r in found:
       r["option"] += f", {r['steps']:,} steps"
+  if len({r["label smoothing"] for r in found}) > 1:
+    for r in found:
+      r["option"] += f", label smoothing {r['label smoothing']:g}"
   return found
 
 
