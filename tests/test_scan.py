@@ -248,11 +248,12 @@ def test_export_mode_writes_tab_separated_pairs():
 def test_cutoff_table_gives_median_min_max_over_seeds_of_each_cutoff_and_option(tmp_path):
   """benchmarks/scan_cutoff_table.py over run directories as training leaves them (config.json,
   eval/STEPS.test.greedy.json): one row per (cutoff, option), unscored runs counted apart."""
-  def run(name, split, arch, positional, seed, exact=None, oracle=None):
+  def run(name, split, arch, positional, seed, exact=None, oracle=None, more="sweep", **model):
     c = config_lib.default_config()
     c.data.scan_split, c.model.arch, c.model.positional, c.seed = split, arch, positional, seed
     c.model.dropout_rate = 0.0
-    workdir = tmp_path / "sweep" / name
+    c.model.update(model)
+    workdir = tmp_path / more / name
     (workdir / "eval").mkdir(parents=True)
     (workdir / "config.json").write_text(c.to_json_best_effort())
     if exact is not None:
@@ -271,6 +272,22 @@ def test_cutoff_table_gives_median_min_max_over_seeds_of_each_cutoff_and_option(
        "0: 12.50", "25.00% [25.00, 25.00]", "12%"],
       ["26", "decoder-only, relative bias 32/128", "3/3", "70.00% [50.00, 90.00]",
        "0: 50.00 / 1: 90.00 / 2: 70.00", "75.00% [55.00, 95.00]", "61%"]]
+  # Beside them, a run with shared layers and one of other steps: rows of their own, and every
+  # option names its steps once the runs read differ in them.
+  run("d0", "length_cutoff_26", "decoder_only", "relative_bias", 0, 0.25, 0.5, more="more",
+      share_layers=True)
+  c = config_lib.default_config()
+  c.data.scan_split, c.train.steps = "length_cutoff_26", 2000
+  (tmp_path / "more" / "e0").mkdir()
+  (tmp_path / "more" / "e0" / "config.json").write_text(c.to_json_best_effort())
+  out = subprocess.run([sys.executable, "benchmarks/scan_cutoff_table.py", str(tmp_path / "sweep"),
+                        str(tmp_path / "more")], check=True, capture_output=True,
+                       text=True).stdout.splitlines()
+  assert [[cell.strip() for cell in line.strip("|").split("|")][:3] for line in out[2:]] == [
+      ["24", "encoder-decoder, sinusoidal (the paper's), 1,000 steps", "1/2"],
+      ["26", "decoder-only, relative bias 32/128, 1,000 steps", "3/3"],
+      ["26", "decoder-only, relative bias 32/128, shared layers, 1,000 steps", "1/1"],
+      ["26", "encoder-decoder, sinusoidal (the paper's), dropout 0.1, 2,000 steps", "0/1"]]
   empty = subprocess.run([sys.executable, "benchmarks/scan_cutoff_table.py", str(tmp_path / "no")],
                          capture_output=True, text=True)
   assert empty.returncode == 2 and empty.stderr.startswith("error: no run")
