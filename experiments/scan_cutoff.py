@@ -17,7 +17,9 @@ Protocol (as Csordas et al.'s code, with this project's model and steps):
   how). Being random, this dev says nothing about longer outputs, so nothing is chosen on it:
   the option is the one scan_length.py's dev chose (its trial 14, decoder-only with relative
   position bias, 16 buckets to distance 16, residual dropout 0.1), beside the paper's model
-  (the encoder-decoder with sinusoidal positions of scan_simple.py).
+  (the encoder-decoder with sinusoidal positions of scan_simple.py) and the same
+  encoder-decoder with Transformer-XL relative positions (`model.positional=relative_xl`), the
+  kind of model Csordas et al.'s relative-position row is.
 - The model stops by emitting EOS itself; the score is exact match, length included, of the
   last checkpoint (step 3,000, no choice among checkpoints) on `test`, once, at the end of the
   run; exact match with the oracle length (EOS masked out, stopped at the reference's length)
@@ -25,18 +27,18 @@ Protocol (as Csordas et al.'s code, with this project's model and steps):
 - Each (cutoff, option) runs with SEEDS seeds, reported as median, min and max; five where a
   row decides something (e.g. a goal met by one seed more or less): --sweep_seeds=5.
 
-A whole table: 7 cutoffs x 2 options x 3 seeds = 42 runs of about five minutes each on an idle
-2-core CPU (about 3.5 hours); `--sweep_trials` picks rows (trial 2k is cutoff CUTOFFS[k] with
-the chosen option, 2k+1 the paper's model):
+A whole table: 7 cutoffs x 3 options x 3 seeds = 63 runs of about three minutes each on an
+idle 2-core CPU (about 3.3 hours); `--sweep_trials` picks rows (trial 3k is cutoff CUTOFFS[k]
+with the chosen option, 3k+1 the paper's model, 3k+2 the relative-position encoder-decoder):
 
   .venv/bin/python launch.py --config=experiments/scan_cutoff.py --workdir=runs/scan_cutoff \
-    --sweep --sweep_metric=exact_match --sweep_trials=4,5
+    --sweep --sweep_metric=exact_match --sweep_trials=6,7,8
   .venv/bin/python benchmarks/scan_cutoff_table.py runs/scan_cutoff
 
 The sweep's results.md lists dev (the fit); the table of test, cutoff x option with median, min
 and max over seeds and the oracle length beside, is benchmarks/scan_cutoff_table.py's.
 
-One run by hand (cutoff 26, the chosen option, seed 0):
+One run by hand (cutoff 26, the chosen option, seed 0; --config.seed=1 for another seed):
 
   .venv/bin/python launch.py --config=experiments/scan_cutoff.py --workdir=runs/cutoff26 \
     --config.data.scan_split=length_cutoff_26 --config.model.arch=decoder_only \
@@ -52,9 +54,11 @@ docs/benchmarks.md has this recipe's.
 from transformer_jax.experiments import scan_length, scan_simple
 
 CUTOFFS = (24, 25, 26, 27, 28, 30, 32)
-# scan_length.py's dev choice (its trial 14); the paper's model is get_config() as it is.
+# scan_length.py's dev choice (its trial 14).
 CHOSEN = {**scan_length.DECODER_ONLY, "model.positional": "relative_bias",
           **scan_length.SHORT_BUCKETS, "model.dropout_rate": 0.1}
+# The paper's model is get_config() as it is; Csordas et al.'s kind: relative positions in it.
+RELATIVE_XL = {"model.positional": "relative_xl"}
 SEEDS = 3  # runs of each trial of get_sweep(), seeds 0..2
 
 
@@ -63,7 +67,7 @@ def get_config():
   c.model.max_len = 128  # the decoder-only option reads source and target as one sequence
   c.data.update(scan_split="length_cutoff_26", train_split="train_without_dev", eval_split="dev",
                 test_split="test")
-  # The steps of scan_length.py: about five minutes a run on an idle 2-core CPU.
+  # The steps of scan_length.py: about three minutes a run on an idle 2-core CPU.
   c.train.update(steps=3000, eval_every=1000)
   c.eval.oracle_length = True  # the stopping error beside exact match (costs one more decode)
   return c
@@ -71,4 +75,4 @@ def get_config():
 
 def get_sweep():
   return [{"data.scan_split": f"length_cutoff_{cutoff}", **option, "seeds": SEEDS}
-          for cutoff in CUTOFFS for option in (CHOSEN, {})]
+          for cutoff in CUTOFFS for option in (CHOSEN, {}, RELATIVE_XL)]
