@@ -1,6 +1,7 @@
 """The table of SCAN's length re-splits (experiments/scan_cutoff.py): cutoff x option, exact match
 on test of each run's last checkpoint (the model's own EOS, length included) and with the oracle
-length, median [min, max] over seeds, each seed's figure, and Csordas et al.'s figure beside.
+length, median [min, max] over seeds, each seed's figure, the wrong outputs by kind (stopped
+early, ran on, a wrong token first) summed over seeds, and Csordas et al.'s figure beside.
 
 Reads every run under the given directories (a sweep's trial_NNN_seedK, or single runs): its
 config.json and its result file of the test split at train.steps (eval/STEP.test.greedy.json,
@@ -57,7 +58,8 @@ def runs(directories: list[str]) -> list[dict]:
                     "steps": config["train"]["steps"],
                     "label smoothing": config["train"]["label_smoothing"], "seed": config["seed"],
                     "exact_match": metrics.get("exact_match"),
-                    "oracle_exact_match": metrics.get("oracle_exact_match")})
+                    "oracle_exact_match": metrics.get("oracle_exact_match"),
+                    "errors": metrics.get("errors", {}).get("standard", {})})
   # Training settings named in the option where the runs read differ in them: rows of their own.
   if len({r["steps"] for r in found}) > 1:
     for r in found:
@@ -73,10 +75,19 @@ def spread(values: list) -> str:
           f"{100 * max(values):.2f}]") if values else "-"
 
 
+def errors(scored: list[dict]) -> str:
+  """The wrong outputs of the runs by kind (eval/diagnostics: where the first wrong token is)."""
+  kinds = ("stopped_early", "ran_on", "wrong_token")
+  if not scored or any(not r["errors"] for r in scored):
+    return "-"
+  return " / ".join(f"{sum(r['errors'].get(k, 0) for r in scored):,}" for k in kinds)
+
+
 def table(found: list[dict]) -> str:
   lines = ["| cutoff | option | seeds scored | exact match, median [min, max] | per seed | "
-           "oracle-length exact match, median [min, max] | Csordas et al. |",
-           "| ---: | --- | ---: | --- | --- | --- | ---: |"]
+           "oracle-length exact match, median [min, max] | wrong outputs, all seeds: stopped "
+           "early / ran on / wrong token | Csordas et al. |",
+           "| ---: | --- | ---: | --- | --- | --- | --- | ---: |"]
   rows = sorted({(r["cutoff"], r["option"]) for r in found})
   for cutoff, name in rows:
     members = sorted((r for r in found if (r["cutoff"], r["option"]) == (cutoff, name)),
@@ -86,7 +97,8 @@ def table(found: list[dict]) -> str:
     paper = f"{100 * CSORDAS[cutoff]:.0f}%" if cutoff in CSORDAS else "-"
     lines.append(f"| {cutoff} | {name} | {len(scored)}/{len(members)} | "
                  f"{spread([r['exact_match'] for r in scored])} | {per_seed} | "
-                 f"{spread([r['oracle_exact_match'] for r in scored])} | {paper} |")
+                 f"{spread([r['oracle_exact_match'] for r in scored])} | {errors(scored)} | "
+                 f"{paper} |")
   return "\n".join(lines)
 
 

@@ -257,8 +257,9 @@ def test_cutoff_table_gives_median_min_max_over_seeds_of_each_cutoff_and_option(
     (workdir / "eval").mkdir(parents=True)
     (workdir / "config.json").write_text(c.to_json_best_effort())
     if exact is not None:
-      (workdir / "eval" / f"{c.train.steps}.test.greedy.json").write_text(
-          json.dumps({"exact_match": exact, "oracle_exact_match": oracle}))
+      (workdir / "eval" / f"{c.train.steps}.test.greedy.json").write_text(json.dumps({
+          "exact_match": exact, "oracle_exact_match": oracle, "errors": {"standard": {
+              "stopped_early": seed + 1, "ran_on": 2, "wrong_token": 10 * seed}}}))
   for seed, exact in enumerate([0.5, 0.9, 0.7]):
     run(f"a{seed}", "length_cutoff_26", "decoder_only", "relative_bias", seed, exact, exact + 0.05)
   run("b0", "length_cutoff_24", "encoder_decoder", "sinusoidal", 0, 0.125, 0.25)
@@ -269,9 +270,9 @@ def test_cutoff_table_gives_median_min_max_over_seeds_of_each_cutoff_and_option(
   rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in out[2:]]
   assert rows == [
       ["24", "encoder-decoder, sinusoidal (the paper's)", "1/2", "12.50% [12.50, 12.50]",
-       "0: 12.50", "25.00% [25.00, 25.00]", "12%"],
+       "0: 12.50", "25.00% [25.00, 25.00]", "1 / 2 / 0", "12%"],
       ["26", "decoder-only, relative bias 32/128", "3/3", "70.00% [50.00, 90.00]",
-       "0: 50.00 / 1: 90.00 / 2: 70.00", "75.00% [55.00, 95.00]", "61%"]]
+       "0: 50.00 / 1: 90.00 / 2: 70.00", "75.00% [55.00, 95.00]", "6 / 6 / 30", "61%"]]
   # Beside them, a run with shared layers and one of other steps: rows of their own, and every
   # option names its steps once the runs read differ in them.
   run("d0", "length_cutoff_26", "decoder_only", "relative_bias", 0, 0.25, 0.5, more="more",
