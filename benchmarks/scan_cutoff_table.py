@@ -31,6 +31,8 @@ def option(config: dict) -> str:
     name = f"{m['arch'].replace('_', '-')}, {m['positional'].replace('_', ' ')}"
     if m["positional"] == "relative_bias":
       name += f" {m['relative_buckets']}/{m['relative_max_distance']}"
+  if m.get("random_positions_max"):
+    name += f", random positions < {m['random_positions_max']}"
   if m.get("share_layers"):
     name += ", shared layers"
   if m.get("residual_gate"):
