@@ -62,14 +62,13 @@ class Tracker:
 # rest is given up (it is in metrics.jsonl) rather than keep a finished run waiting.
 CLOSE_TIMEOUT_S = 60.0
 MAX_VALUES = 1000  # numbers sent in one call of Tracker.scalars
-INTERVAL_S = 2.0  # train.tracker_interval_s's default
 
 
 class Background:
   """Drives `tracker` on a thread; each public method returns at once."""
 
   def __init__(self, tracker: Tracker, run_id: str, config: dict, retry_s: float = 60.0,
-               capacity: int = 10_000, backlog: list = (), interval_s: float = INTERVAL_S):
+               capacity: int = 10_000, backlog: list = (), interval_s: float = 0.0):
     """backlog: the scalar records (split, values, step) of the steps before this run's start
     (metrics.jsonl's): those the tracker run does not show yet (lost to a kill before they
     were sent, or logged before the tracker was chosen) are sent first. interval_s: the least
@@ -121,6 +120,10 @@ class Background:
     """A record of a step the run already shows (logged before a kill)."""
     return bool(self._shown) and step <= self._shown.get(split, self._shown.get("*", -1))
 
+  def _hold(self) -> float:
+    """Seconds until scalars may be sent again (train.tracker_interval_s after the last)."""
+    return self._sent_at + self._interval_s - time.monotonic()
+
   def _next(self) -> tuple:
     """(method, args, calls taken): the first call queued, and with a scalar record the ones
     queued right after it, up to MAX_VALUES numbers (one request: MLflow's limit per batch)."""
@@ -139,16 +142,14 @@ class Background:
     warned, failing, final_try = False, False, False
     while True:
       with self._cond:
-        while True:
-          if not self._calls and not self._closing:
+        # Scalars wait out the interval (what is logged meanwhile joins them); not at the end.
+        while not self._closing:
+          if not self._calls:
             self._cond.wait()
-            continue
-          # Scalars wait out the interval (what is logged meanwhile joins them); not at the end.
-          wait = (self._sent_at + self._interval_s - time.monotonic()
-                  if self._calls and self._calls[0][0] == "scalars" and not self._closing else 0)
-          if wait <= 0:
+          elif self._calls[0][0] == "scalars" and (hold := self._hold()) > 0:
+            self._cond.wait(hold)
+          else:
             break
-          self._cond.wait(wait)
         if not self._calls:
           break
         method, args, count = self._next()
