@@ -304,7 +304,7 @@ def _record(p: Plan, study_name: str, parent: str, state: dict):
     else:  # failed before its config was built: a run of its own under the parent
       config = with_tracker_group(p.base_config.copy_and_resolve_references(), study_name,
                                   parent)
-      directory = os.path.join(tempfile.gettempdir(), "no-such-trial-directory")
+      directory = ""  # no training run
     if not _tracked(config):
       return
     step = trial.user_attrs.get("sweep_pruned_step")

@@ -109,8 +109,9 @@ def record_trial(config, workdir: str, trial: int, state: str, params: dict | No
   parameters; objective value; last reported step, the pruning step of a pruned trial) on the
   tracker run of its training workdir, in each tracker of `config` (the trial's config: its
   train.tracker_group, and for MLflow its mlflow.parent_run_id from mlflow.start_study).
-  Nothing where the workdir has no tracker run yet or no tracker is chosen."""
-  run_id = read_run_id(workdir)
+  Nothing where the workdir has no tracker run yet or no tracker is chosen; workdir "": the
+  trial has no training run (it failed before one), so MLflow gets a child run of its own."""
+  run_id = read_run_id(workdir) if workdir else None
   chosen = [n for n in check(config) if n != "tensorboard"]
   if "mlflow" in chosen and config.mlflow.parent_run_id:
     from transformer_jax.train.trackers import mlflow
