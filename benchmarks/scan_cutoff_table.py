@@ -17,6 +17,8 @@ import os
 import statistics
 import sys
 
+from transformer_jax.data import scan
+
 # Csordas, Irie & Schmidhuber 2021, relative-position Transformer on Newman et al.'s re-splits
 # (their steps and sizes; second-hand figures, see docs/benchmarks.md).
 CSORDAS = {24: 0.12, 25: 0.31, 26: 0.61, 27: 1.00}
@@ -49,26 +51,24 @@ def runs(directories: list[str]) -> list[dict]:
       with open(path) as f:
         config = json.load(f)
       split = config["data"]["scan_split"]
-      if not split.startswith("length_cutoff_"):
+      if not split.startswith(scan.CUTOFF_PREFIX):
         continue
       result = os.path.join(workdir, "eval", f"{config['train']['steps']}.test.greedy.json")
       metrics = {}
       if os.path.exists(result):
         with open(result) as f:
           metrics = json.load(f)
-      found.append({"cutoff": int(split.rsplit("_", 1)[1]), "option": option(config),
+      found.append({"cutoff": scan.max_train_actions(split), "option": option(config),
                     "steps": config["train"]["steps"],
                     "label smoothing": config["train"]["label_smoothing"], "seed": config["seed"],
                     "exact_match": metrics.get("exact_match"),
                     "oracle_exact_match": metrics.get("oracle_exact_match"),
                     "errors": metrics.get("errors", {}).get("standard", {})})
   # Training settings named in the option where the runs read differ in them: rows of their own.
-  if len({r["steps"] for r in found}) > 1:
-    for r in found:
-      r["option"] += f", {r['steps']:,} steps"
-  if len({r["label smoothing"] for r in found}) > 1:
-    for r in found:
-      r["option"] += f", label smoothing {r['label smoothing']:g}"
+  for key, named in (("steps", "{:,} steps"), ("label smoothing", "label smoothing {:g}")):
+    if len({r[key] for r in found}) > 1:
+      for r in found:
+        r["option"] += ", " + named.format(r[key])
   return found
 
 
