@@ -1,6 +1,6 @@
 """Training throughput of the tiny model with each experiment tracker on and off, in one run.
 
-  python benchmarks/trackers.py [BLOCKS [LOG_EVERY [INTERVAL_S]]]   (default: 40 100 2)
+  python benchmarks/trackers.py [BLOCKS [LOG_EVERY [INTERVAL_S]]]   (default: 40 100, the config's)
 
 One process trains experiments/tiny.py (its train step and batches, as train/loop.py runs them)
 through four MetricLoggers at once, each with its own workdir: TensorBoard alone (today's
@@ -13,7 +13,7 @@ its last step's result. Prints one JSON line per setup: its steps/s over its BLO
 ratio to "off"'s, and the training thread's own time in each log call (MetricLogger.train: the
 log line, metrics.jsonl, TensorBoard, and handing the record to the trackers' queues).
 INTERVAL_S: train.tracker_interval_s, the least time between two sends of scalars to a tracker
-(0: each log step at once).
+(0: each log step at once; left out: the config's default, 2).
 """
 
 from __future__ import annotations
@@ -68,13 +68,14 @@ def mlflow_server(directory: str) -> tuple:
   raise RuntimeError("mlflow server did not start")
 
 
-def main(blocks: int = 40, log_every: int = 100, interval_s: float = 2.0) -> None:
+def main(blocks: int = 40, log_every: int = 100, interval_s: float | None = None) -> None:
   directory = tempfile.mkdtemp(prefix="trackers_benchmark_")
   server, uri = mlflow_server(directory)
   try:
     config = tiny.get_config()
     config.train.log_every = log_every
-    config.train.tracker_interval_s = interval_s
+    if interval_s is not None:
+      config.train.tracker_interval_s = interval_s
     config.mlflow.update(tracking_uri=uri, experiment="benchmark")
     config.wandb.update(mode="offline", project="benchmark")
     model_config = config_lib.validate(config)

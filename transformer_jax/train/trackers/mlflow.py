@@ -14,7 +14,7 @@ import os
 import threading
 import time
 
-from transformer_jax.train.trackers.base import Tracker
+from transformer_jax.train.trackers.base import MAX_VALUES, Tracker
 
 RUN_ID_TAG = "transformer_jax.run_id"
 STUDY_TAG = "transformer_jax.study"
@@ -141,12 +141,12 @@ class MlflowTracker(Tracker):
             for split in splits}
 
   def scalars(self, records: list) -> None:
-    # One request (base.MAX_VALUES numbers at most, MLflow's limit): a retry never sends
+    # One request (MAX_VALUES numbers at most, MLflow's limit): a retry never sends
     # half of them twice. A record of more numbers, split, could.
     metrics = [_metric(k, v, step, wall) for _, values, step, wall in records
                for k, v in values.items()]
-    for i in range(0, len(metrics), 1000):
-      self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
+    for i in range(0, len(metrics), MAX_VALUES):
+      self.client.log_batch(self.run_id, metrics=metrics[i:i + MAX_VALUES])
 
   def table(self, name: str, columns: list, rows: list, step: int) -> None:
     self.client.log_table(self.run_id, {c: [r[i] for r in rows] for i, c in enumerate(columns)},
