@@ -6,11 +6,15 @@ early, ran on, a wrong token first) summed over seeds, and Csordas et al.'s figu
 Reads every run under the given directories (a sweep's trial_NNN_seedK, or single runs): its
 config.json and its result file of the test split at train.steps (eval/STEP.test.greedy.json,
 written at the end of training). Runs without that file (unfinished) are counted as missing.
+A run whose sizes or training settings (layers, heads, batches, steps, learning rate, label
+smoothing, optimizer, embeddings) differ from those most runs of its architecture have, the
+recipe's, has a row of its own that names them.
 
   .venv/bin/python benchmarks/scan_cutoff_table.py runs/scan_cutoff
 """
 
 import argparse
+import collections
 import glob
 import json
 import os
@@ -59,17 +63,39 @@ def runs(directories: list[str]) -> list[dict]:
         with open(result) as f:
           metrics = json.load(f)
       found.append({"cutoff": scan.max_train_actions(split), "option": option(config),
-                    "steps": config["train"]["steps"],
-                    "label smoothing": config["train"]["label_smoothing"], "seed": config["seed"],
+                    "arch": config["model"]["arch"], "settings": settings(config),
+                    "seed": config["seed"],
                     "exact_match": metrics.get("exact_match"),
                     "oracle_exact_match": metrics.get("oracle_exact_match"),
                     "errors": metrics.get("errors", {}).get("standard", {})})
-  # Training settings named in the option where the runs read differ in them: rows of their own.
-  for key, named in (("steps", "{:,} steps"), ("label smoothing", "label smoothing {:g}")):
-    if len({r[key] for r in found}) > 1:
-      for r in found:
-        r["option"] += ", " + named.format(r[key])
+  # A setting that differs from the value most runs of the same architecture have (the recipe's,
+  # where most runs follow it) is named in the option: a row of its own. Where no value has more
+  # runs than every other, each run names its own.
+  for arch in {r["arch"] for r in found}:
+    members = [r for r in found if r["arch"] == arch]
+    for key in members[0]["settings"]:
+      counts = collections.Counter(r["settings"][key] for r in members).most_common()
+      usual = counts[0][0] if len(counts) == 1 or counts[0][1] > counts[1][1] else None
+      for r in members:
+        if r["settings"][key] != usual:
+          r["option"] += ", " + r["settings"][key]
   return found
+
+
+def settings(config: dict) -> dict:
+  """The training and size settings of a run's config.json, each in a few words."""
+  m, t, d = config["model"], config["train"], config["data"]
+  layers = (f"{m['num_decoder_layers']} layers" if m["arch"] == "decoder_only" else
+            f"{m['num_encoder_layers']}+{m['num_decoder_layers']} layers")
+  batch = (f"batches of {d['tokens_per_batch']:,} tokens" if d["batching"] == "tokens" else
+           f"batches of {d['batch_size']} rows")
+  return {"layers": layers, "heads": f"{m['num_heads']} heads", "batch": batch,
+          "steps": f"{t['steps']:,} steps",
+          "learning rate": f"{t['schedule']} learning rate {t['learning_rate']:g}",
+          "label smoothing": f"label smoothing {t['label_smoothing']:g}",
+          "optimizer": f"Adam beta2 {t['adam_b2']:g}, gradients clipped at {t['grad_clip_norm']:g}",
+          "embeddings": ("embeddings " + ("scaled" if m["embed_scale"] else "unscaled")
+                         + (", tied" if m["tie_output"] else ", untied"))}
 
 
 def spread(values: list) -> str:

@@ -273,23 +273,46 @@ def test_cutoff_table_gives_median_min_max_over_seeds_of_each_cutoff_and_option(
        "0: 12.50", "25.00% [25.00, 25.00]", "1 / 2 / 0", "12%"],
       ["26", "decoder-only, relative bias 32/128", "3/3", "70.00% [50.00, 90.00]",
        "0: 50.00 / 1: 90.00 / 2: 70.00", "75.00% [55.00, 95.00]", "6 / 6 / 30", "61%"]]
-  # Beside them, a run with shared layers and one of other steps: rows of their own, and every
-  # option names its steps once the runs read differ in them.
+  # Beside them, a run with shared layers, one of other steps, and one of other sizes and
+  # optimizer settings: rows of their own; a setting is named where it differs from the one most
+  # runs of the architecture have (the recipe's), and on every run where none has the most.
   run("d0", "length_cutoff_26", "decoder_only", "relative_bias", 0, 0.25, 0.5, more="more",
       share_layers=True)
   c = config_lib.default_config()
   c.data.scan_split, c.train.steps = "length_cutoff_26", 2000
   (tmp_path / "more" / "e0").mkdir()
   (tmp_path / "more" / "e0" / "config.json").write_text(c.to_json_best_effort())
+  c = config_lib.default_config()
+  c.data.scan_split, c.model.arch, c.model.positional = "length_cutoff_27", "decoder_only", "none"
+  c.model.num_heads, c.train.schedule, c.train.learning_rate = 2, "constant", 1e-3
+  c.data.batching, c.data.batch_size, c.model.embed_scale = "fixed", 256, False
+  (tmp_path / "more" / "f0").mkdir()
+  (tmp_path / "more" / "f0" / "config.json").write_text(c.to_json_best_effort())
   out = subprocess.run([sys.executable, "benchmarks/scan_cutoff_table.py", str(tmp_path / "sweep"),
                         str(tmp_path / "more")], check=True, capture_output=True,
                        text=True).stdout.splitlines()
   assert [[cell.strip() for cell in line.strip("|").split("|")][:3] for line in out[2:]] == [
-      ["24", "encoder-decoder, sinusoidal (the paper's), 1,000 steps", "1/2"],
-      ["26", "decoder-only, relative bias 32/128, 1,000 steps", "3/3"],
-      ["26", "decoder-only, relative bias 32/128, shared layers, 1,000 steps", "1/1"],
-      ["26", "encoder-decoder, sinusoidal (the paper's), dropout 0.1, 2,000 steps", "0/1"]]
+      ["24", "encoder-decoder, sinusoidal (the paper's)", "1/2"],
+      ["26", "decoder-only, relative bias 32/128", "3/3"],
+      ["26", "decoder-only, relative bias 32/128, shared layers", "1/1"],
+      ["26", "encoder-decoder, sinusoidal (the paper's), dropout 0.1, 2,000 steps", "0/1"],
+      ["27", "decoder-only, none, dropout 0.1, 2 heads, batches of 256 rows, constant learning "
+       "rate 0.001, embeddings unscaled, tied", "0/1"]]
+  c.data.scan_split = "length_cutoff_26"  # as many runs of 1,000 as of 2,000 steps: both named
+  (tmp_path / "more" / "g0").mkdir()
+  (tmp_path / "more" / "g0" / "config.json").write_text(c.to_json_best_effort())
+  e = config_lib.default_config()
+  e.data.scan_split, e.train.steps = "length_cutoff_24", 2000
+  (tmp_path / "more" / "g1").mkdir()
+  (tmp_path / "more" / "g1" / "config.json").write_text(e.to_json_best_effort())
+  out = subprocess.run([sys.executable, "benchmarks/scan_cutoff_table.py", str(tmp_path / "sweep"),
+                        str(tmp_path / "more")], check=True, capture_output=True,
+                       text=True).stdout.splitlines()
+  assert [[cell.strip() for cell in line.strip("|").split("|")][1] for line in out[2:]][:2] == [
+      "encoder-decoder, sinusoidal (the paper's), 1,000 steps",
+      "encoder-decoder, sinusoidal (the paper's), dropout 0.1, 2,000 steps"]
   empty = subprocess.run([sys.executable, "benchmarks/scan_cutoff_table.py", str(tmp_path / "no")],
                          capture_output=True, text=True)
   assert empty.returncode == 2 and empty.stderr.startswith("error: no run")
+
 
