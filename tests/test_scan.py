@@ -316,3 +316,25 @@ def test_cutoff_table_gives_median_min_max_over_seeds_of_each_cutoff_and_option(
   assert empty.returncode == 2 and empty.stderr.startswith("error: no run")
 
 
+
+def test_cutoff_recipe_options_are_valid_configs_and_its_docstring_runs_csordas_settings():
+  """Every option of experiments/scan_cutoff.py (get_sweep()'s and CSORDAS) sets keys the config
+  has, to values validate() accepts; the docstring's one-run command of Csordas et al.'s settings
+  gives exactly CSORDAS."""
+  from transformer_jax.experiments import scan_cutoff
+  for option in [*scan_cutoff.get_sweep(), scan_cutoff.CSORDAS]:
+    c = scan_cutoff.get_config()
+    for key, value in option.items():
+      if key == "seeds":
+        continue
+      section, name = key.split(".")
+      assert name in c[section], key
+      c[section][name] = value
+    config_lib.validate(c)
+  command = scan_cutoff.__doc__[scan_cutoff.__doc__.index("--workdir=runs/cutoff27_cs"):]
+  flags = dict(flag.split("=") for flag in re.findall(r"--config\.(\S+)", command))
+  assert flags.pop("data.scan_split") == "length_cutoff_27"
+  assert {key: str(value) for key, value in scan_cutoff.CSORDAS.items()} == {
+      key: str(type(scan_cutoff.CSORDAS[key])(
+          value == "True" if isinstance(scan_cutoff.CSORDAS[key], bool) else value))
+      for key, value in flags.items()}
