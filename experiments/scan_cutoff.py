@@ -27,9 +27,10 @@ Protocol (as Csordas et al.'s code, with this project's model and steps):
 - Each (cutoff, option) runs with SEEDS seeds, reported as median, min and max; five where a
   row decides something (e.g. a goal met by one seed more or less): --sweep_seeds=5.
 
-A whole table: 7 cutoffs x 3 options x 3 seeds = 63 runs of about three minutes each on an
-idle 2-core CPU (about 3.3 hours); `--sweep_trials` picks rows (trial 3k is cutoff CUTOFFS[k]
-with the chosen option, 3k+1 the paper's model, 3k+2 the relative-position encoder-decoder):
+A whole table: 7 cutoffs x 4 options x 3 seeds = 84 runs of about three to four minutes each
+on an idle 2-core CPU (about 5 hours); `--sweep_trials` picks rows (trial 3k is cutoff
+CUTOFFS[k] with the chosen option, 3k+1 the paper's model, 3k+2 the relative-position
+encoder-decoder; trial 21+k the same encoder-decoder with Csordas et al.'s settings, CSORDAS):
 
   .venv/bin/python launch.py --config=experiments/scan_cutoff.py --workdir=runs/scan_cutoff \
     --sweep --sweep_metric=exact_match --sweep_trials=6,7,8
@@ -97,5 +98,7 @@ def get_config():
 
 
 def get_sweep():
+  # CSORDAS's rows come after the first 21 so that those keep their trial numbers.
   return [{"data.scan_split": f"length_cutoff_{cutoff}", **option, "seeds": SEEDS}
-          for cutoff in CUTOFFS for option in (CHOSEN, {}, RELATIVE_XL)]
+          for options in ((CHOSEN, {}, RELATIVE_XL), (CSORDAS,))
+          for cutoff in CUTOFFS for option in options]

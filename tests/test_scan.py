@@ -331,6 +331,14 @@ def test_cutoff_recipe_options_are_valid_configs_and_its_docstring_runs_csordas_
       assert name in c[section], key
       c[section][name] = value
     config_lib.validate(c)
+  # The trial numbers the docs give: 3k, 3k+1, 3k+2 and 21+k at cutoff CUTOFFS[k].
+  sweep = scan_cutoff.get_sweep()
+  assert len(sweep) == 4 * len(scan_cutoff.CUTOFFS) == 28
+  for k, cutoff in enumerate(scan_cutoff.CUTOFFS):
+    for trial, option in ((3 * k, scan_cutoff.CHOSEN), (3 * k + 1, {}),
+                          (3 * k + 2, scan_cutoff.RELATIVE_XL), (21 + k, scan_cutoff.CSORDAS)):
+      assert sweep[trial] == {"data.scan_split": f"length_cutoff_{cutoff}", **option,
+                              "seeds": scan_cutoff.SEEDS}
   command = scan_cutoff.__doc__[scan_cutoff.__doc__.index("--workdir=runs/cutoff27_cs"):]
   flags = dict(flag.split("=") for flag in re.findall(r"--config\.(\S+)", command))
   assert flags.pop("data.scan_split") == "length_cutoff_27"
