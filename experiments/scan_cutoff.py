@@ -19,7 +19,8 @@ Protocol (as Csordas et al.'s code, with this project's model and steps):
   position bias, 16 buckets to distance 16, residual dropout 0.1), beside the paper's model
   (the encoder-decoder with sinusoidal positions of scan_simple.py) and the same
   encoder-decoder with Transformer-XL relative positions (`model.positional=relative_xl`), the
-  kind of model Csordas et al.'s relative-position row is.
+  kind of model Csordas et al.'s relative-position row is, once with this recipe's sizes and
+  optimizer and once with theirs (CSORDAS).
 - The model stops by emitting EOS itself; the score is exact match, length included, of the
   last checkpoint (step 3,000, no choice among checkpoints) on `test`, once, at the end of the
   run; exact match with the oracle length (EOS masked out, stopped at the reference's length)
