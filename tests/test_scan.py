@@ -318,21 +318,17 @@ def test_cutoff_table_gives_median_min_max_over_seeds_of_each_cutoff_and_option(
 
 
 def test_cutoff_recipe_options_are_valid_configs_and_its_docstring_runs_csordas_settings():
-  """Every option of experiments/scan_cutoff.py (get_sweep()'s and CSORDAS) sets keys the config
-  has, to values validate() accepts; the docstring's one-run command of Csordas et al.'s settings
-  gives exactly CSORDAS."""
+  """Every option of experiments/scan_cutoff.py's get_sweep() is a config the sweep accepts
+  (parsed as its command line, then validated); the trial numbers the docs give; the
+  docstring's one-run command of Csordas et al.'s settings gives the config CSORDAS does."""
   from transformer_jax.experiments import scan_cutoff
-  for option in [*scan_cutoff.get_sweep(), scan_cutoff.CSORDAS]:
-    c = scan_cutoff.get_config()
-    for key, value in option.items():
-      if key == "seeds":
-        continue
-      section, name = key.split(".")
-      assert name in c[section], key
-      c[section][name] = value
-    config_lib.validate(c)
-  # The trial numbers the docs give: 3k, 3k+1, 3k+2 and 21+k at cutoff CUTOFFS[k].
+  from transformer_jax.tools.sweep import space
+  path = scan_cutoff.__file__
   sweep = scan_cutoff.get_sweep()
+  for option in sweep:
+    config_lib.validate(space.trial_config(
+        path, {k: v for k, v in option.items() if k != "seeds"}, {}))
+  # The trial numbers the docs give: 3k, 3k+1, 3k+2 and 21+k at cutoff CUTOFFS[k].
   assert len(sweep) == 4 * len(scan_cutoff.CUTOFFS) == 28
   for k, cutoff in enumerate(scan_cutoff.CUTOFFS):
     for trial, option in ((3 * k, scan_cutoff.CHOSEN), (3 * k + 1, {}),
@@ -341,8 +337,5 @@ def test_cutoff_recipe_options_are_valid_configs_and_its_docstring_runs_csordas_
                               "seeds": scan_cutoff.SEEDS}
   command = scan_cutoff.__doc__[scan_cutoff.__doc__.index("--workdir=runs/cutoff27_cs"):]
   flags = dict(flag.split("=") for flag in re.findall(r"--config\.(\S+)", command))
-  assert flags.pop("data.scan_split") == "length_cutoff_27"
-  assert {key: str(value) for key, value in scan_cutoff.CSORDAS.items()} == {
-      key: str(type(scan_cutoff.CSORDAS[key])(
-          value == "True" if isinstance(scan_cutoff.CSORDAS[key], bool) else value))
-      for key, value in flags.items()}
+  assert space.trial_config(path, flags, {}).to_dict() == space.trial_config(
+      path, {**scan_cutoff.CSORDAS, "data.scan_split": "length_cutoff_27"}, {}).to_dict()
