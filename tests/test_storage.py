@@ -1,9 +1,14 @@
 """core/storage.py against real object-store emulators on 127.0.0.1 (tests/emulators.py): one
 set of functions, the same guarantees on a local disk, gs:// and s3://."""
 
+import collections
+import contextlib
+import http.server
 import json
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -320,6 +325,64 @@ def test_an_endpoint_that_does_not_answer_is_one_error_within_the_timeout(scheme
   assert time.time() - start < 15
   text = one_line(error)
   assert silent in text and ("does not answer" in text or "no answer" in text)
+
+
+@contextlib.contextmanager
+def _unavailable():
+  """A store answering 503 to every request: (its URL, the list of requests it was sent)."""
+  sent = []
+
+  class Unavailable(http.server.BaseHTTPRequestHandler):
+    def answer(self):
+      sent.append(f"{self.command} {self.path}")
+      self.send_response(503)
+      self.send_header("Content-Length", "0")
+      self.end_headers()
+
+    do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = answer
+
+    def log_message(self, *args):
+      pass
+
+  server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Unavailable)
+  threading.Thread(target=server.serve_forever, daemon=True).start()
+  try:
+    yield f"http://127.0.0.1:{server.server_address[1]}", sent
+  finally:
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.parametrize("scheme, variable", [("gs", "STORAGE_EMULATOR_HOST"),
+                                              ("s3", "AWS_ENDPOINT_URL_S3")])
+def test_a_request_is_tried_retries_times_on_either_store(scheme, variable, stores, monkeypatch):
+  """One read at a store that answers 503 is sent storage.RETRIES times, on gcsfs (which binds
+  its own six tries, with 31 s of sleep, when its class is defined) as on s3fs (botocore's own
+  count leaves out the first try). Longer outages are core/outage.py's."""
+  with _unavailable() as (url, sent):
+    monkeypatch.setenv(variable, url)
+    with pytest.raises(Exception) as error:
+      storage.filesystem(scheme).cat_file("bucket/object")
+  assert "503" in str(error.value) or "Service Unavailable" in str(error.value), error.value
+  reads = [request for request in sent if "object" in request]  # (not a lease's listing)
+  assert len(reads) == storage.RETRIES and len(set(reads)) == 1, sent
+
+
+def test_orbaxs_requests_through_etils_are_tried_as_many_times(stores):
+  """orbax writes a checkpoint's folders and metadata through etils.epath, which takes fsspec's
+  own class for gs:// (gcsfs's extended one): once the workdir's filesystem is made, that class
+  too sends a request storage.RETRIES times (six, and 31 s, before), so that an outage reaches
+  train.storage_outage_s's count at once. In a fresh process, as a run's."""
+  script = ("from transformer_jax.core import storage\n"
+            "storage.filesystem('gs')\n"
+            "from etils import epath\n"
+            "epath.Path('gs://bucket/object').read_bytes()\n")
+  with _unavailable() as (url, sent):
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env={**os.environ, "STORAGE_EMULATOR_HOST": url}, timeout=120)
+  assert done.returncode != 0 and "503" in done.stderr, done.stderr[-2000:]
+  tries = collections.Counter(sent)
+  assert max(tries.values()) == storage.RETRIES, sent
 
 
 @pytest.mark.parametrize("scheme, variable", [("gs", "STORAGE_EMULATOR_HOST"),

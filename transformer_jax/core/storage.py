@@ -47,7 +47,7 @@ SCHEMES = {"gs": "Google Cloud Storage", "s3": "Amazon S3 or an S3-compatible st
 # stops with an error saying what it waited for.
 TIMEOUT_ENV = "TRANSFORMER_JAX_STORAGE_TIMEOUT"
 DEFAULT_TIMEOUT_S = 60.0
-RETRIES = 3  # attempts per request after a connection failure or a 5xx answer
+RETRIES = 3  # tries of a request (the first included) while the store fails or answers 5xx
 PARTS_SUFFIX = ".parts"  # metrics.jsonl on an object store: metrics.jsonl.parts/000000001.jsonl
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):(/+)(.*)$")
 
@@ -141,10 +141,6 @@ def filesystem(scheme: str):
         # traceback for each failed request; the failures reach the user as one UserError.
         import logging
         logging.getLogger("gcsfs").setLevel(logging.CRITICAL)
-        # The JSON-API filesystem itself, not gcsfs's default subclass for zonal and
-        # hierarchical buckets: that one first asks each bucket's layout over gRPC, which an
-        # emulator does not answer (it then hangs in retries).
-        from gcsfs.core import GCSFileSystem  # imported here: only bucket workdirs need it
         # gcsfs's own chain (Application Default Credentials, then the VM's, then none); at
         # an emulator, a key file named by GOOGLE_APPLICATION_CREDENTIALS or no credentials
         # (the chain would first wait for a metadata server that is not there).
@@ -152,16 +148,51 @@ def filesystem(scheme: str):
         if os.environ.get("STORAGE_EMULATOR_HOST"):
           token = ("google_default" if os.environ.get("GOOGLE_APPLICATION_CREDENTIALS")
                    else "anon")
-        fs = GCSFileSystem(token=token, requests_timeout=timeout, skip_instance_cache=True,
-                                 use_listings_cache=False)
-        fs.retries = RETRIES
+        fs = _gcs_class()(token=token, requests_timeout=timeout, skip_instance_cache=True,
+                          use_listings_cache=False)
       else:
         import s3fs  # imported here: only bucket workdirs need it
         fs = s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False,
                                config_kwargs={"connect_timeout": timeout, "read_timeout": timeout,
-                                              "retries": {"max_attempts": RETRIES}})
+                                              "retries": {"total_max_attempts": RETRIES}})
       _FILESYSTEMS[key] = fs
     return _FILESYSTEMS[key]
+
+
+def _gcs_class():
+  """gcsfs's filesystem with its requests tried RETRIES times (`_retrying`), for the workdir's
+  own requests; orbax writes a checkpoint's folders and metadata through etils.epath, which
+  takes fsspec's class for gs:// (gcsfs's extended one), so that class is registered again with
+  the same count of tries. Longer outages are core/outage.py's to ride out."""
+  # The workdir's: the JSON-API filesystem itself, not gcsfs's default subclass for zonal and
+  # hierarchical buckets: that one first asks each bucket's layout over gRPC, which an emulator
+  # does not answer (it then hangs in retries). Imported here: only bucket workdirs need it.
+  import fsspec
+  from gcsfs.core import GCSFileSystem
+  for name in ("gs", "gcs"):
+    fsspec.register_implementation(name, _retrying(fsspec.get_filesystem_class(name)),
+                                   clobber=True)
+  return _retrying(GCSFileSystem)
+
+
+def _retrying(base: type) -> type:
+  """`base`, a gcsfs class, with its requests tried RETRIES times. gcsfs binds its own count
+  (six tries, with 1 + 2 + 4 + 8 + 16 s of sleep between them) to the request method when the
+  class is defined, so a `retries` set on an instance changes nothing; here the undecorated
+  method is decorated again. (A gcsfs without that layout, or a class with a request method of
+  its own: `base`, unchanged.)"""
+  if getattr(base, "_tries", None) == RETRIES:
+    return base
+  try:
+    from gcsfs.core import GCSFileSystem
+    from gcsfs.retry import retry_request
+    request = GCSFileSystem._request.__wrapped__
+  except (ImportError, AttributeError):
+    return base
+  if base._request is not GCSFileSystem._request:
+    return base
+  return type(base.__name__, (base,), {"_request": retry_request(retries=RETRIES)(request),
+                                       "_tries": RETRIES, "__module__": base.__module__})
 
 
 # google-auth fails on a key file that is not there (after gcsfs's chain has waited on its other
