@@ -343,8 +343,12 @@ def _quiet():
   sys.unraisablehook = lambda _: None
   try:
     yield
+  except BaseException:
+    # A failed read's abandoned coroutines complain when collected: here, not at some later
+    # step. (Only then: a collection of a large process's heap costs a second or more.)
+    gc.collect()
+    raise
   finally:
-    gc.collect()  # the abandoned coroutines complain when collected: here, not at some later step
     for lg, level in zip(loggers, levels):
       lg.setLevel(level)
     sys.unraisablehook = hook
