@@ -46,9 +46,9 @@ FILE_COST = {
     "test_tfds_prepare.py": 10, "test_profile.py": 9, "test_pretrained.py": 8, "test_flops.py": 7,
     "test_layers.py": 5, "test_storage.py": 4, "test_cache.py": 3, "test_scan.py": 2,
     "test_hf_scores.py": 90,
-    # issue 40. test_bucket_outage.py: about 20 CPU-s, but 3 minutes of wall time, most of it
-    # waiting on a store that is down; listed as if it cost more, so that it starts first and
-    # the other worker's files run meanwhile.
+    # issue 40. test_bucket_outage.py: about 20 CPU-s, but over a minute of wall time, most of
+    # it waiting on a store that is down; listed as if it cost more, so that it starts first
+    # and the other worker's files run meanwhile.
     "test_bucket_outage.py": 120, "test_hf_damage.py": 14, "test_refusals.py": 4,
     "test_trackers.py": 87}
 
