@@ -180,9 +180,7 @@ def _retrying(base: type) -> type:
   (six tries, with 1 + 2 + 4 + 8 + 16 s of sleep between them) to the request method when the
   class is defined, so a `retries` set on an instance changes nothing; here the undecorated
   method is decorated again. (A gcsfs without that layout, or a class with a request method of
-  its own: `base`, unchanged.)"""
-  if getattr(base, "_tries", None) == RETRIES:
-    return base
+  its own, this function's classes included: `base`, unchanged.)"""
   try:
     from gcsfs.core import GCSFileSystem
     from gcsfs.retry import retry_request
@@ -192,7 +190,7 @@ def _retrying(base: type) -> type:
   if base._request is not GCSFileSystem._request:
     return base
   return type(base.__name__, (base,), {"_request": retry_request(retries=RETRIES)(request),
-                                       "_tries": RETRIES, "__module__": base.__module__})
+                                       "__module__": base.__module__})
 
 
 # google-auth fails on a key file that is not there (after gcsfs's chain has waited on its other
