@@ -110,6 +110,9 @@ def default_config() -> ml_collections.ConfigDict:
   c.train.weight_decay = 0.0  # decoupled weight decay (AdamW); 0 = Adam
   c.train.label_smoothing = 0.1  # share of the target's probability spread over the vocabulary
   c.train.grad_clip_norm = 0.0  # 0 = no clipping
+  # model.length_head: the weight of the squared error of each example's predicted length
+  # (tokens^2), summed over the examples and divided by the batch's target tokens, as the loss is.
+  c.train.length_loss_weight = 0.1
   c.train.grad_accum_steps = 1  # micro-batches summed into one update (the batch split in N)
   c.train.log_every = 100  # steps between log lines (stdout, metrics.jsonl, TensorBoard)
   c.train.eval_every = 0  # 0 = evaluate only at the end
@@ -183,6 +186,10 @@ def default_config() -> ml_collections.ConfigDict:
   # seq2seq: decode every evaluation a second time, greedy with the reference's length (EOS
   # masked out, stopped there): oracle_exact_match and its diagnostics; costs one more decode.
   c.eval.oracle_length = False
+  # model.length_head: every decode (eval.decode's search aside) is greedy with the length the
+  # head predicts (rounded; EOS masked out, stopped there), as oracle-length decoding is with
+  # the reference's. False: the model's own EOS decides.
+  c.eval.length_head = False
 
   c.compile = ml_collections.ConfigDict()  # --mode=compile (tools/compile.py)
   c.compile.topology = ""  # a TPU slice (v5e:2x4, v5p:2x2x1, v5litepod-8) or GPUs (h100, h100-8)
@@ -407,7 +414,8 @@ def validate(config: ml_collections.ConfigDict, platform: str = "cpu") -> ModelC
               "eval.max_examples", "eval.buffer_size", "train.grad_clip_norm", "train.weight_decay",
               "eval.length_penalty", "eval.top_k", "eval.average_last", "train.keep_best",
               "train.profile_steps", "train.profile_start", "train.storage_outage_s",
-              "compile.batch_size", "compile.source_len", "compile.target_len"):
+              "compile.batch_size", "compile.source_len", "compile.target_len",
+              "train.length_loss_weight"):
     if _get(config, key) < 0:
       raise UserError(f"{key} must be >= 0, got {_get(config, key)}")
   if config.train.learning_rate <= 0:
@@ -454,6 +462,12 @@ def validate(config: ml_collections.ConfigDict, platform: str = "cpu") -> ModelC
   if not all(isinstance(t, int) and 0 <= t < model.vocab_size for t in suppressed):
     raise UserError(f"eval.suppress_tokens must be token ids in [0, model.vocab_size="
                     f"{model.vocab_size}), got {tuple(suppressed)!r}")
+  if config.eval.length_head and not model.length_head:
+    raise UserError("eval.length_head decodes with the lengths model.length_head predicts, and "
+                    "this model has no such head; set eval.length_head=False")
+  if model.length_head and config.data.batching == "packed":
+    raise UserError("model.length_head predicts one target's length per row, and "
+                    "data.batching=packed puts several in a row; use data.batching=tokens")
   if config.data.task == "mlm" and not 0.0 < config.data.mask_rate < 1.0:
     raise UserError(f"data.mask_rate must be in (0, 1), got {config.data.mask_rate}")
   return model

@@ -69,6 +69,14 @@ def encode(params, config: ModelConfig, source_tokens: Array) -> Array:
                                             method=Transformer.encode)
 
 
+@functools.partial(jax.jit, static_argnames=("config",))
+def predicted_lengths(params, config: ModelConfig, source_tokens: Array) -> Array:
+  """model.length_head: the length the head predicts for each source's output (EOS not
+  counted), float32 `[batch]`; rows of padding get 0."""
+  return _model(config, decode=False).apply({"params": params}, source_tokens,
+                                            method=Transformer.source_length_prediction)
+
+
 def init_cache(params, config: ModelConfig, encoded: Array, source_tokens: Array,
                max_length: int) -> Cache:
   """The encoder-decoder's cache for `max_length` steps, with cross-attention keys/values.

@@ -25,6 +25,7 @@ from transformer_jax.eval.search import (
   decode_batch,
   decode_settings,
   detokenize,
+  head_lengths,
   max_decode_length,
 )
 from transformer_jax.model import ModelConfig, make_model
@@ -68,7 +69,9 @@ def evaluate(params, model_config: ModelConfig, config, tokenizer: tokenizer_lib
   oracle-length greedy decode (EOS masked out, stopped at the reference's length:
   `oracle_exact_match`), which costs one more decode of the split; exact match by group where
   the data source has groups (`by_group` and `exact_match_GROUP`: SCAN's length splits, by
-  whether training showed every repetition count of the command); classify reports accuracy
+  whether training showed every repetition count of the command); with model.length_head, the
+  share of examples whose length the head predicts exactly (rounded: `length_head_accuracy`)
+  and its mean absolute error in tokens (`length_head_error`); classify reports accuracy
   and macro-F1 over the classes. `params` live on `mesh` (default: the mesh of config.mesh),
   sharded as in training or not; batches are split over its data x fsdp devices.
   With several processes every process calls this with the same pairs and gets the same metrics.
@@ -85,6 +88,8 @@ def evaluate(params, model_config: ModelConfig, config, tokenizer: tokenizer_lib
   sums = {"nll": 0.0, "correct": 0.0, "tokens": 0.0}
   hypotheses, oracle, predicted = [], [], []
   oracle_length = d.task == "seq2seq" and e.oracle_length
+  length_head = d.task == "seq2seq" and model_config.length_head
+  head_hits, head_errors = 0, 0.0  # the length head's predictions, rounded, against the references
   # Counted in sentences, not batches: a split is a handful of batches, and beam search spends
   # most of the time, inside one compiled loop per batch.
   shown = progress.bar(total=len(examples), unit="sentence",
@@ -100,8 +105,13 @@ def evaluate(params, model_config: ModelConfig, config, tokenizer: tokenizer_lib
       outputs = decode_batch(params, model_config, e, batch["inputs"], max_length,
                              batch_rng(config, index), mesh=mesh)
       hypotheses += [detokenize(tokenizer, row) for row in outputs[:n_real]]
-      if oracle_length:  # the reference's tokens, EOS not counted (padding rows: 0)
-        lengths = np.maximum(np.sum(batch["targets"] != 0, axis=-1) - 1, 0)
+      # the reference's tokens, EOS not counted (padding rows: 0)
+      lengths = np.maximum(np.sum(batch["targets"] != 0, axis=-1) - 1, 0)
+      if length_head:
+        guessed = head_lengths(params, model_config, batch["inputs"], max_length, mesh)
+        head_hits += int(np.sum(guessed[:n_real] == lengths[:n_real]))
+        head_errors += float(np.sum(np.abs(guessed[:n_real] - lengths[:n_real])))
+      if oracle_length:
         outputs = decode_batch(params, model_config, e, batch["inputs"], max_length,
                                mesh=mesh, lengths=lengths)
         oracle += [detokenize(tokenizer, row) for row in outputs[:n_real]]
@@ -129,6 +139,9 @@ def evaluate(params, model_config: ModelConfig, config, tokenizer: tokenizer_lib
   if oracle_length:
     outputs["oracle"] = oracle
     text["oracle_exact_match"] = text_metrics(oracle, references)["exact_match"]
+  if length_head:  # share of exact lengths, and the mean absolute error in tokens
+    text["length_head_accuracy"] = head_hits / len(examples)
+    text["length_head_error"] = head_errors / len(examples)
   groups = sources.groups(d, kept)
   return {
       **metrics,
@@ -148,9 +161,12 @@ def evaluate(params, model_config: ModelConfig, config, tokenizer: tokenizer_lib
 def decode_name(config) -> str:
   """The search of `config.eval` in a file name: greedy, beam4-lp0.6, sample-t0.8-top40, with
   -lenK when eval.max_decode_len sets the output length (beam4-lplength1.0 with transformers'
-  length penalty; -eos with eval.force_eos, -suppressN with N eval.suppress_tokens)."""
+  length penalty; -eos with eval.force_eos, -suppressN with N eval.suppress_tokens;
+  greedy-lengthhead with eval.length_head, whatever eval.decode says)."""
   e = config.eval
-  if e.decode == "beam":
+  if e.get("length_head", False):
+    name = "greedy-lengthhead"
+  elif e.decode == "beam":
     form = "" if e.get("length_penalty_form", "gnmt") == "gnmt" else e.length_penalty_form
     name = f"beam{e.beam_size}-lp{form}{e.length_penalty:g}"
   elif e.decode == "sample":

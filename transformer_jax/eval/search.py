@@ -31,6 +31,8 @@ def decode_settings(eval_config) -> dict:
     settings.update(temperature=e.temperature, top_k=e.top_k)
   if e.get("force_eos", False):
     settings["force_eos"] = True
+  if e.get("length_head", False):
+    settings = {"decode": "greedy", "length_head": True}
   if e.get("suppress_tokens", ()):
     settings["suppress_tokens"] = list(e.suppress_tokens)
   return settings
@@ -53,10 +55,14 @@ def decode_batch(params, model_config: ModelConfig, eval_config, inputs, max_len
 
   `lengths` (int `[batch]`): oracle-length decoding (see `decode.greedy_decode`): greedy,
   whatever eval.decode says, with EOS masked out and row r stopped after lengths[r] tokens.
+  Without `lengths`, eval.length_head decodes the same way with the lengths that the model's
+  length head predicts (`head_lengths`).
   """
   cfg = model_config.replace(deterministic=True)
   e = eval_config
   rows = len(inputs)
+  if lengths is None and e.get("length_head", False):
+    lengths = head_lengths(params, cfg, inputs, max_length, mesh)
   if cfg.arch == "decoder_only" and not prompts:
     inputs = np.asarray(decode.seq2seq_prompt(np.asarray(inputs)))
   context = contextlib.nullcontext()
@@ -84,6 +90,24 @@ def decode_batch(params, model_config: ModelConfig, eval_config, inputs, max_len
     else:
       tokens = decode.greedy_decode(params, cfg, inputs, max_length, **rules)
   return sharding.to_host(tokens)[:rows]
+
+
+def head_lengths(params, model_config: ModelConfig, inputs, max_length: int,
+                 mesh=None) -> np.ndarray:
+  """model.length_head's predicted output lengths of source ids `inputs` (int `[rows]`, EOS
+  not counted): rounded to the nearest integer and kept in [1, max_length - 1] (the output
+  positions decoding allows, one left for EOS). Rows of padding get 0."""
+  cfg = model_config.replace(deterministic=True)
+  host = np.asarray(inputs)
+  context = contextlib.nullcontext()
+  if mesh is not None:
+    inputs = sharding.shard_batch({"inputs": host}, mesh)["inputs"]
+    context = sharding.context(mesh)
+  with context:
+    predicted = decode.predicted_lengths(params, cfg, jnp.asarray(inputs))
+  predicted = np.asarray(sharding.to_host(predicted))[:len(host)]
+  kept = np.clip(np.rint(predicted), 1, max(max_length - 1, 1)).astype(np.int32)
+  return np.where(host.any(axis=-1), kept, 0)
 
 
 def detokenize(tokenizer: tokenizer_lib.Tokenizer, ids) -> str:

@@ -77,6 +77,11 @@ class ModelConfig:
   # sublayer's output, g * u + (1 - g) * x, a learned sigmoid gate g of the sublayer's input
   # (the copy gate of Csordas et al.'s Neural Data Router, 2022; layers.Residual). False: x + u.
   residual_gate: bool = False
+  # encoder_decoder: True adds a head that predicts the target's length (EOS not counted) from
+  # the encoder's output: a sum over the source tokens of softplus(w . h_i + b), each token's
+  # share of the output (the fertility of non-autoregressive translation, Gu et al., 2018).
+  # Trained with train.length_loss_weight; eval.length_head decodes outputs of that length.
+  length_head: bool = False
   positional: str = "sinusoidal"  # (see CHOICES)
   position_base: float = 10000.0  # sinusoidal, rotary and relative_xl: the base of the wavelengths
   relative_buckets: int = 32  # relative_bias: buckets of the relative distance (per direction
@@ -219,6 +224,9 @@ class ModelConfig:
     if self.random_positions_max and self.random_positions_max < self.max_len:
       raise UserError(f"model.random_positions_max ({self.random_positions_max}) must be at least "
                       f"model.max_len ({self.max_len}), or 0 (off)")
+    if self.length_head and self.arch != "encoder_decoder":
+      raise UserError(f"model.length_head reads the encoder's output, which model.arch="
+                      f"{self.arch} lacks; set model.length_head=False or use encoder_decoder")
     if self.logits_bias and self.arch == "encoder_only":
       raise UserError("model.logits_bias is a bias of the decoder's logits; an encoder_only model "
                       "has its head's own bias (set model.logits_bias=False)")

@@ -316,6 +316,23 @@ class Transformer(nn.Module):
     target_embed = source_embed if cfg.share_embeddings else _embed(cfg, "target_embedding")
     self.encoder = Encoder(cfg, source_embed, name="encoder")
     self.decoder = Decoder(cfg, target_embed, name="decoder")
+    if cfg.length_head:
+      self.length_head = nn.Dense(1, dtype=jnp.float32,
+                                  kernel_init=param_init(kernel_init(cfg), "embed", None),
+                                  bias_init=param_init(nn.initializers.zeros_init(), None),
+                                  name="length_head")
+
+  def predict_length(self, encoded: Array, source_tokens: Array) -> Array:
+    """model.length_head: the predicted length of each target (EOS not counted), float32
+    `[batch]`: the sum over the real source tokens of softplus(w . h_i + b), h_i the encoder's
+    output at token i. Each token adds its own non-negative share, so a source made of parts
+    seen in training predicts the sum of their shares, however long it is."""
+    shares = jax.nn.softplus(self.length_head(encoded.astype(jnp.float32))[..., 0])
+    return jnp.sum(jnp.where(source_tokens > 0, shares, 0.0), axis=-1)
+
+  def source_length_prediction(self, source_tokens: Array) -> Array:
+    """`predict_length(encode(source_tokens), source_tokens)`: float32 `[batch]`."""
+    return self.predict_length(self.encode(source_tokens), source_tokens)
 
   def encode(self, source_tokens: Array, source_positions: Optional[Array] = None,
              source_segments: Optional[Array] = None) -> Array:
@@ -350,8 +367,12 @@ class Transformer(nn.Module):
                source_segments: Optional[Array] = None,
                target_segments: Optional[Array] = None) -> Array:
     """source_tokens `[batch, src_len]`, decoder_inputs `[batch, tgt_len]`
-    -> logits `[batch, tgt_len, vocab]`."""
+    -> logits `[batch, tgt_len, vocab]`. With model.length_head, the predicted target lengths
+    (`predict_length`) are sown as the "intermediates" collection's "length"; packed rows
+    (source_segments) have none, since each row holds several targets."""
     encoded = self.encode(source_tokens, source_positions, source_segments)
+    if self.config.length_head and source_segments is None:
+      self.sow("intermediates", "length", self.predict_length(encoded, source_tokens))
     return self.decode(encoded, source_tokens, decoder_inputs, target_positions,
                        source_segments, target_segments)
 
@@ -504,6 +525,7 @@ def describe(config: ModelConfig) -> str:
   block = f"{c.norm}-{c.norm_type}, {c.activation}" + (", parallel blocks" if c.parallel_block
                                                        else "")
   block += ", gated residuals" if c.residual_gate else ""
+  block += ", length head" if c.length_head else ""
   biases = {(True, True): "", (False, False): ", no biases", (True, False): ", q/k/v biases only",
             (False, True): ", no q/k/v biases"}[(c.qkv_bias, c.use_bias)]
   block += biases + ("" if c.tie_output else ", untied output layer")

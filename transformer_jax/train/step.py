@@ -64,14 +64,26 @@ def pair_token_types(inputs):
   return ((jnp.cumsum(eos, axis=1) - eos > 0) & (inputs > 0)).astype(jnp.int32)
 
 
-def forward(model, params, batch, rngs=None):
+def target_lengths(targets):
+  """The length of each row's target, EOS not counted (what model.length_head predicts), float32
+  `[batch]`; 0 for a row of padding."""
+  return jnp.maximum(jnp.sum(targets > 0, axis=-1) - 1, 0).astype(jnp.float32)
+
+
+def forward(model, params, batch, rngs=None, lengths: bool = False):
   """The model's logits for a batch, the labels they predict and the weight of each label.
 
   encoder-decoder and decoder-only: logits `[batch, tgt_len, vocab]` of the targets (teacher
   forcing); encoder-only: logits at every input position (masked LM) or `[batch, 1, labels]`
   (classification, whose targets hold label + 1). Weights are 1 at real labels, 0 at padding.
+  With `lengths` (model.length_head), a fourth value: the predicted target lengths `[batch]`.
   """
   targets = batch["targets"]
+  if lengths:
+    logits, sown = model.apply({"params": params}, batch["inputs"], shift_right(targets),
+                               rngs=rngs, mutable=["intermediates"])
+    predicted = sown["intermediates"]["length"][0]
+    return logits, targets, (targets > 0).astype(jnp.float32), predicted
   if model.config.arch == "encoder_only":
     segments = batch.get("inputs_segmentation")
     logits = model.apply({"params": params}, batch["inputs"], batch.get("inputs_position"),
@@ -90,9 +102,19 @@ def forward(model, params, batch, rngs=None):
   return logits, labels, (targets > 0).astype(jnp.float32)
 
 
-def _loss_and_metrics(params, model, batch, rng, smoothing, normalizer):
-  """Sum of the smoothed loss over a microbatch's tokens, divided by the batch's token count."""
-  logits, labels, weights = forward(model, params, batch, {"dropout": rng})
+def _loss_and_metrics(params, model, batch, rng, smoothing, normalizer, length_weight=0.0):
+  """Sum of the smoothed loss over a microbatch's tokens, divided by the batch's token count.
+
+  With model.length_head, plus `length_weight` (train.length_loss_weight) times the squared
+  error of each example's predicted target length, summed over the examples and divided by the
+  same token count."""
+  if model.config.length_head:
+    logits, labels, weights, predicted = forward(model, params, batch, {"dropout": rng},
+                                                 lengths=True)
+    real = batch["targets"][:, 0] > 0
+    squared = jnp.where(real, (predicted - target_lengths(batch["targets"])) ** 2, 0.0)
+  else:
+    logits, labels, weights = forward(model, params, batch, {"dropout": rng})
   # bfloat16 compute runs on accelerators, where the step is HBM-bound and the loss's passes
   # over the [tokens, vocab] logits are its largest kernels; float32 keeps the CPU's faster form.
   loss, nll, correct = label_smoothed_cross_entropy(
@@ -100,11 +122,15 @@ def _loss_and_metrics(params, model, batch, rng, smoothing, normalizer):
       excluded_rows=() if model.config.num_labels else model.config.excluded_rows)
   correct = correct * weights
   sums = {"loss": (loss * weights).sum(), "nll": (nll * weights).sum(), "correct": correct.sum()}
+  if model.config.length_head:
+    sums["length_squared_error"] = squared.sum()
+    sums["loss"] = sums["loss"] + length_weight * sums["length_squared_error"]
   return sums["loss"] / normalizer, sums
 
 
 def train_step(state: TrainState, batch, rng, *, model, optimizer, smoothing: float,
-               accum_steps: int, task: str = "seq2seq", mask_rate: float = 0.15):
+               accum_steps: int, task: str = "seq2seq", mask_rate: float = 0.15,
+               length_weight: float = 0.0):
   """One update from the global batch: (state, batch, rng) -> (state, metrics).
 
   Written for the whole batch; `make_train_step` runs it on a mesh. The loss is the mean over
@@ -126,11 +152,12 @@ def train_step(state: TrainState, batch, rng, *, model, optimizer, smoothing: fl
     grads, sums = carry
     microbatch, i = inputs
     g, s = grad_fn(state.params, model, microbatch, jax.random.fold_in(rng, i), smoothing,
-                   tokens)
+                   tokens, length_weight)
     return (jax.tree.map(jnp.add, grads, g), jax.tree.map(jnp.add, sums, s)), None
 
   zeros = (jax.tree.map(jnp.zeros_like, state.params),
-           {"loss": 0.0, "nll": 0.0, "correct": 0.0})
+           {"loss": 0.0, "nll": 0.0, "correct": 0.0}
+           | ({"length_squared_error": 0.0} if model.config.length_head else {}))
   (grads, sums), _ = jax.lax.scan(accumulate, zeros,
                                   (jax.tree.map(deal, batch), jnp.arange(accum_steps)))
 
@@ -150,6 +177,9 @@ def train_step(state: TrainState, batch, rng, *, model, optimizer, smoothing: fl
   metrics = {"loss": sums["loss"] / tokens, "nll": sums["nll"] / tokens,
              "accuracy": sums["correct"] / tokens, "grad_norm": grad_norm,
              "tokens": tokens, "padding": 1.0 - real / jnp.maximum(slots, 1), "finite": finite}
+  if model.config.length_head:  # the mean squared error of the predicted lengths, in tokens^2
+    examples = (raw["targets"][:, 0] > 0).sum().astype(jnp.float32)
+    metrics["length_mse"] = sums["length_squared_error"] / jnp.maximum(examples, 1.0)
   return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
@@ -163,7 +193,8 @@ def make_train_step(model_config: ModelConfig, config, mesh, optimizer):
                     f"train.grad_accum_steps ({accum})")
   step = functools.partial(train_step, model=make_model(model_config), optimizer=optimizer,
                            smoothing=config.train.label_smoothing, accum_steps=accum,
-                           task=config.data.task, mask_rate=config.data.mask_rate)
+                           task=config.data.task, mask_rate=config.data.mask_rate,
+                           length_weight=config.train.get("length_loss_weight", 0.0))
   state_shardings = state_lib.state_shardings(model_config, optimizer, mesh)
   replicated = sharding.replicated(mesh)
   return sharding.jit(step, mesh, donate_argnums=(0,),

@@ -611,12 +611,13 @@ def _target(model: ModelConfig):
   """(Architecture, Head) that expresses our model; refuses, naming the option, when none does."""
   # Options no exported class has: one layer's weights shared by the stack, a learned position
   # table widened for randomised training positions, positions drawn at evaluation, and gated
-  # residual blocks.
+  # residual blocks, and a length head.
   unexported = {"share_layers": model.share_layers,
                 "random_positions_max": model.random_positions_max
                                         and model.positional == "learned",
                 "random_positions_eval": model.random_positions_eval,
-                "residual_gate": model.residual_gate}
+                "residual_gate": model.residual_gate,
+                "length_head": model.length_head}
   key = next((key for key, present in unexported.items() if present), None)
   if key:
     raise UserError(f"no Hugging Face class that this project exports has model.{key} "
