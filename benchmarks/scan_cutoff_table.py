@@ -6,6 +6,10 @@ early, ran on, a wrong token first) summed over seeds, and Csordas et al.'s figu
 Reads every run under the given directories (a sweep's trial_NNN_seedK, or single runs): its
 config.json and its result file of the test split at train.steps (eval/STEP.test.greedy.json,
 written at the end of training). Runs without that file (unfinished) are counted as missing.
+A run with model.length_head has a row for each way its last checkpoint was decoded: at the
+head's predicted length (eval/STEP.test.greedy-lengthhead.json) and with its own EOS (the
+greedy file, where `--mode=evaluate --config.eval.length_head=False` wrote one), with the share
+of test outputs whose length the head gets exactly in a last column.
 A run whose sizes or training settings (layers, heads, batches, steps, learning rate, label
 smoothing, optimizer, embeddings) differ from those most runs of its architecture have, the
 recipe's, has a row of its own that names them.
@@ -43,6 +47,8 @@ def option(config: dict) -> str:
     name += ", shared layers"
   if m.get("residual_gate"):
     name += ", gated residuals"
+  if m.get("length_head"):
+    name += ", length head"
   return name + (f", dropout {m['dropout_rate']:g}" if m["dropout_rate"] else "")
 
 
@@ -57,17 +63,31 @@ def runs(directories: list[str]) -> list[dict]:
       split = config["data"]["scan_split"]
       if not split.startswith(scan.CUTOFF_PREFIX):
         continue
-      result = os.path.join(workdir, "eval", f"{config['train']['steps']}.test.greedy.json")
-      metrics = {}
-      if os.path.exists(result):
-        with open(result) as f:
-          metrics = json.load(f)
-      found.append({"cutoff": scan.max_train_actions(split), "option": option(config),
-                    "arch": config["model"]["arch"], "settings": settings(config),
-                    "seed": config["seed"],
-                    "exact_match": metrics.get("exact_match"),
-                    "oracle_exact_match": metrics.get("oracle_exact_match"),
-                    "errors": metrics.get("errors", {}).get("standard", {})})
+      # How the run itself decoded (at the end of training), then the other decoding where an
+      # evaluation afterwards wrote it: a length-head run gives a row of each.
+      decodings = ["greedy"]
+      if config["model"].get("length_head"):
+        decodings = (["greedy-lengthhead", "greedy"] if config["eval"].get("length_head")
+                     else ["greedy", "greedy-lengthhead"])
+      for k, decoding in enumerate(decodings):
+        result = os.path.join(workdir, "eval", f"{config['train']['steps']}.test.{decoding}.json")
+        metrics = {}
+        if os.path.exists(result):
+          with open(result) as f:
+            metrics = json.load(f)
+        elif k:
+          continue  # not evaluated that way: no row
+        name = option(config)
+        if config["model"].get("length_head"):
+          name += (", decoded at its length" if decoding == "greedy-lengthhead"
+                   else ", decoded to its own EOS")
+        found.append({"cutoff": scan.max_train_actions(split), "option": name,
+                      "arch": config["model"]["arch"], "settings": settings(config),
+                      "seed": config["seed"],
+                      "exact_match": metrics.get("exact_match"),
+                      "oracle_exact_match": metrics.get("oracle_exact_match"),
+                      "length_head_accuracy": metrics.get("length_head_accuracy"),
+                      "errors": metrics.get("errors", {}).get("standard", {})})
   # A setting that differs from the value most runs of the same architecture have (the recipe's,
   # where most runs follow it) is named in the option: a row of its own. Where no value has more
   # runs than every other, each run names its own.
@@ -112,10 +132,12 @@ def errors(scored: list[dict]) -> str:
 
 
 def table(found: list[dict]) -> str:
+  heads = any(r.get("length_head_accuracy") is not None for r in found)
   lines = ["| cutoff | option | seeds scored | exact match, median [min, max] | per seed | "
            "oracle-length exact match, median [min, max] | wrong outputs, all seeds: stopped "
-           "early / ran on / wrong token | Csordas et al. |",
-           "| ---: | --- | ---: | --- | --- | --- | --- | ---: |"]
+           "early / ran on / wrong token | Csordas et al. |"
+           + (" length head: exact lengths, median [min, max] |" if heads else ""),
+           "| ---: | --- | ---: | --- | --- | --- | --- | ---: |" + (" --- |" if heads else "")]
   rows = sorted({(r["cutoff"], r["option"]) for r in found})
   for cutoff, name in rows:
     members = sorted((r for r in found if (r["cutoff"], r["option"]) == (cutoff, name)),
@@ -123,10 +145,12 @@ def table(found: list[dict]) -> str:
     scored = [r for r in members if r["exact_match"] is not None]
     per_seed = " / ".join(f"{r['seed']}: {100 * r['exact_match']:.2f}" for r in scored)
     paper = f"{100 * CSORDAS[cutoff]:.0f}%" if cutoff in CSORDAS else "-"
+    head_accuracy = [r["length_head_accuracy"] for r in scored
+                     if r.get("length_head_accuracy") is not None]
     lines.append(f"| {cutoff} | {name} | {len(scored)}/{len(members)} | "
                  f"{spread([r['exact_match'] for r in scored])} | {per_seed} | "
                  f"{spread([r['oracle_exact_match'] for r in scored])} | {errors(scored)} | "
-                 f"{paper} |")
+                 f"{paper} |" + (f" {spread(head_accuracy)} |" if heads else ""))
   return "\n".join(lines)
 
 

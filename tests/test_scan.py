@@ -316,6 +316,32 @@ def test_cutoff_table_gives_median_min_max_over_seeds_of_each_cutoff_and_option(
   assert empty.returncode == 2 and empty.stderr.startswith("error: no run")
 
 
+def test_cutoff_table_gives_a_length_head_run_a_row_for_each_decoding(tmp_path):
+  """A run with model.length_head decoded at the head's length during training
+  (STEPS.test.greedy-lengthhead.json), and one of two seeds evaluated again with its own EOS
+  (STEPS.test.greedy.json): a row for each decoding, the head's exact lengths in a last column."""
+  for seed, (at_length, own, share) in enumerate([(0.75, 0.5, 0.875), (0.25, None, 0.5)]):
+    c = config_lib.default_config()
+    c.data.scan_split, c.seed = "length_cutoff_27", seed
+    c.model.update(positional="relative_xl", length_head=True)
+    c.eval.length_head = True
+    workdir = tmp_path / f"h{seed}"
+    (workdir / "eval").mkdir(parents=True)
+    (workdir / "config.json").write_text(c.to_json_best_effort())
+    for decoding, exact in (("greedy-lengthhead", at_length), ("greedy", own)):
+      if exact is not None:
+        (workdir / "eval" / f"{c.train.steps}.test.{decoding}.json").write_text(json.dumps({
+            "exact_match": exact, "oracle_exact_match": 0.9, "length_head_accuracy": share}))
+  out = subprocess.run([sys.executable, "benchmarks/scan_cutoff_table.py", str(tmp_path)],
+                       check=True, capture_output=True, text=True).stdout.splitlines()
+  assert out[0].endswith("| length head: exact lengths, median [min, max] |")
+  rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in out[2:]]
+  assert [(r[1], r[2], r[3], r[-1]) for r in rows] == [
+      ("encoder-decoder, relative xl, length head, dropout 0.1, decoded at its length", "2/2",
+       "50.00% [25.00, 75.00]", "68.75% [50.00, 87.50]"),
+      ("encoder-decoder, relative xl, length head, dropout 0.1, decoded to its own EOS", "1/1",
+       "50.00% [50.00, 50.00]", "87.50% [87.50, 87.50]")]
+
 
 def test_cutoff_recipe_options_are_valid_configs_and_its_docstring_runs_csordas_settings():
   """Every option of experiments/scan_cutoff.py's get_sweep() is a config the sweep accepts
