@@ -136,6 +136,48 @@ def test_decoding_at_the_heads_lengths_gives_outputs_of_exactly_that_length():
   assert evaluate_lib.decode_name(c) == "greedy-lengthhead"
 
 
+def _output_lengths(outputs):
+  """Tokens before EOS in each row of decoded outputs (all of them where no EOS)."""
+  outputs = np.asarray(outputs)
+  has = (outputs == EOS_ID).any(axis=-1)
+  return np.where(has, np.argmax(outputs == EOS_ID, axis=-1), (outputs > 0).sum(axis=-1))
+
+
+def test_a_window_lets_the_model_end_each_output_within_it_and_binds_only_where_it_must():
+  cfg = config(logits_bias=True)
+  params = random_params(cfg, seed=9)
+  # A bias on EOS's logit that makes some rows stop after one token and others run on.
+  params["decoder"]["logits_bias"] = jnp.zeros(30).at[EOS_ID].set(1.4)
+  source = sources(seed=10, rows=6)
+  plain = np.asarray(decode.greedy_decode(params, cfg, source, 20))
+  free = _output_lengths(plain)
+  assert list(free) == [1, 20, 20, 1, 1, 20]  # the setting of the test, not a result
+  shortest = np.array([0, 2, 0, 1, 3, 4], np.int32)
+  longest = np.array([3, 5, 0, 1, 6, 4], np.int32)
+  windowed = np.asarray(decode.greedy_decode(params, cfg, source, 20,
+                                             window=(jnp.asarray(shortest), jnp.asarray(longest))))
+  got = _output_lengths(windowed)
+  assert (windowed == EOS_ID).any(axis=-1).all()
+  assert ((shortest <= got) & (got <= longest)).all(), (shortest, got, longest)
+  # Where the plain output ends inside its window nothing changes (rows 0 and 3); elsewhere the
+  # tokens before the bound are the plain search's: the window only moves EOS.
+  for r in (0, 3):
+    np.testing.assert_array_equal(windowed[r], plain[r])
+  for r in range(6):
+    np.testing.assert_array_equal(windowed[r, :min(got[r], free[r])],
+                                  plain[r, :min(got[r], free[r])])
+  # Through the configured search: the head's length +- eval.length_head_slack.
+  c = config_lib.default_config()
+  c.eval.update(length_head=True, length_head_slack=2)
+  params = random_params(config(), seed=9)
+  cfg = config()
+  predicted = search.head_lengths(params, cfg, np.asarray(source), 20)
+  got = _output_lengths(search.decode_batch(params, cfg, c.eval, np.asarray(source), 20))
+  assert ((predicted - 2 <= got) & (got <= np.minimum(predicted + 2, 19))).all()
+  assert search.decode_settings(c.eval)["length_head_slack"] == 2
+  assert evaluate_lib.decode_name(c) == "greedy-lengthhead-slack2"
+
+
 def test_evaluate_reports_how_often_the_head_gets_the_length():
   c = tiny.get_config()
   c.model.length_head = True
@@ -161,6 +203,7 @@ def test_evaluate_reports_how_often_the_head_gets_the_length():
     ({"model.length_head": False, "eval.length_head": True}, "this model has no such head"),
     ({"data.batching": "packed"}, "data.batching=packed puts several in a row"),
     ({"train.length_loss_weight": -1.0}, "train.length_loss_weight must be >= 0"),
+    ({"eval.length_head_slack": -1}, "eval.length_head_slack must be >= 0"),
 ])
 def test_impossible_settings_are_refused_in_one_line(changes, message):
   c = tiny.get_config()

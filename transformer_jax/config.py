@@ -190,6 +190,9 @@ def default_config() -> ml_collections.ConfigDict:
   # head predicts (rounded; EOS masked out, stopped there), as oracle-length decoding is with
   # the reference's. False: the model's own EOS decides.
   c.eval.length_head = False
+  # eval.length_head: > 0 lets the model's own EOS end an output anywhere within this many
+  # tokens of the predicted length (before it EOS is masked out, after it forced); 0 = exactly.
+  c.eval.length_head_slack = 0
 
   c.compile = ml_collections.ConfigDict()  # --mode=compile (tools/compile.py)
   c.compile.topology = ""  # a TPU slice (v5e:2x4, v5p:2x2x1, v5litepod-8) or GPUs (h100, h100-8)
@@ -415,7 +418,7 @@ def validate(config: ml_collections.ConfigDict, platform: str = "cpu") -> ModelC
               "eval.length_penalty", "eval.top_k", "eval.average_last", "train.keep_best",
               "train.profile_steps", "train.profile_start", "train.storage_outage_s",
               "compile.batch_size", "compile.source_len", "compile.target_len",
-              "train.length_loss_weight"):
+              "train.length_loss_weight", "eval.length_head_slack"):
     if _get(config, key) < 0:
       raise UserError(f"{key} must be >= 0, got {_get(config, key)}")
   if config.train.learning_rate <= 0:

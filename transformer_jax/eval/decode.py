@@ -272,18 +272,22 @@ def length_penalty(length: Array, alpha: float, form: str = "gnmt") -> Array:
 def _left_to_right(params, config: ModelConfig, source_tokens: Array, max_length: int,
                    choose: Callable[[Array, Array], Array], bos_id: int, eos_id: int,
                    lengths: Array | None = None, suppressed: tuple = (),
-                   force_eos: bool = False) -> Array:
+                   force_eos: bool = False, window: tuple | None = None) -> Array:
   """One token per row per step, chosen by `choose(log_probs [batch, vocab], step) -> [batch]`.
 
   Stops once every row has emitted EOS (or after `max_length` steps); returns `[batch, max_length]`.
   With `lengths` (int `[batch]`, the oracle length): EOS is forbidden and row r stops after
   exactly lengths[r] tokens (capped at max_length), so that only the tokens are the model's.
+  With `window` = (shortest, longest) (int `[batch]` each): row r may emit EOS only after at
+  least shortest[r] tokens and must emit it after longest[r]; the model chooses where in between.
   `suppressed`, `force_eos`: eval.suppress_tokens and eval.force_eos.
   """
   batch = source_tokens.shape[0]
   begin = start(params, config, source_tokens, max_length, bos_id=bos_id)
   if lengths is not None:
     lengths = jnp.minimum(jnp.asarray(lengths, jnp.int32), max_length)
+  if window is not None:
+    shortest, longest = (jnp.asarray(w, jnp.int32) for w in window)
 
   def not_done(state):
     step, _, _, _, finished = state
@@ -297,6 +301,10 @@ def _left_to_right(params, config: ModelConfig, source_tokens: Array, max_length
       log_probs = _force_eos(log_probs, step, max_length, eos_id)
     if lengths is not None:
       log_probs = log_probs.at[:, eos_id].set(NEG_INF)
+    if window is not None:
+      eos = jnp.arange(log_probs.shape[-1]) == eos_id
+      log_probs = jnp.where((step < shortest)[:, None] & eos, NEG_INF, log_probs)
+      log_probs = jnp.where((step >= longest)[:, None] & ~eos, NEG_INF, log_probs)
     chosen = jnp.where(finished, 0, choose(log_probs, step)).astype(jnp.int32)
     tokens = tokens.at[:, step].set(chosen)
     finished = finished | (chosen == eos_id)
@@ -316,7 +324,8 @@ def _left_to_right(params, config: ModelConfig, source_tokens: Array, max_length
                                              "suppressed", "force_eos"))
 def greedy_decode(params, config: ModelConfig, source_tokens: Array, max_length: int,
                   bos_id: int = 1, eos_id: int = 2, lengths: Array | None = None,
-                  suppressed: tuple = (), force_eos: bool = False) -> Array:
+                  suppressed: tuple = (), force_eos: bool = False,
+                  window: tuple | None = None) -> Array:
   """Picks the most probable token at every step.
 
   Args:
@@ -327,13 +336,15 @@ def greedy_decode(params, config: ModelConfig, source_tokens: Array, max_length:
       lengths[r] tokens; its output has exactly min(lengths[r], max_length) tokens and no EOS.
       The gap between this and plain greedy decoding is the error of the model's decision to
       stop. None (default): plain greedy decoding.
+    window: (shortest, longest), int `[batch]` each: EOS is forbidden before shortest[r] tokens
+      and the only choice after longest[r] (eval.length_head_slack around a predicted length).
 
   Returns:
     int32 `[batch, max_length]`: no BOS, EOS included, zeros after EOS.
   """
   return _left_to_right(params, config, source_tokens, max_length,
                         lambda log_probs, step: jnp.argmax(log_probs, axis=-1), bos_id, eos_id,
-                        lengths, suppressed, force_eos)
+                        lengths, suppressed, force_eos, window)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "max_length", "top_k", "bos_id",

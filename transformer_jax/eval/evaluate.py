@@ -162,10 +162,11 @@ def decode_name(config) -> str:
   """The search of `config.eval` in a file name: greedy, beam4-lp0.6, sample-t0.8-top40, with
   -lenK when eval.max_decode_len sets the output length (beam4-lplength1.0 with transformers'
   length penalty; -eos with eval.force_eos, -suppressN with N eval.suppress_tokens;
-  greedy-lengthhead with eval.length_head, whatever eval.decode says)."""
+  greedy-lengthhead[-slackK] with eval.length_head, whatever eval.decode says)."""
   e = config.eval
   if e.get("length_head", False):
-    name = "greedy-lengthhead"
+    slack = e.get("length_head_slack", 0)
+    name = "greedy-lengthhead" + (f"-slack{slack}" if slack else "")
   elif e.decode == "beam":
     form = "" if e.get("length_penalty_form", "gnmt") == "gnmt" else e.length_penalty_form
     name = f"beam{e.beam_size}-lp{form}{e.length_penalty:g}"

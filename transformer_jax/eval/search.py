@@ -33,6 +33,8 @@ def decode_settings(eval_config) -> dict:
     settings["force_eos"] = True
   if e.get("length_head", False):
     settings = {"decode": "greedy", "length_head": True}
+    if e.get("length_head_slack", 0):
+      settings["length_head_slack"] = e.length_head_slack
   if e.get("suppress_tokens", ()):
     settings["suppress_tokens"] = list(e.suppress_tokens)
   return settings
@@ -56,13 +58,19 @@ def decode_batch(params, model_config: ModelConfig, eval_config, inputs, max_len
   `lengths` (int `[batch]`): oracle-length decoding (see `decode.greedy_decode`): greedy,
   whatever eval.decode says, with EOS masked out and row r stopped after lengths[r] tokens.
   Without `lengths`, eval.length_head decodes the same way with the lengths that the model's
-  length head predicts (`head_lengths`).
+  length head predicts (`head_lengths`); with eval.length_head_slack = k > 0 the model's own
+  EOS ends row r anywhere from predicted[r] - k to predicted[r] + k tokens (greedy).
   """
   cfg = model_config.replace(deterministic=True)
   e = eval_config
   rows = len(inputs)
+  window = None
   if lengths is None and e.get("length_head", False):
     lengths = head_lengths(params, cfg, inputs, max_length, mesh)
+    if slack := e.get("length_head_slack", 0):
+      window = (np.maximum(lengths - slack, 0).astype(np.int32),
+                np.minimum(lengths + slack, max_length - 1).astype(np.int32))
+      lengths = None
   if cfg.arch == "decoder_only" and not prompts:
     inputs = np.asarray(decode.seq2seq_prompt(np.asarray(inputs)))
   context = contextlib.nullcontext()
@@ -70,14 +78,20 @@ def decode_batch(params, model_config: ModelConfig, eval_config, inputs, max_len
     placed = {"inputs": np.asarray(inputs)}
     if lengths is not None:
       placed["lengths"] = np.asarray(lengths, np.int32)
+    if window is not None:
+      placed["shortest"], placed["longest"] = window
     placed = sharding.shard_batch(placed, mesh)
     inputs, lengths = placed["inputs"], placed.get("lengths", lengths)
+    window = None if window is None else (placed["shortest"], placed["longest"])
     context = sharding.context(mesh)
   rules = {"suppressed": tuple(int(t) for t in e.get("suppress_tokens", ())),
            "force_eos": bool(e.get("force_eos", False))}
   with context:
     if lengths is not None:
       tokens = decode.greedy_decode(params, cfg, inputs, max_length, lengths=jnp.asarray(lengths),
+                                    suppressed=rules["suppressed"])
+    elif window is not None:
+      tokens = decode.greedy_decode(params, cfg, inputs, max_length, window=window,
                                     suppressed=rules["suppressed"])
     elif e.decode == "beam":
       tokens, _ = decode.beam_search(params, cfg, inputs, max_length, beam_size=e.beam_size,
