@@ -191,8 +191,8 @@ def cached_and_full_decoder_only(config, params, source, decoder_inputs):
     ("decoder_only", dict(positional="relative_bias", num_heads=4, num_kv_heads=2,
                           parallel_block=True)),
     # Transformer-XL relative attention, randomised training positions, shared layers (one
-    # cache per application of the shared layer).
-    ("encoder_decoder", dict(positional="relative_xl", share_layers=True)),
+    # cache per application of the shared layer); a length head, which the decoder never reads.
+    ("encoder_decoder", dict(positional="relative_xl", share_layers=True, length_head=True)),
     ("decoder_only", dict(positional="relative_xl", num_heads=4, num_kv_heads=2,
                           random_positions_max=64)),
     ("decoder_only", dict(positional="rotary", share_layers=True, random_positions_max=64)),
