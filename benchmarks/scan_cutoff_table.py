@@ -7,7 +7,8 @@ Reads every run under the given directories (a sweep's trial_NNN_seedK, or singl
 config.json and its result file of the test split at train.steps (eval/STEP.test.greedy.json,
 written at the end of training). Runs without that file (unfinished) are counted as missing.
 A run with model.length_head has a row for each way its last checkpoint was decoded: at the
-head's predicted length (eval/STEP.test.greedy-lengthhead.json) and with its own EOS (the
+head's predicted length (eval/STEP.test.greedy-lengthhead.json), with its own EOS within k
+tokens of it (greedy-lengthhead-slackK, eval.length_head_slack) and with its own EOS alone (the
 greedy file, where `--mode=evaluate --config.eval.length_head=False` wrote one), with the share
 of test outputs whose length the head gets exactly in a last column.
 A run whose sizes or training settings (layers, heads, batches, steps, learning rate, label
@@ -22,6 +23,7 @@ import collections
 import glob
 import json
 import os
+import re
 import statistics
 import sys
 
@@ -63,24 +65,32 @@ def runs(directories: list[str]) -> list[dict]:
       split = config["data"]["scan_split"]
       if not split.startswith(scan.CUTOFF_PREFIX):
         continue
-      # How the run itself decoded (at the end of training), then the other decoding where an
-      # evaluation afterwards wrote it: a length-head run gives a row of each.
-      decodings = ["greedy"]
+      # How the run itself decoded (at the end of training), then the other decodings where an
+      # evaluation afterwards wrote them: a length-head run gives a row of each.
+      steps = config["train"]["steps"]
+      own = ("greedy-lengthhead" if config["model"].get("length_head")
+             and config["eval"].get("length_head") else "greedy")
+      if own == "greedy-lengthhead" and config["eval"].get("length_head_slack"):
+        own += f"-slack{config['eval']['length_head_slack']}"
+      decodings = [own]
       if config["model"].get("length_head"):
-        decodings = (["greedy-lengthhead", "greedy"] if config["eval"].get("length_head")
-                     else ["greedy", "greedy-lengthhead"])
-      for k, decoding in enumerate(decodings):
-        result = os.path.join(workdir, "eval", f"{config['train']['steps']}.test.{decoding}.json")
+        for written in sorted(glob.glob(os.path.join(workdir, "eval",
+                                                     f"{steps}.test.greedy*.json"))):
+          decoding = os.path.basename(written).split(".")[2]
+          if re.fullmatch(r"greedy(-lengthhead(-slack\d+)?)?", decoding) and decoding != own:
+            decodings.append(decoding)
+      for decoding in decodings:
+        result = os.path.join(workdir, "eval", f"{steps}.test.{decoding}.json")
         metrics = {}
         if os.path.exists(result):
           with open(result) as f:
             metrics = json.load(f)
-        elif k:
-          continue  # not evaluated that way: no row
         name = option(config)
         if config["model"].get("length_head"):
-          name += (", decoded at its length" if decoding == "greedy-lengthhead"
-                   else ", decoded to its own EOS")
+          slack = decoding.rpartition("-slack")[2] if "-slack" in decoding else ""
+          name += (", decoded to its own EOS" if decoding == "greedy" else
+                   f", decoded to its own EOS within {slack} of its length" if slack else
+                   ", decoded at its length")
         found.append({"cutoff": scan.max_train_actions(split), "option": name,
                       "arch": config["model"]["arch"], "settings": settings(config),
                       "seed": config["seed"],
@@ -97,7 +107,7 @@ def runs(directories: list[str]) -> list[dict]:
       counts = collections.Counter(r["settings"][key] for r in members).most_common()
       usual = counts[0][0] if len(counts) == 1 or counts[0][1] > counts[1][1] else None
       for r in members:
-        if r["settings"][key] != usual:
+        if r["settings"][key] != usual and r["settings"][key]:  # "": a setting it lacks
           r["option"] += ", " + r["settings"][key]
   return found
 
@@ -115,7 +125,9 @@ def settings(config: dict) -> dict:
           "label smoothing": f"label smoothing {t['label_smoothing']:g}",
           "optimizer": f"Adam beta2 {t['adam_b2']:g}, gradients clipped at {t['grad_clip_norm']:g}",
           "embeddings": ("embeddings " + ("scaled" if m["embed_scale"] else "unscaled")
-                         + (", tied" if m["tie_output"] else ", untied"))}
+                         + (", tied" if m["tie_output"] else ", untied")),
+          "length loss": (f"length loss weight {t.get('length_loss_weight', 0.1):g}"
+                          if m.get("length_head") else "")}
 
 
 def spread(values: list) -> str:

@@ -319,7 +319,9 @@ def test_cutoff_table_gives_median_min_max_over_seeds_of_each_cutoff_and_option(
 def test_cutoff_table_gives_a_length_head_run_a_row_for_each_decoding(tmp_path):
   """A run with model.length_head decoded at the head's length during training
   (STEPS.test.greedy-lengthhead.json), and one of two seeds evaluated again with its own EOS
-  (STEPS.test.greedy.json): a row for each decoding, the head's exact lengths in a last column."""
+  (STEPS.test.greedy.json), the other within 2 tokens of the head's length
+  (STEPS.test.greedy-lengthhead-slack2.json): a row for each decoding, the head's exact lengths
+  in a last column."""
   for seed, (at_length, own, share) in enumerate([(0.75, 0.5, 0.875), (0.25, None, 0.5)]):
     c = config_lib.default_config()
     c.data.scan_split, c.seed = "length_cutoff_27", seed
@@ -328,7 +330,9 @@ def test_cutoff_table_gives_a_length_head_run_a_row_for_each_decoding(tmp_path):
     workdir = tmp_path / f"h{seed}"
     (workdir / "eval").mkdir(parents=True)
     (workdir / "config.json").write_text(c.to_json_best_effort())
-    for decoding, exact in (("greedy-lengthhead", at_length), ("greedy", own)):
+    for decoding, exact in (("greedy-lengthhead", at_length), ("greedy", own),
+                            ("greedy-lengthhead-slack2", 0.625 if seed else None),
+                            ("beam4-lp0.6", 0.0)):  # not a decoding of the table's
       if exact is not None:
         (workdir / "eval" / f"{c.train.steps}.test.{decoding}.json").write_text(json.dumps({
             "exact_match": exact, "oracle_exact_match": 0.9, "length_head_accuracy": share}))
@@ -340,7 +344,9 @@ def test_cutoff_table_gives_a_length_head_run_a_row_for_each_decoding(tmp_path):
       ("encoder-decoder, relative xl, length head, dropout 0.1, decoded at its length", "2/2",
        "50.00% [25.00, 75.00]", "68.75% [50.00, 87.50]"),
       ("encoder-decoder, relative xl, length head, dropout 0.1, decoded to its own EOS", "1/1",
-       "50.00% [50.00, 50.00]", "87.50% [87.50, 87.50]")]
+       "50.00% [50.00, 50.00]", "87.50% [87.50, 87.50]"),
+      ("encoder-decoder, relative xl, length head, dropout 0.1, decoded to its own EOS within 2 "
+       "of its length", "1/1", "62.50% [62.50, 62.50]", "50.00% [50.00, 50.00]")]
 
 
 def test_cutoff_recipe_options_are_valid_configs_and_its_docstring_runs_csordas_settings():
