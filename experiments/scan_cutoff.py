@@ -28,8 +28,8 @@ Protocol (as Csordas et al.'s code, with this project's model and steps):
 - Each (cutoff, option) runs with SEEDS seeds, reported as median, min and max; five where a
   row decides something (e.g. a goal met by one seed more or less): --sweep_seeds=5.
 
-A whole table: 7 cutoffs x 4 options x 3 seeds = 84 runs of about three to four minutes each
-on an idle 2-core CPU (about 5 hours); `--sweep_trials` picks rows (trial 3k is cutoff
+A whole table: 7 cutoffs x 5 options x 3 seeds = 105 runs of about three to four minutes
+each on an idle 2-core CPU (about 6 hours); `--sweep_trials` picks rows (trial 3k is cutoff
 CUTOFFS[k] with the chosen option, 3k+1 the paper's model, 3k+2 the relative-position
 encoder-decoder; trial 21+k the same encoder-decoder with Csordas et al.'s settings, CSORDAS;
 trial 28+k those with the length head, LENGTH_HEAD):
