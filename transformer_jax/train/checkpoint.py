@@ -604,6 +604,10 @@ class Manager:
         raise self._refused(e) from None
       if code is None:
         raise
+      # A full disk cuts the save as a store does: its coroutines, never awaited, would say so
+      # on stderr when collected or at exit, after the one error line.
+      _release_cut_save()
+      gc.collect()
       steps = saved_steps(self.workdir)
       kept = (f"the checkpoints written before (steps {steps}) are intact" if steps
               else "no checkpoint was written")
