@@ -261,7 +261,8 @@ def _release_cut_save() -> None:
   its directory, which failed): orbax would keep them, and the process at its end, for its
   coordination timeout (5 minutes), then log a TimeoutError each. They are marked cancelled
   and woken, so that each returns without running its part of the save. Private parts of orbax
-  (0.11 to 0.12): where they differ, the threads time out as before."""
+  (0.11 to 0.12): where they differ, the threads time out as before. Then the save's abandoned
+  coroutines, which complain when collected, are collected: now, not at some later step."""
   # Their coroutines, never started, would each say so when the interpreter ends.
   warnings.filterwarnings("ignore", message="coroutine .* was never awaited",
                           category=RuntimeWarning)
@@ -273,6 +274,7 @@ def _release_cut_save() -> None:
         ocp_future.set_signals(thread._receive_signals, operation_id=thread._operation_id)
   except Exception:  # noqa: BLE001  another orbax: its own timeout ends them
     pass
+  gc.collect()
 
 
 def _write_errno(e: BaseException):
@@ -555,7 +557,6 @@ class Manager:
     """One line for a checkpoint write that the bucket's store refused (no permission, a
     bucket deleted, a quota): its answer, and what is intact."""
     _release_cut_save()
-    gc.collect()
     cause = error
     while cause.__cause__ is not None or cause.__context__ is not None:
       cause = cause.__cause__ or cause.__context__
@@ -596,7 +597,6 @@ class Manager:
     except Exception as e:  # orbax wraps the OSError in whatever its layer raises
       if storage.is_url(self.directory) and outage.armed() and outage.unreachable(e):
         _release_cut_save()
-        gc.collect()  # the cut save's abandoned coroutines complain when collected: now
         outage.failed(self._endpoint(), e, "to save a checkpoint")
         raise _Unanswered() from None
       code = _write_errno(e)
@@ -607,7 +607,6 @@ class Manager:
       # A full disk cuts the save as a store does: its coroutines, never awaited, would say so
       # on stderr when collected or at exit, after the one error line.
       _release_cut_save()
-      gc.collect()
       steps = saved_steps(self.workdir)
       kept = (f"the checkpoints written before (steps {steps}) are intact" if steps
               else "no checkpoint was written")
