@@ -87,11 +87,9 @@ def decode_batch(params, model_config: ModelConfig, eval_config, inputs, max_len
   rules = {"suppressed": tuple(int(t) for t in e.get("suppress_tokens", ())),
            "force_eos": bool(e.get("force_eos", False))}
   with context:
-    if lengths is not None:
-      tokens = decode.greedy_decode(params, cfg, inputs, max_length, lengths=jnp.asarray(lengths),
-                                    suppressed=rules["suppressed"])
-    elif window is not None:
+    if lengths is not None or window is not None:
       tokens = decode.greedy_decode(params, cfg, inputs, max_length, window=window,
+                                    lengths=None if lengths is None else jnp.asarray(lengths),
                                     suppressed=rules["suppressed"])
     elif e.decode == "beam":
       tokens, _ = decode.beam_search(params, cfg, inputs, max_length, beam_size=e.beam_size,

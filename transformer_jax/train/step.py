@@ -79,11 +79,6 @@ def forward(model, params, batch, rngs=None, lengths: bool = False):
   With `lengths` (model.length_head), a fourth value: the predicted target lengths `[batch]`.
   """
   targets = batch["targets"]
-  if lengths:
-    logits, sown = model.apply({"params": params}, batch["inputs"], shift_right(targets),
-                               rngs=rngs, mutable=["intermediates"])
-    predicted = sown["intermediates"]["length"][0]
-    return logits, targets, (targets > 0).astype(jnp.float32), predicted
   if model.config.arch == "encoder_only":
     segments = batch.get("inputs_segmentation")
     logits = model.apply({"params": params}, batch["inputs"], batch.get("inputs_position"),
@@ -97,8 +92,12 @@ def forward(model, params, batch, rngs=None, lengths: bool = False):
                          source_positions=batch.get("inputs_position"),
                          target_positions=batch.get("targets_position"),
                          source_segments=batch.get("inputs_segmentation"),
-                         target_segments=segments, rngs=rngs)
+                         target_segments=segments, rngs=rngs,
+                         mutable=["intermediates"] if lengths else False)
   labels = jnp.maximum(targets - 1, 0) if model.config.num_labels else targets
+  if lengths:  # the model sowed them (Transformer.__call__)
+    logits, sown = logits
+    return logits, labels, (targets > 0).astype(jnp.float32), sown["intermediates"]["length"][0]
   return logits, labels, (targets > 0).astype(jnp.float32)
 
 
