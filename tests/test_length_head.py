@@ -116,6 +116,39 @@ def test_the_loss_adds_the_weighted_squared_length_error(weight):
   assert (head > 0) == (weight > 0)
 
 
+def test_with_a_stop_gradient_the_length_loss_trains_the_head_alone():
+  cfg = config()
+  params = random_params(cfg, seed=4)
+  source = sources(seed=5)
+  targets = np.zeros((5, 10), np.int32)
+  for r, n in enumerate([9, 4, 6, 1, 2]):
+    targets[r, :n] = np.arange(3, 3 + n)
+    targets[r, n] = EOS_ID
+  batch = {"inputs": source, "targets": jnp.asarray(targets)}
+
+  def grads(model_config, weight):
+    model = make_model(model_config)
+    return jax.grad(lambda p: step_lib._loss_and_metrics(p, model, batch, jax.random.key(0), 0.0,
+                                                         40.0, weight)[0])(params)
+
+  stopped = cfg.replace(length_head_stop_gradient=True)
+  tokens_only, full, cut = grads(cfg, 0.0), grads(cfg, 0.5), grads(stopped, 0.5)
+  flat = lambda tree: {jax.tree_util.keystr(k): np.asarray(v)
+                       for k, v in jax.tree_util.tree_leaves_with_path(tree)}
+  tokens_only, full, cut = flat(tokens_only), flat(full), flat(cut)
+  encoder = [k for k in full if k.startswith("['encoder']")]
+  assert encoder and any(not np.allclose(full[k], tokens_only[k]) for k in encoder)
+  for name in cut:
+    if name.startswith("['length_head']"):
+      # The head itself learns as without the stop-gradient (same forward, same loss).
+      np.testing.assert_allclose(cut[name], full[name], rtol=1e-5)
+      assert np.abs(cut[name]).sum() > 0
+    else:
+      # Everything else gets exactly the gradient of the token loss.
+      np.testing.assert_array_equal(cut[name], tokens_only[name])
+  assert "length head (stop-gradient)" in describe(stopped)
+
+
 def test_decoding_at_the_heads_lengths_gives_outputs_of_exactly_that_length():
   cfg = config()
   params = random_params(cfg, seed=4)
@@ -204,6 +237,8 @@ def test_evaluate_reports_how_often_the_head_gets_the_length():
     ({"data.batching": "packed"}, "data.batching=packed puts several in a row"),
     ({"train.length_loss_weight": -1.0}, "train.length_loss_weight must be >= 0"),
     ({"eval.length_head_slack": -1}, "eval.length_head_slack must be >= 0"),
+    ({"model.length_head": False, "model.length_head_stop_gradient": True},
+     "model.length_head_stop_gradient is about model.length_head's input"),
 ])
 def test_impossible_settings_are_refused_in_one_line(changes, message):
   c = tiny.get_config()

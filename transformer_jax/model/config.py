@@ -82,6 +82,9 @@ class ModelConfig:
   # share of the output (the fertility of non-autoregressive translation, Gu et al., 2018).
   # Trained with train.length_loss_weight; eval.length_head decodes outputs of that length.
   length_head: bool = False
+  # With length_head: True reads the encoder's output through a stop-gradient, so the length
+  # loss trains the head alone and the encoder and decoder learn as they would without it.
+  length_head_stop_gradient: bool = False
   positional: str = "sinusoidal"  # (see CHOICES)
   position_base: float = 10000.0  # sinusoidal, rotary and relative_xl: the base of the wavelengths
   relative_buckets: int = 32  # relative_bias: buckets of the relative distance (per direction
@@ -227,6 +230,9 @@ class ModelConfig:
     if self.length_head and self.arch != "encoder_decoder":
       raise UserError(f"model.length_head reads the encoder's output, which model.arch="
                       f"{self.arch} lacks; set model.length_head=False or use encoder_decoder")
+    if self.length_head_stop_gradient and not self.length_head:
+      raise UserError("model.length_head_stop_gradient is about model.length_head's input, and "
+                      "the head is off; set model.length_head=True or leave this False")
     if self.logits_bias and self.arch == "encoder_only":
       raise UserError("model.logits_bias is a bias of the decoder's logits; an encoder_only model "
                       "has its head's own bias (set model.logits_bias=False)")

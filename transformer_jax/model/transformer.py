@@ -326,8 +326,12 @@ class Transformer(nn.Module):
     """model.length_head: the predicted length of each target (EOS not counted), float32
     `[batch]`: the sum over the real source tokens of softplus(w . h_i + b), h_i the encoder's
     output at token i. Each token adds its own non-negative share, so a source made of parts
-    seen in training predicts the sum of their shares, however long it is."""
-    shares = jax.nn.softplus(self.length_head(encoded.astype(jnp.float32))[..., 0])
+    seen in training predicts the sum of their shares, however long it is. With
+    model.length_head_stop_gradient no gradient flows from the prediction into the encoder."""
+    encoded = encoded.astype(jnp.float32)
+    if self.config.length_head_stop_gradient:
+      encoded = jax.lax.stop_gradient(encoded)
+    shares = jax.nn.softplus(self.length_head(encoded)[..., 0])
     return jnp.sum(jnp.where(source_tokens > 0, shares, 0.0), axis=-1)
 
   def source_length_prediction(self, source_tokens: Array) -> Array:
@@ -525,7 +529,8 @@ def describe(config: ModelConfig) -> str:
   block = f"{c.norm}-{c.norm_type}, {c.activation}" + (", parallel blocks" if c.parallel_block
                                                        else "")
   block += ", gated residuals" if c.residual_gate else ""
-  block += ", length head" if c.length_head else ""
+  block += (", length head" + (" (stop-gradient)" if c.length_head_stop_gradient else "")
+            if c.length_head else "")
   biases = {(True, True): "", (False, False): ", no biases", (True, False): ", q/k/v biases only",
             (False, True): ", no q/k/v biases"}[(c.qkv_bias, c.use_bias)]
   block += biases + ("" if c.tie_output else ", untied output layer")
