@@ -102,13 +102,14 @@ def evaluate(params, model_config: ModelConfig, config, tokenizer: tokenizer_lib
     for k, v in out.items():
       sums[k] += float(v)
     if d.task == "seq2seq":
+      guessed = (head_lengths(params, model_config, batch["inputs"], max_length, mesh)
+                 if length_head else None)
       outputs = decode_batch(params, model_config, e, batch["inputs"], max_length,
-                             batch_rng(config, index), mesh=mesh)
+                             batch_rng(config, index), mesh=mesh, predicted=guessed)
       hypotheses += [detokenize(tokenizer, row) for row in outputs[:n_real]]
       # the reference's tokens, EOS not counted (padding rows: 0)
       lengths = np.maximum(np.sum(batch["targets"] != 0, axis=-1) - 1, 0)
       if length_head:
-        guessed = head_lengths(params, model_config, batch["inputs"], max_length, mesh)
         head_hits += int(np.sum(guessed[:n_real] == lengths[:n_real]))
         head_errors += float(np.sum(np.abs(guessed[:n_real] - lengths[:n_real])))
       if oracle_length:

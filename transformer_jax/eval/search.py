@@ -46,7 +46,8 @@ def max_decode_length(config) -> int:
 
 
 def decode_batch(params, model_config: ModelConfig, eval_config, inputs, max_length: int,
-                 rng=None, mesh=None, prompts: bool = False, lengths=None) -> np.ndarray:
+                 rng=None, mesh=None, prompts: bool = False, lengths=None,
+                 predicted=None) -> np.ndarray:
   """Output token ids `[batch, max_length]` of source ids `inputs` by the configured search.
 
   Rows of `inputs` that are all padding come back as zeros at no cost. `rng` (a PRNG key) is
@@ -60,13 +61,15 @@ def decode_batch(params, model_config: ModelConfig, eval_config, inputs, max_len
   Without `lengths`, eval.length_head decodes the same way with the lengths that the model's
   length head predicts (`head_lengths`); with eval.length_head_slack = k > 0 the model's own
   EOS ends row r anywhere from predicted[r] - k to predicted[r] + k tokens (greedy).
+  `predicted`: those lengths where the caller has them already (`head_lengths` of `inputs`).
   """
   cfg = model_config.replace(deterministic=True)
   e = eval_config
   rows = len(inputs)
   window = None
   if lengths is None and e.get("length_head", False):
-    lengths = head_lengths(params, cfg, inputs, max_length, mesh)
+    lengths = (head_lengths(params, cfg, inputs, max_length, mesh) if predicted is None
+               else np.asarray(predicted, np.int32))
     if slack := e.get("length_head_slack", 0):
       window = (np.maximum(lengths - slack, 0).astype(np.int32),
                 np.minimum(lengths + slack, max_length - 1).astype(np.int32))
