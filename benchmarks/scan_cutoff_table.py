@@ -50,7 +50,7 @@ def option(config: dict) -> str:
   if m.get("residual_gate"):
     name += ", gated residuals"
   if m.get("length_head"):
-    name += ", length head"
+    name += ", length head" + (" (stop-gradient)" if m.get("length_head_stop_gradient") else "")
   return name + (f", dropout {m['dropout_rate']:g}" if m["dropout_rate"] else "")
 
 

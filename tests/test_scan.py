@@ -336,11 +336,19 @@ def test_cutoff_table_gives_a_length_head_run_a_row_for_each_decoding(tmp_path):
       if exact is not None:
         (workdir / "eval" / f"{c.train.steps}.test.{decoding}.json").write_text(json.dumps({
             "exact_match": exact, "oracle_exact_match": 0.9, "length_head_accuracy": share}))
+  # A third run whose head read the encoder through a stop-gradient: a row of its own.
+  c.model.length_head_stop_gradient, c.seed = True, 0
+  (tmp_path / "h2" / "eval").mkdir(parents=True)
+  (tmp_path / "h2" / "config.json").write_text(c.to_json_best_effort())
+  (tmp_path / "h2" / "eval" / f"{c.train.steps}.test.greedy-lengthhead.json").write_text(
+      json.dumps({"exact_match": 1.0, "oracle_exact_match": 1.0, "length_head_accuracy": 1.0}))
   out = subprocess.run([sys.executable, "benchmarks/scan_cutoff_table.py", str(tmp_path)],
                        check=True, capture_output=True, text=True).stdout.splitlines()
   assert out[0].endswith("| length head: exact lengths, median [min, max] |")
   rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in out[2:]]
   assert [(r[1], r[2], r[3], r[-1]) for r in rows] == [
+      ("encoder-decoder, relative xl, length head (stop-gradient), dropout 0.1, decoded at its "
+       "length", "1/1", "100.00% [100.00, 100.00]", "100.00% [100.00, 100.00]"),
       ("encoder-decoder, relative xl, length head, dropout 0.1, decoded at its length", "2/2",
        "50.00% [25.00, 75.00]", "68.75% [50.00, 87.50]"),
       ("encoder-decoder, relative xl, length head, dropout 0.1, decoded to its own EOS", "1/1",
