@@ -200,7 +200,11 @@ def cached_and_full_decoder_only(config, params, source, decoder_inputs):
     ("decoder_only", dict(positional="rotary", random_positions_max=64,
                           random_positions_eval=True)),
     ("encoder_decoder", dict(positional="relative_xl", random_positions_max=64,
-                             random_positions_eval=True))])
+                             random_positions_eval=True)),
+    # Geometric self-attention: a step's search over the cache runs from its newest key back.
+    ("encoder_decoder", dict(positional="relative_xl", self_attention="geometric",
+                             share_layers=True)),
+    ("decoder_only", dict(positional="rotary", self_attention="geometric", num_kv_heads=1))])
 def test_cached_steps_match_the_full_model_for_every_option(arch, changes):
   config = make_config(arch=arch, **changes)
   params = random_params(config, 0)

@@ -159,6 +159,41 @@ def _attention_logits(query: Array, key: Array, mask: Optional[Array],
   return logits
 
 
+def geometric_attention_weights(query: Array, key: Array, distances: Array,
+                                mask: Optional[Array] = None,
+                                bias: Optional[Array] = None) -> Array:
+  """Geometric attention (Csordas, Irie & Schmidhuber, 2022, the Neural Data Router): each query
+  i looks at its keys from the nearest outwards and stops at the first that matches. With
+  p_ij = sigmoid(Q K^T / sqrt(d_k) + bias) the chance that key j matches, key j gets
+
+      A_ij = p_ij * prod_{k nearer to i than j} (1 - p_ik),
+
+  so the weights of a row sum to at most 1 (not renormalized). A key is nearer when its
+  distance |i - k| is smaller, or equal and it lies before the query (the earlier of two keys
+  at the same distance comes first). The query's own position and masked keys get p = 0: they
+  take no weight and stop nothing. Computed in float32, as a sum of logarithms.
+
+  Args:
+    query, key, mask, bias: as `dot_product_attention_weights`.
+    distances: int `[batch, q_len, kv_len]`, query position - key position.
+
+  Returns:
+    float32 `[batch, heads, q_len, kv_len]`.
+  """
+  distances = distances.astype(jnp.int32)
+  own = (distances == 0)[:, None]
+  logits = _attention_logits(query, key, combine_masks(mask, ~own), bias)
+  log_match = jax.nn.log_sigmoid(logits)
+  log_pass = jax.nn.log_sigmoid(-logits)
+  far = jnp.abs(distances)
+  # nearer[b, i, j, k]: key k comes before key j in query i's search.
+  nearer = ((far[:, :, None, :] < far[:, :, :, None])
+            | ((far[:, :, None, :] == far[:, :, :, None])
+               & (distances[:, :, None, :] > distances[:, :, :, None])))
+  passed = jnp.einsum("bhik,bijk->bhij", log_pass, nearer.astype(jnp.float32))
+  return jnp.exp(log_match + passed)
+
+
 @jax.custom_vjp
 def softmax_to_bfloat16(logits: Array) -> Array:
   """softmax(logits) over the last axis, computed in float32 and returned in bfloat16, with a
@@ -198,6 +233,7 @@ def dot_product_attention(
     dropout_rng: Optional[Array] = None,
     deterministic: bool = True,
     implementation: str = "plain",
+    geometric_distances: Optional[Array] = None,
 ) -> Array:
   """softmax(Q K^T / sqrt(d_k) + bias + mask) V.
 
@@ -215,10 +251,18 @@ def dot_product_attention(
       bfloat16 values the weights come from `softmax_to_bfloat16`: the backward pass keeps them
       in bfloat16; float32 values are computed as "plain") or "jax"
       (`jax.nn.dot_product_attention`, which uses cuDNN flash attention on GPUs when it can).
+    geometric_distances: int `[batch, q_len, kv_len]` (query position - key position): the
+      weights are `geometric_attention_weights` instead of the softmax (any implementation:
+      computed as "plain").
 
   Returns:
     `[batch, q_len, heads, head_dim]` in the dtype of `query`.
   """
+  if geometric_distances is not None:
+    weights = geometric_attention_weights(query, key, geometric_distances, mask, bias)
+    if dropout_rate > 0.0 and not deterministic:
+      weights = dropout(weights, dropout_rate, dropout_rng)
+    return jnp.einsum("bhqk,bkhd->bqhd", weights.astype(value.dtype), value)
   if implementation == "jax":
     check_attention_dropout(implementation, 0.0 if deterministic else dropout_rate)
     if bias is not None:
@@ -285,6 +329,7 @@ class MultiHeadAttention(nn.Module):
   relative_base: float = 0.0  # > 0: Transformer-XL relative attention, sinusoids of this base
   relative_bidirectional: bool = True  # relative_xl: embed negative distances too (an encoder)
   relative_span: int = 0  # relative_xl: embed distances below at least this (0: the lengths)
+  geometric: bool = False  # self-attention: geometric_attention_weights instead of the softmax
   implementation: str = "plain"
   decode: bool = False
   dtype: jnp.dtype = jnp.float32
@@ -300,9 +345,10 @@ class MultiHeadAttention(nn.Module):
 
     mask: bool, broadcastable to `[batch, heads, q_len, kv_len]`; bias: float, the same shape,
     added to the logits; positions: int `[batch, q_len]`, the positions rotary embeddings use;
-    distances: int `[batch, q_len, kv_len]`, query position - key position (relative_xl; in
-    decode mode kv_len is the cache's); cache_slot: which of the decoding caches this call
-    extends (a layer applied several times, model.share_layers, keeps one per application).
+    distances: int `[batch, q_len, kv_len]`, query position - key position (relative_xl and
+    geometric; in decode mode kv_len is the cache's); cache_slot: which of the decoding caches
+    this call extends (a layer applied several times, model.share_layers, keeps one per
+    application).
     """
     head_dim = self.head_dim or self.d_model // self.num_heads
     kv_heads = self.num_kv_heads or self.num_heads
@@ -362,13 +408,16 @@ class MultiHeadAttention(nn.Module):
     dropout_rng = None
     if self.dropout_rate > 0.0 and not deterministic:
       dropout_rng = self.make_rng("dropout")
+    geometric = distances if self.geometric and self_attention else None
     if self.is_mutable_collection("intermediates"):
       # Only when a caller asks for attention maps; the training path never computes them twice.
       self.sow("intermediates", "attention_weights",
-               dot_product_attention_weights(query, key, mask, bias))
+               dot_product_attention_weights(query, key, mask, bias) if geometric is None else
+               geometric_attention_weights(query, key, geometric, mask, bias))
     out = dot_product_attention(query, key, value, mask, bias=bias,
                                 dropout_rate=self.dropout_rate, dropout_rng=dropout_rng,
-                                deterministic=deterministic, implementation=self.implementation)
+                                deterministic=deterministic, implementation=self.implementation,
+                                geometric_distances=geometric)
     out = nn.DenseGeneral(features=self.d_model, axis=(-2, -1), use_bias=self.out_bias,
                           dtype=self.dtype,
                           kernel_init=param_init(self.kernel_init, "heads", "kv", "embed"),

@@ -32,6 +32,10 @@ CHOICES = {
     "positional": ("sinusoidal", "learned", "rotary", "relative_bias", "relative_xl", "none"),
     "init": ("xavier", "normal"),
     "attention_impl": ("plain", "plain_bf16", "jax"),  # see attention.dot_product_attention
+    # softmax: the paper's; geometric: Csordas et al.'s geometric attention (the Neural Data
+    # Router, 2022), each query takes the nearest key that matches (attention.
+    # geometric_attention_weights). Self-attention only: cross-attention stays softmax.
+    "self_attention": ("softmax", "geometric"),
     "dtype": ("float32", "bfloat16"),
   # The classification head's summary of a row: the mean over its real tokens, or the output at
   # its first token (BERT's [CLS]).
@@ -85,6 +89,7 @@ class ModelConfig:
   # With length_head: True reads the encoder's output through a stop-gradient, so the length
   # loss trains the head alone and the encoder and decoder learn as they would without it.
   length_head_stop_gradient: bool = False
+  self_attention: str = "softmax"  # (see CHOICES)
   positional: str = "sinusoidal"  # (see CHOICES)
   position_base: float = 10000.0  # sinusoidal, rotary and relative_xl: the base of the wavelengths
   relative_buckets: int = 32  # relative_bias: buckets of the relative distance (per direction

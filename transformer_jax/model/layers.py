@@ -77,6 +77,7 @@ def attention(cfg: ModelConfig, name: str, decode: bool = False, rotary: bool = 
       rotary_base=cfg.position_base if rotary and cfg.positional == "rotary" else 0.0,
       relative_base=cfg.position_base if relative else 0.0,
       relative_bidirectional=bidirectional, relative_span=span,
+      geometric=rotary and cfg.self_attention == "geometric",
       implementation=cfg.attention_impl, decode=decode, dtype=cfg.compute_dtype,
       kernel_init=kernel_init(cfg), name=name)
 

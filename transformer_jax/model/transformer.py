@@ -101,8 +101,9 @@ def _position_bias(cfg: ModelConfig, bidirectional: bool, query_positions: Array
 
 def _relative_distances(cfg: ModelConfig, query_positions: Array,
                         key_positions: Array) -> Optional[Array]:
-  """relative_xl: int `[batch, q_len, kv_len]`, query position - key position; else None."""
-  if cfg.positional != "relative_xl":
+  """relative_xl or geometric self-attention: int `[batch, q_len, kv_len]`, query position -
+  key position; else None."""
+  if cfg.positional != "relative_xl" and cfg.self_attention != "geometric":
     return None
   return query_positions[:, :, None] - key_positions[:, None, :]
 
@@ -529,6 +530,7 @@ def describe(config: ModelConfig) -> str:
   block = f"{c.norm}-{c.norm_type}, {c.activation}" + (", parallel blocks" if c.parallel_block
                                                        else "")
   block += ", gated residuals" if c.residual_gate else ""
+  block += ", geometric self-attention" if c.self_attention == "geometric" else ""
   block += (", length head" + (" (stop-gradient)" if c.length_head_stop_gradient else "")
             if c.length_head else "")
   biases = {(True, True): "", (False, False): ", no biases", (True, False): ", q/k/v biases only",

@@ -611,13 +611,14 @@ def _target(model: ModelConfig):
   """(Architecture, Head) that expresses our model; refuses, naming the option, when none does."""
   # Options no exported class has: one layer's weights shared by the stack, a learned position
   # table widened for randomised training positions, positions drawn at evaluation, and gated
-  # residual blocks, and a length head.
+  # residual blocks, a length head, and geometric self-attention.
   unexported = {"share_layers": model.share_layers,
                 "random_positions_max": model.random_positions_max
                                         and model.positional == "learned",
                 "random_positions_eval": model.random_positions_eval,
                 "residual_gate": model.residual_gate,
-                "length_head": model.length_head}
+                "length_head": model.length_head,
+                "self_attention": model.self_attention != "softmax"}
   key = next((key for key, present in unexported.items() if present), None)
   if key:
     raise UserError(f"no Hugging Face class that this project exports has model.{key} "
