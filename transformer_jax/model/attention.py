@@ -185,12 +185,14 @@ def geometric_attention_weights(query: Array, key: Array, distances: Array,
   logits = _attention_logits(query, key, combine_masks(mask, ~own), bias)
   log_match = jax.nn.log_sigmoid(logits)
   log_pass = jax.nn.log_sigmoid(-logits)
-  far = jnp.abs(distances)
-  # nearer[b, i, j, k]: key k comes before key j in query i's search.
-  nearer = ((far[:, :, None, :] < far[:, :, :, None])
-            | ((far[:, :, None, :] == far[:, :, :, None])
-               & (distances[:, :, None, :] > distances[:, :, :, None])))
-  passed = jnp.einsum("bhik,bijk->bhij", log_pass, nearer.astype(jnp.float32))
+  # Each query's search order: by distance, and at equal distance the key before the query
+  # (distance > 0) first. The sum over the keys searched before each key is an exclusive
+  # cumulative sum in that order: O(q_len kv_len log kv_len), not a [q_len, kv_len, kv_len] mask.
+  order = jnp.argsort(2 * jnp.abs(distances) + (distances < 0), axis=-1, stable=True)
+  in_order = jnp.take_along_axis(log_pass, order[:, None], axis=-1)
+  before = jnp.cumsum(in_order, axis=-1)
+  before = jnp.concatenate([jnp.zeros_like(before[..., :1]), before[..., :-1]], axis=-1)
+  passed = jnp.take_along_axis(before, jnp.argsort(order, axis=-1)[:, None], axis=-1)
   return jnp.exp(log_match + passed)
 
 
