@@ -49,6 +49,8 @@ def option(config: dict) -> str:
     name += ", shared layers"
   if m.get("residual_gate"):
     name += ", gated residuals"
+  if m.get("self_attention", "softmax") != "softmax":
+    name += f", {m['self_attention']} self-attention"
   if m.get("length_head"):
     name += ", length head" + (" (stop-gradient)" if m.get("length_head_stop_gradient") else "")
   return name + (f", dropout {m['dropout_rate']:g}" if m["dropout_rate"] else "")

@@ -32,7 +32,8 @@ A whole table: 7 cutoffs x 5 options x 3 seeds = 105 runs of about three to four
 each on an idle 2-core CPU (about 6 hours); `--sweep_trials` picks rows (trial 3k is cutoff
 CUTOFFS[k] with the chosen option, 3k+1 the paper's model, 3k+2 the relative-position
 encoder-decoder; trial 21+k the same encoder-decoder with Csordas et al.'s settings, CSORDAS;
-trial 28+k those with the length head, LENGTH_HEAD):
+trial 28+k those with the length head, LENGTH_HEAD; trial 35+k those with geometric
+self-attention, GEOMETRIC):
 
   .venv/bin/python launch.py --config=experiments/scan_cutoff.py --workdir=runs/scan_cutoff \
     --sweep --sweep_metric=exact_match --sweep_trials=6,7,8
@@ -90,6 +91,10 @@ CSORDAS = {**RELATIVE_XL, "model.num_encoder_layers": 3, "model.num_decoder_laye
 # cutoff 27 did best with on test (docs/benchmarks.md), not a choice dev could make.
 LENGTH_HEAD = {**CSORDAS, "model.length_head": True, "eval.length_head": True,
                "eval.length_head_slack": 2}
+# CSORDAS with geometric self-attention (model.self_attention=geometric, README's model
+# options): the attention of Csordas et al.'s Neural Data Router (2022), each query taking the
+# nearest key that matches.
+GEOMETRIC = {**CSORDAS, "model.self_attention": "geometric"}
 SEEDS = 3  # runs of each trial of get_sweep(), seeds 0..2
 
 
@@ -106,7 +111,7 @@ def get_config():
 
 def get_sweep():
   # CSORDAS's rows come after the first 21 so that those keep their trial numbers, and
-  # LENGTH_HEAD's after CSORDAS's.
+  # LENGTH_HEAD's after CSORDAS's, GEOMETRIC's after those.
   return [{"data.scan_split": f"length_cutoff_{cutoff}", **option, "seeds": SEEDS}
-          for options in ((CHOSEN, {}, RELATIVE_XL), (CSORDAS,), (LENGTH_HEAD,))
+          for options in ((CHOSEN, {}, RELATIVE_XL), (CSORDAS,), (LENGTH_HEAD,), (GEOMETRIC,))
           for cutoff in CUTOFFS for option in options]
