@@ -33,7 +33,8 @@ each on an idle 2-core CPU (about 6 hours); `--sweep_trials` picks rows (trial 3
 CUTOFFS[k] with the chosen option, 3k+1 the paper's model, 3k+2 the relative-position
 encoder-decoder; trial 21+k the same encoder-decoder with Csordas et al.'s settings, CSORDAS;
 trial 28+k those with the length head, LENGTH_HEAD; trial 35+k those with geometric
-self-attention, GEOMETRIC):
+self-attention, GEOMETRIC; trial 42+k GEOMETRIC with gated residuals and the length head,
+GEOMETRIC_HEAD):
 
   .venv/bin/python launch.py --config=experiments/scan_cutoff.py --workdir=runs/scan_cutoff \
     --sweep --sweep_metric=exact_match --sweep_trials=6,7,8
@@ -95,6 +96,10 @@ LENGTH_HEAD = {**CSORDAS, "model.length_head": True, "eval.length_head": True,
 # options): the attention of Csordas et al.'s Neural Data Router (2022), each query taking the
 # nearest key that matches.
 GEOMETRIC = {**CSORDAS, "model.self_attention": "geometric"}
+# GEOMETRIC with the copy gate of every residual block (model.residual_gate: the Neural Data
+# Router's two parts, without its shared layers) and LENGTH_HEAD's head and decoding window.
+GEOMETRIC_HEAD = {**GEOMETRIC, "model.residual_gate": True, "model.length_head": True,
+                  "eval.length_head": True, "eval.length_head_slack": 2}
 SEEDS = 3  # runs of each trial of get_sweep(), seeds 0..2
 
 
@@ -111,7 +116,8 @@ def get_config():
 
 def get_sweep():
   # CSORDAS's rows come after the first 21 so that those keep their trial numbers, and
-  # LENGTH_HEAD's after CSORDAS's, GEOMETRIC's after those.
+  # LENGTH_HEAD's after CSORDAS's, then GEOMETRIC's and GEOMETRIC_HEAD's.
   return [{"data.scan_split": f"length_cutoff_{cutoff}", **option, "seeds": SEEDS}
-          for options in ((CHOSEN, {}, RELATIVE_XL), (CSORDAS,), (LENGTH_HEAD,), (GEOMETRIC,))
+          for options in ((CHOSEN, {}, RELATIVE_XL), (CSORDAS,), (LENGTH_HEAD,), (GEOMETRIC,),
+                          (GEOMETRIC_HEAD,))
           for cutoff in CUTOFFS for option in options]

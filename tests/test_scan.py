@@ -368,12 +368,14 @@ def test_cutoff_recipe_options_are_valid_configs_and_its_docstring_runs_csordas_
   for option in sweep:
     config_lib.validate(space.trial_config(
         path, {k: v for k, v in option.items() if k != "seeds"}, {}))
-  # The trial numbers the docs give: 3k, 3k+1, 3k+2, 21+k, 28+k and 35+k at cutoff CUTOFFS[k].
-  assert len(sweep) == 6 * len(scan_cutoff.CUTOFFS) == 42
+  # The trial numbers the docs give: 3k, 3k+1, 3k+2, 21+k, 28+k, 35+k and 42+k at cutoff
+  # CUTOFFS[k].
+  assert len(sweep) == 7 * len(scan_cutoff.CUTOFFS) == 49
   for k, cutoff in enumerate(scan_cutoff.CUTOFFS):
     for trial, option in ((3 * k, scan_cutoff.CHOSEN), (3 * k + 1, {}),
                           (3 * k + 2, scan_cutoff.RELATIVE_XL), (21 + k, scan_cutoff.CSORDAS),
-                          (28 + k, scan_cutoff.LENGTH_HEAD), (35 + k, scan_cutoff.GEOMETRIC)):
+                          (28 + k, scan_cutoff.LENGTH_HEAD), (35 + k, scan_cutoff.GEOMETRIC),
+                          (42 + k, scan_cutoff.GEOMETRIC_HEAD)):
       assert sweep[trial] == {"data.scan_split": f"length_cutoff_{cutoff}", **option,
                               "seeds": scan_cutoff.SEEDS}
   command = scan_cutoff.__doc__[scan_cutoff.__doc__.index("--workdir=runs/cutoff27_cs"):]
