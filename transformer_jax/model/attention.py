@@ -196,6 +196,16 @@ def geometric_attention_weights(query: Array, key: Array, distances: Array,
   return jnp.exp(log_match + passed)
 
 
+def attention_weights(query: Array, key: Array, mask: Optional[Array] = None,
+                      bias: Optional[Array] = None,
+                      geometric_distances: Optional[Array] = None) -> Array:
+  """`geometric_attention_weights` where `geometric_distances` are given, else
+  `dot_product_attention_weights`: float32 `[batch, heads, q_len, kv_len]`."""
+  if geometric_distances is None:
+    return dot_product_attention_weights(query, key, mask, bias)
+  return geometric_attention_weights(query, key, geometric_distances, mask, bias)
+
+
 @jax.custom_vjp
 def softmax_to_bfloat16(logits: Array) -> Array:
   """softmax(logits) over the last axis, computed in float32 and returned in bfloat16, with a
@@ -260,23 +270,19 @@ def dot_product_attention(
   Returns:
     `[batch, q_len, heads, head_dim]` in the dtype of `query`.
   """
-  if geometric_distances is not None:
-    weights = geometric_attention_weights(query, key, geometric_distances, mask, bias)
-    if dropout_rate > 0.0 and not deterministic:
-      weights = dropout(weights, dropout_rate, dropout_rng)
-    return jnp.einsum("bhqk,bkhd->bqhd", weights.astype(value.dtype), value)
-  if implementation == "jax":
+  if implementation == "jax" and geometric_distances is None:
     check_attention_dropout(implementation, 0.0 if deterministic else dropout_rate)
     if bias is not None:
       bias = jnp.broadcast_to(bias, bias.shape[:2] + (query.shape[1], key.shape[1]))
       bias = bias.astype(query.dtype)
     return jax.nn.dot_product_attention(query, key, value, bias=bias, mask=mask)
-  if implementation not in ("plain", "plain_bf16"):
+  if implementation not in ("plain", "plain_bf16", "jax"):
     raise ValueError(f"unknown attention implementation {implementation!r}")
-  if implementation == "plain_bf16" and value.dtype == jnp.bfloat16:
+  if (implementation == "plain_bf16" and value.dtype == jnp.bfloat16
+      and geometric_distances is None):
     weights = softmax_to_bfloat16(_attention_logits(query, key, mask, bias))
   else:
-    weights = dot_product_attention_weights(query, key, mask, bias)
+    weights = attention_weights(query, key, mask, bias, geometric_distances)
   if dropout_rate > 0.0 and not deterministic:
     weights = dropout(weights, dropout_rate, dropout_rng)
   return jnp.einsum("bhqk,bkhd->bqhd", weights.astype(value.dtype), value)
@@ -414,8 +420,7 @@ class MultiHeadAttention(nn.Module):
     if self.is_mutable_collection("intermediates"):
       # Only when a caller asks for attention maps; the training path never computes them twice.
       self.sow("intermediates", "attention_weights",
-               dot_product_attention_weights(query, key, mask, bias) if geometric is None else
-               geometric_attention_weights(query, key, geometric, mask, bias))
+               attention_weights(query, key, mask, bias, geometric))
     out = dot_product_attention(query, key, value, mask, bias=bias,
                                 dropout_rate=self.dropout_rate, dropout_rng=dropout_rng,
                                 deterministic=deterministic, implementation=self.implementation,
