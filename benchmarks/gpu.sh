@@ -100,21 +100,24 @@ install_layered() {
     say "warning: the project is not installed; launch.py runs from the checkout anyway"
 }
 
-# Fails (non-zero) when JAX sees no GPU or the project cannot be imported: the suite would then
-# spend the GPU window measuring nothing useful.
+# Fails (non-zero) when the project's modes cannot be imported or (unless $1 is "any") JAX sees
+# no GPU: the suite would then spend the GPU window measuring nothing useful. The dry run checks
+# the imports too, so that a moved module fails here, not on the GPU machine.
 check_environment() {
-  "$VENV/bin/python" - <<'EOF'
-import importlib, sys
+  NEED_GPU=$([ "${1:-gpu}" = any ] && echo 0 || echo 1) "$2" - <<'EOF'
+import importlib, os, sys
 sys.path.insert(0, ".")
 bad = []
-for name in ("transformer_jax.train", "transformer_jax.evaluate", "transformer_jax.benchmark"):
+# The modules of the modes the suite runs: train, evaluate, benchmark (and the torch reference).
+for name in ("transformer_jax.train.loop", "transformer_jax.eval.evaluate",
+             "transformer_jax.tools.benchmark", "transformer_jax.tools.torch_reference"):
   try:
     importlib.import_module(name)
   except Exception as e:  # pylint: disable=broad-except
     bad.append(f"{name}: {type(e).__name__}: {e}")
 import jax
 print(f"gpu.sh: jax {jax.__version__} on {jax.default_backend()}: {jax.devices()}", file=sys.stderr)
-if jax.default_backend() != "gpu":
+if os.environ["NEED_GPU"] == "1" and jax.default_backend() != "gpu":
   bad.append(f"jax runs on {jax.default_backend()}, not a GPU")
 try:
   import torch
@@ -130,6 +133,7 @@ EOF
 
 if [ $dry_run = 1 ]; then
   suite_python=$PYTHON
+  check_environment any "$PYTHON" || { say "error: the project's modes do not import"; exit 3; }
 else
   if [ -f "$VENV/.ready" ]; then
     say "reusing $VENV ($(cat "$VENV/.ready"))"
@@ -146,7 +150,7 @@ else
     say "environment ready in $((SECONDS - started)) s"
   fi
   "$VENV/bin/python" -m pip freeze > "$OUTDIR/pip_freeze.txt" 2>/dev/null
-  if ! check_environment; then
+  if ! check_environment gpu "$VENV/bin/python"; then
     say "error: not running the suite (set GPU_SH_FORCE=1 to run it anyway)"
     [ "${GPU_SH_FORCE:-0}" = 1 ] || exit 3
   fi
