@@ -67,7 +67,10 @@ def test_the_plan_fits_a_window_and_starts_with_the_default_steps():
   names = [c.name for c in cases]
   assert names[:4] == ["base_bf16", "big_bf16", "base_torch", "big_torch"]
   assert len(names) == len(set(names))
-  assert 15 <= sum(c.minutes for c in cases) <= 22  # ~20 minutes of a 30-minute window
+  # One case costs 2.5-3 minutes on an H100, most of it the compile (measured 2026-11-28): a
+  # 15-minute lease holds the first four, and the whole plan several leases.
+  assert sum(c.minutes for c in cases[:4]) <= 12 < sum(c.minutes for c in cases[:5])
+  assert 40 <= sum(c.minutes for c in cases) <= 60
   for case in cases:
     assert 0 < case.minutes < sum(c.timeout_min for c in case.commands)
     for command in case.commands:
