@@ -100,11 +100,12 @@ install_layered() {
     say "warning: the project is not installed; launch.py runs from the checkout anyway"
 }
 
-# Fails (non-zero) when the project's modes cannot be imported or (unless $1 is "any") JAX sees
-# no GPU: the suite would then spend the GPU window measuring nothing useful. The dry run checks
-# the imports too, so that a moved module fails here, not on the GPU machine.
+# check_environment gpu|any PYTHON: fails (non-zero) when the project's modes cannot be imported
+# or (with gpu) JAX sees no GPU: the suite would then spend the GPU window measuring nothing
+# useful. The dry run checks the imports too, so that a moved module fails here, not on the GPU
+# machine.
 check_environment() {
-  NEED_GPU=$([ "${1:-gpu}" = any ] && echo 0 || echo 1) "$2" - <<'EOF'
+  BACKEND_WANTED=$1 "$2" - <<'EOF'
 import importlib, os, sys
 sys.path.insert(0, ".")
 bad = []
@@ -117,7 +118,7 @@ for name in ("transformer_jax.train.loop", "transformer_jax.eval.evaluate",
     bad.append(f"{name}: {type(e).__name__}: {e}")
 import jax
 print(f"gpu.sh: jax {jax.__version__} on {jax.default_backend()}: {jax.devices()}", file=sys.stderr)
-if os.environ["NEED_GPU"] == "1" and jax.default_backend() != "gpu":
+if os.environ["BACKEND_WANTED"] == "gpu" and jax.default_backend() != "gpu":
   bad.append(f"jax runs on {jax.default_backend()}, not a GPU")
 try:
   import torch
