@@ -52,16 +52,18 @@ def sources(seed=0, rows=5, length=9, vocab=30):
 
 
 def float64_lengths(params, cfg, source):
-  """sum over real tokens of softplus(h . w + b), in float64 from the encoder's output."""
+  """sum over real tokens of softplus(h . w + b) (or exp, model.length_head_share), in float64
+  from the encoder's output."""
   encoded = np.asarray(decode.encode(params, cfg, source), np.float64)
   head = params["length_head"]
   z = encoded @ np.asarray(head["kernel"], np.float64)[:, 0] + float(head["bias"][0])
-  shares = np.logaddexp(0.0, z)
+  shares = np.exp(z) if cfg.length_head_share == "exp" else np.logaddexp(0.0, z)
   return np.sum(np.where(np.asarray(source) > 0, shares, 0.0), axis=-1)
 
 
-def test_the_head_is_the_sum_of_softplus_shares_of_the_real_tokens():
-  cfg = config()
+@pytest.mark.parametrize("share", ["softplus", "exp"])
+def test_the_head_is_the_sum_of_the_shares_of_the_real_tokens(share):
+  cfg = config(length_head_share=share)
   params = random_params(cfg)
   source = sources()
   expected = float64_lengths(params, cfg, source)
@@ -82,6 +84,28 @@ def test_without_the_head_the_model_has_no_such_parameters():
   assert "length_head" not in param_shapes(config(length_head=False))
   assert param_shapes(config())["length_head"]["kernel"].shape == (16, 1)
   assert "length head" in describe(config())
+  assert "exp shares" in describe(config(length_head_share="exp"))
+  assert "exp shares" not in describe(config())
+
+
+def test_exp_shares_multiply_and_stay_finite_where_a_score_is_huge():
+  """exp: a score raised by log 3 triples the token's share (what the context adds to the
+  score multiplies); a score past float32's range is capped, so the sum stays finite and its
+  gradient exists."""
+  cfg = config(length_head_share="exp")
+  params = random_params(cfg, seed=4)
+  source = sources(seed=5)
+  base = np.asarray(decode.predicted_lengths(params, cfg, source), np.float64)
+  raised = copy.deepcopy(params)
+  raised["length_head"]["bias"] = params["length_head"]["bias"] + np.log(3.0)
+  np.testing.assert_allclose(decode.predicted_lengths(params=raised, config=cfg,
+                                                      source_tokens=source), 3 * base, rtol=1e-5)
+  huge = copy.deepcopy(params)
+  huge["length_head"]["bias"] = params["length_head"]["bias"] + 1e4
+  got = np.asarray(decode.predicted_lengths(huge, cfg, source))
+  assert np.all(np.isfinite(got)) and got.max() <= 9 * np.exp(40.0) * (1 + 1e-5)
+  grads = jax.grad(lambda p: decode.predicted_lengths(p, cfg, source).sum())(huge)
+  assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
 
 
 @pytest.mark.parametrize("weight", [0.0, 0.5])
@@ -239,6 +263,9 @@ def test_evaluate_reports_how_often_the_head_gets_the_length():
     ({"eval.length_head_slack": -1}, "eval.length_head_slack must be >= 0"),
     ({"model.length_head": False, "model.length_head_stop_gradient": True},
      "model.length_head_stop_gradient is about model.length_head's input"),
+    ({"model.length_head": False, "model.length_head_share": "exp"},
+     "model.length_head_share is how model.length_head turns"),
+    ({"model.length_head_share": "relu"}, "model.length_head_share"),
 ])
 def test_impossible_settings_are_refused_in_one_line(changes, message):
   c = tiny.get_config()

@@ -41,6 +41,11 @@ CHOICES = {
   # its first token (BERT's [CLS]).
   "pooling": ("mean", "first"),
     "remat": ("none", "full", "dots"),
+    # length_head: each source token's share of the output length, from z = w . h_i + b.
+    # softplus: softplus(z), shares that add up as the parts of the source do. exp: exp(z), so
+    # that what the context adds to z multiplies the share (a count such as "three times"
+    # multiplies a phrase's length instead of adding a fixed number of tokens).
+    "length_head_share": ("softplus", "exp"),
 }
 
 
@@ -89,6 +94,7 @@ class ModelConfig:
   # With length_head: True reads the encoder's output through a stop-gradient, so the length
   # loss trains the head alone and the encoder and decoder learn as they would without it.
   length_head_stop_gradient: bool = False
+  length_head_share: str = "softplus"  # with length_head: how z_i becomes a share (see CHOICES)
   self_attention: str = "softmax"  # (see CHOICES)
   positional: str = "sinusoidal"  # (see CHOICES)
   position_base: float = 10000.0  # sinusoidal, rotary and relative_xl: the base of the wavelengths
@@ -238,6 +244,10 @@ class ModelConfig:
     if self.length_head_stop_gradient and not self.length_head:
       raise UserError("model.length_head_stop_gradient is about model.length_head's input, and "
                       "the head is off; set model.length_head=True or leave this False")
+    if self.length_head_share != "softplus" and not self.length_head:
+      raise UserError("model.length_head_share is how model.length_head turns each token's "
+                      "score into its share, and the head is off; set model.length_head=True "
+                      "or leave it softplus")
     if self.logits_bias and self.arch == "encoder_only":
       raise UserError("model.logits_bias is a bias of the decoder's logits; an encoder_only model "
                       "has its head's own bias (set model.logits_bias=False)")

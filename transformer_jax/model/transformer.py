@@ -110,6 +110,9 @@ def _relative_distances(cfg: ModelConfig, query_positions: Array,
 
 # model.random_positions_eval: the key of the evaluation's draw (any fixed key would do).
 EVAL_POSITIONS_KEY = 29
+# model.length_head_share=exp: a token's score is capped here before exp, so that a sum of
+# shares stays finite in float32 (e^40 ~ 2e17: no output is that long).
+MAX_LENGTH_SCORE = 40.0
 
 
 def _drawn_positions(module: nn.Module, cfg: ModelConfig, positions: Array) -> Array:
@@ -325,14 +328,21 @@ class Transformer(nn.Module):
 
   def predict_length(self, encoded: Array, source_tokens: Array) -> Array:
     """model.length_head: the predicted length of each target (EOS not counted), float32
-    `[batch]`: the sum over the real source tokens of softplus(w . h_i + b), h_i the encoder's
-    output at token i. Each token adds its own non-negative share, so a source made of parts
-    seen in training predicts the sum of their shares, however long it is. With
-    model.length_head_stop_gradient no gradient flows from the prediction into the encoder."""
+    `[batch]`: the sum over the real source tokens of share(w . h_i + b), h_i the encoder's
+    output at token i and share softplus or exp (model.length_head_share). Each token adds its
+    own non-negative share, so a source made of parts seen in training predicts the sum of
+    their shares, however long it is; with exp, what the context adds to a token's score
+    multiplies its share. With model.length_head_stop_gradient no gradient flows from the
+    prediction into the encoder."""
     encoded = encoded.astype(jnp.float32)
     if self.config.length_head_stop_gradient:
       encoded = jax.lax.stop_gradient(encoded)
-    shares = jax.nn.softplus(self.length_head(encoded)[..., 0])
+    scores = self.length_head(encoded)[..., 0]
+    if self.config.length_head_share == "exp":
+      # capped where float32 would overflow in the sum (e^40 tokens is no length anyway)
+      shares = jnp.exp(jnp.minimum(scores, MAX_LENGTH_SCORE))
+    else:
+      shares = jax.nn.softplus(scores)
     return jnp.sum(jnp.where(source_tokens > 0, shares, 0.0), axis=-1)
 
   def source_length_prediction(self, source_tokens: Array) -> Array:
@@ -531,7 +541,8 @@ def describe(config: ModelConfig) -> str:
                                                        else "")
   block += ", gated residuals" if c.residual_gate else ""
   block += ", geometric self-attention" if c.self_attention == "geometric" else ""
-  block += (", length head" + (" (stop-gradient)" if c.length_head_stop_gradient else "")
+  block += (", length head" + (" (exp shares)" if c.length_head_share == "exp" else "")
+            + (" (stop-gradient)" if c.length_head_stop_gradient else "")
             if c.length_head else "")
   biases = {(True, True): "", (False, False): ", no biases", (True, False): ", q/k/v biases only",
             (False, True): ", no q/k/v biases"}[(c.qkv_bias, c.use_bias)]
