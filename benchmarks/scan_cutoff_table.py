@@ -52,7 +52,8 @@ def option(config: dict) -> str:
   if m.get("self_attention", "softmax") != "softmax":
     name += f", {m['self_attention']} self-attention"
   if m.get("length_head"):
-    name += ", length head" + (" (stop-gradient)" if m.get("length_head_stop_gradient") else "")
+    name += (", length head" + (" (exp shares)" if m.get("length_head_share") == "exp" else "")
+             + (" (stop-gradient)" if m.get("length_head_stop_gradient") else ""))
   return name + (f", dropout {m['dropout_rate']:g}" if m["dropout_rate"] else "")
 
 
