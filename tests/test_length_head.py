@@ -250,9 +250,38 @@ def test_evaluate_reports_how_often_the_head_gets_the_length():
   guessed = search.head_lengths(params, model_config, batch["inputs"], c.data.max_target_len)
   assert metrics["length_head_accuracy"] == pytest.approx(np.mean(guessed == references))
   assert metrics["length_head_error"] == pytest.approx(np.mean(np.abs(guessed - references)))
+  assert metrics["length_head_bias"] == pytest.approx(np.mean(guessed - references))
   assert metrics["decoding"]["length_head"] is True
   hypotheses = [s["hypothesis"] for s in metrics["samples"]]
   assert [len(h.split()) for h in hypotheses] == list(guessed[:len(hypotheses)])
+  assert not any(k.startswith("length_head_bias_") for k in metrics)  # the simple split: no groups
+
+
+def test_on_the_length_split_the_heads_figures_come_by_group_too():
+  """SCAN's length split: the head's exact share, absolute and signed error of each group
+  (repetitions trained / a count unseen) are those of its commands alone."""
+  c = tiny.get_config()
+  c.model.length_head = True
+  c.data.scan_split = "length"
+  c.eval.update(length_head=True, batch_size=16)
+  model_config = config_lib.validate(c)
+  params = random_params(model_config, seed=9)
+  tokenizer = tokenizer_lib.train([t for p in scan.load("length", "train") for t in p],
+                                  model_config.vocab_size, "word")
+  test = scan.load("length", "test")
+  groups = scan.repetition_groups([command for command, _ in test], "length")
+  pairs = ([p for p, g in zip(test, groups) if g == scan.TRAINED][:10]
+           + [p for p, g in zip(test, groups) if g == scan.UNSEEN][:6])
+  metrics = evaluate_lib.evaluate(params, model_config, c, tokenizer, pairs)
+  references = np.array([len(target.split()) for _, target in pairs])
+  batch, _ = next(pipeline.eval_batches(tasks.examples(c.data, pairs, tokenizer), 16))
+  signed = (search.head_lengths(params, model_config, batch["inputs"], c.data.max_target_len)
+            - references)
+  for group, rows in ((scan.TRAINED, slice(0, 10)), (scan.UNSEEN, slice(10, 16))):
+    assert metrics[f"length_head_accuracy_{group}"] == pytest.approx(np.mean(signed[rows] == 0))
+    assert metrics[f"length_head_error_{group}"] == pytest.approx(np.mean(np.abs(signed[rows])))
+    assert metrics[f"length_head_bias_{group}"] == pytest.approx(np.mean(signed[rows]))
+  assert metrics["length_head_bias"] == pytest.approx(np.mean(signed))
 
 
 @pytest.mark.parametrize("changes, message", [

@@ -70,8 +70,10 @@ def evaluate(params, model_config: ModelConfig, config, tokenizer: tokenizer_lib
   `oracle_exact_match`), which costs one more decode of the split; exact match by group where
   the data source has groups (`by_group` and `exact_match_GROUP`: SCAN's length splits, by
   whether training showed every repetition count of the command); with model.length_head, the
-  share of examples whose length the head predicts exactly (rounded: `length_head_accuracy`)
-  and its mean absolute error in tokens (`length_head_error`); classify reports accuracy
+  share of examples whose length the head predicts exactly (rounded: `length_head_accuracy`),
+  its mean absolute error in tokens (`length_head_error`) and its mean signed error
+  (`length_head_bias`, < 0: too short), each also by group (`length_head_accuracy_GROUP`, ...);
+  classify reports accuracy
   and macro-F1 over the classes. `params` live on `mesh` (default: the mesh of config.mesh),
   sharded as in training or not; batches are split over its data x fsdp devices.
   With several processes every process calls this with the same pairs and gets the same metrics.
@@ -89,7 +91,7 @@ def evaluate(params, model_config: ModelConfig, config, tokenizer: tokenizer_lib
   hypotheses, oracle, predicted = [], [], []
   oracle_length = d.task == "seq2seq" and e.oracle_length
   length_head = d.task == "seq2seq" and model_config.length_head
-  head_hits, head_errors = 0, 0.0  # the length head's predictions, rounded, against the references
+  head_signed = []  # the length head's rounded predictions minus the references' lengths
   # Counted in sentences, not batches: a split is a handful of batches, and beam search spends
   # most of the time, inside one compiled loop per batch.
   shown = progress.bar(total=len(examples), unit="sentence",
@@ -110,8 +112,7 @@ def evaluate(params, model_config: ModelConfig, config, tokenizer: tokenizer_lib
       # the reference's tokens, EOS not counted (padding rows: 0)
       lengths = np.maximum(np.sum(batch["targets"] != 0, axis=-1) - 1, 0)
       if length_head:
-        head_hits += int(np.sum(guessed[:n_real] == lengths[:n_real]))
-        head_errors += float(np.sum(np.abs(guessed[:n_real] - lengths[:n_real])))
+        head_signed += (guessed[:n_real].astype(np.int64) - lengths[:n_real]).tolist()
       if oracle_length:
         outputs = decode_batch(params, model_config, e, batch["inputs"], max_length,
                                mesh=mesh, lengths=lengths)
@@ -140,10 +141,11 @@ def evaluate(params, model_config: ModelConfig, config, tokenizer: tokenizer_lib
   if oracle_length:
     outputs["oracle"] = oracle
     text["oracle_exact_match"] = text_metrics(oracle, references)["exact_match"]
-  if length_head:  # share of exact lengths, and the mean absolute error in tokens
-    text["length_head_accuracy"] = head_hits / len(examples)
-    text["length_head_error"] = head_errors / len(examples)
   groups = sources.groups(d, kept)
+  if length_head:
+    text.update(head_metrics(np.asarray(head_signed)))
+    for group in dict.fromkeys(groups or ()):
+      text.update(head_metrics(np.asarray(head_signed)[np.asarray(groups) == group], group))
   return {
       **metrics,
       **text,
@@ -157,6 +159,15 @@ def evaluate(params, model_config: ModelConfig, config, tokenizer: tokenizer_lib
                   for i, ((source, reference), hypothesis) in enumerate(
                       zip(kept[:SAMPLES], hypotheses))],
   }
+
+
+def head_metrics(signed: np.ndarray, group: str = "") -> dict:
+  """model.length_head's figures from its rounded predictions minus the references' lengths:
+  the share exact, the mean absolute and the mean signed error in tokens (named _GROUP)."""
+  suffix = f"_{group}" if group else ""
+  return {f"length_head_accuracy{suffix}": float(np.mean(signed == 0)),
+          f"length_head_error{suffix}": float(np.mean(np.abs(signed))),
+          f"length_head_bias{suffix}": float(np.mean(signed))}
 
 
 def decode_name(config) -> str:
