@@ -73,9 +73,9 @@ def evaluate(params, model_config: ModelConfig, config, tokenizer: tokenizer_lib
   share of examples whose length the head predicts exactly (rounded: `length_head_accuracy`),
   its mean absolute error in tokens (`length_head_error`) and its mean signed error
   (`length_head_bias`, < 0: too short), each also by group (`length_head_accuracy_GROUP`, ...);
-  classify reports accuracy
-  and macro-F1 over the classes. `params` live on `mesh` (default: the mesh of config.mesh),
-  sharded as in training or not; batches are split over its data x fsdp devices.
+  classify reports accuracy and macro-F1 over the classes. `params` live on `mesh` (default:
+  the mesh of config.mesh), sharded as in training or not; batches are split over its data x
+  fsdp devices.
   With several processes every process calls this with the same pairs and gets the same metrics.
   """
   mesh = sharding.make_mesh(config.mesh.to_dict()) if mesh is None else mesh
