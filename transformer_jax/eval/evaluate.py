@@ -143,9 +143,12 @@ def evaluate(params, model_config: ModelConfig, config, tokenizer: tokenizer_lib
     text["oracle_exact_match"] = text_metrics(oracle, references)["exact_match"]
   groups = sources.groups(d, kept)
   if length_head:
-    text.update(head_metrics(np.asarray(head_signed)))
-    for group in dict.fromkeys(groups or ()):
-      text.update(head_metrics(np.asarray(head_signed)[np.asarray(groups) == group], group))
+    signed = np.asarray(head_signed)
+    text.update(head_metrics(signed))
+    if groups:
+      names = np.asarray(groups)
+      for group in dict.fromkeys(groups):
+        text.update(head_metrics(signed[names == group], group))
   return {
       **metrics,
       **text,
