@@ -82,7 +82,7 @@ def main(blocks: int = 40, log_every: int = 100, interval_s: float | None = None
     _, _, train_set, _ = prepare.prepare_data(config, directory, model_config.vocab_size)
     mesh = sharding.make_mesh(config.mesh.to_dict())
     optimizer = state_lib.make_optimizer(config.train, model_config.d_model)
-    train_step = step_lib.make_train_step(model_config, config, mesh, optimizer)
+    train_step = step_lib.make_train_step(model_config, config, mesh)
     state = state_lib.init_state(model_config, optimizer, config.seed, mesh)
     rng = jax.random.PRNGKey(config.seed)
     block = 2 * log_every

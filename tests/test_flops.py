@@ -37,7 +37,7 @@ def test_formula_matches_the_compiled_step(arch, task, changes, lengths):
   model_config = config_lib.validate(c)
   mesh = sharding.make_mesh({"data": 1}, jax.devices()[:1])
   optimizer = state_lib.make_optimizer(c.train, model_config.d_model)
-  step = step_lib.make_train_step(model_config, c, mesh, optimizer)
+  step = step_lib.make_train_step(model_config, c, mesh)
   source_len, target_len = lengths
   batch = {"inputs": jax.ShapeDtypeStruct((8, source_len), jnp.int32),
            "targets": jax.ShapeDtypeStruct((8, target_len), jnp.int32)}

@@ -133,7 +133,7 @@ MESHES_SCRIPT = textwrap.dedent("""
       if name not in steps:
         axes, devices = meshes[name]
         mesh = sharding.make_mesh(axes, devices)
-        steps[name] = mesh, step_lib.make_train_step(model_config, c, mesh, optimizer)
+        steps[name] = mesh, step_lib.make_train_step(model_config, c, mesh)
       return steps[name]
 
     def run(name, state, start, stop, losses):
@@ -244,7 +244,7 @@ MESHES_SCRIPT = textwrap.dedent("""
       for mesh_name in ("1", "1,2,4"):
         axes, devices = meshes[mesh_name]
         mesh = sharding.make_mesh(axes, devices)
-        step = step_lib.make_train_step(mc, oc, mesh, opt)
+        step = step_lib.make_train_step(mc, oc, mesh)
         state = state_lib.init_state(mc, opt, 0, mesh)
         start, losses = flat(state.params), []
         for k in range(3):

@@ -219,7 +219,7 @@ def _setup(config, pairs, devices=None):
   data = pipeline.encode(pairs, tok, config.data.max_source_len, config.data.max_target_len)
   mesh = sharding.make_mesh(devices=devices)
   optimizer = state_lib.make_optimizer(config.train, model_config.d_model)
-  step = step_lib.make_train_step(model_config, config, mesh, optimizer)
+  step = step_lib.make_train_step(model_config, config, mesh)
   state = state_lib.init_state(model_config, optimizer, config.seed, mesh)
   return model_config, tok, data, mesh, step, state
 
@@ -299,7 +299,7 @@ DATA_PARALLEL_SCRIPT = textwrap.dedent("""
       model_config = config_lib.validate(c)
       mesh = sharding.make_mesh(devices=devices)
       optimizer = state_lib.make_optimizer(c.train, model_config.d_model)
-      step = step_lib.make_train_step(model_config, c, mesh, optimizer)
+      step = step_lib.make_train_step(model_config, c, mesh)
       state = state_lib.init_state(model_config, optimizer, 0, mesh)
       results["init"] = [np.asarray(x, np.float64).ravel().tolist()
                          for x in jax.tree.leaves(jax.device_get(state.params))]

@@ -351,7 +351,7 @@ def lower_train_step(config, model_config: ModelConfig, mesh) -> tuple:
   """(the train step lowered on an abstract state and batch for `mesh`, the batch's Shapes,
   the abstract state)."""
   optimizer = state_lib.make_optimizer(config.train, model_config.d_model)
-  step = step_lib.make_train_step(model_config, config, mesh, optimizer)
+  step = step_lib.make_train_step(model_config, config, mesh)
   state = state_lib.abstract_state(model_config, optimizer, mesh)
   shapes = train_shapes(config, mesh)
   rows = sharding.batch_sharding(mesh)

@@ -9,7 +9,15 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def label_smoothed_cross_entropy(logits, targets, smoothing: float,
+def smoothing_coefficients(smoothing: float, width: int, excluded_rows: tuple = ()) -> dict:
+  """The float32 numbers the loss and its gradient use for `smoothing` over `width` rows (the
+  excluded ones aside): 1 - smoothing, smoothing, smoothing / rows kept, each computed in float64
+  and rounded once. The train step takes them as inputs (train/state.py: hyperparameters)."""
+  return {"confidence": np.float32(1.0 - smoothing), "smoothing": np.float32(smoothing),
+          "uniform": np.float32(smoothing / (width - len(excluded_rows)))}
+
+
+def label_smoothed_cross_entropy(logits, targets, smoothing,
                                  bfloat16_logits: bool = False, excluded_rows: tuple = ()):
   """Per-position loss against q = (1 - smoothing) * one_hot(target) + smoothing / vocab.
 
@@ -19,7 +27,8 @@ def label_smoothed_cross_entropy(logits, targets, smoothing: float,
   Args:
     logits: float `[batch, length, vocab]`.
     targets: int `[batch, length]`.
-    smoothing: epsilon in [0, 1).
+    smoothing: epsilon in [0, 1), or `smoothing_coefficients`' dict of it (whose values may be
+      inputs of a compiled step: the smoothing is then on, whatever their value).
     bfloat16_logits: the logits were computed in bfloat16 (`model.dtype=bfloat16`; the model
       returns them as float32). The loss then reads them as bfloat16, which is exact, so the
       program keeps no float32 copy of the `[tokens, vocab]` array, and in ONE pass
@@ -38,14 +47,17 @@ def label_smoothed_cross_entropy(logits, targets, smoothing: float,
     # Exact for bfloat16 values: XLA folds the model's upcast and this cast away, and the
     # gradient comes back in bfloat16, as the model's own cast would have made it.
     logits = logits.astype(jnp.bfloat16)
-  return _cross_entropy(logits, targets, float(smoothing), bool(bfloat16_logits),
-                        tuple(excluded_rows))
+  if not isinstance(smoothing, dict):
+    smoothing = (smoothing_coefficients(float(smoothing), logits.shape[-1], excluded_rows)
+                 if smoothing else None)
+  return _cross_entropy(logits, targets, smoothing, bool(bfloat16_logits), tuple(excluded_rows))
 
 
 # The gradient with respect to the logits is softmax(logits) - q, computed in one elementwise pass
 # over the `[tokens, vocab]` array. Left to autodiff, log_softmax + take_along_axis gave a scatter
 # and a transposed recomputation of the softmax, and the loss head took a third of the CPU step.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+# `smoothing`: smoothing_coefficients' dict, or None for none.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _cross_entropy(logits, targets, smoothing, one_pass, excluded):
   return _cross_entropy_fwd(logits, targets, smoothing, one_pass, excluded)[0]
 
@@ -72,10 +84,11 @@ def _cross_entropy_fwd(logits, targets, smoothing, one_pass, excluded):
     target_logit = jnp.take_along_axis(x, targets[..., None], axis=-1)[..., 0]
   nll = log_normalizer - target_logit
   if not smoothing:
-    return (nll, nll, target_logit >= x_max), (logits, targets, log_normalizer)
+    return (nll, nll, target_logit >= x_max), (logits, targets, log_normalizer, smoothing)
   uniform = log_normalizer - (mean if one_pass else jnp.sum(summed, axis=-1) / kept)
-  loss = (1.0 - smoothing) * nll + smoothing * uniform  # uniform: -mean(log p) over kept rows
-  return (loss, nll, target_logit >= x_max), (logits, targets, log_normalizer)
+  # uniform: -mean(log p) over kept rows
+  loss = smoothing["confidence"] * nll + smoothing["smoothing"] * uniform
+  return (loss, nll, target_logit >= x_max), (logits, targets, log_normalizer, smoothing)
 
 
 def _one_pass_statistics(x, targets, summed):
@@ -106,20 +119,22 @@ def _one_pass_statistics(x, targets, summed):
   return x_max, x_max + jnp.log(exp_sum), total, target_logit
 
 
-def _cross_entropy_bwd(smoothing, one_pass, excluded, residuals, cotangents):
-  logits, targets, log_normalizer = residuals
+def _cross_entropy_bwd(one_pass, excluded, residuals, cotangents):
+  logits, targets, log_normalizer, smoothing = residuals
   d_loss, d_nll, _ = cotangents
   x = logits.astype(jnp.float32)
   probs = jnp.exp(x - log_normalizer[..., None])
   # d loss / dx = p - q and d nll / dx = p - one_hot.
-  on_target = ((1.0 - smoothing) * d_loss + d_nll)[..., None]
+  on_target = ((smoothing["confidence"] if smoothing else 1.0) * d_loss + d_nll)[..., None]
   d_logits = ((d_loss + d_nll)[..., None] * probs
               - jnp.where(_one_hot(targets, x.shape[-1]), on_target, 0.0))
   if smoothing:
-    uniform = (smoothing / (x.shape[-1] - len(excluded))) * d_loss[..., None]
+    uniform = smoothing["uniform"] * d_loss[..., None]
     d_logits = d_logits - (jnp.where(_kept(x.shape[-1], excluded), uniform, 0.0) if excluded
                            else uniform)
-  return d_logits.astype(logits.dtype), None
+  # The smoothing's numbers are settings, not parameters: no gradient flows to them.
+  return d_logits.astype(logits.dtype), None, (jax.tree.map(jnp.zeros_like, smoothing)
+                                               if smoothing else None)
 
 
 def _one_hot(targets, vocab: int):

@@ -6,6 +6,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from transformer_jax.core.errors import UserError
@@ -14,7 +15,7 @@ from transformer_jax.model import ModelConfig, make_model, shift_right
 from transformer_jax.model.axes import constrain
 from transformer_jax.train import sharding
 from transformer_jax.train import state as state_lib
-from transformer_jax.train.losses import label_smoothed_cross_entropy
+from transformer_jax.train.losses import label_smoothed_cross_entropy, smoothing_coefficients
 from transformer_jax.train.state import TrainState
 
 # Folded into the step's key for the masked-LM corruption: apart from the dropout keys, which
@@ -104,9 +105,10 @@ def forward(model, params, batch, rngs=None, lengths: bool = False):
 def _loss_and_metrics(params, model, batch, rng, smoothing, normalizer, length_weight=0.0):
   """Sum of the smoothed loss over a microbatch's tokens, divided by the batch's token count.
 
-  With model.length_head, plus `length_weight` (train.length_loss_weight) times the squared
-  error of each example's predicted target length, summed over the examples and divided by the
-  same token count."""
+  smoothing: the label smoothing, as `label_smoothed_cross_entropy` takes it. With
+  model.length_head, plus `length_weight` (train.length_loss_weight) times the squared error of
+  each example's predicted target length, summed over the examples and divided by the same
+  token count."""
   if model.config.length_head:
     logits, labels, weights, predicted = forward(model, params, batch, {"dropout": rng},
                                                  lengths=True)
@@ -114,11 +116,14 @@ def _loss_and_metrics(params, model, batch, rng, smoothing, normalizer, length_w
     squared = jnp.where(real, (predicted - target_lengths(batch["targets"])) ** 2, 0.0)
   else:
     logits, labels, weights = forward(model, params, batch, {"dropout": rng})
+  if isinstance(smoothing, dict) and logits.shape[-1] != loss_width(model.config):
+    raise AssertionError(f"logits of {logits.shape[-1]} rows, smoothing for "
+                         f"{loss_width(model.config)}")
   # bfloat16 compute runs on accelerators, where the step is HBM-bound and the loss's passes
   # over the [tokens, vocab] logits are its largest kernels; float32 keeps the CPU's faster form.
   loss, nll, correct = label_smoothed_cross_entropy(
       logits, labels, smoothing, bfloat16_logits=model.config.compute_dtype == jnp.bfloat16,
-      excluded_rows=() if model.config.num_labels else model.config.excluded_rows)
+      excluded_rows=excluded_loss_rows(model.config))
   correct = correct * weights
   sums = {"loss": (loss * weights).sum(), "nll": (nll * weights).sum(), "correct": correct.sum()}
   if model.config.length_head:
@@ -127,16 +132,34 @@ def _loss_and_metrics(params, model, batch, rng, smoothing, normalizer, length_w
   return sums["loss"] / normalizer, sums
 
 
-def train_step(state: TrainState, batch, rng, *, model, optimizer, smoothing: float,
+def loss_width(model_config: ModelConfig) -> int:
+  """The rows of the logits the loss reads: the classes of a classifier, else the vocabulary."""
+  return model_config.num_labels or model_config.vocab_size
+
+
+def excluded_loss_rows(model_config: ModelConfig) -> tuple:
+  return () if model_config.num_labels else tuple(model_config.excluded_rows)
+
+
+def train_step(state: TrainState, batch, rng, hparams=None, *, model, optimizer, smoothing,
                accum_steps: int, task: str = "seq2seq", mask_rate: float = 0.15,
-               length_weight: float = 0.0):
+               length_weight=0.0):
   """One update from the global batch: (state, batch, rng) -> (state, metrics).
+
+  hparams: `state_lib.hyperparameters` and the loss's smoothing (`make_train_step`), inputs of
+  the compiled step; `optimizer(hparams)` then builds the optimizer, and the smoothing and
+  length-loss weight come from them. None: `optimizer` is the optimizer, and `smoothing` and
+  `length_weight` the values.
 
   Written for the whole batch; `make_train_step` runs it on a mesh. The loss is the mean over
   all non-padding target tokens of the batch, so rows of padding added to fill a mesh change
   nothing. With `accum_steps` > 1 the rows are dealt out to microbatches in turn (row r to
   microbatch r % accum_steps), so every device holds part of every microbatch.
   """
+  if hparams is not None:
+    smoothing = hparams["smoothing"] if smoothing else 0.0
+    length_weight = hparams["optimizer"]["length_loss_weight"]
+    optimizer = optimizer(hparams["optimizer"])
   rng = jax.random.fold_in(rng, state.step)
   raw = batch  # the padding share is that of the batch as it came
   batch = prepare_batch(batch, rng, task, mask_rate, model.config.vocab_size)
@@ -182,20 +205,79 @@ def train_step(state: TrainState, batch, rng, *, model, optimizer, smoothing: fl
   return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
-def make_train_step(model_config: ModelConfig, config, mesh, optimizer):
+class TrainStep:
+  """The compiled train step with this run's hyperparameters: `step(state, batch, rng)` and
+  `step.lower(state, batch, rng)` call the shared jitted function with them as its fourth
+  argument (placed on the devices at the first call; lowered as abstract values, which is also
+  how an abstract mesh of `--mode=compile` takes them)."""
+
+  def __init__(self, jitted, hparams: dict, mesh):
+    self.jitted, self.hparams, self.mesh = jitted, hparams, mesh
+    self._placed = None
+
+  def placed(self):
+    """The hyperparameters on the mesh: the fourth argument of `lower(...).compile()`'s
+    program."""
+    if self._placed is None:
+      self._placed = jax.device_put(self.hparams, sharding.replicated(self.mesh))
+    return self._placed
+
+  def __call__(self, state, batch, rng):
+    return self.jitted(state, batch, rng, self.placed())
+
+  def lower(self, state, batch, rng):
+    replicated = sharding.replicated(self.mesh)
+    hparams = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype,
+                                                          sharding=replicated), self.hparams)
+    return self.jitted.lower(state, batch, rng, hparams)
+
+
+def step_hyperparameters(model_config: ModelConfig, config) -> dict:
+  """The inputs of the compiled step that are settings: the optimizer's (`state_lib.
+  hyperparameters`) and the label smoothing's coefficients."""
+  t = config.train
+  return {"optimizer": state_lib.hyperparameters(t, model_config.d_model),
+          "smoothing": smoothing_coefficients(t.label_smoothing, loss_width(model_config),
+                                              excluded_loss_rows(model_config))}
+
+
+_JITTED: dict = {}
+
+
+def _jitted_step(model_config: ModelConfig, kind: state_lib.OptimizerKind, smoothing: bool,
+                 accum: int, task: str, mask_rate: float, mesh, optimizer):
+  """The jitted step for one program structure, kept for the process's later runs (a sweep
+  worker's next trial): the same function object, so JAX neither traces nor compiles it again
+  when only hyperparameters change. `optimizer`: one of `kind`, for its state's shardings."""
+  key = (model_config, kind, smoothing, accum, task, mask_rate, mesh)
+  if key not in _JITTED:
+    step = functools.partial(train_step, model=make_model(model_config),
+                             optimizer=functools.partial(state_lib.optimizer, kind),
+                             smoothing=smoothing, accum_steps=accum, task=task,
+                             mask_rate=mask_rate)
+    state_shardings = state_lib.state_shardings(model_config, optimizer, mesh)
+    replicated = sharding.replicated(mesh)
+    _JITTED[key] = sharding.jit(
+        step, mesh, donate_argnums=(0,),
+        in_shardings=(state_shardings, sharding.batch_sharding(mesh), replicated, replicated),
+        out_shardings=(state_shardings, replicated))
+  return _JITTED[key]
+
+
+def make_train_step(model_config: ModelConfig, config, mesh) -> TrainStep:
   """The train step as one jit over `mesh`: state sharded by its logical axes (donated), batch
   rows over data x fsdp, metrics replicated. Call it with batches from `sharding.shard_batch`
-  (rows padded to a multiple of train.grad_accum_steps x the batch shards)."""
+  (rows padded to a multiple of train.grad_accum_steps x the batch shards).
+
+  Settings that change no shape or program structure (`step_hyperparameters`) are inputs of
+  the compiled program: runs of this process that differ only in them reuse it, and other
+  processes find it in the compilation cache."""
   accum = config.train.grad_accum_steps
   if config.data.batching == "fixed" and config.data.batch_size % accum:
     raise UserError(f"data.batch_size ({config.data.batch_size}) must be divisible by "
                     f"train.grad_accum_steps ({accum})")
-  step = functools.partial(train_step, model=make_model(model_config), optimizer=optimizer,
-                           smoothing=config.train.label_smoothing, accum_steps=accum,
-                           task=config.data.task, mask_rate=config.data.mask_rate,
-                           length_weight=config.train.get("length_loss_weight", 0.0))
-  state_shardings = state_lib.state_shardings(model_config, optimizer, mesh)
-  replicated = sharding.replicated(mesh)
-  return sharding.jit(step, mesh, donate_argnums=(0,),
-                      in_shardings=(state_shardings, sharding.batch_sharding(mesh), replicated),
-                      out_shardings=(state_shardings, replicated))
+  t = config.train
+  jitted = _jitted_step(model_config, state_lib.OptimizerKind.of(t), t.label_smoothing > 0,
+                        accum, config.data.task, float(config.data.mask_rate), mesh,
+                        state_lib.make_optimizer(t, model_config.d_model))
+  return TrainStep(jitted, step_hyperparameters(model_config, config), mesh)
