@@ -62,6 +62,8 @@ DESCRIBING_MODES = ("describe", "config", "export")
 # The modes --config is for: not the Hugging Face ones, nor sweep_results (it reads the study).
 CONFIG_MODES = tuple(m for m in MODES if m not in HF_MODES + ("sweep_results",))
 SWEEPS = ("sweep", "sweep_dry_run")  # the flags that start a sweep (--mode=train)
+# The modes that compile programs for this machine: the compilation cache serves them.
+CACHED_MODES = ("train", "evaluate", "translate", "generate", "plot", "benchmark")
 # The modes that read a sweep's study (plot: where --workdir is a sweep's): its storage and
 # metric flags need no --sweep there.
 SWEEP_READING_MODES = ("sweep_results", "plot")
@@ -132,6 +134,12 @@ _KEEP_HOST_MEMORY = flags.DEFINE_enum(
     "large per-step temporaries again every step (about 20% of the CPU benchmark's step); the "
     "process keeps its peak resident memory. auto: only when a step's arrays exceed 32 MiB "
     "(for small steps the shared malloc lock costs more than it saves).")
+_COMPILE_CACHE = flags.DEFINE_string(
+    "compile_cache", None, "Folder (or gs://, s3:// URL) of the persistent compilation cache "
+    "that runs share, so that a program compiled once loads in seconds; off = none. Default: "
+    "$TRANSFORMER_JAX_COMPILE_CACHE, else ~/.cache/transformer_jax/xla; a sweep's "
+    "WORKDIR/compile_cache, shared by its workers. The cache is trusted code (README: Compile "
+    "once).")
 _HF_DIR = flags.DEFINE_string("hf_dir", None, "--mode=import_hf / export_hf: the Hugging Face "
                               "model directory read or written (tools/hf).")
 _CHECKPOINT_STEP = flags.DEFINE_integer(
@@ -363,6 +371,7 @@ FLAG_USES = {
     "num_processes": (WORKDIR_MODES, ()),
     "process_id": (WORKDIR_MODES, ()),
     "keep_host_memory": (CONFIG_MODES, ()),
+    "compile_cache": (CACHED_MODES, ()),
 }
 # What a refusal adds where the reason is not obvious: (flag, mode) -> the rest of the line.
 _WHY_NOT = {
@@ -471,6 +480,19 @@ def check_trained_workdir(workdir: str) -> None:
                     "another --workdir")
 
 
+def _configure_compile_cache() -> None:
+  """The persistent compilation cache of this process (core/compilation.py): --compile_cache,
+  else a sweep's own in its workdir (every worker's, on every host), else the default."""
+  from transformer_jax.core import compilation
+  directory = _COMPILE_CACHE.value
+  if directory is not None and not directory.strip():
+    raise UserError("--compile_cache is empty (an unset shell variable?); give a folder, or off")
+  if (directory is None and _SWEEP.value and _WORKDIR.value
+      and not os.environ.get(compilation.ENV) and not os.environ.get("JAX_COMPILATION_CACHE_DIR")):
+    directory = storage.join(storage.check(_WORKDIR.value), "compile_cache")
+  compilation.configure(directory)
+
+
 def run(argv) -> None:
   if len(argv) > 1:
     raise UserError(f"unexpected arguments {' '.join(argv[1:])}; flags look like --name=value")
@@ -515,6 +537,8 @@ def run(argv) -> None:
     worth = keep == "true"
   if worth:
     hostmem.keep_freed_memory()  # before the first JAX computation starts the CPU backend
+  if mode in CACHED_MODES and not _SWEEP_DRY_RUN.value:
+    _configure_compile_cache()
   from transformer_jax import config as config_lib
   from transformer_jax import model as model_lib
 

@@ -103,8 +103,15 @@ def render(config, finals: dict, records: list[dict], final_step: int,
             "evaluations, the final ones included",
             f"- checkpoint saves: {cost['save_s']:.1f} s for {cost['saves']} saves",
             f"- tokens seen (source + target, no padding): {cost['all_tokens']:,.0f}",
-            f"- throughput: {throughput:,.0f} tokens/s", ""]
-  return "\n".join(lines)
+            f"- throughput: {throughput:,.0f} tokens/s"]
+  startup = [r for r in records if r.get("split") == "startup"]
+  if startup:
+    r = startup[-1]
+    lines.append(f"- start-up of the latest run: {r['startup_s']:.1f} s to its first step's end: "
+                 f"set-up {r['setup_s']:.1f} s, tracing {r['trace_s']:.1f} s, lowering "
+                 f"{r['lower_s']:.1f} s, compiling {r['compile_s']:.1f} s (compilation cache: "
+                 f"{r['cache']})")
+  return "\n".join(lines + [""])
 
 
 def write(workdir: str, text: str) -> str:

@@ -269,6 +269,24 @@ class MetricLogger:
       for tracker in self._trackers if steps is not None else ():
         tracker.checkpoints(steps, directory)
 
+  def startup(self, step: int, setup_s: float, startup_s: float, spent: dict) -> None:
+    """Where this run's start-up went, up to the end of its first step: set-up (config, data,
+    tokenizer, checkpoint, initial state: `setup_s`), then the first step's tracing, lowering and
+    compiling as JAX counted them (`compilation.Clock.read()`: `spent`), and whether the
+    compilation cache answered. A record of its own in metrics.jsonl (split "startup")."""
+    record = {"split": "startup", "step": step, "time": time.time(), "startup_s": startup_s,
+              "setup_s": setup_s, **{k: float(spent[k]) for k in ("trace_s", "lower_s",
+                                                                   "compile_s")},
+              "cache_hits": int(spent["cache_hits"]), "cache_misses": int(spent["cache_misses"]),
+              "cache": spent["cache"]}
+    if not self.enabled:
+      return
+    self._write(record)
+    progress.write(f"start-up {startup_s:.1f} s: set-up {setup_s:.1f} s, first step "
+                   f"{startup_s - setup_s:.1f} s (tracing {record['trace_s']:.1f} s, lowering "
+                   f"{record['lower_s']:.1f} s, compiling {record['compile_s']:.1f} s; "
+                   f"compilation cache: {_CACHE_WORDS[spent['cache']]})")
+
   def text(self, tag: str, text: str) -> None:
     if self.enabled and self._tb:
       self._tb.text(tag, f"```\n{text}\n```", 0)
@@ -294,6 +312,10 @@ class MetricLogger:
 
   def __exit__(self, kind, error, traceback):
     self.close("finished" if kind is None else "failed")
+
+
+_CACHE_WORDS = {"hit": "hit", "miss": "miss, now stored", "partly": "partly hit",
+                "off": "off", "none": "not needed, compiled in this process already"}
 
 
 def publish_images(config, workdir: str, paths: list, step: int) -> None:

@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import json
 import os
+import time
 from typing import Any, Callable, Optional
 
 import jax
@@ -18,7 +19,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from transformer_jax import config as config_lib
-from transformer_jax.core import outage, progress, storage
+from transformer_jax.core import compilation, outage, progress, storage
 from transformer_jax.core.errors import UserError
 from transformer_jax.data import cache, pipeline, prepare, sources, tasks
 from transformer_jax.data import tokenizer as tokenizer_lib
@@ -148,6 +149,7 @@ def train(config, workdir: str, evaluate_fn: EvaluateFn, on_eval: Optional[OnEva
   evaluation; when it answers with a reason, the run saves that step's checkpoint and stops
   (Result.pruned), without the final evaluation.
   """
+  started = time.perf_counter()  # start-up: from here to the first step's end
   model_config = config_lib.validate(config, jax.default_backend())
   t = config.train
   workdir = checkpoint.check_workdir(workdir)
@@ -164,7 +166,7 @@ def train(config, workdir: str, evaluate_fn: EvaluateFn, on_eval: Optional[OnEva
                 if d.test_split and d.test_split != d.eval_split else None)
   mesh = sharding.make_mesh(config.mesh.to_dict())
   optimizer = state_lib.make_optimizer(t, model_config.d_model)
-  train_step = step_lib.make_train_step(model_config, config, mesh, optimizer)
+  train_step = step_lib.make_train_step(model_config, config, mesh)
   # The batches do not depend on the mesh: rows are a multiple of the accumulation steps only,
   # and shard_batch fills a batch with empty rows to split it over the devices.
   stream = pipeline.TrainStream(train_set, config.data, config.seed,
@@ -257,10 +259,14 @@ def train(config, workdir: str, evaluate_fn: EvaluateFn, on_eval: Optional[OnEva
         jax.block_until_ready(metrics)
       waiting = (progress.waiting("compiling the train step") if step == start
                  else contextlib.nullcontext())
+      clock = compilation.Clock() if step == start else None
+      setup_s = time.perf_counter() - started
       with waiting, throughput.paused("compile") if compiles else contextlib.nullcontext():
         state, metrics = train_step(state, batch.data, rng)
         if compiles:
           jax.block_until_ready(metrics)  # the wait is the compilation's
+      if clock is not None:
+        logger.startup(start, setup_s, time.perf_counter() - started, clock.read())
       throughput.count(batch.tokens, batch.shape, compiled=compiles)
       done = step + 1
       bar.update()

@@ -79,6 +79,10 @@ def rows(study, metric: str) -> list[dict]:
       row.update({f"{part}_{m}": got.get(m, "") for m in shown[part]})
     row.update({"best_step": a.get("sweep_best_step", ""), "retries": count - 1,
                 "wall_time_s": a.get("sweep_wall_s", ""),
+                # set-up and first step (compile or cache); "cache": what answered it
+                "startup_s": round((a.get("sweep_startup") or {}).get("startup_s", 0.0), 1)
+                if a.get("sweep_startup") else "",
+                "cache": (a.get("sweep_startup") or {}).get("cache", ""),
                 "get_sweep": "" if a.get("sweep_index") is None else a["sweep_index"]})
     table.append(row)
 

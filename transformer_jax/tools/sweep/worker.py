@@ -544,6 +544,10 @@ def _finish(trial, directory: str, overrides: dict, final: dict, config, p: Plan
   trial.set_user_attr("sweep_metrics", _numbers(final))
   trial.set_user_attr("sweep_best_step", best["step"] if best else None)
   trial.set_user_attr("sweep_wall_s", round(wall, 1))
+  startup = [r for r in records if r.get("split") == "startup"]
+  if startup:  # the latest attempt's: set-up and first step, and what the cache said
+    trial.set_user_attr("sweep_startup", {k: startup[-1][k] for k in (
+        "startup_s", "setup_s", "trace_s", "lower_s", "compile_s", "cache")})
   if selected is not None:
     trial.set_user_attr("sweep_best", {"metric": config.train.best_metric,
                                        "step": selected["step"], "metrics": _numbers(selected)})
@@ -739,6 +743,23 @@ def follow(workdir: str, p: Plan, train_fn) -> None:
     progress_line(f"{identity['directory']}: trained with process 0")
 
 
+# JAX preallocates this share of a GPU's memory by default (its GPU memory allocation docs).
+JAX_PREALLOCATED_SHARE = 0.75
+
+
+def shared_accelerator_memory(count: int, environ) -> dict:
+  """The environment that lets `count` worker processes share one machine's GPUs: each
+  preallocates 1/count of JAX's default share (XLA_PYTHON_CLIENT_MEM_FRACTION), instead of the
+  first taking three quarters of the memory and the others failing to allocate. Nothing where
+  the user set JAX's memory variables, or for one worker. TPUs are not shared between processes
+  this way (one process owns a TPU chip); the CPU ignores it."""
+  if count <= 1 or any(k in environ for k in ("XLA_PYTHON_CLIENT_MEM_FRACTION",
+                                              "XLA_PYTHON_CLIENT_PREALLOCATE",
+                                              "XLA_PYTHON_CLIENT_ALLOCATOR")):
+    return {}
+  return {"XLA_PYTHON_CLIENT_MEM_FRACTION": f"{JAX_PREALLOCATED_SHARE / count:.3f}"}
+
+
 def _spawn_workers(argv: list, count: int) -> int:
   """--sweep_parallel=N: N worker processes of the same command on this machine, killed with
   this one (PR_SET_PDEATHSIG), signals passed on; the exit code of the first that failed."""
@@ -749,7 +770,9 @@ def _spawn_workers(argv: list, count: int) -> int:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
-  children = [subprocess.Popen(command, preexec_fn=die_with_parent) for _ in range(count)]
+  environment = dict(os.environ, **shared_accelerator_memory(count, os.environ))
+  children = [subprocess.Popen(command, preexec_fn=die_with_parent, env=environment)
+              for _ in range(count)]
 
   def forward(signum, frame):
     for child in children:
