@@ -1,0 +1,249 @@
+"""Compile once (core/compilation.py, train/state.py's hyperparameters): runs and sweep trials that
+differ only in settings share one compiled train step, in a process and across processes through
+the persistent compilation cache, with results bitwise those of the step with the settings
+folded in as constants (today's optimizer: optax's adamw and schedules with Python floats).
+
+Compiles are counted from JAX's own monitoring events (`compilation.Clock`) and the start-up
+record the loop writes from them, never from timings.
+"""
+
+import functools
+import json
+import os
+import zlib
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import pytest
+from launcher import Launcher, environment
+from test_checkpoint import assert_same_state, restore_latest
+
+from tests import emulators
+from transformer_jax import config as config_lib
+from transformer_jax.core import compilation
+from transformer_jax.experiments import tiny
+from transformer_jax.model import make_model
+from transformer_jax.tools import benchmark
+from transformer_jax.train import sharding
+from transformer_jax.train import state as state_lib
+from transformer_jax.train import step as step_lib
+from transformer_jax.train.logger import read_metrics
+
+TINY = ["--config=experiments/tiny.py", "--config.train.steps=3", "--config.train.log_every=1",
+        "--config.train.checkpoint_every=3", "--config.eval.max_examples=8"]
+
+
+def stock_optimizer(t, d_model: int):
+  """The optimizer as it was before its settings became inputs: optax's adamw and schedules
+  with every setting a Python float (an independent reference for the new one)."""
+  parts = [optax.clip_by_global_norm(t.grad_clip_norm)] if t.grad_clip_norm > 0 else []
+  parts.append(optax.adamw(state_lib.make_schedule(t, d_model), b1=t.adam_b1, b2=t.adam_b2,
+                           eps=t.adam_eps, weight_decay=t.weight_decay))
+  return optax.chain(*parts)
+
+
+SETTINGS = [
+    dict(schedule="rsqrt", learning_rate=1.0, warmup_steps=4000, steps=100_000),
+    dict(schedule="rsqrt", learning_rate=2.0, warmup_steps=3, steps=20, adam_b2=0.997),
+    dict(schedule="cosine", learning_rate=3e-3, warmup_steps=4, steps=9, weight_decay=0.01,
+         grad_clip_norm=0.5),
+    dict(schedule="cosine", learning_rate=1e-3, warmup_steps=0, steps=50, adam_b1=0.8),
+    dict(schedule="constant", learning_rate=7e-4, warmup_steps=0, adam_eps=1e-6),
+    dict(schedule="constant", learning_rate=5e-3, warmup_steps=5, weight_decay=0.1),
+]
+
+
+def train_config(**settings):
+  c = tiny.get_config()
+  c.train.update(settings)
+  return c
+
+
+@pytest.mark.parametrize("settings", SETTINGS)
+def test_the_schedule_from_inputs_is_optax_s_bitwise(settings):
+  t = train_config(**settings).train
+  counts = jnp.concatenate([jnp.arange(0, 64), jnp.array([99, 4000, 4001, 99_999, 200_000])])
+  h = state_lib.hyperparameters(t, 512)
+  ours = jax.jit(lambda c, h: jax.vmap(state_lib.schedule_of(t.schedule, h))(c))(counts, h)
+  stock = jax.jit(jax.vmap(state_lib.make_schedule(t, 512)))(counts)
+  np.testing.assert_array_equal(np.asarray(ours), np.asarray(stock))
+
+
+@pytest.mark.parametrize("settings", SETTINGS[1:4] + SETTINGS[5:])
+def test_the_train_step_with_inputs_equals_today_s_bitwise(settings):
+  """Four steps of the new step (settings as inputs, smoothing too) against train_step with the
+  stock optimizer and the smoothing as a Python float, jitted on the same mesh with the same
+  shardings and donation: parameters and optimizer state equal. Without dropout: under the
+  tests' quick XLA flags (launcher.QUICK_COMPILE) two programs that draw the same dropout masks
+  compute them differently, before this change as after it; with XLA's default flags they agree
+  with dropout too (docs/benchmarks.md: Compile once)."""
+  c = train_config(**settings, label_smoothing=0.1)  # tiny: no dropout (see above)
+  model_config = config_lib.validate(c)
+  mesh = sharding.make_mesh(c.mesh.to_dict())
+  new = step_lib.make_train_step(model_config, c, mesh)
+  optimizer = state_lib.make_optimizer(c.train, model_config.d_model)
+  shardings = state_lib.state_shardings(model_config, optimizer, mesh)
+  replicated = sharding.replicated(mesh)
+  stock = sharding.jit(functools.partial(
+      step_lib.train_step, model=make_model(model_config),
+      optimizer=stock_optimizer(c.train, model_config.d_model),
+      smoothing=c.train.label_smoothing, accum_steps=1), mesh, donate_argnums=(0,),
+      in_shardings=(shardings, sharding.batch_sharding(mesh), replicated),
+      out_shardings=(shardings, replicated))
+  a = state_lib.init_state(model_config, optimizer, 0, mesh)
+  b = state_lib.init_state(model_config, optimizer, 0, mesh)
+  rng = jax.random.PRNGKey(1)
+  for seed in range(4):
+    batch = sharding.shard_batch(benchmark.synthetic_batch(model_config, 8, 12, 10, seed=seed),
+                                 mesh)
+    a, metrics_a = new(a, batch, rng)
+    b, metrics_b = stock(b, batch, rng)
+  assert_same_state(a, b)
+  assert float(metrics_a["loss"]) == float(metrics_b["loss"])
+
+
+def test_settings_share_one_program_and_a_shape_compiles_anew():
+  """Two steps whose configs differ in every setting that is an input share the jitted
+  function: the second runs without tracing or compiling (JAX's events say so); d_model (a
+  shape) makes a new program."""
+  first = train_config(learning_rate=1e-3, label_smoothing=0.1, grad_clip_norm=1.0)
+  second = train_config(learning_rate=3e-3, label_smoothing=0.2, grad_clip_norm=0.3,
+                        warmup_steps=7, adam_b1=0.8, adam_b2=0.99, adam_eps=1e-7)
+  second.seed = 5
+  wider = train_config(learning_rate=1e-3, label_smoothing=0.1, grad_clip_norm=1.0)
+  wider.model.d_model = 48
+  mesh = sharding.make_mesh(first.mesh.to_dict())
+  spent = []
+  for c in (first, second, wider):
+    model_config = config_lib.validate(c)
+    step = step_lib.make_train_step(model_config, c, mesh)
+    state = state_lib.init_state(model_config, state_lib.make_optimizer(
+        c.train, model_config.d_model), c.seed, mesh)
+    batch = sharding.shard_batch(benchmark.synthetic_batch(model_config, 8, 12, 10), mesh)
+    clock = compilation.Clock()
+    jax.block_until_ready(step(state, batch, jax.random.PRNGKey(c.seed)))
+    spent.append(clock.read())
+  assert spent[0]["trace_s"] > 0 and spent[0]["compile_s"] > 0
+  assert spent[1]["trace_s"] == spent[1]["compile_s"] == 0.0, spent[1]
+  assert spent[1]["cache"] == "none"
+  assert spent[2]["trace_s"] > 0 and spent[2]["compile_s"] > 0  # a new shape compiles
+
+
+def startup(workdir) -> dict:
+  records = [r for r in read_metrics(str(workdir)) if r.get("split") == "startup"]
+  assert records, f"no start-up record in {workdir}"
+  return records[-1]
+
+
+@pytest.fixture(scope="module")
+def launcher(tmp_path_factory):
+  server = Launcher(environment(tmp_path_factory.mktemp("unused_cache")),
+                    str(tmp_path_factory.mktemp("launches")))
+  yield server
+  server.close()
+
+
+def test_a_second_process_with_another_rate_loads_the_step_from_the_cache(launcher, tmp_path):
+  """A new process that differs only in train.learning_rate finds the train step in the cache
+  (JAX's cache-hit event), and trains to parameters bitwise those of a run without the cache."""
+  cache = tmp_path / "xla"
+  runs = {}
+  for name, rate, where in (("first", "1e-3", cache), ("second", "3e-3", cache),
+                            ("uncached", "3e-3", "off")):
+    code, out, err = launcher.run(*TINY, f"--workdir={tmp_path / name}",
+                                  f"--config.train.learning_rate={rate}",
+                                  f"--compile_cache={where}")
+    assert code == 0, err
+    runs[name] = startup(tmp_path / name)
+  assert runs["first"]["cache"] == "miss" and runs["first"]["cache_misses"] >= 1
+  assert runs["second"]["cache"] == "hit" and runs["second"]["cache_misses"] == 0
+  assert runs["uncached"]["cache"] == "off"
+  assert "cache: hit" in (tmp_path / "second" / "summary.md").read_text()
+  assert_same_state(restore_latest(tmp_path / "second").state,
+                    restore_latest(tmp_path / "uncached").state)
+
+
+def _entries(cache) -> list:
+  return sorted(p for p in cache.iterdir() if p.name.endswith("-cache"))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "foreign"])
+def test_a_damaged_entry_compiles_anew_with_one_warning(launcher, tmp_path, damage):
+  cache = tmp_path / "xla"
+  code, _, err = launcher.run(*TINY, f"--workdir={tmp_path / 'first'}",
+                              f"--compile_cache={cache}")
+  assert code == 0, err
+  for path in _entries(cache):  # every entry: each program read back fails
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2] if damage == "truncated"
+                     else zlib.compress(os.urandom(4096)) + data[-4:])
+  code, out, err = launcher.run(*TINY, f"--workdir={tmp_path / 'second'}",
+                                f"--compile_cache={cache}")
+  assert code == 0, err
+  warnings = [line for line in err.splitlines() if "warning" in line.lower()]
+  assert len(warnings) == 1 and "compilation cache" in warnings[0], err
+  assert startup(tmp_path / "second")["cache"] == "miss"
+  # Stored again: a third run reads them.
+  code, _, err = launcher.run(*TINY, f"--workdir={tmp_path / 'third'}",
+                              f"--compile_cache={cache}")
+  assert code == 0 and "warning" not in err.lower(), err
+  assert startup(tmp_path / "third")["cache"] == "hit"
+
+
+def test_an_unwritable_cache_folder_warns_once_and_the_run_goes_on(launcher, tmp_path):
+  blocker = tmp_path / "a_file"
+  blocker.write_text("not a folder")
+  code, out, err = launcher.run(*TINY, f"--workdir={tmp_path / 'run'}",
+                                f"--compile_cache={blocker / 'xla'}")
+  assert code == 0, err
+  warnings = [line for line in err.splitlines() if "warning" in line.lower()]
+  assert len(warnings) == 1 and "cannot be written" in warnings[0], err
+  assert startup(tmp_path / "run")["cache"] == "off"
+
+
+@pytest.mark.parametrize("bucket", ["gs", "s3"])
+def test_a_cache_in_a_bucket_serves_the_next_process(tmp_path_factory, bucket):
+  with emulators.buckets():
+    server = Launcher(environment(tmp_path_factory.mktemp("unused_cache")),
+                      str(tmp_path_factory.mktemp("launches")))
+    try:
+      tmp = tmp_path_factory.mktemp("bucket_runs")
+      for name, rate in (("first", "1e-3"), ("second", "2e-3")):
+        code, _, err = server.run(*TINY, f"--workdir={tmp / name}",
+                                  f"--config.train.learning_rate={rate}",
+                                  f"--compile_cache={bucket}://bucket/xla")
+        assert code == 0, err
+      assert startup(tmp / "first")["cache"] == "miss"
+      assert startup(tmp / "second")["cache"] == "hit"
+      from transformer_jax.core import storage
+      assert any(n.endswith("-cache") for n in storage.listdir(f"{bucket}://bucket/xla"))
+    finally:
+      server.close()
+
+
+def test_the_compile_cache_flag_is_refused_where_nothing_compiles():
+  from transformer_jax import cli
+  assert "compile_cache" in (cli.refused_flag("compile_cache", "describe", []) or "")
+  assert cli.refused_flag("compile_cache", "train", []) is None
+
+
+def test_workers_on_one_gpu_share_its_memory():
+  from transformer_jax.tools.sweep import worker
+  assert worker.shared_accelerator_memory(1, {}) == {}
+  share = worker.shared_accelerator_memory(3, {})
+  assert float(share["XLA_PYTHON_CLIENT_MEM_FRACTION"]) * 3 <= 0.75 + 1e-3
+  assert worker.shared_accelerator_memory(3, {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}) == {}
+
+
+def test_the_benchmark_splits_its_start_up():
+  c = tiny.get_config()
+  c.benchmark = ml_collections.ConfigDict(config_lib.default_config().benchmark.to_dict())
+  c.benchmark.update(batch_size=4, source_len=8, target_len=8, steps=1, warmup=0)
+  result = benchmark.benchmark_train(c, config_lib.validate(c))
+  for key in ("setup_s", "trace_s", "lower_s", "backend_compile_s"):
+    assert result[key] >= 0.0
+  assert result["compile_cache"] in ("hit", "miss", "partly", "off", "none")
+  json.dumps(result)
