@@ -25,7 +25,7 @@ from tests import emulators
 from transformer_jax import config as config_lib
 from transformer_jax.core import compilation
 from transformer_jax.experiments import tiny
-from transformer_jax.model import make_model
+from transformer_jax.model import attention, make_model
 from transformer_jax.tools import benchmark
 from transformer_jax.train import sharding
 from transformer_jax.train import state as state_lib
@@ -72,15 +72,13 @@ def test_the_schedule_from_inputs_is_optax_s_bitwise(settings):
   np.testing.assert_array_equal(np.asarray(ours), np.asarray(stock))
 
 
-@pytest.mark.parametrize("settings", SETTINGS[1:4] + SETTINGS[5:])
-def test_the_train_step_with_inputs_equals_today_s_bitwise(settings):
-  """Four steps of the new step (settings as inputs, smoothing too) against train_step with the
-  stock optimizer and the smoothing as a Python float, jitted on the same mesh with the same
-  shardings and donation: parameters and optimizer state equal. Without dropout: under the
-  tests' quick XLA flags (launcher.QUICK_COMPILE) two programs that draw the same dropout masks
-  compute them differently, before this change as after it; with XLA's default flags they agree
-  with dropout too (docs/benchmarks.md: Compile once)."""
-  c = train_config(**settings, label_smoothing=0.1)  # tiny: no dropout (see above)
+def steps_equal_today_s(settings: dict, dropout: float) -> None:
+  """Four steps of the new step (settings as inputs, smoothing and dropout too) against
+  train_step with the stock optimizer and the smoothing and dropout rates as Python floats,
+  jitted on the same mesh with the same shardings and donation: parameters, optimizer state
+  and loss equal, bitwise."""
+  c = train_config(**settings, label_smoothing=0.1)
+  c.model.update(dropout_rate=dropout, attention_dropout_rate=dropout)
   model_config = config_lib.validate(c)
   mesh = sharding.make_mesh(c.mesh.to_dict())
   new = step_lib.make_train_step(model_config, c, mesh)
@@ -105,16 +103,80 @@ def test_the_train_step_with_inputs_equals_today_s_bitwise(settings):
   assert float(metrics_a["loss"]) == float(metrics_b["loss"])
 
 
+@pytest.mark.parametrize("settings", SETTINGS[1:])
+def test_the_train_step_with_inputs_equals_today_s_bitwise(settings):
+  """Without dropout (whose thresholds as inputs agree to an ulp, below)."""
+  steps_equal_today_s(settings, dropout=0.0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("rate", [1e-6, 0.1, 0.3, 0.999])
+def test_dropout_thresholds_as_inputs_draw_the_same_masks(rate, dtype):
+  """The dropout of a rate whose thresholds are inputs: the same values and gradient as the
+  float rate's (keep-all and keep-none rates included), for 16-bit and 8-bit draws."""
+  x = jax.random.normal(jax.random.PRNGKey(0), (3, 2, 5, 6)).astype(dtype)
+  y = jax.random.normal(jax.random.PRNGKey(1), x.shape).astype(dtype)
+  rng = jax.random.PRNGKey(2)
+
+  def loss(x, rate):
+    return jnp.sum((attention.dropout(x, rate, rng) * y).astype(jnp.float32))
+
+  static = jax.jit(jax.value_and_grad(lambda x: loss(x, rate)))(x)
+  traced = jax.jit(jax.value_and_grad(
+      lambda x, keep: loss(x, attention.DropoutRate(rate, keep))))(
+          x, attention.DropoutRate.thresholds(rate))
+  for a, b in zip(static, traced):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def one_step_gradients(dropout: float, as_inputs: bool):
+  """The loss and gradients of one tiny step with residual and attention dropout: the rates as
+  floats (constants), or their thresholds as inputs as the train step takes them."""
+  c = train_config(label_smoothing=0.1)
+  c.model.update(dropout_rate=dropout, attention_dropout_rate=dropout)
+  model_config = config_lib.validate(c)
+  mesh = sharding.make_mesh(c.mesh.to_dict())
+  state = state_lib.init_state(model_config, state_lib.make_optimizer(
+      c.train, model_config.d_model), 0, mesh)
+  batch = benchmark.synthetic_batch(model_config, 8, 12, 10)
+  tokens = float((batch["targets"] > 0).sum())
+
+  def gradients(params, keep):
+    config = model_config
+    if keep is not None:
+      config = step_lib.program_config(model_config).replace(**{
+          name: attention.DropoutRate(dropout, keep[name]) for name in keep})
+    return jax.value_and_grad(lambda p: step_lib._loss_and_metrics(
+        p, make_model(config), batch, jax.random.PRNGKey(1), 0.1, tokens)[0])(params)
+
+  keep = ({name: attention.DropoutRate.thresholds(dropout) for name in step_lib.DROPOUT_RATES}
+          if as_inputs else None)
+  return jax.device_get(jax.jit(gradients)(state.params, keep))
+
+
+def test_with_dropout_as_inputs_the_loss_is_bitwise_and_gradients_agree_to_an_ulp():
+  """Where XLA does not allow bitwise: a dropout scale that is a constant of the program is
+  folded into neighbouring products, an input scale cannot be, so the gradients of the two
+  programs differ in the last float32 bits (the masks and the loss do not)."""
+  (loss_a, grads_a), (loss_b, grads_b) = (one_step_gradients(0.1, False),
+                                          one_step_gradients(0.1, True))
+  assert float(loss_a) == float(loss_b)
+  for a, b in zip(jax.tree.leaves(grads_a), jax.tree.leaves(grads_b), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
 def test_settings_share_one_program_and_a_shape_compiles_anew():
-  """Two steps whose configs differ in every setting that is an input share the jitted
-  function: the second runs without tracing or compiling (JAX's events say so); d_model (a
-  shape) makes a new program."""
+  """Two steps whose configs differ in every setting that is an input (dropout rates included)
+  share the jitted function: the second runs without tracing or compiling (JAX's events say
+  so); d_model (a shape) makes a new program."""
   first = train_config(learning_rate=1e-3, label_smoothing=0.1, grad_clip_norm=1.0)
   second = train_config(learning_rate=3e-3, label_smoothing=0.2, grad_clip_norm=0.3,
                         warmup_steps=7, adam_b1=0.8, adam_b2=0.99, adam_eps=1e-7)
   second.seed = 5
+  first.model.update(dropout_rate=0.1, attention_dropout_rate=0.1)
+  second.model.update(dropout_rate=0.3, attention_dropout_rate=0.05)
   wider = train_config(learning_rate=1e-3, label_smoothing=0.1, grad_clip_norm=1.0)
-  wider.model.d_model = 48
+  wider.model.update(d_model=48, dropout_rate=0.1, attention_dropout_rate=0.1)
   mesh = sharding.make_mesh(first.mesh.to_dict())
   spent = []
   for c in (first, second, wider):

@@ -7,12 +7,14 @@ are boolean and broadcast to `[batch, heads, q_len, kv_len]`; True means "may at
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Callable, Optional
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from transformer_jax.model.axes import constrain, param_init
 from transformer_jax.model.config import CHOICES, check_attention_dropout
@@ -73,7 +75,35 @@ def combine_masks(*masks: Optional[Array]) -> Optional[Array]:
 # ----------------------------------------------------------------------------- dropout
 
 
-def dropout(x: Array, rate: float, rng: Array) -> Array:
+@dataclasses.dataclass(frozen=True, eq=False)
+class DropoutRate:
+  """A dropout rate whose keep thresholds are inputs of the compiled train step
+  (train/step.py), so that runs with other rates share its program. `rate` (> 0) only says
+  that there is dropout; `keep` holds what `dropout` computes from a float rate, for 16-bit and
+  8-bit draws: {"16": (keep count, float32 scale), "8": (keep count, bfloat16 scale)}."""
+
+  rate: float
+  keep: dict
+
+  @staticmethod
+  def thresholds(rate: float) -> dict:
+    """`keep` for `rate`, computed on the host exactly as `dropout` does for a float rate."""
+    keep = {}
+    for bits, dtype in ((16, jnp.float32), (8, jnp.bfloat16)):
+      count = round((1.0 - rate) * 2**bits)
+      # keep none: a zero scale (what is kept is nothing; an infinite one would make NaN
+      # gradients of the zeros)
+      scale = np.asarray(jnp.asarray(2**bits / count if count else 0.0, dtype))
+      keep[str(bits)] = (np.uint32(count), scale)
+    return keep
+
+
+def dropping(rate) -> bool:
+  """Whether `rate` (a float or a DropoutRate) drops anything."""
+  return (rate.rate if isinstance(rate, DropoutRate) else rate) > 0.0
+
+
+def dropout(x: Array, rate, rng: Array) -> Array:
   """Inverted dropout: zeroes each element with probability `rate`, scales the rest by 1/keep.
 
   One 16-bit draw per element: each 32-bit word of `jax.random.bits` gives two (its halves go to
@@ -92,24 +122,34 @@ def dropout(x: Array, rate: float, rng: Array) -> Array:
   XLA keeps the random bits in HBM between the kernel that draws them and the ones that read
   them (forward and backward), so 8 bits where 16 were halve that traffic: 4% of the bytes of
   the base model's step on H100s by the compiler's count. float32 keeps the 16-bit draws.
+
+  `rate`: a float, or a `DropoutRate` whose thresholds are inputs of the compiled step (the
+  same masks and scales as its float rate gives).
   """
   bits = 8 if x.dtype == jnp.bfloat16 else 16
-  keep_count = round((1.0 - rate) * 2**bits)  # P(keep) = keep_count / 2^bits
-  if keep_count >= 2**bits:
-    return x
-  if keep_count == 0:
-    return jnp.zeros_like(x)
+  if isinstance(rate, DropoutRate):
+    keep_count, scale = rate.keep[str(bits)]
+    scale = scale.astype(x.dtype)
+    if bits == 8:  # compared in 32 bits: a keep count of 256 (keep all) does not fit 8
+      draws = jax.random.bits(rng, x.shape, jnp.uint8).astype(jnp.uint32)
+      return jnp.where(draws < keep_count, x * scale, jnp.zeros((), x.dtype))
+  else:
+    keep_count = round((1.0 - rate) * 2**bits)  # P(keep) = keep_count / 2^bits
+    if keep_count >= 2**bits:
+      return x
+    if keep_count == 0:
+      return jnp.zeros_like(x)
+    scale = jnp.asarray(2**bits / keep_count, x.dtype)
   if bits == 8:
     draws = jax.random.bits(rng, x.shape, jnp.uint8)  # 4 per 32-bit word of threefry
-    scale = jnp.asarray(2**8 / keep_count, x.dtype)
     return jnp.where(draws < jnp.uint8(keep_count), x * scale, jnp.zeros((), x.dtype))
   if x.ndim and x.shape[-1] % 2 == 0:
     words = jax.random.bits(rng, x.shape[:-1] + (x.shape[-1] // 2,), jnp.uint32)
     draws = jnp.concatenate([words & 0xFFFF, words >> 16], axis=-1)
   else:
     draws = jax.random.bits(rng, x.shape, jnp.uint32) >> 16
-  scale = jnp.asarray(2**16 / keep_count, x.dtype)
-  return jnp.where(draws < jnp.uint32(keep_count), x * scale, jnp.zeros((), x.dtype))
+  threshold = keep_count if isinstance(rate, DropoutRate) else jnp.uint32(keep_count)
+  return jnp.where(draws < threshold, x * scale, jnp.zeros((), x.dtype))
 
 
 class Dropout(nn.Module):
@@ -119,7 +159,7 @@ class Dropout(nn.Module):
 
   @nn.compact
   def __call__(self, x: Array, deterministic: bool) -> Array:
-    if deterministic or self.rate == 0.0:
+    if deterministic or not dropping(self.rate):
       return x
     return dropout(x, self.rate, self.make_rng("dropout"))
 
@@ -271,7 +311,8 @@ def dot_product_attention(
     `[batch, q_len, heads, head_dim]` in the dtype of `query`.
   """
   if implementation == "jax" and geometric_distances is None:
-    check_attention_dropout(implementation, 0.0 if deterministic else dropout_rate)
+    check_attention_dropout(implementation, 0.0 if deterministic or not dropping(dropout_rate)
+                          else 1.0)
     if bias is not None:
       bias = jnp.broadcast_to(bias, bias.shape[:2] + (query.shape[1], key.shape[1]))
       bias = bias.astype(query.dtype)
@@ -283,7 +324,7 @@ def dot_product_attention(
     weights = softmax_to_bfloat16(_attention_logits(query, key, mask, bias))
   else:
     weights = attention_weights(query, key, mask, bias, geometric_distances)
-  if dropout_rate > 0.0 and not deterministic:
+  if dropping(dropout_rate) and not deterministic:
     weights = dropout(weights, dropout_rate, dropout_rng)
   return jnp.einsum("bhqk,bkhd->bqhd", weights.astype(value.dtype), value)
 
@@ -414,7 +455,7 @@ class MultiHeadAttention(nn.Module):
       value = heads(jnp.repeat(value, self.num_heads // kv_heads, axis=2))
 
     dropout_rng = None
-    if self.dropout_rate > 0.0 and not deterministic:
+    if dropping(self.dropout_rate) and not deterministic:
       dropout_rng = self.make_rng("dropout")
     geometric = distances if self.geometric and self_attention else None
     if self.is_mutable_collection("intermediates"):

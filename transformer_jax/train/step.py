@@ -12,6 +12,7 @@ import optax
 from transformer_jax.core.errors import UserError
 from transformer_jax.core.tokens import EOS_ID, MASK_ID
 from transformer_jax.model import ModelConfig, make_model, shift_right
+from transformer_jax.model.attention import DropoutRate
 from transformer_jax.model.axes import constrain
 from transformer_jax.train import sharding
 from transformer_jax.train import state as state_lib
@@ -160,6 +161,10 @@ def train_step(state: TrainState, batch, rng, hparams=None, *, model, optimizer,
     smoothing = hparams["smoothing"] if smoothing else 0.0
     length_weight = hparams["optimizer"]["length_loss_weight"]
     optimizer = optimizer(hparams["optimizer"])
+    if hparams["dropout"]:  # the rates' thresholds are inputs too
+      model = make_model(model.config.replace(**{
+          name: DropoutRate(getattr(model.config, name), keep)
+          for name, keep in hparams["dropout"].items()}))
   rng = jax.random.fold_in(rng, state.step)
   raw = batch  # the padding share is that of the batch as it came
   batch = prepare_batch(batch, rng, task, mask_rate, model.config.vocab_size)
@@ -238,7 +243,20 @@ def step_hyperparameters(model_config: ModelConfig, config) -> dict:
   t = config.train
   return {"optimizer": state_lib.hyperparameters(t, model_config.d_model),
           "smoothing": smoothing_coefficients(t.label_smoothing, loss_width(model_config),
-                                              excluded_loss_rows(model_config))}
+                                              excluded_loss_rows(model_config)),
+          "dropout": {name: DropoutRate.thresholds(getattr(model_config, name))
+                      for name in DROPOUT_RATES if getattr(model_config, name) > 0}}
+
+
+DROPOUT_RATES = ("dropout_rate", "attention_dropout_rate")
+_DROPPING = 0.5  # a rate > 0 as the program's structure sees it (the step's input is the rate)
+
+
+def program_config(model_config: ModelConfig) -> ModelConfig:
+  """The model config as the compiled step's structure sees it: each dropout rate > 0 the same
+  (the thresholds are inputs, `step_hyperparameters`)."""
+  return model_config.replace(**{name: _DROPPING for name in DROPOUT_RATES
+                                 if getattr(model_config, name) > 0})
 
 
 _JITTED: dict = {}
@@ -277,7 +295,8 @@ def make_train_step(model_config: ModelConfig, config, mesh) -> TrainStep:
     raise UserError(f"data.batch_size ({config.data.batch_size}) must be divisible by "
                     f"train.grad_accum_steps ({accum})")
   t = config.train
-  jitted = _jitted_step(model_config, state_lib.OptimizerKind.of(t), t.label_smoothing > 0,
+  jitted = _jitted_step(program_config(model_config), state_lib.OptimizerKind.of(t),
+                        t.label_smoothing > 0,
                         accum, config.data.task, float(config.data.mask_rate), mesh,
                         state_lib.make_optimizer(t, model_config.d_model))
   return TrainStep(jitted, step_hyperparameters(model_config, config), mesh)
