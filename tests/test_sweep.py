@@ -182,6 +182,11 @@ def test_a_pruned_trial_and_a_failed_one_are_in_the_table_rebuilt_from_the_study
   assert rows["trial_0003"]["state"].startswith("failed: ") and "no_such_split" in \
       rows["trial_0003"]["state"]
   assert [rows[f"trial_000{i}"]["state"] for i in (0, 1)] == ["finished", "finished"]
+  # Each finished trial's start-up, and what compiled it: the first trial of the worker traced
+  # and compiled the step (or loaded it from the session's cache), the second reused it.
+  assert all(float(rows[f"trial_000{i}"]["startup_s"]) > 0 for i in (0, 1))
+  assert rows["trial_0000"]["cache"] in ("hit", "miss", "partly", "off")
+  assert rows["trial_0001"]["cache"] == "none"
   assert list(rows)[:2] == sorted(["trial_0000", "trial_0001"],
                                   key=lambda t: float(rows[t]["loss"]))
   pruned = workdir / "trial_0002"
