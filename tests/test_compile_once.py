@@ -18,7 +18,7 @@ import ml_collections
 import numpy as np
 import optax
 import pytest
-from launcher import Launcher, environment
+from launcher import ROOT, Launcher, environment
 from test_checkpoint import assert_same_state, restore_latest
 
 from tests import emulators
@@ -282,6 +282,8 @@ def test_a_cache_in_a_bucket_serves_the_next_process(tmp_path_factory, bucket):
       assert startup(tmp / "second")["cache"] == "hit"
       from transformer_jax.core import storage
       assert any(n.endswith("-cache") for n in storage.listdir(f"{bucket}://bucket/xla"))
+      # Nothing on the local disk: no folder named after the URL, where the runs started.
+      assert not [n for n in os.listdir(ROOT) if n.endswith(":")]
     finally:
       server.close()
 

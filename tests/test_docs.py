@@ -70,6 +70,12 @@ OTHERS = {
     "nice -n 19 .venv/bin/python benchmarks/sweep_search.py": "test_sweep (the same sweeps, "
     "smaller)",
     ".venv/bin/python benchmarks/scan_cutoff_table.py": "test_scan runs it on runs it writes",
+    "git worktree add": "a second checkout of an earlier commit, for a side-by-side timing",
+    ".venv/bin/python benchmarks/compile_once.py": "test_compile_once and test_sweep (the same "
+    "start-ups, from JAX's own events)",
+    'S="tests/': "the suite's own files (a shell variable for the two lines below)",
+    "time .venv/bin/python -m pytest": "the suite itself, timed",
+    "time TRANSFORMER_JAX_TEST_COMPILE_CACHE=off": "the suite itself, timed without the cache",
 }
 
 

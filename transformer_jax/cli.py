@@ -151,8 +151,8 @@ _OUTPUT_FORMAT = flags.DEFINE_enum(
     "inside an output (\\n, \\x0b, \\x1d, ...) as spaces, counted on stderr; escaped: "
     "Python string escapes (\\\\, \\n, \\xHH, \\uHHHH); jsonl: {\"output\": ...} per line.")
 _OUR_FLAGS = (_CONFIG, _WORKDIR, _MODE, _CHECKPOINT_STEP, _SPLIT, _TEXT, *_SWEEP_FLAGS,
-              _COORDINATOR, _NUM_PROCESSES, _PROCESS_ID, _KEEP_HOST_MEMORY, _HF_DIR,
-              _OUTPUT_FORMAT)
+              _COORDINATOR, _NUM_PROCESSES, _PROCESS_ID, _KEEP_HOST_MEMORY, _COMPILE_CACHE,
+              _HF_DIR, _OUTPUT_FORMAT)
 
 
 def _help() -> str:

@@ -37,6 +37,9 @@ LOCAL_LIMIT_BYTES = 8 << 30
 # Programs cheaper to compile than this are not stored (decoding and evaluation steps of a tiny
 # model still are: a sweep trial compiles a dozen of them).
 MIN_COMPILE_S = 0.05
+# JAX's default for jax_persistent_cache_enable_xla_caches: XLA's per-fusion GPU autotune cache
+# in the same folder.
+_XLA_CACHES = "xla_gpu_per_fusion_autotune_cache_dir"
 
 # JAX's monitoring events (jax._src.dispatch and compiler), stable names it documents for
 # listeners.
@@ -177,9 +180,16 @@ def _set(directory: Optional[str]) -> None:
                       float(os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
                                            MIN_COMPILE_S)))
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    # A bucket gets no limit whatever the environment says: JAX's lock around a limited cache
+    # is a lock file, which for a URL would be made on the local disk (a folder named "gs:").
     jax.config.update("jax_compilation_cache_max_size",
-                      int(os.environ.get("JAX_COMPILATION_CACHE_MAX_SIZE", -1
-                                         if storage.is_url(directory) else LOCAL_LIMIT_BYTES)))
+                      -1 if storage.is_url(directory) else
+                      int(os.environ.get("JAX_COMPILATION_CACHE_MAX_SIZE", LOCAL_LIMIT_BYTES)))
+    # XLA's own caches beside JAX's (the GPU autotuning results) are files its C++ writes: a
+    # bucket URL would become a local folder named "gs:" or "s3:". A bucket keeps the compiled
+    # programs alone (which hold their autotuned choices).
+    jax.config.update("jax_persistent_cache_enable_xla_caches",
+                      "none" if storage.is_url(directory) else _XLA_CACHES)
   from jax.experimental.compilation_cache import compilation_cache
   compilation_cache.reset_cache()  # the next compile opens the cache anew (or none)
   _configured["directory"] = directory

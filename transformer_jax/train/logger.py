@@ -172,7 +172,8 @@ class MetricLogger:
                 else None)
     # The trackers get metrics.jsonl's earlier records too: those their run lacks are sent.
     backlog = ([(r["split"], _scalars(r), r["step"]) for r in read_metrics(workdir)
-                if isinstance(r.get("split"), str)] if run_id else [])
+                if isinstance(r.get("split"), str) and r["split"] != "startup"]
+               if run_id else [])
     self._trackers = trackers.open_trackers(config, workdir, run_id, backlog) if run_id else []
 
   def _write(self, record: dict) -> None:
@@ -281,7 +282,14 @@ class MetricLogger:
               "cache": spent["cache"]}
     if not self.enabled:
       return
-    self._write(record)
+    # metrics.jsonl and TensorBoard; the trackers take it as the run's summary, not as a series
+    # (a resumed run has one start-up per run, at steps the series already shows).
+    self._jsonl.append(record)
+    values = _scalars(record)
+    if self._tb:
+      self._tb.scalars(values, step)
+    for tracker in self._trackers:  # at the run's first step: one point per run in MLflow
+      tracker.summary({"step": step, **values})
     progress.write(f"start-up {startup_s:.1f} s: set-up {setup_s:.1f} s, first step "
                    f"{startup_s - setup_s:.1f} s (tracing {record['trace_s']:.1f} s, lowering "
                    f"{record['lower_s']:.1f} s, compiling {record['compile_s']:.1f} s; "
