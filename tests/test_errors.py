@@ -223,6 +223,11 @@ ROWS = [
      ["train.trackers names neptune, which is no tracker"]),
     ("unknown W&B mode", TRAINED + ["--config.train.trackers=wandb", "--config.wandb.mode=on"],
      ["wandb.mode must be one of online, offline, disabled"]),
+    # The config goes to config.json and the trackers: a password in it is refused, masked.
+    ("a password in a tracker's URI", TRAINED + ["--config.train.trackers=mlflow",
+                                                 "--config.mlflow.tracking_uri=http://me:pw1@h:5000"],
+     ["mlflow.tracking_uri holds a password or token (http://me:***@h:5000)",
+      "MLFLOW_TRACKING_PASSWORD"]),
     ("max_len below the data lengths", TRAINED + ["--config.model.max_len=8"],
      ["model.max_len (8)"]),
     ("batch size vs accumulation", TRAINED + ["--config.data.batching=fixed",
