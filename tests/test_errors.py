@@ -520,7 +520,11 @@ ROWS = [
     ("compile: topology of the wrong shape", COMPILE + ["--config.compile.topology=v5e:9x9"],
      ["unknown TPU topology 'v5e:9x9'", "not divisible"]),
     ("compile: not a topology name", COMPILE + ["--config.compile.topology=banana"],
-     ["unknown TPU topology 'banana'"]),
+     ["unknown topology 'banana'"]),
+    # issue 55: a GPU part without a description here is not called a TPU topology
+    ("compile: a GPU part not described", COMPILE + ["--config.compile.topology=b200"],
+     ["unknown topology 'b200': no GPU part described here (a100-80g, h100, h200",
+      "and no TPU slice"]),
     ("compile: a chip without figures", COMPILE + ["--config.compile.topology=tpu7x:2x2"],
      ["no HBM and peak figures", "TPU7x"]),
     ("compile: mesh does not cover the slice", SLICE + ["--config.mesh.data=3"],
