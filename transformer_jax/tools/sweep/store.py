@@ -71,8 +71,9 @@ def open_storage(url: Optional[str], workdir: str, heartbeat_s: int, retries: in
   if url is None:
     if storage.is_url(workdir):
       raise UserError(f"a sweep in a bucket ({workdir}) keeps its study in a database its workers "
-                      f"share: give its URL in {STORAGE_ENV} (postgresql+psycopg://USER:PASSWORD@"
-                      "HOST/DB) or --sweep_storage (see docs/cloud.md)")
+                      "share: give --sweep_storage=postgresql+psycopg://USER@HOST/DB or that URL "
+                      f"in {STORAGE_ENV}, its password in ~/.pgpass or PGPASSWORD (see "
+                      "docs/cloud.md)")
     path = os.path.join(workdir, JOURNAL)
     if not create and not os.path.isfile(path):
       raise UserError(f"{workdir} holds no sweep (no {JOURNAL}); give the --workdir of a sweep, "
@@ -81,8 +82,8 @@ def open_storage(url: Optional[str], workdir: str, heartbeat_s: int, retries: in
     backend = JournalFileBackend(path, lock_obj=JournalFileOpenLock(path))
     return Storage(optuna.storages.JournalStorage(backend), path, False, path)
   if not re.match(r"^[a-z0-9+]+://", url):
-    raise UserError(f"--sweep_storage must be a database URL, e.g. postgresql+psycopg://USER:"
-                    f"PASSWORD@HOST:5432/DB or sqlite:///sweep.db; got {redact(url)!r}")
+    raise UserError(f"--sweep_storage must be a database URL, e.g. postgresql+psycopg://USER@"
+                    f"HOST:5432/DB or sqlite:///sweep.db; got {redact(url)!r}")
   engine = {"pool_pre_ping": True}
   if url.startswith("postgresql"):
     engine["connect_args"] = {"connect_timeout": 5}
