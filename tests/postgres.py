@@ -64,6 +64,16 @@ def start() -> SimpleNamespace:
   return server
 
 
+def add_user(server, user: str, password: str) -> str:
+  """Another user with `password` and a database of its own (named as the user); its URL."""
+  import psycopg
+  with psycopg.connect(host="127.0.0.1", port=server.port, user="postgres", password="admin-pw",
+                       dbname="postgres", autocommit=True) as connection:
+    connection.execute(f"CREATE USER {user} WITH PASSWORD '{password}'")
+    connection.execute(f"CREATE DATABASE {user} OWNER {user}")
+  return f"postgresql+psycopg://{user}:{password}@127.0.0.1:{server.port}/{user}"
+
+
 def stop(server) -> None:
   subprocess.run([*server.as_user, f"{server.bin_dir}/pg_ctl", "-D", server.data, "-m",
                   "immediate", "stop"], capture_output=True, cwd=server.root)

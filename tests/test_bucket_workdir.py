@@ -51,6 +51,7 @@ def gs_run(launcher):
   workdir = "gs://bucket/run"
   code, out, err = launcher.run(*TINY, f"--workdir={workdir}", "--mode=train")
   assert code == 0, err
+  assert "credentials file" not in err, err  # TensorStore's, at an emulator (issue 55)
   return workdir
 
 

@@ -64,6 +64,8 @@ OTHERS = {
     ".venv/bin/mlflow ui": "MLflow's own UI; test_trackers reads the runs through its server",
     ".venv/bin/python benchmarks/trackers.py": "test_trackers (the same trackers, shorter runs)",
     ".venv/bin/optuna-dashboard": "Optuna's viewer of the study test_sweep_postgres fills",
+    "export TRANSFORMER_JAX_SWEEP_STORAGE=": "test_sweep_postgres reads its study by this "
+                                             "variable, the password from PGPASSWORD",
     "kubectl": "GKE (its launch.py lines are checked)",
     "sudo -u postgres psql": "tests/postgres.py makes the sweep tests' user and database so",
     "for vm in": "gcloud in a loop (its launch.py lines are checked)",

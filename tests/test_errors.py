@@ -40,6 +40,11 @@ def launcher(tmp_path_factory):
   server.close()
 
 
+def _made(directory):
+  directory.mkdir()
+  return directory
+
+
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory):
   """Every path a row refers to: a trained workdir, data directories, files."""
@@ -133,6 +138,7 @@ def paths(tmp_path_factory):
                        special=lambda path: os.symlink(os.devnull, path)),
       "trained": workdir,
       "fresh": root / "fresh_run",
+      "empty_dir": _made(root / "empty_dir"),
       "a_file": a_file,
       "unwritable": unwritable,
       "other_tokenizer": other_tokenizer,
@@ -223,6 +229,11 @@ ROWS = [
      ["train.trackers names neptune, which is no tracker"]),
     ("unknown W&B mode", TRAINED + ["--config.train.trackers=wandb", "--config.wandb.mode=on"],
      ["wandb.mode must be one of online, offline, disabled"]),
+    # The config goes to config.json and the trackers: a password in it is refused, masked.
+    ("a password in a tracker's URI", TRAINED + ["--config.train.trackers=mlflow",
+                                                 "--config.mlflow.tracking_uri=http://me:pw1@h:5000"],
+     ["mlflow.tracking_uri holds a password or token (http://me:***@h:5000)",
+      "MLFLOW_TRACKING_PASSWORD"]),
     ("max_len below the data lengths", TRAINED + ["--config.model.max_len=8"],
      ["model.max_len (8)"]),
     ("batch size vs accumulation", TRAINED + ["--config.data.batching=fixed",
@@ -515,7 +526,11 @@ ROWS = [
     ("compile: topology of the wrong shape", COMPILE + ["--config.compile.topology=v5e:9x9"],
      ["unknown TPU topology 'v5e:9x9'", "not divisible"]),
     ("compile: not a topology name", COMPILE + ["--config.compile.topology=banana"],
-     ["unknown TPU topology 'banana'"]),
+     ["unknown topology 'banana'"]),
+    # issue 55: a GPU part without a description here is not called a TPU topology
+    ("compile: a GPU part not described", COMPILE + ["--config.compile.topology=b200"],
+     ["unknown topology 'b200': no GPU part described here (a100-80g, h100, h200",
+      "and no TPU slice"]),
     ("compile: a chip without figures", COMPILE + ["--config.compile.topology=tpu7x:2x2"],
      ["no HBM and peak figures", "TPU7x"]),
     ("compile: mesh does not cover the slice", SLICE + ["--config.mesh.data=3"],
@@ -616,6 +631,17 @@ HF_ROWS = [
     ("export_hf: a model no HF class expresses", ["--mode=export_hf", "--workdir={configured}",
                                                   "--hf_dir={fresh}"],
      ["no Hugging Face class", "model.arch=encoder_decoder"]),
+    # issue 55: no trained run there is said, not "give --config" (which export_hf refuses)
+    ("export_hf: an empty workdir", ["--mode=export_hf", "--workdir={empty_dir}",
+                                     "--hf_dir={fresh}"],
+     ["--workdir {empty_dir} holds no trained run (no config.json): there is no model to "
+      "export"]),
+    ("export_hf: no such workdir", ["--mode=export_hf", "--workdir={fresh}/none",
+                                    "--hf_dir={fresh}"],
+     ["--workdir {fresh}/none does not exist: there is no model to export"]),
+    ("plot: --text refused on an imported GPT-2", ["--mode=plot", "--workdir={imported}",
+                                                  "--text=hi", "--config.eval.max_decode_len=16"],
+     ["eval.max_decode_len (16) leaves no room for --text"]),  # and no picture written first
     ("--hf_dir with train", TRAINED + ["--hf_dir={hf_good}"],
      ["--hf_dir is for --mode=import_hf or export_hf"]),
     # issue 40: the flags the Hugging Face modes do not use, and untrusted files
@@ -658,6 +684,11 @@ def hf_paths(paths):
     if change:
       change(directory)
     return directory
+
+  def imported(directory):
+    from transformer_jax.tools import hf
+    hf.import_hf(str(directory), str(root / "imported"))
+    return root / "imported"
 
   def shapes(directory):
     tensors = load_file(str(directory / "model.safetensors"))
@@ -704,6 +735,7 @@ def hf_paths(paths):
       "hf_random_tokenizer": variant("hf_random_tokenizer", lambda d: (
           d / "tokenizer.json").write_bytes(bytes(range(128, 256)) * 8)),
       "hf_nan": variant("hf_nan", nan_weights),
+      "imported": imported(variant("hf_to_import")),
       "hf_layers_text": variant("hf_layers_text", lambda d: (d / "config.json").write_text(
           (d / "config.json").read_text().replace('"n_layer": 1', '"n_layer": "one"'))),
       # A Marian whose decoder is narrower than its encoder (model.d_ff is one number for both).

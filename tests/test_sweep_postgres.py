@@ -14,6 +14,7 @@ import numpy as np
 import optuna
 import postgres
 import pytest
+from test_trackers import mlflow_server  # noqa: F401 - the real MLflow server, a fixture
 
 from transformer_jax.core.errors import UserError
 from transformer_jax.eval import load
@@ -191,3 +192,109 @@ def test_a_study_of_another_sweep_is_refused(tmp_path, db):
   with pytest.raises(UserError, match="belongs to another sweep"):
     worker.join_study(other, str(tmp_path / "w"), st)
   assert len(_study(db.url, tmp_path / "w").get_trials()) == 12  # enqueued once
+
+
+# ------------------------------------------------------------------ secrets
+
+
+# A password (and token) that must be found nowhere: 40 letters and digits (W&B's key length).
+SENTINEL = "Sentinel7Pw" + "q4x9" * 7 + "z"
+TWO = """from transformer_jax.experiments import tiny
+
+get_config = tiny.get_config
+
+
+def get_sweep():
+  return [{"data.shuffle_buffer": 8}, {"data.shuffle_buffer": 16}]
+"""
+
+
+def _descendants(pid: int) -> list:
+  """The pids of a process's children, theirs, and so on (Linux /proc)."""
+  found, queue = [], [pid]
+  while queue:
+    parent = queue.pop()
+    try:
+      with open(f"/proc/{parent}/task/{parent}/children", encoding="utf-8") as f:
+        children = [int(c) for c in f.read().split()]
+    except OSError:
+      continue
+    found += children
+    queue += children
+  return found
+
+
+def _files_holding(root, secret: str) -> list:
+  return [os.path.join(d, name) for d, _, names in os.walk(root) for name in names
+          if not os.path.islink(os.path.join(d, name))
+          and secret.encode() in open(os.path.join(d, name), "rb").read()]
+
+
+def test_a_database_password_and_tracker_secrets_reach_no_file_log_tracker_or_ps(
+    tmp_path, db, mlflow_server):  # noqa: F811 - the fixture imported above
+  """A sweep of two worker processes whose study's password is on the command line, with every
+  tracker (TensorBoard, W&B offline, the real MLflow server, its URI and W&B's key holding the
+  same secret in the environment): the secret is in no file the run, W&B, MLflow or anything
+  under TMPDIR and HOME wrote, in no output line, MLflow param or tag, Optuna attribute, nor on
+  a worker's command line. The study is then read without a password on the command line:
+  the whole URL in TRANSFORMER_JAX_SWEEP_STORAGE, or the password in PGPASSWORD."""
+  from launcher import environment
+  url = postgres.add_user(db, "secretive", SENTINEL)
+  experiment = tmp_path / "two.py"
+  experiment.write_text(TWO)
+  run_dir = tmp_path / "run"  # everything the sweep writes locally: workdir, HOME, TMPDIR
+  workdir, home, temp = run_dir / "sweep", run_dir / "home", run_dir / "tmp"
+  home.mkdir(parents=True)
+  temp.mkdir()
+  env = dict(environment(), HOME=str(home), TMPDIR=str(temp), WANDB_API_KEY=SENTINEL,
+             MLFLOW_TRACKING_URI=mlflow_server.replace("//", f"//tracker:{SENTINEL}@"),
+             MLFLOW_EXPERIMENT_NAME="secrets", TRANSFORMER_JAX_CACHE=str(run_dir / "cache"))
+  sweep = subprocess.Popen(
+      [sys.executable, "launch.py", f"--config={experiment}", f"--workdir={workdir}", "--sweep",
+       "--sweep_parallel=2", f"--sweep_storage={url}", *FAST, "--config.eval.batch_size=8",
+       "--config.train.trackers=tensorboard,wandb,mlflow", "--config.wandb.mode=offline"],
+      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  command_lines = {}
+  while sweep.poll() is None:  # what `ps` shows every user of the machine
+    for pid in _descendants(sweep.pid):
+      try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+          line = f.read().replace(b"\0", b" ").decode()
+      except OSError:
+        continue
+      command_lines[pid] = line or command_lines.get(pid, "")  # empty: it has ended
+    time.sleep(0.05)
+  out, err = sweep.communicate(timeout=600)
+  assert sweep.returncode == 0, out + err
+  workers = [c for c in command_lines.values() if "--sweep_parallel=1" in c]
+  assert len(workers) == 2, command_lines
+  assert not [c for c in command_lines.values() if SENTINEL in c], command_lines
+  assert SENTINEL not in out + err and "secretive:***@" in out, out + err
+  # What was written: enough of it that the search means something.
+  assert len({p.parent.parent.parent for p in workdir.glob("trial_*/wandb/*/run-*.wandb")}) == 2
+  assert len({p.parent.parent for p in workdir.glob("trial_*/tensorboard/events.*")}) == 2
+  assert _files_holding(run_dir, SENTINEL) == []
+  assert _files_holding(mlflow_server.directory, SENTINEL) == []
+  from mlflow.tracking import MlflowClient
+  client = MlflowClient(mlflow_server)
+  runs = client.search_runs([client.get_experiment_by_name("secrets").experiment_id])
+  assert len(runs) == 3  # the study's parent run and the two trials' runs
+  for run in runs:
+    shown = json.dumps([run.data.params, run.data.tags, list(run.data.metrics)])
+    assert SENTINEL not in shown and ("trial_state" in shown or "best/trial" in shown), shown
+  study = _study(url, workdir)  # what optuna-dashboard shows
+  rdb = optuna.storages.RDBStorage(url)
+  attrs = [study.user_attrs, rdb.get_study_system_attrs(rdb.get_study_id_from_name(str(workdir)))]
+  attrs += [[t.user_attrs, t.system_attrs, t.params] for t in study.get_trials()]
+  assert SENTINEL not in json.dumps(attrs, default=str)
+  assert [t.state.name for t in study.get_trials()] == ["COMPLETE", "COMPLETE"]
+
+  # Without the password on the command line: the URL in the environment, or PGPASSWORD.
+  read = [sys.executable, "launch.py", "--mode=sweep_results", f"--workdir={workdir}"]
+  for flags, more in (([], {store.STORAGE_ENV: url}),
+                      ([f"--sweep_storage={url.replace(':' + SENTINEL, '')}"],
+                       {"PGPASSWORD": SENTINEL})):
+    done = subprocess.run(read + flags, cwd=ROOT, env=dict(os.environ, **more),
+                          capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.count("| finished |") == 2, done.stderr
+    assert SENTINEL not in done.stdout + done.stderr

@@ -26,10 +26,16 @@ TINY = ["--config=experiments/tiny.py", "--mode=train", "--config.eval.max_examp
         "--config.eval.batch_size=8"]
 
 
+class ServerUri(str):
+  """The MLflow server's URI, and in `.directory` the folder of its store and artifacts."""
+
+  directory: str
+
+
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory):
   """`mlflow server` with a SQLite store and its own artifact folder, on a free port of
-  127.0.0.1, for this file's tests (it takes some seconds to start: once)."""
+  127.0.0.1, for this file's tests (it takes some seconds to start: once); its ServerUri."""
   directory = tmp_path_factory.mktemp("mlflow")
   port = emulators.free_port()
   server = subprocess.Popen(
@@ -40,7 +46,8 @@ def mlflow_server(tmp_path_factory):
       # Without the job runner (its seven worker processes serve MLflow's GenAI jobs).
       env=dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false"),
       start_new_session=True)  # its workers in its process group, stopped together
-  uri = f"http://127.0.0.1:{port}"
+  uri = ServerUri(f"http://127.0.0.1:{port}")
+  uri.directory = str(directory)
   deadline = time.time() + 120
   while True:
     try:

@@ -32,7 +32,7 @@ from absl import logging as absl_logging
 from ml_collections import config_flags
 
 from transformer_jax import experiments
-from transformer_jax.core import storage
+from transformer_jax.core import secrets, storage
 from transformer_jax.core.errors import UserError, unknown_key_message
 
 # Each mode and what it does, in one line (README's mode table says more).
@@ -112,7 +112,8 @@ _SWEEP_BUDGET = flags.DEFINE_integer("sweep_budget", 0, "Trials of the study in 
                                      "of it).")
 _SWEEP_STORAGE = flags.DEFINE_string(
     "sweep_storage", None, "Database of the study, shared by workers on many machines: any "
-    "SQLAlchemy URL, e.g. postgresql+psycopg://USER:PASSWORD@HOST:5432/DB. Default: a journal "
+    "SQLAlchemy URL, e.g. postgresql+psycopg://USER@HOST:5432/DB (its password from PGPASSWORD "
+    "or ~/.pgpass, not the command line). Default: TRANSFORMER_JAX_SWEEP_STORAGE, else a journal "
     "file in --workdir (one machine).")
 _SWEEP_SEED = flags.DEFINE_integer("sweep_seed", 0, "Seed of the sampler.")
 _SWEEP_HEARTBEAT_S = flags.DEFINE_integer(
@@ -570,10 +571,11 @@ def run(argv) -> None:
   if _SWEEP.value or _SWEEP_DRY_RUN.value:
     config_lib.validate(config)
     from transformer_jax import run as run_lib
-    from transformer_jax.tools.sweep import worker
+    from transformer_jax.tools.sweep import store, worker
     options = worker.Options(
         metric=_SWEEP_METRIC.value, sampler=_SWEEP_SAMPLER.value, pruner=_SWEEP_PRUNER.value,
-        budget=_SWEEP_BUDGET.value, storage=_SWEEP_STORAGE.value, seed=_SWEEP_SEED.value,
+        budget=_SWEEP_BUDGET.value, storage=store.given(_SWEEP_STORAGE.value),
+        seed=_SWEEP_SEED.value,
         heartbeat_s=_SWEEP_HEARTBEAT_S.value, retries=_SWEEP_RETRIES.value,
         parallel=_SWEEP_PARALLEL.value, seeds=_SWEEP_SEEDS.value, only=_sweep_trials(),
         test_best=_SWEEP_TEST_BEST.value, dry_run=_SWEEP_DRY_RUN.value)
@@ -621,13 +623,14 @@ def _run_sweep_reading(mode: str) -> None:
   """--mode=sweep_results, and --mode=plot on a sweep's workdir: read its study, train nothing."""
   if not (_WORKDIR.value or "").strip():
     raise UserError(f"--workdir is required for --mode={mode} (the sweep's)")
-  from transformer_jax.tools.sweep import results
+  from transformer_jax.tools.sweep import results, store
+  url = store.given(_SWEEP_STORAGE.value)
   if mode == "plot":
-    for path in results.plot(_WORKDIR.value, _SWEEP_STORAGE.value):
+    for path in results.plot(_WORKDIR.value, url):
       print(path)
     return
   metric = _SWEEP_METRIC.value if flags.FLAGS["sweep_metric"].present else None
-  print(results.sweep_results(_WORKDIR.value, _SWEEP_STORAGE.value, metric), end="")
+  print(results.sweep_results(_WORKDIR.value, url, metric), end="")
 
 
 def _run_hf(mode: str) -> None:
@@ -656,6 +659,7 @@ def _main(argv) -> None:
   # INFO from JAX and orbax ("no TPU found", every checkpoint file) buries the training log.
   absl_logging.set_verbosity(absl_logging.WARNING)
   logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+  secrets.redact_argv()  # parsed: what trackers and lock files record of it has no password
   try:
     run(argv)
     sys.stdout.flush()  # inside the try: a closed pipe fails here, not at interpreter exit

@@ -17,7 +17,7 @@ import tokenize
 
 import ml_collections
 
-from transformer_jax.core import metric_names, storage, trees
+from transformer_jax.core import metric_names, secrets, storage, trees
 from transformer_jax.core.errors import UserError
 from transformer_jax.core.tokens import UNK_ID
 from transformer_jax.data import scan
@@ -401,10 +401,22 @@ def _check_numbers(config) -> None:
                     f"({config.model.vocab_size}); lower it (0 = sample from all tokens)")
 
 
+def _check_secrets(config) -> None:
+  """No password or token in a key: the config goes to config.json, the trackers' params and
+  the logs. Services take theirs from the environment or their own files instead."""
+  for key, value in trees.flatten(config.to_dict()).items():
+    if isinstance(value, str) and secrets.has_secret(value):
+      raise UserError(f"{key} holds a password or token ({secrets.redact(value)}), and the config "
+                      "is written to config.json and sent to the trackers; leave it out and give "
+                      "it in the environment (MLflow: MLFLOW_TRACKING_USERNAME and "
+                      "MLFLOW_TRACKING_PASSWORD, or the whole URI in MLFLOW_TRACKING_URI)")
+
+
 def validate(config: ml_collections.ConfigDict, platform: str = "cpu") -> ModelConfig:
   """Checks every value a user can set; returns the ModelConfig. Raises UserError."""
   check_structure(config)
   _check_numbers(config)
+  _check_secrets(config)
   model = model_config(config, platform)
   for key in ("train.steps", "data.batch_size", "data.tokens_per_batch", "data.bucket_width",
               "data.max_source_len", "data.max_target_len", "train.grad_accum_steps",

@@ -82,6 +82,11 @@ def check(path: str, what: str = "--workdir") -> str:
     # One endpoint setting for every library: TensorStore (orbax's checkpoints) reads its own.
     os.environ["TENSORSTORE_GCS_HTTP_URL"] = (emulator if "://" in emulator
                                               else f"http://{emulator}")
+    if not os.environ.get("GOOGLE_APPLICATION_CREDENTIALS"):
+      # No credentials at an emulator, as gcsfs is given (filesystem: "anon"): TensorStore's
+      # own chain would print "Could not find the credentials file" on every run. Its fixed
+      # token goes to the emulator alone; real GCS keeps the chain and its warnings.
+      os.environ.setdefault("GOOGLE_AUTH_TOKEN_FOR_TESTING", "anonymous")
   return f"{scheme}://{rest.rstrip('/')}"
 
 

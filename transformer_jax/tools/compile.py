@@ -108,6 +108,10 @@ def topology_devices(name: str) -> list:
   """The devices of a TPU slice by topology name, from libtpu, on any machine."""
   if not name:
     raise UserError(f"--mode=compile needs --config.compile.topology, e.g. {EXAMPLES}")
+  if not re.match(r"(v\d|tpu)", name):  # every TPU's name starts so; b200, l4 would be GPUs
+    raise UserError(f"unknown topology {name!r}: no GPU part described here ("
+                    f"{', '.join(gpu_parts())}: model/gpus/PART.txtpb) and no TPU slice; use "
+                    f"e.g. {EXAMPLES}")
   try:
     import libtpu  # noqa: F401  (only to say what to install)
   except ImportError:

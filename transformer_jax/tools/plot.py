@@ -394,6 +394,8 @@ def plot_workdir(config, workdir: str, text: Optional[str] = None,
   if (text is not None or model_config.positional in ("learned", "relative_bias", "relative_xl")
       or step is not None):
     model_config, params, tokenizer = load.load_trained(config, workdir, step)[:3]
+  if text is not None:  # refused before any picture is written
+    text, max_length = _checked_text(text, config, model_config, tokenizer)
   storage.makedirs(out)
   paths = [plot_curves(records, storage.join(out, "curves.png"))] if records else []
 
@@ -409,7 +411,6 @@ def plot_workdir(config, workdir: str, text: Optional[str] = None,
                                           title))
 
   if text is not None:
-    text, max_length = _checked_text(text, config, model_config, tokenizer)
     maps, source_pieces, target_pieces, output = attention_maps(
         params, model_config, tokenizer, text, max_length, config.data.task)
     axes = {"encoder_self_attention": (source_pieces, source_pieces),

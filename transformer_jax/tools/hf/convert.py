@@ -748,7 +748,12 @@ def export_hf(workdir: str, hf_dir: str, step=None) -> str:
   """Writes the model of `workdir` (its latest checkpoint, or `step`) as a Hugging Face model
   directory `hf_dir` that `transformers` loads with its Auto classes; returns a summary."""
   from transformer_jax.eval.load import load_trained
-  workdir = os.path.abspath(os.path.expanduser(workdir))
+  given, workdir = workdir, os.path.abspath(os.path.expanduser(workdir))
+  if not os.path.isfile(os.path.join(workdir, config_lib.SAVED)):
+    what = ("does not exist" if not os.path.lexists(workdir) else "is a file" if not
+            os.path.isdir(workdir) else f"holds no trained run (no {config_lib.SAVED})")
+    raise UserError(f"--workdir {given} {what}: there is no model to export; give the workdir of "
+                    "a run that --mode=train or --mode=import_hf wrote")
   config = config_lib.from_workdir(workdir)
   model = config_lib.validate(config)
   arch, head = _target(model)

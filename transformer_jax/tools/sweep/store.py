@@ -21,7 +21,7 @@ import re
 import time
 from typing import NamedTuple, Optional
 
-from transformer_jax.core import storage
+from transformer_jax.core import secrets, storage
 from transformer_jax.core.errors import UserError
 
 JOURNAL = "study.journal"  # the default storage, in the sweep's workdir
@@ -32,9 +32,20 @@ WAIT_S = 60.0
 STUDY_ATTR = "transformer_jax"  # the study's user attribute naming the sweep it belongs to
 
 
+# The study's database URL where --sweep_storage is not given: a password kept off the command
+# line (which `ps` shows every user, and trackers record). Or a URL without a password, with
+# PostgreSQL's own PGPASSWORD or ~/.pgpass giving it.
+STORAGE_ENV = "TRANSFORMER_JAX_SWEEP_STORAGE"
+
+
+def given(flag: Optional[str]) -> Optional[str]:
+  """The study's database URL: --sweep_storage, else STORAGE_ENV; None: the journal file."""
+  return flag or os.environ.get(STORAGE_ENV) or None
+
+
 def redact(url: str) -> str:
   """A storage URL without its password."""
-  return re.sub(r"(//[^:/@]+):[^@/]*@", r"\1:***@", url)
+  return secrets.redact(url)
 
 
 def _host(url: str) -> str:
@@ -60,8 +71,9 @@ def open_storage(url: Optional[str], workdir: str, heartbeat_s: int, retries: in
   if url is None:
     if storage.is_url(workdir):
       raise UserError(f"a sweep in a bucket ({workdir}) keeps its study in a database its workers "
-                      "share: give --sweep_storage=postgresql+psycopg://USER:PASSWORD@HOST/DB "
-                      "(see docs/cloud.md)")
+                      "share: give --sweep_storage=postgresql+psycopg://USER@HOST/DB or that URL "
+                      f"in {STORAGE_ENV}, its password in ~/.pgpass or PGPASSWORD (see "
+                      "docs/cloud.md)")
     path = os.path.join(workdir, JOURNAL)
     if not create and not os.path.isfile(path):
       raise UserError(f"{workdir} holds no sweep (no {JOURNAL}); give the --workdir of a sweep, "
@@ -70,8 +82,8 @@ def open_storage(url: Optional[str], workdir: str, heartbeat_s: int, retries: in
     backend = JournalFileBackend(path, lock_obj=JournalFileOpenLock(path))
     return Storage(optuna.storages.JournalStorage(backend), path, False, path)
   if not re.match(r"^[a-z0-9+]+://", url):
-    raise UserError(f"--sweep_storage must be a database URL, e.g. postgresql+psycopg://USER:"
-                    f"PASSWORD@HOST:5432/DB or sqlite:///sweep.db; got {redact(url)!r}")
+    raise UserError(f"--sweep_storage must be a database URL, e.g. postgresql+psycopg://USER@"
+                    f"HOST:5432/DB or sqlite:///sweep.db; got {redact(url)!r}")
   engine = {"pool_pre_ping": True}
   if url.startswith("postgresql"):
     engine["connect_args"] = {"connect_timeout": 5}

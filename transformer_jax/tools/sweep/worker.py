@@ -241,7 +241,8 @@ class _TrackerWarning:
   def warn(cls, what: str, e: Exception) -> None:
     if not cls.said:
       cls.said = True
-      print(f"warning: {what} failed ({type(e).__name__}: {' '.join(str(e).split())[:200]}); "
+      text = store.redact(" ".join(str(e).split()))[:200]
+      print(f"warning: {what} failed ({type(e).__name__}: {text}); "
             "the sweep goes on without it (further tracker failures are not repeated)",
             file=sys.stderr, flush=True)
 
@@ -677,6 +678,7 @@ def _wait_for_the_lost_run(directory: str, name: str) -> None:
 
 
 def _fail(trial, name: str, error: str):
+  error = store.redact(error)
   trial.set_user_attr("sweep_error", error)
   progress_line(f"{name} failed (not retried): {error}")
   raise _TrialError(error)
@@ -760,18 +762,34 @@ def shared_accelerator_memory(count: int, environ) -> dict:
   return {"XLA_PYTHON_CLIENT_MEM_FRACTION": f"{JAX_PREALLOCATED_SHARE / count:.3f}"}
 
 
-def _spawn_workers(argv: list, count: int) -> int:
+def _without_flag(argv: list, name: str) -> list:
+  """argv without --name=V and --name V."""
+  kept, skip = [], False
+  for arg in argv:
+    if skip:
+      skip = False
+    elif arg == f"--{name}":
+      skip = True
+    elif not arg.startswith(f"--{name}="):
+      kept.append(arg)
+  return kept
+
+
+def _spawn_workers(argv: list, count: int, url: Optional[str] = None) -> int:
   """--sweep_parallel=N: N worker processes of the same command on this machine, killed with
-  this one (PR_SET_PDEATHSIG), signals passed on; the exit code of the first that failed."""
-  command = [sys.executable, "-m", "transformer_jax",
-             *[a for a in argv if not a.startswith("--sweep_parallel")], "--sweep_parallel=1"]
+  this one (PR_SET_PDEATHSIG), signals passed on; the exit code of the first that failed.
+  url: the study's database, handed over in the environment (store.STORAGE_ENV): a password on
+  a command line is in `ps` for every user of the machine."""
+  argv = _without_flag(_without_flag(argv, "sweep_parallel"), "sweep_storage")
+  command = [sys.executable, "-m", "transformer_jax", *argv, "--sweep_parallel=1"]
+  env = dict(os.environ, **({store.STORAGE_ENV: url} if url else {}))
 
   def die_with_parent():
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
-  environment = dict(os.environ, **shared_accelerator_memory(count, os.environ))
-  children = [subprocess.Popen(command, preexec_fn=die_with_parent, env=environment)
+  env.update(shared_accelerator_memory(count, os.environ))
+  children = [subprocess.Popen(command, env=env, preexec_fn=die_with_parent)
               for _ in range(count)]
 
   def forward(signum, frame):
@@ -817,7 +835,7 @@ def run_sweep(config_path: str, workdir: str, base_overrides: dict, train_fn: Tr
   progress_line(f"sweep: study {study.study_name} in {st.url}: {c['roots']} of {p.budget} trials "
                 f"so far, {c['waiting']} waiting, {c['running']} running")
   if options.parallel > 1:
-    code = _spawn_workers(argv or [], options.parallel)
+    code = _spawn_workers(argv or [], options.parallel, options.storage)
     stopped = None if code == 0 else f"exit code {code}"
   else:
     stopped = work(p, workdir, study, st, train_fn, parent)

@@ -20,6 +20,8 @@ import threading
 import time
 from typing import Optional
 
+from transformer_jax.core import secrets
+
 
 class Tracker:
   """One tracker's run. Each method is called on `Background`'s thread; any exception means
@@ -215,5 +217,5 @@ class Background:
 
 
 def _one_line(error: BaseException) -> str:
-  text = " ".join(str(error).split()) or type(error).__name__
+  text = secrets.redact(" ".join(str(error).split())) or type(error).__name__
   return text if len(text) <= 200 else text[:197] + "..."

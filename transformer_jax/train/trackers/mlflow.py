@@ -13,7 +13,9 @@ import logging
 import os
 import threading
 import time
+import urllib.parse
 
+from transformer_jax.core import secrets
 from transformer_jax.train.trackers.base import MAX_VALUES, Tracker
 
 RUN_ID_TAG = "transformer_jax.run_id"
@@ -36,9 +38,22 @@ class _OwnRetries(logging.Filter):
     return not threading.current_thread().name.startswith("tracker-")
 
 
+def _credentials_apart(tracking_uri: str) -> str:
+  """An http(s) tracking URI without its USER:PASSWORD@, which go to MLflow's own variables
+  (MLFLOW_TRACKING_USERNAME, MLFLOW_TRACKING_PASSWORD) instead: MLflow prints a run's address,
+  the tracking URI, to stdout (into logs) when the run ends."""
+  parts = urllib.parse.urlsplit(tracking_uri)
+  if parts.scheme not in ("http", "https") or parts.password is None:
+    return tracking_uri
+  os.environ["MLFLOW_TRACKING_USERNAME"] = urllib.parse.unquote(parts.username or "")
+  os.environ["MLFLOW_TRACKING_PASSWORD"] = urllib.parse.unquote(parts.password)
+  return urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
+
+
 def _client(tracking_uri: str):
   for name, value in _HTTP_DEFAULTS.items():
     os.environ.setdefault(name, value)
+  tracking_uri = _credentials_apart(tracking_uri)
   retries = logging.getLogger("urllib3.connectionpool")
   if not any(isinstance(f, _OwnRetries) for f in retries.filters):
     retries.addFilter(_OwnRetries())
@@ -95,7 +110,7 @@ class MlflowTracker(Tracker):
 
   def __init__(self, config, run_name: str):
     self.tracking_uri, self.experiment = settings(config)
-    self.where = self.tracking_uri or "MLflow's default store"
+    self.where = secrets.redact(self.tracking_uri) or "MLflow's default store"
     self.parent_run_id = config.mlflow.parent_run_id
     self.group = config.train.tracker_group
     self.run_name = config.mlflow.run_name or run_name
