@@ -31,26 +31,26 @@ os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {QUICK_COMPILE}".s
 
 # The order in which pytest-xdist's workers take the files (`-n 2 --dist loadfile`): the most
 # expensive first, so that the run does not end with one worker busy on a long file while the
-# other waits. CPU seconds of each file (test process and subprocesses) in one whole run of the
-# suite on the 2-vCPU dev machine (2026-11-24); a file not listed goes last, in pytest's order. A
-# scheduling hint only: a missing or stale entry changes which worker runs what, never a result.
+# other waits. Seconds of each file (setup, call and teardown of its tests, summed from
+# `pytest --durations=0` of one whole run of the suite on the 2-vCPU dev machine, 2026-11-28,
+# test_compile_once.py after it was cut down); a file not listed goes last, in pytest's order.
+# A scheduling hint only: a missing or stale entry changes which worker runs what, never a
+# result. test_bucket_outage.py: over a minute of wall time waiting on a store that is down, at
+# little CPU; listed first so that the other worker's files run meanwhile.
 FILE_COST = {
-    "test_bucket_workdir.py": 87, "test_gpu_suite.py": 85, "test_hf.py": 84, "test_train.py": 66,
-    "test_checkpoint.py": 64, "test_hf_t5.py": 60, "test_sharding.py": 59, "test_compile.py": 54,
-    "test_sweep.py": 60, "test_sweep_postgres.py": 70, "test_evaluate.py": 51,
-    "test_decode.py": 49, "test_errors.py": 44,
-    "test_hf_marian.py": 42, "test_multiprocess.py": 42, "test_hf_llama.py": 40,
-    "test_model.py": 39, "test_tasks.py": 37, "test_faults.py": 36, "test_plot.py": 34,
-    "test_docs.py": 32, "test_launch.py": 20, "test_length_options.py": 20,
-    "test_install.py": 13, "test_data.py": 13, "test_attention.py": 10, "test_benchmark.py": 10,
-    "test_tfds_prepare.py": 10, "test_profile.py": 9, "test_pretrained.py": 8, "test_flops.py": 7,
-    "test_layers.py": 5, "test_storage.py": 4, "test_cache.py": 3, "test_scan.py": 2,
-    "test_hf_scores.py": 90,
-    # issue 40. test_bucket_outage.py: about 20 CPU-s, but over a minute of wall time, most of
-    # it waiting on a store that is down; listed as if it cost more, so that it starts first
-    # and the other worker's files run meanwhile.
-    "test_bucket_outage.py": 120, "test_hf_damage.py": 14, "test_refusals.py": 4,
-    "test_trackers.py": 87}
+    "test_bucket_outage.py": 160, "test_trackers.py": 148, "test_gpu_suite.py": 111,
+    "test_hf.py": 98, "test_sweep_postgres.py": 95, "test_bucket_workdir.py": 84,
+    "test_compile_once.py": 80, "test_length_head.py": 66, "test_train.py": 60,
+    "test_hf_scores.py": 58, "test_compile.py": 57, "test_sweep.py": 57, "test_sharding.py": 54,
+    "test_errors.py": 52, "test_plot.py": 48, "test_decode.py": 47,
+    "test_geometric_attention.py": 47, "test_multiprocess.py": 47, "test_docs.py": 40,
+    "test_model.py": 37, "test_evaluate.py": 36, "test_storage.py": 36, "test_hf_t5.py": 33,
+    "test_launch.py": 32, "test_checkpoint.py": 31, "test_length_options.py": 30,
+    "test_faults.py": 29, "test_install.py": 27, "test_hf_damage.py": 26,
+    "test_attention.py": 24, "test_tasks.py": 24, "test_hf_llama.py": 22, "test_hf_marian.py": 21,
+    "test_benchmark.py": 20, "test_data.py": 19, "test_profile.py": 16, "test_flops.py": 15,
+    "test_tfds_prepare.py": 10, "test_layers.py": 9, "test_cache.py": 7, "test_scan.py": 7,
+    "test_pretrained.py": 4, "test_layout.py": 3, "test_top_fusions.py": 2}
 
 
 def pytest_configure(config):
