@@ -217,7 +217,7 @@ def init_state(model_config: ModelConfig, optimizer, seed: int, mesh) -> TrainSt
   return _initialiser(model_config, optimizer, mesh)(jax.random.PRNGKey(seed))
 
 
-_INITIALISERS: dict = {}
+_INITIALISERS: dict = {}  # the latest few, as train/step.py keeps its steps
 
 
 def _initialiser(model_config: ModelConfig, optimizer, mesh):
@@ -232,4 +232,6 @@ def _initialiser(model_config: ModelConfig, optimizer, mesh):
     shardings = state_shardings(model_config, optimizer, mesh)
     _INITIALISERS[key] = jax.jit(lambda rng: create_state(model_config, optimizer, rng),
                                  out_shardings=shardings)
+    while len(_INITIALISERS) > 8:
+      del _INITIALISERS[next(iter(_INITIALISERS))]  # the oldest (dicts keep insertion order)
   return _INITIALISERS[key]

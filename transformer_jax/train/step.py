@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 
 import jax
@@ -239,7 +240,8 @@ class TrainStep:
 
 def step_hyperparameters(model_config: ModelConfig, config) -> dict:
   """The inputs of the compiled step that are settings: the optimizer's (`state_lib.
-  hyperparameters`) and the label smoothing's coefficients."""
+  hyperparameters`), the label smoothing's coefficients and the keep thresholds of each dropout
+  rate above 0 (`DropoutRate.thresholds`)."""
   t = config.train
   return {"optimizer": state_lib.hyperparameters(t, model_config.d_model),
           "smoothing": smoothing_coefficients(t.label_smoothing, loss_width(model_config),
@@ -259,7 +261,10 @@ def program_config(model_config: ModelConfig) -> ModelConfig:
                                  if getattr(model_config, name) > 0})
 
 
-_JITTED: dict = {}
+# The jitted steps of the latest program structures (a sweep's shapes), latest last: each holds
+# its compiled programs in memory, so a worker that meets many shapes keeps the recent ones.
+_JITTED: collections.OrderedDict = collections.OrderedDict()
+KEPT_PROGRAMS = 8
 
 
 def _jitted_step(model_config: ModelConfig, kind: state_lib.OptimizerKind, smoothing: bool,
@@ -279,6 +284,9 @@ def _jitted_step(model_config: ModelConfig, kind: state_lib.OptimizerKind, smoot
         step, mesh, donate_argnums=(0,),
         in_shardings=(state_shardings, sharding.batch_sharding(mesh), replicated, replicated),
         out_shardings=(state_shardings, replicated))
+    while len(_JITTED) > KEPT_PROGRAMS:
+      _JITTED.popitem(last=False)
+  _JITTED.move_to_end(key)
   return _JITTED[key]
 
 
