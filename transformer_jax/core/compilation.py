@@ -16,6 +16,7 @@ rather than guessed from timings.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import sys
@@ -182,9 +183,11 @@ def _set(directory: Optional[str]) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     # A bucket gets no limit whatever the environment says: JAX's lock around a limited cache
     # is a lock file, which for a URL would be made on the local disk (a folder named "gs:").
+    # (JAX needs the filelock package for a limit: a dependency of ours, checked all the same.)
     jax.config.update("jax_compilation_cache_max_size",
-                      -1 if storage.is_url(directory) else
-                      int(os.environ.get("JAX_COMPILATION_CACHE_MAX_SIZE", LOCAL_LIMIT_BYTES)))
+                      -1 if storage.is_url(directory) or not importlib.util.find_spec("filelock")
+                      else int(os.environ.get("JAX_COMPILATION_CACHE_MAX_SIZE",
+                                              LOCAL_LIMIT_BYTES)))
     # XLA's own caches beside JAX's (the GPU autotuning results) are files its C++ writes: a
     # bucket URL would become a local folder named "gs:" or "s3:". A bucket keeps the compiled
     # programs alone (which hold their autotuned choices).
