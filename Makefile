@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 WORKDIR ?= runs/scan_simple
 
-.PHONY: install lint test demo clean
+.PHONY: install lint test quick demo clean
 
 install: $(VENV)/.installed
 
@@ -28,6 +28,10 @@ test: lint
 	# Whole files per worker: a module's expensive fixture (the 8-device sharding run, the trained
 	# workdirs) is then built once, not once on each worker.
 	$(PY) -m pytest -q -n 2 --dist loadfile tests
+
+# The everyday loop: the suite without the files marked slow (tests/conftest.py: SLOW_FILE_S).
+quick: lint
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow" tests
 
 demo: $(VENV)/.installed
 	$(PY) launch.py --config=experiments/scan_simple.py --workdir=$(WORKDIR) --mode=train

@@ -60,8 +60,16 @@ def pytest_configure(config):
     config.option.loadscopereorder = False
 
 
+# Files at or above this cost are the `slow` ones (`make quick` runs the others: the everyday
+# loop; `make test`, and so CI, runs everything).
+SLOW_FILE_S = 45
+
+
 def pytest_collection_modifyitems(config, items):
   items.sort(key=lambda item: -FILE_COST.get(item.path.name, 0))  # stable: a file keeps its order
+  for item in items:
+    if FILE_COST.get(item.path.name, 0) >= SLOW_FILE_S:
+      item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(autouse=True, scope="session")
