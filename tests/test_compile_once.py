@@ -228,6 +228,15 @@ def test_a_second_process_with_another_rate_loads_the_step_from_the_cache(launch
                     restore_latest(tmp_path / "uncached").state)
 
 
+def one_warning(launcher, workdir, cache, says: str) -> bool:
+  """A tiny run with --compile_cache=`cache` ends with exit 0 and exactly one warning line on
+  stderr, which says `says`."""
+  code, _, err = launcher.run(*TINY, f"--workdir={workdir}", f"--compile_cache={cache}")
+  warnings = [line for line in err.splitlines() if "warning" in line.lower()]
+  assert code == 0 and len(warnings) == 1 and says in warnings[0], err
+  return True
+
+
 def _entries(cache) -> list:
   return sorted(p for p in cache.iterdir() if p.name.endswith("-cache"))
 
@@ -244,11 +253,7 @@ def test_damaged_entries_compile_anew_with_one_warning(launcher, tmp_path):
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2] if i % 2 else zlib.compress(os.urandom(4096))
                      + data[-4:])
-  code, out, err = launcher.run(*TINY, f"--workdir={tmp_path / 'second'}",
-                                f"--compile_cache={cache}")
-  assert code == 0, err
-  warnings = [line for line in err.splitlines() if "warning" in line.lower()]
-  assert len(warnings) == 1 and "compilation cache" in warnings[0], err
+  assert one_warning(launcher, tmp_path / "second", cache, "has an entry that cannot be read")
   assert startup(tmp_path / "second")["cache"] == "miss"
   # Stored again: a third run reads them.
   code, _, err = launcher.run(*TINY, f"--workdir={tmp_path / 'third'}",
@@ -260,11 +265,7 @@ def test_damaged_entries_compile_anew_with_one_warning(launcher, tmp_path):
 def test_an_unwritable_cache_folder_warns_once_and_the_run_goes_on(launcher, tmp_path):
   blocker = tmp_path / "a_file"
   blocker.write_text("not a folder")
-  code, out, err = launcher.run(*TINY, f"--workdir={tmp_path / 'run'}",
-                                f"--compile_cache={blocker / 'xla'}")
-  assert code == 0, err
-  warnings = [line for line in err.splitlines() if "warning" in line.lower()]
-  assert len(warnings) == 1 and "cannot be written" in warnings[0], err
+  assert one_warning(launcher, tmp_path / "run", blocker / "xla", "cannot be written")
   assert startup(tmp_path / "run")["cache"] == "off"
 
 
