@@ -316,3 +316,29 @@ def test_the_benchmark_splits_its_start_up():
     assert result[key] >= 0.0
   assert result["compile_cache"] in ("hit", "miss", "partly", "off", "none")
   json.dumps(result)
+
+
+TWO_RATES = """from transformer_jax.experiments import tiny
+
+get_config = tiny.get_config
+
+
+def get_sweep():
+  return [{"train.learning_rate": 1e-3}, {"train.learning_rate": 3e-3}]
+"""
+
+
+def test_a_sweep_keeps_its_cache_in_its_workdir(launcher, tmp_path):
+  """Without a cache named anywhere, a sweep's workers share WORKDIR/compile_cache; its second
+  trial (another rate) compiles nothing."""
+  experiment = tmp_path / "two_rates.py"
+  experiment.write_text(TWO_RATES)
+  workdir = tmp_path / "sweep"
+  code, out, err = launcher.run(f"--config={experiment}", f"--workdir={workdir}", "--sweep",
+                                "--config.train.steps=2", "--config.eval.max_examples=8",
+                                env={"JAX_COMPILATION_CACHE_DIR": "",
+                                     "TRANSFORMER_JAX_COMPILE_CACHE": ""})
+  assert code == 0, out + err
+  assert _entries(workdir / "compile_cache")
+  assert startup(workdir / "trial_0000")["cache"] == "miss"
+  assert startup(workdir / "trial_0001")["cache"] == "none"
