@@ -78,6 +78,8 @@ OTHERS = {
     'S="tests/': "the suite's own files (a shell variable for the two lines below)",
     "time .venv/bin/python -m pytest": "the suite itself, timed",
     "time TRANSFORMER_JAX_TEST_COMPILE_CACHE=off": "the suite itself, timed without the cache",
+    ".venv/bin/python -m pytest -q -n 2 --dist loadfile tests": "the suite itself (make test's)",
+    "make quick": "the suite itself, without the files marked slow",
 }
 
 
