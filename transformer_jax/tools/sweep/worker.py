@@ -54,6 +54,8 @@ from transformer_jax.tools.sweep import store
 from transformer_jax.train import checkpoint, logger
 
 TRIAL_ENV = "TRANSFORMER_JAX_SWEEP_TRIAL"
+# The index of a worker that --sweep_parallel started (its sampler's stream is --sweep_seed's i-th).
+WORKER_ENV = "TRANSFORMER_JAX_SWEEP_WORKER"
 # What a run trains without under --sweep_test_best: the test split is read once, afterwards.
 TEST_LEFT_OUT = {"data.test_split": ""}
 TrainFn = Callable  # train_fn(config, workdir, on_eval=...) -> final metrics ({} if stopped)
@@ -207,7 +209,11 @@ def join_study(p: Plan, workdir: str, st: store.Storage):
     study.set_user_attr("ready", True)  # the others wait for this: no trial enqueued twice
     return study
   except optuna.exceptions.DuplicatedStudyError:
+    seed = worker_seed(o.seed)
+    sampler = space_lib.make_sampler(o.sampler, p.experiment.space, seed, p.budget)
     study = optuna.load_study(study_name=name, storage=st.storage, sampler=sampler, pruner=pruner)
+    progress_line(f"sweep: this worker ({socket.gethostname()}, pid {os.getpid()}) samples with "
+                  f"seed {seed}")
   deadline = time.time() + 120
   while not study.user_attrs.get("ready") and time.time() < deadline:
     time.sleep(0.5)  # its creator is enqueueing get_sweep()'s trials
@@ -218,6 +224,17 @@ def join_study(p: Plan, workdir: str, st: store.Storage):
                     "--workdir (or --sweep_storage) for a changed sweep")
   _enqueue(study, p)  # trials that --sweep_trials or --sweep_seeds add to an earlier sweep
   return study
+
+
+def worker_seed(seed: int) -> int:
+  """The sampler's seed of a worker that joins a study made by another: workers with one seed
+  would draw the same trials. The study's creator samples with --sweep_seed itself (a lone
+  worker is reproducible); the i-th worker of --sweep_parallel with the i-th seed of its stream;
+  a worker started on its own (another machine) with entropy of its own, said in one line."""
+  import numpy as np
+  index = os.environ.get(WORKER_ENV)
+  key = [int(index) + 1] if index is not None else [int.from_bytes(os.urandom(8), "little")]
+  return int(np.random.SeedSequence([seed, *key]).generate_state(1)[0])
 
 
 def _enqueue(study, p: Plan) -> None:
@@ -789,8 +806,8 @@ def _spawn_workers(argv: list, count: int, url: Optional[str] = None) -> int:
     libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
   env.update(shared_accelerator_memory(count, os.environ))
-  children = [subprocess.Popen(command, env=env, preexec_fn=die_with_parent)
-              for _ in range(count)]
+  children = [subprocess.Popen(command, env={**env, WORKER_ENV: str(i)},
+                               preexec_fn=die_with_parent) for i in range(count)]
 
   def forward(signum, frame):
     for child in children:
