@@ -107,7 +107,8 @@ def test_search_space_draws_conditional_keys_and_dry_run_creates_nothing(tmp_pat
 
   workdir = tmp_path / "sweep"
   out = _run(f"--config={experiment.path}", f"--workdir={workdir}", "--sweep_dry_run",
-             "--sweep_budget=10", "--sweep_pruner=asha", "--sweep_sampler=random").stdout
+             "--sweep_budget=10", "--sweep_pruner=asha", "--sweep_sampler=random",
+             "--config.train.eval_every=5").stdout
   for part in ("budget: 10 trials (1 enqueued from get_sweep(), up to 9 drawn by the random "
                "sampler)", "pruner: asha", "study.journal",
                "model.position_base: float in [1000.0, 100000.0] (log scale), when "

@@ -139,6 +139,7 @@ def plan(config_path: str, base_overrides: dict, options: Options) -> Plan:
                                    options.only)
   space_lib.check_space(experiment, {**base_overrides, **left_out})
   base_config = space_lib.trial_config(experiment.path, left_out, base_overrides)
+  _check_reported(options, base_config)
   budget = options.budget
   if not budget:
     if experiment.space and options.sampler == "grid":
@@ -154,6 +155,19 @@ def plan(config_path: str, base_overrides: dict, options: Options) -> Plan:
   space_lib.make_sampler(options.sampler, experiment.space, options.seed, budget)  # it can
   space_lib.make_pruner(options.pruner, base_config)
   return Plan(experiment, base_overrides, left_out, base_config, queued, budget, options)
+
+
+def _check_reported(o: Options, config) -> None:
+  """The metric is one the trials' evaluations report, and a pruner has evaluations to see."""
+  task = config.data.task
+  reported = metric_names.task_metrics(task, bool(config.eval.get("oracle_length", False)))
+  if o.metric not in reported:
+    raise UserError(f"--sweep_metric={o.metric}: the evaluation of data.task={task} does not "
+                    f"report it; it reports {', '.join(reported)}")
+  if o.pruner != "none" and not config.train.eval_every:
+    raise UserError(f"--sweep_pruner={o.pruner} prunes at evaluations, and train.eval_every is "
+                    "0 (none before the end): set --config.train.eval_every=N, or "
+                    "--sweep_pruner=none")
 
 
 def _grid_size(grid: dict) -> int:
@@ -173,8 +187,7 @@ def describe_plan(p: Plan, workdir: str) -> str:
            f"budget: {p.budget} trials ({len(p.queued)} enqueued from get_sweep()"
            + (f", up to {p.budget - len(p.queued)} drawn by the {o.sampler} sampler"
               if p.experiment.space else "") + ")",
-           f"pruner: {o.pruner}" + ("" if o.pruner == "none" or p.base_config.train.eval_every
-                                    else " (sees no evaluation: set train.eval_every)"),
+           f"pruner: {o.pruner}",
            f"faults: heartbeat every {o.heartbeat_s} s, lost after {3 * o.heartbeat_s} s, "
            f"retried up to {o.retries} times" if o.storage else
            f"faults: a dead worker's trial (pid gone) retried up to {o.retries} times",
