@@ -213,20 +213,23 @@ def join_study(p: Plan, workdir: str, st: store.Storage):
   sampler = space_lib.make_sampler(o.sampler, p.experiment.space, o.seed, p.budget)
   pruner = space_lib.make_pruner(o.pruner, p.base_config)
   ours = store.fingerprint(p.base_config, p.experiment, o.metric)
-  try:
-    study = optuna.create_study(study_name=name, storage=st.storage, sampler=sampler,
-                                pruner=pruner, direction=space_lib.direction(o.metric))
-    study.set_user_attr(store.STUDY_ATTR, ours)
-    _enqueue(study, p)
-    study_parent(study, p, st)  # before "ready": every other worker finds its id
-    study.set_user_attr("ready", True)  # the others wait for this: no trial enqueued twice
-    return study
-  except optuna.exceptions.DuplicatedStudyError:
-    seed = worker_seed(o.seed)
-    sampler = space_lib.make_sampler(o.sampler, p.experiment.space, seed, p.budget)
-    study = optuna.load_study(study_name=name, storage=st.storage, sampler=sampler, pruner=pruner)
-    progress_line(f"sweep: this worker ({socket.gethostname()}, pid {os.getpid()}) samples with "
-                  f"seed {seed}")
+  # Asked first: create_study on a journal file appends its line even when the study exists.
+  if name not in optuna.get_all_study_names(storage=st.storage):
+    try:
+      study = optuna.create_study(study_name=name, storage=st.storage, sampler=sampler,
+                                  pruner=pruner, direction=space_lib.direction(o.metric))
+      study.set_user_attr(store.STUDY_ATTR, ours)
+      _enqueue(study, p)
+      study_parent(study, p, st)  # before "ready": every other worker finds its id
+      study.set_user_attr("ready", True)  # the others wait for this: no trial enqueued twice
+      return study
+    except optuna.exceptions.DuplicatedStudyError:
+      pass  # another worker created it meanwhile
+  seed = worker_seed(o.seed)
+  sampler = space_lib.make_sampler(o.sampler, p.experiment.space, seed, p.budget)
+  study = optuna.load_study(study_name=name, storage=st.storage, sampler=sampler, pruner=pruner)
+  progress_line(f"sweep: this worker ({socket.gethostname()}, pid {os.getpid()}) samples with "
+                f"seed {seed}")
   deadline = time.time() + 120
   while not study.user_attrs.get("ready") and time.time() < deadline:
     time.sleep(0.5)  # its creator is enqueueing get_sweep()'s trials
