@@ -14,6 +14,7 @@ the cased, detokenized sacreBLEU reported here runs several points lower.
 """
 
 from transformer_jax.config import default_config
+from transformer_jax.tools import sweep
 
 D_MODEL, WARMUP, PEAK_LR = 128, 2000, 0.005
 
@@ -36,3 +37,12 @@ def get_config():
                  checkpoint_every=1000, keep_checkpoints=10)
   c.eval.update(decode="beam", beam_size=5, length_penalty=0.6, batch_size=256)
   return c
+
+
+def get_search_space():
+  """What `--sweep --sweep_budget=N` draws (docs/cloud.md's sweep recipes): the recipe's peak
+  learning rate within a factor of 3 either way, dropout and label smoothing around its own."""
+  lr = get_config().train.learning_rate
+  return {"train.learning_rate": sweep.log_uniform(lr / 3, lr * 3),
+          "model.dropout_rate": sweep.uniform(0.1, 0.4),
+          "train.label_smoothing": sweep.uniform(0.0, 0.2)}

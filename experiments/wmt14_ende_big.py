@@ -6,6 +6,7 @@ FFN 4096, dropout 0.3, 300k steps.
 """
 
 from transformer_jax.experiments import big, wmt14_ende_base
+from transformer_jax.tools import sweep
 
 
 def get_config():
@@ -15,3 +16,11 @@ def get_config():
   c.eval = data.eval
   c.train.update(eval_every=data.train.eval_every, log_every=data.train.log_every)
   return c
+
+
+def get_search_space():
+  """What `--sweep --sweep_budget=N` draws (docs/cloud.md's multi-host sweep): the learning rate
+  within a factor of 3 either way of the recipe's, and dropout around its 0.3."""
+  lr = get_config().train.learning_rate
+  return {"train.learning_rate": sweep.log_uniform(lr / 3, lr * 3),
+          "model.dropout_rate": sweep.uniform(0.1, 0.4)}

@@ -18,7 +18,7 @@ from launcher import QUICK_COMPILE
 
 from transformer_jax.core.errors import UserError
 from transformer_jax.tools import sweep
-from transformer_jax.tools.sweep import results, space, worker
+from transformer_jax.tools.sweep import results, space, store, worker
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAST = ["--config.train.steps=2", "--config.train.log_every=1", "--config.train.checkpoint_every=2",
@@ -107,7 +107,8 @@ def test_search_space_draws_conditional_keys_and_dry_run_creates_nothing(tmp_pat
 
   workdir = tmp_path / "sweep"
   out = _run(f"--config={experiment.path}", f"--workdir={workdir}", "--sweep_dry_run",
-             "--sweep_budget=10", "--sweep_pruner=asha", "--sweep_sampler=random").stdout
+             "--sweep_budget=10", "--sweep_pruner=asha", "--sweep_sampler=random",
+             "--config.train.eval_every=5").stdout
   for part in ("budget: 10 trials (1 enqueued from get_sweep(), up to 9 drawn by the random "
                "sampler)", "pruner: asha", "study.journal",
                "model.position_base: float in [1000.0, 100000.0] (log scale), when "
@@ -340,3 +341,18 @@ def test_a_worker_of_two_processes_trains_each_trial_with_both(tmp_path):
     with open(workdir / trial / "metrics.jsonl", encoding="utf-8") as f:
       records = [r for r in map(json.loads, f) if r["split"] == "train"]
     assert [r["step"] for r in records] == [1, 2]
+
+
+def test_a_study_of_another_sweep_is_refused_without_a_line_in_the_journal(tmp_path):
+  # create_study was tried first: the refused run appended a create_study line to the journal.
+  experiment = tmp_path / "tiny_sweep.py"
+  experiment.write_text("from transformer_jax.experiments.tiny import get_config, get_sweep\n")
+  workdir = tmp_path / "w"
+  workdir.mkdir()
+  st = store.open_storage(None, str(workdir), 60, 0)
+  worker.join_study(worker.plan(str(experiment), {}, worker.Options()), str(workdir), st)
+  journal = (workdir / store.JOURNAL).read_bytes()
+  other = worker.plan(str(experiment), {"train.steps": 3}, worker.Options())
+  with pytest.raises(UserError, match="belongs to another sweep"):
+    worker.join_study(other, str(workdir), st)
+  assert (workdir / store.JOURNAL).read_bytes() == journal

@@ -91,6 +91,35 @@ def test_three_workers_share_a_twelve_trial_study_each_trial_once(tmp_path, db):
   assert "best trial: " + str(workdir / "trial_") in out
 
 
+RATES = """from transformer_jax.experiments import tiny
+from transformer_jax.tools import sweep
+
+get_config = tiny.get_config
+
+
+def get_search_space():
+  return {"train.learning_rate": sweep.log_uniform(1e-4, 1e-2)}
+"""
+
+
+def test_parallel_workers_never_draw_the_same_trial(tmp_path, db):
+  # Each worker once sampled with --sweep_seed itself: three workers drew the same rates.
+  experiment = tmp_path / "rates.py"
+  experiment.write_text(RATES)
+  workdir = tmp_path / "sweep"
+  out = subprocess.run([sys.executable, "launch.py", f"--config={experiment}",
+                        f"--workdir={workdir}", "--sweep", f"--sweep_storage={db.url}",
+                        "--sweep_parallel=3", "--sweep_budget=24", *FAST], cwd=ROOT,
+                       capture_output=True, text=True, timeout=900)
+  assert out.returncode == 0, out.stdout + out.stderr
+  trials = [t for t in _study(db.url, workdir).get_trials()
+            if not t.user_attrs.get("sweep_surplus")]
+  rates = [t.params["train.learning_rate"] for t in trials]
+  assert len(rates) == 24 and len(set(rates)) == 24, sorted(rates)
+  seeds = [line.split()[-1] for line in out.stdout.splitlines() if "samples with seed" in line]
+  assert len(seeds) == 3 and len(set(seeds)) == 3, out.stdout  # said, one each
+
+
 ONE = """from transformer_jax.experiments import tiny
 
 get_config = tiny.get_config

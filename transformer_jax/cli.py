@@ -115,7 +115,9 @@ _SWEEP_STORAGE = flags.DEFINE_string(
     "SQLAlchemy URL, e.g. postgresql+psycopg://USER@HOST:5432/DB (its password from PGPASSWORD "
     "or ~/.pgpass, not the command line). Default: TRANSFORMER_JAX_SWEEP_STORAGE, else a journal "
     "file in --workdir (one machine).")
-_SWEEP_SEED = flags.DEFINE_integer("sweep_seed", 0, "Seed of the sampler.")
+_SWEEP_SEED = flags.DEFINE_integer(
+    "sweep_seed", 0, "Seed of the sampler of the study's first worker; the workers that join it "
+    "derive their own from it (--sweep_parallel's i-th worker: its i-th; others: with entropy).")
 _SWEEP_HEARTBEAT_S = flags.DEFINE_integer(
     "sweep_heartbeat_s", 60, "With --sweep_storage: seconds between a worker's heartbeats; a "
     "trial silent for 3 of them is lost and goes back to the queue.")

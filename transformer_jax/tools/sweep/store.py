@@ -98,9 +98,11 @@ def open_storage(url: Optional[str], workdir: str, heartbeat_s: int, retries: in
               max_retry=retries, inherit_intermediate_values=True))
       return Storage(rdb, redact(url), True, None)
     except ImportError as e:  # a driver that is not installed
+      fix = ("install the sweep extra: pip install 'transformer_jax[sweep]'"
+             if url.startswith("postgresql") else "install that driver (the sweep extra has "
+             "PostgreSQL's alone: psycopg, for postgresql+psycopg://)")
       raise UserError(f"--sweep_storage={redact(url)} needs a database driver that is not "
-                      f"installed ({e}); install the sweep extra: pip install "
-                      "'transformer_jax[sweep]'") from None
+                      f"installed ({e}); {fix}") from None
     except sqlalchemy.exc.ArgumentError as e:
       raise UserError(f"--sweep_storage={redact(url)} is no database URL SQLAlchemy reads ({e})"
                       ) from None

@@ -54,6 +54,8 @@ from transformer_jax.tools.sweep import store
 from transformer_jax.train import checkpoint, logger
 
 TRIAL_ENV = "TRANSFORMER_JAX_SWEEP_TRIAL"
+# The index of a worker that --sweep_parallel started (its sampler's stream is --sweep_seed's i-th).
+WORKER_ENV = "TRANSFORMER_JAX_SWEEP_WORKER"
 # What a run trains without under --sweep_test_best: the test split is read once, afterwards.
 TEST_LEFT_OUT = {"data.test_split": ""}
 TrainFn = Callable  # train_fn(config, workdir, on_eval=...) -> final metrics ({} if stopped)
@@ -137,6 +139,7 @@ def plan(config_path: str, base_overrides: dict, options: Options) -> Plan:
                                    options.only)
   space_lib.check_space(experiment, {**base_overrides, **left_out})
   base_config = space_lib.trial_config(experiment.path, left_out, base_overrides)
+  _check_reported(options, base_config)
   budget = options.budget
   if not budget:
     if experiment.space and options.sampler == "grid":
@@ -152,6 +155,19 @@ def plan(config_path: str, base_overrides: dict, options: Options) -> Plan:
   space_lib.make_sampler(options.sampler, experiment.space, options.seed, budget)  # it can
   space_lib.make_pruner(options.pruner, base_config)
   return Plan(experiment, base_overrides, left_out, base_config, queued, budget, options)
+
+
+def _check_reported(o: Options, config) -> None:
+  """The metric is one the trials' evaluations report, and a pruner has evaluations to see."""
+  task = config.data.task
+  reported = metric_names.task_metrics(task, bool(config.eval.get("oracle_length", False)))
+  if o.metric not in reported:
+    raise UserError(f"--sweep_metric={o.metric}: the evaluation of data.task={task} does not "
+                    f"report it; it reports {', '.join(reported)}")
+  if o.pruner != "none" and not config.train.eval_every:
+    raise UserError(f"--sweep_pruner={o.pruner} prunes at evaluations, and train.eval_every is "
+                    "0 (none before the end): set --config.train.eval_every=N, or "
+                    "--sweep_pruner=none")
 
 
 def _grid_size(grid: dict) -> int:
@@ -171,8 +187,7 @@ def describe_plan(p: Plan, workdir: str) -> str:
            f"budget: {p.budget} trials ({len(p.queued)} enqueued from get_sweep()"
            + (f", up to {p.budget - len(p.queued)} drawn by the {o.sampler} sampler"
               if p.experiment.space else "") + ")",
-           f"pruner: {o.pruner}" + ("" if o.pruner == "none" or p.base_config.train.eval_every
-                                    else " (sees no evaluation: set train.eval_every)"),
+           f"pruner: {o.pruner}",
            f"faults: heartbeat every {o.heartbeat_s} s, lost after {3 * o.heartbeat_s} s, "
            f"retried up to {o.retries} times" if o.storage else
            f"faults: a dead worker's trial (pid gone) retried up to {o.retries} times",
@@ -198,16 +213,23 @@ def join_study(p: Plan, workdir: str, st: store.Storage):
   sampler = space_lib.make_sampler(o.sampler, p.experiment.space, o.seed, p.budget)
   pruner = space_lib.make_pruner(o.pruner, p.base_config)
   ours = store.fingerprint(p.base_config, p.experiment, o.metric)
-  try:
-    study = optuna.create_study(study_name=name, storage=st.storage, sampler=sampler,
-                                pruner=pruner, direction=space_lib.direction(o.metric))
-    study.set_user_attr(store.STUDY_ATTR, ours)
-    _enqueue(study, p)
-    study_parent(study, p, st)  # before "ready": every other worker finds its id
-    study.set_user_attr("ready", True)  # the others wait for this: no trial enqueued twice
-    return study
-  except optuna.exceptions.DuplicatedStudyError:
-    study = optuna.load_study(study_name=name, storage=st.storage, sampler=sampler, pruner=pruner)
+  # Asked first: create_study on a journal file appends its line even when the study exists.
+  if name not in optuna.get_all_study_names(storage=st.storage):
+    try:
+      study = optuna.create_study(study_name=name, storage=st.storage, sampler=sampler,
+                                  pruner=pruner, direction=space_lib.direction(o.metric))
+      study.set_user_attr(store.STUDY_ATTR, ours)
+      _enqueue(study, p)
+      study_parent(study, p, st)  # before "ready": every other worker finds its id
+      study.set_user_attr("ready", True)  # the others wait for this: no trial enqueued twice
+      return study
+    except optuna.exceptions.DuplicatedStudyError:
+      pass  # another worker created it meanwhile
+  seed = worker_seed(o.seed)
+  sampler = space_lib.make_sampler(o.sampler, p.experiment.space, seed, p.budget)
+  study = optuna.load_study(study_name=name, storage=st.storage, sampler=sampler, pruner=pruner)
+  progress_line(f"sweep: this worker ({socket.gethostname()}, pid {os.getpid()}) samples with "
+                f"seed {seed}")
   deadline = time.time() + 120
   while not study.user_attrs.get("ready") and time.time() < deadline:
     time.sleep(0.5)  # its creator is enqueueing get_sweep()'s trials
@@ -218,6 +240,17 @@ def join_study(p: Plan, workdir: str, st: store.Storage):
                     "--workdir (or --sweep_storage) for a changed sweep")
   _enqueue(study, p)  # trials that --sweep_trials or --sweep_seeds add to an earlier sweep
   return study
+
+
+def worker_seed(seed: int) -> int:
+  """The sampler's seed of a worker that joins a study made by another: workers with one seed
+  would draw the same trials. The study's creator samples with --sweep_seed itself (a lone
+  worker is reproducible); the i-th worker of --sweep_parallel with the i-th seed of its stream;
+  a worker started on its own (another machine) with entropy of its own, said in one line."""
+  import numpy as np
+  index = os.environ.get(WORKER_ENV)
+  key = [int(index) + 1] if index is not None else [int.from_bytes(os.urandom(8), "little")]
+  return int(np.random.SeedSequence([seed, *key]).generate_state(1)[0])
 
 
 def _enqueue(study, p: Plan) -> None:
@@ -789,8 +822,8 @@ def _spawn_workers(argv: list, count: int, url: Optional[str] = None) -> int:
     libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
   env.update(shared_accelerator_memory(count, os.environ))
-  children = [subprocess.Popen(command, env=env, preexec_fn=die_with_parent)
-              for _ in range(count)]
+  children = [subprocess.Popen(command, env={**env, WORKER_ENV: str(i)},
+                               preexec_fn=die_with_parent) for i in range(count)]
 
   def forward(signum, frame):
     for child in children:
