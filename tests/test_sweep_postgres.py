@@ -283,8 +283,13 @@ def test_a_database_password_and_tracker_secrets_reach_no_file_log_tracker_or_ps
        "--sweep_parallel=2", f"--sweep_storage={url}", *FAST, "--config.eval.batch_size=8",
        "--config.train.trackers=tensorboard,wandb,mlflow", "--config.wandb.mode=offline"],
       cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-  command_lines = {}
+  command_lines, workers = {}, set()
   while sweep.poll() is None:  # what `ps` shows every user of the machine
+    try:  # the workers are the sweep's own children (a worker's forks share its command line)
+      with open(f"/proc/{sweep.pid}/task/{sweep.pid}/children", encoding="utf-8") as f:
+        workers.update(int(c) for c in f.read().split())
+    except OSError:
+      pass
     for pid in _descendants(sweep.pid):
       try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -295,8 +300,8 @@ def test_a_database_password_and_tracker_secrets_reach_no_file_log_tracker_or_ps
     time.sleep(0.05)
   out, err = sweep.communicate(timeout=600)
   assert sweep.returncode == 0, out + err
-  workers = [c for c in command_lines.values() if "--sweep_parallel=1" in c]
-  assert len(workers) == 2, command_lines
+  assert len([pid for pid in workers if "--sweep_parallel=1" in command_lines.get(pid, "")]) == 2, \
+      command_lines
   assert not [c for c in command_lines.values() if SENTINEL in c], command_lines
   assert SENTINEL not in out + err and "secretive:***@" in out, out + err
   # What was written: enough of it that the search means something.
