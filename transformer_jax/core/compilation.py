@@ -50,6 +50,7 @@ _COMPILE = "/jax/core/compile/backend_compile_duration"
 _HITS = "/jax/compilation_cache/cache_hits"
 _MISSES = "/jax/compilation_cache/cache_misses"
 _COUNTED = {_TRACE: "trace_s", _LOWER: "lower_s", _COMPILE: "compile_s"}
+_FIX = "--compile_cache=DIR moves it, --compile_cache=off turns it off"
 
 
 def default_dir() -> str:
@@ -111,7 +112,7 @@ def configure(directory: Optional[str] = None) -> Optional[str]:
     # Said at the first compile, not now: a command that fails on the user's input first says
     # that alone, in one line.
     _pending.append(f"the compilation cache {directory} cannot be written ({why}); compiling "
-                    "without it (--compile_cache=DIR moves it, --compile_cache=off turns it off)")
+                    f"without it ({_FIX})")
     _listen()
     _set(None)
     return None
@@ -149,7 +150,7 @@ def _one_warning_for_bad_entries() -> None:
       _warn(f"the compilation cache {where} has an entry that cannot be read ({why}); such "
             "programs are compiled anew and stored again" if doing == "read" else
             f"the compilation cache {where} cannot be written ({why}); programs compiled now "
-            "are not stored (--compile_cache=DIR moves it, --compile_cache=off turns it off)")
+            f"are not stored ({_FIX})")
 
   show._compilation_cache = True
   warnings.showwarning = show

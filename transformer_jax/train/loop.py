@@ -259,13 +259,13 @@ def train(config, workdir: str, evaluate_fn: EvaluateFn, on_eval: Optional[OnEva
         jax.block_until_ready(metrics)
       waiting = (progress.waiting("compiling the train step") if step == start
                  else contextlib.nullcontext())
-      clock = compilation.Clock() if step == start else None
-      setup_s = time.perf_counter() - started
+      if step == start:  # the start-up ends with this step
+        setup_s, clock = time.perf_counter() - started, compilation.Clock()
       with waiting, throughput.paused("compile") if compiles else contextlib.nullcontext():
         state, metrics = train_step(state, batch.data, rng)
         if compiles:
           jax.block_until_ready(metrics)  # the wait is the compilation's
-      if clock is not None:
+      if step == start:
         logger.startup(start, setup_s, time.perf_counter() - started, clock.read())
       throughput.count(batch.tokens, batch.shape, compiled=compiles)
       done = step + 1

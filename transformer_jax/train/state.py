@@ -64,28 +64,27 @@ def hyperparameters(train_config, d_model: int) -> dict:
   t = train_config
   f32, i32 = np.float32, np.int32
   warmup = max(t.warmup_steps, 1)
+  # constant: the linear warm-up's length (0 = none); cosine: at least 1, then the decay's
+  warmup_length = t.warmup_steps if t.schedule == "constant" else warmup
+  decay_length = max(t.steps, t.warmup_steps + 1) - warmup
   return {
       "learning_rate": f32(t.learning_rate),
       # rsqrt: scale * d_model^-0.5, and warmup^-1.5 (rsqrt_schedule's two products of Python
       # floats); a warmup of 0 is refused for rsqrt by config validation.
       "rsqrt_peak": f32(t.learning_rate * d_model**-0.5),
       "rsqrt_warmup": f32(float(t.warmup_steps) ** -1.5 if t.warmup_steps else 0.0),
-      # constant and cosine: the linear warm-up's length (0 = none) and, for cosine, its decay's
-      "warmup_steps": i32(t.warmup_steps if t.schedule == "constant" else warmup),
-      "decay_steps": f32(float(max(t.steps, t.warmup_steps + 1) - warmup)),
+      "warmup_steps": i32(warmup_length),
+      "decay_steps": f32(float(decay_length)),
       # XLA turns a division by a constant into a product with its float32 reciprocal: the
       # schedules divide by these lengths, so the inputs are those reciprocals.
-      "warmup_reciprocal": _reciprocal(t.warmup_steps if t.schedule == "constant" else warmup),
-      "decay_reciprocal": _reciprocal(max(t.steps, t.warmup_steps + 1) - warmup),
+      "warmup_reciprocal": _reciprocal(warmup_length),
+      "decay_reciprocal": _reciprocal(decay_length),
       "adam_b1": f32(t.adam_b1), "adam_b2": f32(t.adam_b2),
       # 1 - beta as optax computes it from a Python float (float64), rounded once
       "adam_1m_b1": f32(1 - t.adam_b1), "adam_1m_b2": f32(1 - t.adam_b2),
       "adam_eps": f32(t.adam_eps),
       "weight_decay": f32(t.weight_decay),
       "grad_clip_norm": f32(t.grad_clip_norm),
-      "label_smoothing": f32(t.label_smoothing),
-      "label_confidence": f32(1.0 - t.label_smoothing),
-      "length_loss_weight": f32(t.get("length_loss_weight", 0.0)),
   }
 
 

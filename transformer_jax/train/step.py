@@ -160,7 +160,7 @@ def train_step(state: TrainState, batch, rng, hparams=None, *, model, optimizer,
   """
   if hparams is not None:
     smoothing = hparams["smoothing"] if smoothing else 0.0
-    length_weight = hparams["optimizer"]["length_loss_weight"]
+    length_weight = hparams["length_loss_weight"]
     optimizer = optimizer(hparams["optimizer"])
     if hparams["dropout"]:  # the rates' thresholds are inputs too
       model = make_model(model.config.replace(**{
@@ -240,12 +240,13 @@ class TrainStep:
 
 def step_hyperparameters(model_config: ModelConfig, config) -> dict:
   """The inputs of the compiled step that are settings: the optimizer's (`state_lib.
-  hyperparameters`), the label smoothing's coefficients and the keep thresholds of each dropout
-  rate above 0 (`DropoutRate.thresholds`)."""
+  hyperparameters`), the label smoothing's coefficients, the length-loss weight and the keep
+  thresholds of each dropout rate above 0 (`DropoutRate.thresholds`)."""
   t = config.train
   return {"optimizer": state_lib.hyperparameters(t, model_config.d_model),
           "smoothing": smoothing_coefficients(t.label_smoothing, loss_width(model_config),
                                               excluded_loss_rows(model_config)),
+          "length_loss_weight": np.float32(t.get("length_loss_weight", 0.0)),
           "dropout": {name: DropoutRate.thresholds(getattr(model_config, name))
                       for name in DROPOUT_RATES if getattr(model_config, name) > 0}}
 
