@@ -332,3 +332,63 @@ def test_a_database_password_and_tracker_secrets_reach_no_file_log_tracker_or_ps
                           capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout.count("| finished |") == 2, done.stderr
     assert SENTINEL not in done.stdout + done.stderr
+
+
+# ------------------------------------------------------------------ the database goes away
+
+
+def test_workers_ride_out_the_database_stopped_mid_trial(tmp_path, db):
+  # Once: every worker ended with exit code 1 and hundreds of lines of traceback (Optuna's
+  # UnboundLocalError 'updated_state' last) when the database went away for a few seconds.
+  experiment = tmp_path / "two.py"
+  experiment.write_text(TWO)
+  workdir = tmp_path / "sweep"
+  slow = ["--config.train.steps=30", "--config.train.checkpoint_every=10",
+          "--config.train.eval_every=5", "--config.eval.max_examples=8",
+          "--sweep_heartbeat_s=4"]  # lost after 12 s without heartbeats: longer than the stop
+  workers = [_worker(experiment, workdir, db.url, *slow) for _ in range(2)]
+  checkpoints = workdir / "trial_0000" / "checkpoints"
+  deadline = time.time() + 300
+  while not (checkpoints / "10").exists() and time.time() < deadline:
+    time.sleep(0.05)
+  postgres.pg_ctl(db, "stop", "-m", "fast")  # connections cut, nothing answers
+  time.sleep(6)  # training reaches its next evaluations, heartbeats and polls fail
+  postgres.pg_ctl(db, "start")
+  outputs = [w.communicate(timeout=600)[0] for w in workers]
+  assert [w.returncode for w in workers] == [0, 0], outputs
+  said = "\n".join(outputs)
+  assert "Traceback" not in said, said
+  assert said.count("is unreachable") >= 1 and said.count("is back after") >= 1, said
+  for out in outputs:  # one line each way, per worker that saw it
+    assert out.count("is unreachable") == out.count("is back after") <= 1, out
+  study = _study(db.url, workdir)
+  assert [t.state.name for t in study.get_trials()] == ["COMPLETE", "COMPLETE"]
+  with open(workdir / "trial_0000" / "metrics.jsonl", encoding="utf-8") as f:
+    steps = [r["step"] for r in map(json.loads, f) if r["split"] == "eval"]
+  assert steps == sorted(set(steps)) and steps[-1] == 30, steps  # trained once, to the end
+
+
+def test_past_the_outage_bound_a_worker_stops_in_one_line_naming_the_checkpoint(
+    tmp_path, db, capfd):
+  st = store.open_storage(db.url, str(tmp_path), 60, 0)
+  patient = store.ride_out(st.storage, st.url, 2)
+  optuna.create_study(study_name="outage", storage=patient)
+  directory = tmp_path / "trial_0003"
+  (directory / "checkpoints" / "20").mkdir(parents=True)
+  postgres.pg_ctl(db, "stop", "-m", "fast")
+  try:
+    start = time.time()
+    with pytest.raises(store.DatabaseLost):
+      patient.get_all_studies()
+    assert 2 <= time.time() - start < 10
+    with pytest.raises(store.DatabaseLost):  # from then on at once
+      patient.get_study_id_from_name("outage")
+    patient.record_heartbeat(1)  # the heartbeat thread's call never raises
+  finally:
+    postgres.pg_ctl(db, "start")
+  err = capfd.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and "is unreachable" in err[0] and "waiting up to 2 s" in err[0], err
+  assert postgres.PASSWORD not in err[0]
+  line = str(worker._lost(patient.outage, {"directory": str(directory)}))
+  assert str(directory / "checkpoints" / "20") in line and "did not answer for 2 s" in line
+  assert postgres.PASSWORD not in line

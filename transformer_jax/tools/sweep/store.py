@@ -18,6 +18,8 @@ import hashlib
 import json
 import os
 import re
+import sys
+import threading
 import time
 from typing import NamedTuple, Optional
 
@@ -29,6 +31,9 @@ RECORD = "sweep.json"  # the workdir's note of its study: name and storage (pass
 # How long a worker waits for a database that does not answer (env: tests shorten it).
 WAIT_ENV = "TRANSFORMER_JAX_SWEEP_DB_WAIT_S"
 WAIT_S = 60.0
+# How long a worker rides out a database that stops answering mid-sweep (Options.outage_s's
+# default: as long as a training run waits for its bucket, train.storage_outage_s).
+OUTAGE_S = 300.0
 STUDY_ATTR = "transformer_jax"  # the study's user attribute naming the sweep it belongs to
 
 
@@ -160,3 +165,122 @@ def is_sweep_workdir(workdir: str) -> bool:
     return storage.exists(storage.join(workdir, RECORD))
   except (OSError, UserError):
     return False
+
+
+# ------------------------------------------------------------------ a database that goes away
+
+
+class DatabaseLost(BaseException):
+  """The study's database did not answer within the outage bound. A BaseException, so that it
+  passes the handlers of Optuna's optimize() (which would try to record the trial's failure in
+  the database that is gone) and of the trial's objective; the worker turns it into one line."""
+
+
+def _unreachable(error: BaseException) -> bool:
+  """Whether `error` (or one it was raised from) says the database did not answer (a refused or
+  cut connection), as opposed to an answer (a constraint, a finished trial)."""
+  import sqlalchemy.exc
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    if isinstance(error, (sqlalchemy.exc.OperationalError, sqlalchemy.exc.InterfaceError,
+                          sqlalchemy.exc.DisconnectionError)):
+      return True
+    if isinstance(error, sqlalchemy.exc.DBAPIError) and error.connection_invalidated:
+      return True
+    error = error.__cause__ or error.__context__
+  return False
+
+
+class Outage:
+  """One worker's view of its database: every call waits out an outage of up to `seconds`,
+  said in one line when it begins and one when it ends; past the bound every call (then and
+  later) raises DatabaseLost. Shared by the worker's thread and the heartbeat thread."""
+
+  FIRST_DELAY_S, MAX_DELAY_S = 0.25, 4.0
+
+  def __init__(self, url: str, seconds: float):
+    self.url, self.seconds = url, float(seconds)
+    self.since: Optional[float] = None  # the current outage's first failure
+    self.lost = False  # past the bound: this worker stops
+    self._lock = threading.Lock()
+
+  def _began(self, error: BaseException) -> float:
+    with self._lock:
+      if self.since is None:
+        self.since = time.time()
+        text = " ".join(str(getattr(error, "orig", None) or error).split())
+        text = redact(text.split("(Background on this error")[0].strip())[:160]
+        print(f"warning: the study's database at {_host(self.url)} is unreachable ({text}); "
+              f"waiting up to {self.seconds:.0f} s", file=sys.stderr, flush=True)
+      return self.since
+
+  def _answered(self) -> None:
+    with self._lock:
+      if self.since is not None:
+        print(f"the study's database is back after {time.time() - self.since:.0f} s; the "
+              "sweep goes on", file=sys.stderr, flush=True)
+        self.since = None
+
+  def call(self, fn, *args, **kwargs):
+    delay = self.FIRST_DELAY_S
+    while True:
+      if self.lost:
+        raise DatabaseLost(self.url)
+      try:
+        result = fn(*args, **kwargs)
+      except Exception as e:  # noqa: BLE001 - SQLAlchemy's and Optuna's types; sorted below
+        if not _unreachable(e):
+          raise
+        if time.time() - self._began(e) > self.seconds:
+          self.lost = True
+          raise DatabaseLost(self.url) from None
+        time.sleep(delay)
+        delay = min(2 * delay, self.MAX_DELAY_S)
+        continue
+      self._answered()
+      return result
+
+  def heartbeat(self, fn, trial_id: int) -> None:
+    """Optuna's heartbeat thread calls this every --sweep_heartbeat_s: a missed beat is said
+    (an outage's first line, or one warning) and the thread goes on, never dies of it."""
+    if self.lost:
+      return
+    try:
+      fn(trial_id)
+    except Exception as e:  # noqa: BLE001 - a heartbeat thread that raised would end silently
+      if _unreachable(e):
+        self._began(e)
+      else:
+        print(f"warning: a heartbeat of the sweep's trial failed ({type(e).__name__}: "
+              f"{redact(' '.join(str(e).split()))[:160]}); the next one is tried",
+              file=sys.stderr, flush=True)
+      return
+    self._answered()
+
+
+def ride_out(rdb, url: str, seconds: float):
+  """`rdb` (an RDBStorage) as a storage whose every call waits out an outage (Outage); Optuna
+  takes it as it is (optuna.storages.get_storage passes a BaseStorage through), with its
+  heartbeats, as its own _CachedStorage would be. Why by hand: Optuna retries nothing (a call
+  that fails mid-trial ends optimize() with a traceback), and its storages have no hook."""
+  from optuna.storages import BaseStorage
+  from optuna.storages._cached_storage import _CachedStorage
+  from optuna.storages._heartbeat import BaseHeartbeat
+  inner, outage = _CachedStorage(rdb), Outage(url, seconds)
+
+  def waiting(name):
+    def method(self, *args, **kwargs):
+      return outage.call(getattr(inner, name), *args, **kwargs)
+    method.__name__ = name
+    return method
+
+  names = {n for base in (BaseStorage, BaseHeartbeat) for n in dir(base)
+           if not n.startswith("__") and callable(getattr(base, n))}
+  names.add("_get_stale_trial_ids")
+  namespace = {n: waiting(n) for n in names}
+  namespace["record_heartbeat"] = lambda self, trial_id: outage.heartbeat(
+      inner.record_heartbeat, trial_id)
+  namespace["__getattr__"] = lambda self, name: getattr(inner, name)
+  namespace["outage"] = outage
+  return type("PatientStorage", (BaseStorage, BaseHeartbeat), namespace)()

@@ -77,6 +77,9 @@ class Options(NamedTuple):
   only: Optional[list] = None  # --sweep_trials
   test_best: bool = False
   dry_run: bool = False
+  # How long a worker rides out its database not answering mid-sweep (reports, polls,
+  # heartbeats, a trial's end); past it the worker stops in one line (store.Outage).
+  outage_s: float = store.OUTAGE_S
 
 
 class _TrialError(Exception):
@@ -110,7 +113,7 @@ def _check_options(o: Options) -> None:
                     f"{o.pruner!r}")
   for name, value, least in (("sweep_parallel", o.parallel, 1), ("sweep_budget", o.budget, 0),
                              ("sweep_heartbeat_s", o.heartbeat_s, 1),
-                             ("sweep_retries", o.retries, 0)):
+                             ("sweep_retries", o.retries, 0), ("sweep_outage_s", o.outage_s, 0)):
     if value < least:
       raise UserError(f"--{name} must be >= {least}, got {value}")
 
@@ -525,19 +528,26 @@ class _Reporter:
   def __init__(self, trial, metric: str, channel: _Channel):
     self.trial, self.metric, self.channel = trial, metric, channel
     self.pruned = None  # (step, why)
+    self.lost = False  # the study's database did not come back: training stopped, saved
 
   def __call__(self, step: int, metrics: dict) -> Optional[str]:
     why = None
     if self.trial is not None and metrics.get(self.metric) is not None:
       value = float(metrics[self.metric])
-      self.trial.report(value, step)
-      if self.trial.should_prune():
-        pruner = type(self.trial.study.pruner).__name__
-        why = f"pruned at step {step}: {self.metric} {value:.4g} ({pruner})"
+      try:
+        self.trial.report(value, step)
+        if self.trial.should_prune():
+          pruner = type(self.trial.study.pruner).__name__
+          why = f"pruned at step {step}: {self.metric} {value:.4g} ({pruner})"
+      except store.DatabaseLost:
+        self.lost, why = True, LOST
     why = self.channel.send(why)
-    if why:
+    if why and not self.lost:
       self.pruned = (step, why)
     return why
+
+
+LOST = "the study's database is unreachable"  # why a trial's training stopped
 
 
 def _identity(study_name: str, number: int, root: int, overrides: dict) -> dict:
@@ -666,6 +676,8 @@ def _objective(p: Plan, workdir: str, train_fn, channel: _Channel, study_name: s
     except Exception as e:  # noqa: BLE001 - the trial's own fault, recorded in the study
       return _fail(trial, name, f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")
     wall = time.time() - start
+    if reporter.lost:
+      raise store.DatabaseLost(directory)  # its checkpoint is saved; the worker says so
     if final:
       state["ran"]["step"] = final.get("step", config.train.steps)
     if reporter.pruned:
@@ -724,39 +736,66 @@ def work(p: Plan, workdir: str, study, st: store.Storage, train_fn,
          parent: str = "") -> Optional[str]:
   """Takes trials until none is left to take; returns the signal that stopped it, if any.
   parent: the study's MLflow parent run (study_parent)."""
-  import optuna
   channel = _Channel()
   state = {}
+  try:
+    return _work(p, workdir, study, st, train_fn, parent, channel, state)
+  except BaseException:
+    outage = getattr(study._storage, "outage", None)
+    if outage is None or not outage.lost:
+      raise
+    # Whatever Optuna raised on its way out (it records the trial's end in the database that
+    # is gone): the trial is still RUNNING there, and comes back by its heartbeat.
+    raise _lost(outage, state.get("ran")) from None
+  finally:
+    channel.send(None)  # the other processes of the job stop
+
+
+def _lost(outage, ran: Optional[dict]) -> UserError:
+  """The one line of a worker whose database did not come back within --sweep_outage_s."""
+  where = ""
+  if ran is not None:
+    directory = ran["directory"]
+    steps = checkpoint.saved_steps(directory)
+    where = (f"; {os.path.basename(directory)} stopped with its checkpoint "
+             f"{storage.join(directory, 'checkpoints', str(max(steps)))}" if steps else
+             f"; {os.path.basename(directory)} stopped before its first checkpoint") + \
+        (", from which it resumes when a worker takes it up again (its heartbeat lapses)")
+  return UserError(f"the study's database at {outage.url} did not answer for "
+                   f"{outage.seconds:.0f} s (outage_s){where}; run the same command once the "
+                   "database answers")
+
+
+def _work(p: Plan, workdir: str, study, st: store.Storage, train_fn, parent: str, channel,
+          state: dict) -> Optional[str]:
+  import optuna
   objective = _objective(p, workdir, train_fn, channel, study.study_name, state, parent)
   callbacks = [_record(p, study.study_name, parent, state)]
   waiting_said = False
-  try:
-    with _Signals() as signals:
-      while not signals.signal:
-        if st.heartbeats:
-          optuna.storages.fail_stale_trials(study)
-        else:
-          reclaim_dead_local_trials(study, p.options)
-        census = _census(study)
-        if census["waiting"] or (p.experiment.space and census["roots"] < p.budget):
-          waiting_said = False
-          study.optimize(objective, n_trials=1, catch=(_TrialError, _HandedBack, _Surplus),
-                         callbacks=callbacks, gc_after_trial=False)
-          if "handed_back" in state:
-            number = state.pop("handed_back")
-            _retry(p.options)(study, study.get_trials(deepcopy=False)[number])
-            return signals.signal or "a signal"
-        elif census["running"]:
-          if not waiting_said:
-            progress_line(f"no trial to take; waiting while {census['running']} run on other "
-                          "workers (a lost one comes back to the queue)")
-            waiting_said = True
-          time.sleep(min(2.0, p.options.heartbeat_s))
-        else:
-          return None
-      return signals.signal
-  finally:
-    channel.send(None)  # the other processes of the job stop
+  with _Signals() as signals:
+    while not signals.signal:
+      if st.heartbeats:
+        optuna.storages.fail_stale_trials(study)
+      else:
+        reclaim_dead_local_trials(study, p.options)
+      census = _census(study)
+      if census["waiting"] or (p.experiment.space and census["roots"] < p.budget):
+        waiting_said = False
+        study.optimize(objective, n_trials=1, catch=(_TrialError, _HandedBack, _Surplus),
+                       callbacks=callbacks, gc_after_trial=False)
+        if "handed_back" in state:
+          number = state.pop("handed_back")
+          _retry(p.options)(study, study.get_trials(deepcopy=False)[number])
+          return signals.signal or "a signal"
+      elif census["running"]:
+        if not waiting_said:
+          progress_line(f"no trial to take; waiting while {census['running']} run on other "
+                        "workers (a lost one comes back to the queue)")
+          waiting_said = True
+        time.sleep(min(2.0, p.options.heartbeat_s))
+      else:
+        return None
+    return signals.signal
 
 
 def follow(workdir: str, p: Plan, train_fn) -> None:
@@ -860,6 +899,15 @@ def run_sweep(config_path: str, workdir: str, base_overrides: dict, train_fn: Tr
   if options.storage is None:
     checkpoint.create_workdir(workdir)
   st = store.open_storage(options.storage, workdir, options.heartbeat_s, options.retries)
+  if st.heartbeats:  # a database server, which can go away for a while mid-sweep
+    st = st._replace(storage=store.ride_out(st.storage, st.url, options.outage_s))
+  try:
+    _sweep(p, workdir, st, train_fn, options, argv, out)
+  except store.DatabaseLost:  # between trials: no trial of this worker's is left behind
+    raise _lost(st.storage.outage, None) from None
+
+
+def _sweep(p: Plan, workdir: str, st: store.Storage, train_fn, options: Options, argv, out):
   study = join_study(p, workdir, st)
   parent = study_parent(study, p, st)
   checkpoint.create_workdir(workdir)
