@@ -199,6 +199,9 @@ def test_a_pruned_trial_and_a_failed_one_are_in_the_table_rebuilt_from_the_study
   with open(pruned / "metrics.jsonl", encoding="utf-8") as f:
     (evaluation,) = [r for r in map(json.loads, f) if r["split"] == "eval"]
   assert study.get_trials()[2].intermediate_values == {5: pytest.approx(evaluation["loss"])}
+  # Its row shows the evaluation that pruned it (once: every metric left empty).
+  for metric in ("loss", "token_accuracy"):
+    assert float(rows["trial_0002"][metric]) == pytest.approx(evaluation[metric], rel=1e-3)
   # The trial's identity, for its training run and for trackers.
   assert json.loads((workdir / "trial_0001" / "trial.json").read_text()) == {
       "study": str(workdir), "trial": 1, "directory": "trial_0001",
@@ -255,6 +258,22 @@ def test_sigterm_saves_hands_the_trial_back_and_exits_0(tmp_path):
   assert handed.state.name == "FAIL" and queued.state.name == "WAITING"
   assert queued.system_attrs["failed_trial"] == 0
   assert _rows(workdir)["trial_0000"]["state"] == "waiting"
+  assert float(_rows(workdir)["trial_0000"]["wall_time_s"]) > 0  # the attempt's time counts
+
+
+def test_a_retried_trials_wall_time_counts_every_attempt():
+  import optuna
+  optuna.logging.set_verbosity(optuna.logging.ERROR)
+  study = optuna.create_study()
+  first = study.ask()
+  first.set_user_attr("sweep_wall_s", 3.0)  # a lost attempt, up to its last evaluation
+  study.tell(first, state=optuna.trial.TrialState.FAIL)
+  worker._retry(worker.Options(retries=1))(study, study.get_trials()[0])
+  second = study.ask()
+  second.set_user_attr("sweep_wall_s", 4.5)
+  study.tell(second, 1.0)
+  (row,) = results.rows(study, "loss")
+  assert (row["trial"], row["retries"], row["wall_time_s"]) == ("trial_0000", 1, 7.5)
 
 
 SEEDED = """from transformer_jax.experiments import tiny

@@ -37,15 +37,31 @@ def _state(t) -> str:
 
 
 def latest_attempts(study) -> list:
-  """[(trial directory number, its latest attempt, attempts)] in directory order; trials drawn
-  past the budget (sweep_surplus) left out."""
+  """[(trial directory number, its latest attempt, its attempts)] in directory order; trials
+  drawn past the budget (sweep_surplus) left out."""
   by_root = {}
   for t in study.get_trials(deepcopy=False):
     if t.user_attrs.get("sweep_surplus"):
       continue
     root = t.system_attrs.get("failed_trial", t.number)
     by_root.setdefault(root, []).append(t)
-  return [(root, max(ts, key=lambda t: t.number), len(ts)) for root, ts in sorted(by_root.items())]
+  return [(root, max(ts, key=lambda t: t.number), ts) for root, ts in sorted(by_root.items())]
+
+
+def _wall_s(attempts: list):
+  """A trial's wall time: all its attempts' (a lost one's up to its last evaluation)."""
+  walls = [t.user_attrs["sweep_wall_s"] for t in attempts if "sweep_wall_s" in t.user_attrs]
+  return round(sum(walls), 1) if walls else ""
+
+
+def _metrics(t, metric: str) -> dict:
+  """What a trial reported: its final evaluation's metrics, or a pruned one's at its pruning
+  step (at least `metric`, the value the study holds for that step)."""
+  got = dict(t.user_attrs.get("sweep_metrics") or {})
+  step = t.user_attrs.get("sweep_pruned_step")
+  if t.state.name == "PRUNED" and metric not in got and step in t.intermediate_values:
+    got[metric] = t.intermediate_values[step]
+  return got
 
 
 def _cell(v) -> str:
@@ -58,13 +74,14 @@ def rows(study, metric: str) -> list[dict]:
   keys = sorted({k for _, t, _ in attempts for k in (t.user_attrs.get("sweep_overrides") or {})
                  if k != "seed"})
   seeded = any(t.user_attrs.get("sweep_seed") is not None for _, t, _ in attempts)
-  columns = sorted({k for _, t, _ in attempts for k in t.user_attrs.get("sweep_metrics", {})
+  reported = {t.number: _metrics(t, metric) for _, t, _ in attempts}
+  columns = sorted({k for got in reported.values() for k in got
                     if k not in ("max_examples", "max_decode_len")})
   shown = {part: [m for m in dict.fromkeys((metric, *SHOWN))
                   if any(m in (t.user_attrs.get(f"sweep_{part}") or {}).get("metrics", {})
                          for _, t, _ in attempts)] for part in ("best", "test")}
   table = []
-  for root, t, count in attempts:
+  for root, t, tries in attempts:
     a = t.user_attrs
     overrides = a.get("sweep_overrides") or {}
     row = {"trial": f"trial_{root:04d}", "state": _state(t)}
@@ -73,12 +90,12 @@ def rows(study, metric: str) -> list[dict]:
     if seeded:
       row["seed"] = "" if a.get("sweep_seed") is None else a["sweep_seed"]
     row.update({k: overrides.get(k, "") for k in keys})
-    row.update({m: a.get("sweep_metrics", {}).get(m, "") for m in columns})
+    row.update({m: reported[t.number].get(m, "") for m in columns})
     for part in ("best", "test"):
       got = (a.get(f"sweep_{part}") or {}).get("metrics", {})
       row.update({f"{part}_{m}": got.get(m, "") for m in shown[part]})
-    row.update({"best_step": a.get("sweep_best_step", ""), "retries": count - 1,
-                "wall_time_s": a.get("sweep_wall_s", ""),
+    row.update({"best_step": a.get("sweep_best_step", ""), "retries": len(tries) - 1,
+                "wall_time_s": _wall_s(tries),
                 # set-up and first step (compile or cache); "cache": what answered it
                 "startup_s": round((a.get("sweep_startup") or {}).get("startup_s", 0.0), 1)
                 if a.get("sweep_startup") else "",
@@ -147,8 +164,9 @@ def write(study, workdir: str, metric: str, split: str) -> tuple[str, Optional[s
   lines = [f"# Sweep results: {metric} on split {split!r}, best first", "",
            f"Study {study.study_name}. Each trial directory's latest attempt: finished trials by "
            f"their final {metric} on data.eval_split ({split}) at train.steps ({better} is "
-           "better), then the others; best_step: its evaluation with the best "
-           f"{metric}; retries: how often a lost worker's trial was taken up again.", ""]
+           "better), then the others (a pruned one's metrics at its pruning step); best_step: its "
+           f"evaluation with the best {metric}; retries: how often a lost worker's trial was "
+           "taken up again; wall_time_s: all its attempts'.", ""]
   lines += _markdown(table)
   by_seed = seed_rows(table, metric)
   if by_seed:

@@ -209,6 +209,8 @@ class Outage:
     with self._lock:
       if self.since is None:
         self.since = time.time()
+        while error.__cause__ is not None:  # Optuna's StorageInternalError says no more
+          error = error.__cause__
         text = " ".join(str(getattr(error, "orig", None) or error).split())
         text = redact(text.split("(Background on this error")[0].strip())[:160]
         print(f"warning: the study's database at {_host(self.url)} is unreachable ({text}); "

@@ -528,6 +528,8 @@ class _Reporter:
   def __init__(self, trial, metric: str, channel: _Channel):
     self.trial, self.metric, self.channel = trial, metric, channel
     self.pruned = None  # (step, why)
+    self.pruned_metrics = {}  # the evaluation that pruned it
+    self.start = time.time()
     self.lost = False  # the study's database did not come back: training stopped, saved
 
   def __call__(self, step: int, metrics: dict) -> Optional[str]:
@@ -536,7 +538,10 @@ class _Reporter:
       value = float(metrics[self.metric])
       try:
         self.trial.report(value, step)
+        # So far: a lost worker's attempt counts up to its last evaluation (results.py sums).
+        self.trial.set_user_attr("sweep_wall_s", round(time.time() - self.start, 1))
         if self.trial.should_prune():
+          self.pruned_metrics = _numbers(metrics)
           pruner = type(self.trial.study.pruner).__name__
           why = f"pruned at step {step}: {self.metric} {value:.4g} ({pruner})"
       except store.DatabaseLost:
@@ -683,10 +688,12 @@ def _objective(p: Plan, workdir: str, train_fn, channel: _Channel, study_name: s
     if reporter.pruned:
       step, why = reporter.pruned
       trial.set_user_attr("sweep_pruned_step", step)
+      trial.set_user_attr("sweep_metrics", reporter.pruned_metrics)
       trial.set_user_attr("sweep_wall_s", round(wall, 1))
       progress_line(f"{name} {why}; its checkpoint is saved")
       raise optuna.TrialPruned(why)
     if not final:
+      trial.set_user_attr("sweep_wall_s", round(wall, 1))
       state["handed_back"] = trial.number
       progress_line(f"{name} stopped by a signal after saving its checkpoint; it goes back to "
                     "the queue")
