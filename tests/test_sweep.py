@@ -300,8 +300,10 @@ def test_seeded_sweep_scores_test_once_per_run_and_grows_with_more_seeds(tmp_pat
              "--sweep_metric=exact_match", "--sweep_test_best"] + FAST + LENGTH
   _run(*command, "--sweep_seeds=1")
   # Two local workers on the journal file: the one new trial is taken by one of them, once.
-  out = _run(*command, "--sweep_parallel=2").stdout
+  parallel = _run(*command, "--sweep_parallel=2")
+  out = parallel.stdout
   assert out.count(" started") == 1 and "trial_0001 started" in out, out
+  assert "os.fork()" not in parallel.stderr, parallel.stderr  # JAX's warning of a forked JAX
   tests = []
   trials = _study(workdir).get_trials()
   # Both workers may ask at once; the one that finds the queue empty records a surplus trial

@@ -9,6 +9,7 @@ import csv
 import io
 import os
 import statistics
+import warnings
 from typing import Optional
 
 from transformer_jax.core import metric_names, storage
@@ -36,6 +37,27 @@ def _state(t) -> str:
   return "lost (its worker stopped; retries spent)"
 
 
+def _retries(what: str, trial):
+  """Optuna's record of a retried trial (RetryHeartbeatStaleTrialCallback's, experimental
+  since Optuna 2.8: its warning left out)."""
+  import optuna
+  from optuna.storages import RetryHeartbeatStaleTrialCallback
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+    return getattr(RetryHeartbeatStaleTrialCallback, what)(trial)
+
+
+def root_of(trial) -> int:
+  """The number of the trial a (retried) trial continues: its directory's number."""
+  retried = _retries("retried_trial_number", trial)
+  return trial.number if retried is None else retried
+
+
+def retry_history(trial) -> list:
+  """The numbers of the earlier attempts of a retried trial, first to last."""
+  return _retries("retry_history", trial)
+
+
 def latest_attempts(study) -> list:
   """[(trial directory number, its latest attempt, its attempts)] in directory order; trials
   drawn past the budget (sweep_surplus) left out."""
@@ -43,7 +65,7 @@ def latest_attempts(study) -> list:
   for t in study.get_trials(deepcopy=False):
     if t.user_attrs.get("sweep_surplus"):
       continue
-    root = t.system_attrs.get("failed_trial", t.number)
+    root = root_of(t)
     by_root.setdefault(root, []).append(t)
   return [(root, max(ts, key=lambda t: t.number), ts) for root, ts in sorted(by_root.items())]
 

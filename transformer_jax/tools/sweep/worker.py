@@ -56,6 +56,7 @@ from transformer_jax.train import checkpoint, logger
 TRIAL_ENV = "TRANSFORMER_JAX_SWEEP_TRIAL"
 # The index of a worker that --sweep_parallel started (its sampler's stream is --sweep_seed's i-th).
 WORKER_ENV = "TRANSFORMER_JAX_SWEEP_WORKER"
+PARENT_ENV = "TRANSFORMER_JAX_SWEEP_PARENT"  # its pid: such a worker dies with it
 # What a run trains without under --sweep_test_best: the test split is read once, afterwards.
 TEST_LEFT_OUT = {"data.test_split": ""}
 TrainFn = Callable  # train_fn(config, workdir, on_eval=...) -> final metrics ({} if stopped)
@@ -98,9 +99,7 @@ def trial_name(root: int) -> str:
   return f"trial_{root:04d}"
 
 
-def root_of(trial) -> int:
-  """The number of the trial a (retried) trial continues: its directory's number."""
-  return trial.system_attrs.get("failed_trial", trial.number)
+root_of = results_lib.root_of
 
 
 def _check_options(o: Options) -> None:
@@ -394,7 +393,7 @@ def _census(study) -> dict:
   for t in study.get_trials(deepcopy=False):
     if t.user_attrs.get("sweep_surplus"):
       continue
-    if "failed_trial" not in t.system_attrs:
+    if root_of(t) == t.number:
       counts["roots"] += 1
     if t.state == TrialState.WAITING:
       counts["waiting"] += 1
@@ -525,8 +524,9 @@ class _Reporter:
   """on_eval for a trial's training: reports --sweep_metric at each evaluation, asks the pruner
   (process 0), and stops every process of the job alike."""
 
-  def __init__(self, trial, metric: str, channel: _Channel):
+  def __init__(self, trial, metric: str, channel: _Channel, reported=()):
     self.trial, self.metric, self.channel = trial, metric, channel
+    self.reported = set(reported)  # steps a lost attempt reported (inherited): not again
     self.pruned = None  # (step, why)
     self.pruned_metrics = {}  # the evaluation that pruned it
     self.start = time.time()
@@ -537,7 +537,8 @@ class _Reporter:
     if self.trial is not None and metrics.get(self.metric) is not None:
       value = float(metrics[self.metric])
       try:
-        self.trial.report(value, step)
+        if step not in self.reported:  # a resumed run evaluates them again
+          self.trial.report(value, step)
         # So far: a lost worker's attempt counts up to its last evaluation (results.py sums).
         self.trial.set_user_attr("sweep_wall_s", round(time.time() - self.start, 1))
         if self.trial.should_prune():
@@ -641,7 +642,7 @@ def _objective(p: Plan, workdir: str, train_fn, channel: _Channel, study_name: s
     overrides = trial.user_attrs.get("sweep_overrides")
     if overrides is None:  # a trial for the sampler to draw
       earlier = sum(1 for t in trial.study.get_trials(deepcopy=False)
-                    if t.number < trial.number and "failed_trial" not in t.system_attrs
+                    if t.number < trial.number and root_of(t) == t.number
                     and not t.user_attrs.get("sweep_surplus"))
       if not space or earlier >= p.budget:
         trial.set_user_attr("sweep_surplus", True)
@@ -653,7 +654,7 @@ def _objective(p: Plan, workdir: str, train_fn, channel: _Channel, study_name: s
     trial.set_user_attr("sweep_worker", {"host": socket.gethostname(), "pid": os.getpid()})
     name = trial_name(root)
     directory = storage.join(workdir, name)
-    history = frozen.system_attrs.get("retry_history", [])
+    history = results_lib.retry_history(frozen)
     retry = f" (again, after trial {history[-1]})" if history else ""
     try:
       config = space_lib.trial_config(p.experiment.path, {**overrides, **p.left_out},
@@ -672,7 +673,7 @@ def _objective(p: Plan, workdir: str, train_fn, channel: _Channel, study_name: s
     progress_line(f"{name} started{retry}: {overrides}")
     identity = _identity(study_name, trial.number, root, overrides)
     channel.send(identity)
-    reporter = _Reporter(trial, p.options.metric, channel)
+    reporter = _Reporter(trial, p.options.metric, channel, frozen.intermediate_values)
     start = time.time()
     try:
       final = _train(train_fn, config, directory, reporter, identity)
@@ -863,13 +864,10 @@ def _spawn_workers(argv: list, count: int, url: Optional[str] = None) -> int:
   command = [sys.executable, "-m", "transformer_jax", *argv, "--sweep_parallel=1"]
   env = dict(os.environ, **({store.STORAGE_ENV: url} if url else {}))
 
-  def die_with_parent():
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-  env.update(shared_accelerator_memory(count, os.environ))
-  children = [subprocess.Popen(command, env={**env, WORKER_ENV: str(i)},
-                               preexec_fn=die_with_parent) for i in range(count)]
+  env.update(shared_accelerator_memory(count, os.environ), **{PARENT_ENV: str(os.getpid())})
+  # No preexec_fn: it makes Popen fork with Python's fork hooks (JAX's warns of os.fork() in a
+  # multithreaded process); each child ties itself to this process (die_with_parent).
+  children = [subprocess.Popen(command, env={**env, WORKER_ENV: str(i)}) for i in range(count)]
 
   def forward(signum, frame):
     for child in children:
@@ -885,11 +883,23 @@ def _spawn_workers(argv: list, count: int, url: Optional[str] = None) -> int:
   return next((code for code in codes if code), 0)
 
 
+def die_with_parent() -> None:
+  """A worker that --sweep_parallel started is killed with the command that started it
+  (PR_SET_PDEATHSIG, Linux), or ends now if that command has already gone."""
+  parent = os.environ.pop(PARENT_ENV, None)
+  if parent is None or not sys.platform.startswith("linux"):
+    return
+  ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+  if os.getppid() != int(parent):
+    os._exit(1)
+
+
 def run_sweep(config_path: str, workdir: str, base_overrides: dict, train_fn: TrainFn,
               options: Options, argv: Optional[list] = None, out=sys.stdout) -> None:
   """--sweep (and --sweep_dry_run): checks the whole plan, then works as a worker of the study
   (or starts --sweep_parallel workers here), then writes the results tables."""
   import jax
+  die_with_parent()
   p = plan(config_path, dict(base_overrides or {}), options)
   workdir = checkpoint.check_workdir(workdir, entries={})
   if options.dry_run:
