@@ -36,7 +36,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from transformer_jax.core import files, lock, metric_names, outage, storage, trees
+from transformer_jax.core import files, lock, metric_names, outage, signals, storage, trees
 from transformer_jax.core.errors import UserError
 from transformer_jax.train import sharding
 
@@ -742,7 +742,7 @@ class _Abandoned(BaseException):
   not swallow it."""
 
 
-class Preemption:
+class Preemption(signals.Signals):
   """`with Preemption() as p:` ... `if p.reached(step):` save and stop.
 
   One process: SIGTERM or SIGINT (Ctrl-C) sets a flag that the loop reads after each step, so the
@@ -752,21 +752,9 @@ class Preemption:
   """
 
   def __init__(self):
-    self.signal = None  # the name of the signal received
-    self._previous = {}
+    super().__init__(install=jax.process_count() == 1)  # self.signal: the signal's name
     self._sync = True
     self._abandon = False
-
-  def __enter__(self):
-    if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
-      for sig in (signal.SIGTERM, signal.SIGINT):
-        self._previous[sig] = signal.signal(sig, self._handle)
-    return self
-
-  def __exit__(self, *exc):
-    for sig, handler in self._previous.items():
-      signal.signal(sig, handler)
-    self._previous = {}
 
   def _handle(self, signum, frame):
     if self.signal is not None and signum == signal.SIGINT:
@@ -777,7 +765,7 @@ class Preemption:
       raise KeyboardInterrupt(
           f"a second Ctrl-C: stopped at once, after {self.signal}; a checkpoint being written is "
           "left unfinished and the next run ignores it; run the same command to resume")
-    self.signal = signal.Signals(signum).name
+    super()._handle(signum, frame)
     if self._abandon:
       raise _Abandoned
 

@@ -42,11 +42,11 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from typing import Callable, NamedTuple, Optional
 
 from transformer_jax.core import metric_names, storage
+from transformer_jax.core import signals as signals_lib
 from transformer_jax.core.errors import UserError
 from transformer_jax.tools.sweep import results as results_lib
 from transformer_jax.tools.sweep import space as space_lib
@@ -474,28 +474,6 @@ class _Channel:
 # ------------------------------------------------------------------ one trial
 
 
-class _Signals:
-  """SIGTERM/SIGINT between trials: no new trial starts (during training the loop's own
-  handler saves the step and stops)."""
-
-  def __init__(self):
-    self.signal = None
-    self._previous = {}
-
-  def __enter__(self):
-    if threading.current_thread() is threading.main_thread():
-      for sig in (signal.SIGTERM, signal.SIGINT):
-        self._previous[sig] = signal.signal(sig, self._handle)
-    return self
-
-  def __exit__(self, *exc):
-    for sig, handler in self._previous.items():
-      signal.signal(sig, handler)
-
-  def _handle(self, signum, frame):
-    self.signal = signal.Signals(signum).name
-
-
 class _Log:
   """A trial's train.log: what its training run prints (Python's stdout). Local: the file; in a
   bucket (no append), a temporary file added to the log object at the end."""
@@ -780,7 +758,7 @@ def _work(p: Plan, workdir: str, study, st: store.Storage, train_fn, parent: str
   objective = _objective(p, workdir, train_fn, channel, study.study_name, state, parent)
   callbacks = [_record(p, study.study_name, parent, state)]
   waiting_said = False
-  with _Signals() as signals:
+  with signals_lib.Signals() as signals:
     while not signals.signal:
       if st.heartbeats:
         optuna.storages.fail_stale_trials(study)
