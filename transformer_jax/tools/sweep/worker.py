@@ -45,7 +45,7 @@ import tempfile
 import time
 from typing import Callable, NamedTuple, Optional
 
-from transformer_jax.core import metric_names, storage
+from transformer_jax.core import metric_names, multihost, storage
 from transformer_jax.core import signals as signals_lib
 from transformer_jax.core.errors import UserError
 from transformer_jax.tools.sweep import results as results_lib
@@ -445,32 +445,6 @@ def progress_line(text: str) -> None:
 # ------------------------------------------------------------------ several processes
 
 
-class _Channel:
-  """Process 0 of a job of several processes tells the others what to train (JSON text) and,
-  at each evaluation, whether to stop (multihost_utils.broadcast_one_to_all)."""
-
-  SIZE = 1 << 16
-
-  def __init__(self):
-    import jax
-    self.many = jax.process_count() > 1
-    self.main = jax.process_index() == 0
-
-  def send(self, value) -> object:
-    if not self.many:
-      return value
-    import numpy as np
-    from jax.experimental import multihost_utils
-    buffer = np.zeros(self.SIZE, np.uint8)
-    if self.main:
-      data = json.dumps(value).encode()
-      if len(data) > self.SIZE:
-        raise UserError(f"a trial's overrides take {len(data)} bytes, more than {self.SIZE}")
-      buffer[:len(data)] = np.frombuffer(data, np.uint8)
-    got = np.asarray(multihost_utils.broadcast_one_to_all(buffer)).astype(np.uint8)
-    return json.loads(bytes(got).rstrip(b"\0").decode())
-
-
 # ------------------------------------------------------------------ one trial
 
 
@@ -502,8 +476,8 @@ class _Reporter:
   """on_eval for a trial's training: reports --sweep_metric at each evaluation, asks the pruner
   (process 0), and stops every process of the job alike."""
 
-  def __init__(self, trial, metric: str, channel: _Channel, reported=()):
-    self.trial, self.metric, self.channel = trial, metric, channel
+  def __init__(self, trial, metric: str, reported=()):
+    self.trial, self.metric = trial, metric
     self.reported = set(reported)  # steps a lost attempt reported (inherited): not again
     self.pruned = None  # (step, why)
     self.pruned_metrics = {}  # the evaluation that pruned it
@@ -525,7 +499,7 @@ class _Reporter:
           why = f"pruned at step {step}: {self.metric} {value:.4g} ({pruner})"
       except store.DatabaseLost:
         self.lost, why = True, LOST
-    why = self.channel.send(why)
+    why = multihost.broadcast(why)
     if why and not self.lost:
       self.pruned = (step, why)
     return why
@@ -609,7 +583,7 @@ def _test_best(directory: str, overrides: dict, config, records: list, p: Plan) 
   return {"test": {"split": split, "step": step, "selected_by": metric, "metrics": metrics}}
 
 
-def _objective(p: Plan, workdir: str, train_fn, channel: _Channel, study_name: str, state: dict,
+def _objective(p: Plan, workdir: str, train_fn, study_name: str, state: dict,
                parent: str = ""):
   import optuna
   space = p.experiment.space or {}
@@ -650,8 +624,8 @@ def _objective(p: Plan, workdir: str, train_fn, channel: _Channel, study_name: s
         return _fail(trial, name, str(e))
     progress_line(f"{name} started{retry}: {overrides}")
     identity = _identity(study_name, trial.number, root, overrides)
-    channel.send(identity)
-    reporter = _Reporter(trial, p.options.metric, channel, frozen.intermediate_values)
+    multihost.broadcast(identity, "a trial's overrides")
+    reporter = _Reporter(trial, p.options.metric, frozen.intermediate_values)
     start = time.time()
     try:
       final = _train(train_fn, config, directory, reporter, identity)
@@ -722,10 +696,9 @@ def work(p: Plan, workdir: str, study, st: store.Storage, train_fn,
          parent: str = "") -> Optional[str]:
   """Takes trials until none is left to take; returns the signal that stopped it, if any.
   parent: the study's MLflow parent run (study_parent)."""
-  channel = _Channel()
   state = {}
   try:
-    return _work(p, workdir, study, st, train_fn, parent, channel, state)
+    return _work(p, workdir, study, st, train_fn, parent, state)
   except BaseException:
     outage = getattr(study._storage, "outage", None)
     if outage is None or not outage.lost:
@@ -734,7 +707,7 @@ def work(p: Plan, workdir: str, study, st: store.Storage, train_fn,
     # is gone): the trial is still RUNNING there, and comes back by its heartbeat.
     raise _lost(outage, state.get("ran")) from None
   finally:
-    channel.send(None)  # the other processes of the job stop
+    multihost.broadcast(None)  # the other processes of the job stop
 
 
 def _lost(outage, ran: Optional[dict]) -> UserError:
@@ -752,10 +725,10 @@ def _lost(outage, ran: Optional[dict]) -> UserError:
                    "database answers")
 
 
-def _work(p: Plan, workdir: str, study, st: store.Storage, train_fn, parent: str, channel,
+def _work(p: Plan, workdir: str, study, st: store.Storage, train_fn, parent: str,
           state: dict) -> Optional[str]:
   import optuna
-  objective = _objective(p, workdir, train_fn, channel, study.study_name, state, parent)
+  objective = _objective(p, workdir, train_fn, study.study_name, state, parent)
   callbacks = [_record(p, study.study_name, parent, state)]
   waiting_said = False
   with signals_lib.Signals() as signals:
@@ -786,9 +759,8 @@ def _work(p: Plan, workdir: str, study, st: store.Storage, train_fn, parent: str
 
 def follow(workdir: str, p: Plan, train_fn) -> None:
   """Processes 1.. of a job of several: train what process 0 sends, until it sends None."""
-  channel = _Channel()
   while True:
-    identity = channel.send(None)
+    identity = multihost.broadcast(None)
     if identity is None:
       return
     config = space_lib.trial_config(p.experiment.path, {**identity["overrides"], **p.left_out},
@@ -797,7 +769,7 @@ def follow(workdir: str, p: Plan, train_fn) -> None:
     with contextlib.redirect_stdout(io.StringIO()):
       os.environ[TRIAL_ENV] = json.dumps(identity)
       try:
-        train_fn(config, directory, on_eval=_Reporter(None, p.options.metric, channel))
+        train_fn(config, directory, on_eval=_Reporter(None, p.options.metric))
       finally:
         os.environ.pop(TRIAL_ENV, None)
     progress_line(f"{identity['directory']}: trained with process 0")

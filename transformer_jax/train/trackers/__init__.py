@@ -68,14 +68,10 @@ def claim_run_id(workdir: str) -> str:
 def shared_run_id(workdir: str) -> str:
   """claim_run_id's id on process 0, sent to every process of the job (all must call this)."""
   import jax
-  import numpy as np
-  from jax.experimental import multihost_utils
-  if jax.process_count() == 1:
-    return claim_run_id(workdir)
-  chosen = claim_run_id(workdir) if jax.process_index() == 0 else ""
-  data = np.frombuffer(chosen.encode().ljust(64, b"\0"), np.uint8)
-  shared = multihost_utils.broadcast_one_to_all(data)
-  return bytes(np.asarray(shared, np.uint8)).rstrip(b"\0").decode()
+
+  from transformer_jax.core import multihost
+  return multihost.broadcast(claim_run_id(workdir) if jax.process_index() == 0 else "",
+                             "a tracker's run id", size=64)
 
 
 def flat_config(config) -> dict:
