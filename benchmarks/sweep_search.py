@@ -5,6 +5,11 @@
   --what=pruners   ASHA against no pruning, the same random trials (same sampler seed): train
                    steps trained in all, the best final loss, and whether the best trial of the
                    unpruned sweep also finished under ASHA
+  --what=parallel  TPE against random as a user runs them: `launch.py --sweep` with
+                   --sweep_parallel=--workers worker processes on the journal file, --budget
+                   trials; per sweep seed, the wall time from the sweep's start until a finished
+                   trial reached the worse of the two samplers' best values (a value both
+                   reach), and how many drawn trials were distinct
   --what=overhead  the storage's cost per trial (ask, 10 reports and pruner questions, tell,
                    with heartbeats), on the journal file and on PostgreSQL (--storage=URL)
 
@@ -99,9 +104,43 @@ def overhead(url, trials=50, reports=10):
   return results
 
 
+def launched(directory, sampler, seed, budget, workers):
+  """One sweep as a user runs it (subprocess workers); its finished trials' values and times."""
+  import subprocess
+
+  import optuna
+  optuna.logging.set_verbosity(optuna.logging.ERROR)
+  path = os.path.join(directory, "space.py")
+  with open(path, "w", encoding="utf-8") as f:
+    f.write(EXPERIMENT)
+  workdir = os.path.join(directory, f"parallel-{sampler}-{seed}")
+  flags = [f"--config.{k}={v}" for k, v in {**BASE, "train.eval_every": 0}.items()]
+  start = time.time()
+  subprocess.run([sys.executable, "launch.py", f"--config={path}", f"--workdir={workdir}",
+                  "--sweep", f"--sweep_sampler={sampler}", f"--sweep_seed={seed}",
+                  f"--sweep_budget={budget}", f"--sweep_parallel={workers}", *flags],
+                 cwd=ROOT, check=True, capture_output=True)
+  wall = time.time() - start
+  from transformer_jax.tools.sweep import results
+  study = results.open_study(workdir, None)
+  done = sorted((t for t in study.get_trials() if t.state.name == "COMPLETE"
+                 and t.value is not None), key=lambda t: t.datetime_complete)
+  drawn = [tuple(sorted(t.params.items())) for t in study.get_trials() if t.params]
+  return {"sampler": sampler, "seed": seed, "wall_s": round(wall, 1), "finished": len(done),
+          "distinct": f"{len(set(drawn))}/{len(drawn)}",
+          "curve": [(t.datetime_complete.timestamp() - start, t.value) for t in done]}
+
+
+def time_to(curve, target):
+  """Seconds from the sweep's start until a finished trial's value was <= target."""
+  return next((round(seconds, 1) for seconds, value in curve if value <= target), None)
+
+
 def main():
   parser = argparse.ArgumentParser()
-  parser.add_argument("--what", choices=("samplers", "pruners", "overhead"), required=True)
+  parser.add_argument("--what", choices=("samplers", "pruners", "parallel", "overhead"),
+                      required=True)
+  parser.add_argument("--workers", type=int, default=3, help="for --what=parallel")
   parser.add_argument("--budget", type=int, default=10)
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--seed", type=int, default=None, help="run this sweep seed alone")
@@ -112,7 +151,19 @@ def main():
     return
   runs = []
   with tempfile.TemporaryDirectory() as directory:
-    if args.what == "samplers":
+    if args.what == "parallel":
+      seeds = range(args.repeats) if args.seed is None else [args.seed]
+      for seed in seeds:
+        pair = {s: launched(directory, s, seed, args.budget, args.workers)
+                for s in ("tpe", "random")}
+        target = max(min(v for _, v in r["curve"]) for r in pair.values())
+        for r in pair.values():
+          print(json.dumps({k: v for k, v in r.items() if k != "curve"}
+                           | {"best_loss": min(v for _, v in r["curve"])}), flush=True)
+        print(f"seed {seed}: to loss {target:.4f}: tpe {time_to(pair['tpe']['curve'], target)} s,"
+              f" random {time_to(pair['random']['curve'], target)} s (whole sweeps: tpe "
+              f"{pair['tpe']['wall_s']} s, random {pair['random']['wall_s']} s)", flush=True)
+    elif args.what == "samplers":
       seeds = range(args.repeats) if args.seed is None else [args.seed]
       for seed in seeds:
         for sampler in ("tpe", "random"):
