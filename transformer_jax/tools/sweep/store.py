@@ -266,6 +266,7 @@ def ride_out(rdb, url: str, seconds: float):
   takes it as it is (optuna.storages.get_storage passes a BaseStorage through), with its
   heartbeats, as its own _CachedStorage would be. Why by hand: Optuna retries nothing (a call
   that fails mid-trial ends optimize() with a traceback), and its storages have no hook."""
+  import optuna
   from optuna.storages import BaseStorage
   from optuna.storages._cached_storage import _CachedStorage
   from optuna.storages._heartbeat import BaseHeartbeat
@@ -281,6 +282,22 @@ def ride_out(rdb, url: str, seconds: float):
            if not n.startswith("__") and callable(getattr(base, n))}
   names.add("_get_stale_trial_ids")
   namespace = {n: waiting(n) for n in names}
+
+  def set_trial_state_values(self, trial_id, state, values=None):
+    tries = []
+
+    def attempt():
+      tries.append(1)
+      try:
+        return inner.set_trial_state_values(trial_id, state, values)
+      except optuna.exceptions.UpdateFinishedTrialError:
+        # A try that was cut after the database committed it: the trial ended as asked.
+        if len(tries) > 1 and inner.get_trial(trial_id).state == state:
+          return True
+        raise
+    return outage.call(attempt)
+
+  namespace["set_trial_state_values"] = set_trial_state_values
   namespace["record_heartbeat"] = lambda self, trial_id: outage.heartbeat(
       inner.record_heartbeat, trial_id)
   namespace["__getattr__"] = lambda self, name: getattr(inner, name)
