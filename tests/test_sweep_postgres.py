@@ -345,24 +345,28 @@ def test_workers_ride_out_the_database_stopped_mid_trial(tmp_path, db):
   workdir = tmp_path / "sweep"
   slow = ["--config.train.steps=30", "--config.train.checkpoint_every=10",
           "--config.train.eval_every=5", "--config.eval.max_examples=8",
-          "--sweep_heartbeat_s=4"]  # lost after 12 s without heartbeats: longer than the stop
-  workers = [_worker(experiment, workdir, db.url, *slow) for _ in range(2)]
+          "--sweep_heartbeat_s=2"]  # lost after 6 s without heartbeats: shorter than the stop
+  # Two train a trial each; the third waits, judging the running trials' heartbeats.
+  workers = [_worker(experiment, workdir, db.url, *slow) for _ in range(3)]
   checkpoints = workdir / "trial_0000" / "checkpoints"
   deadline = time.time() + 300
   while not (checkpoints / "10").exists() and time.time() < deadline:
     time.sleep(0.05)
   postgres.pg_ctl(db, "stop", "-m", "fast")  # connections cut, nothing answers
-  time.sleep(6)  # training reaches its next evaluations, heartbeats and polls fail
+  time.sleep(10)  # training reaches its next evaluations, heartbeats and polls fail
   postgres.pg_ctl(db, "start")
   outputs = [w.communicate(timeout=600)[0] for w in workers]
-  assert [w.returncode for w in workers] == [0, 0], outputs
+  assert [w.returncode for w in workers] == [0, 0, 0], outputs
   said = "\n".join(outputs)
   assert "Traceback" not in said, said
   assert said.count("is unreachable") >= 1 and said.count("is back after") >= 1, said
   for out in outputs:  # one line each way, per worker that saw it
     assert out.count("is unreachable") == out.count("is back after") <= 1, out
   study = _study(db.url, workdir)
-  assert [t.state.name for t in study.get_trials()] == ["COMPLETE", "COMPLETE"]
+  # Not failed as stale when it came back: no worker's heartbeats reached it meanwhile. (A
+  # worker that asks once the queue is empty records a surplus trial, in no table.)
+  trials = [t for t in study.get_trials() if not t.user_attrs.get("sweep_surplus")]
+  assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE"], said
   with open(workdir / "trial_0000" / "metrics.jsonl", encoding="utf-8") as f:
     steps = [r["step"] for r in map(json.loads, f) if r["split"] == "eval"]
   assert steps == sorted(set(steps)) and steps[-1] == 30, steps  # trained once, to the end
@@ -371,7 +375,7 @@ def test_workers_ride_out_the_database_stopped_mid_trial(tmp_path, db):
 def test_past_the_outage_bound_a_worker_stops_in_one_line_naming_the_checkpoint(
     tmp_path, db, capfd):
   st = store.open_storage(db.url, str(tmp_path), 60, 0)
-  patient = store.ride_out(st.storage, st.url, 2)
+  patient = store.ride_out(st.storage, st.url, 2, grace_s=180)
   optuna.create_study(study_name="outage", storage=patient)
   directory = tmp_path / "trial_0003"
   (directory / "checkpoints" / "20").mkdir(parents=True)

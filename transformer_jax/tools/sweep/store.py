@@ -202,6 +202,7 @@ class Outage:
   def __init__(self, url: str, seconds: float):
     self.url, self.seconds = url, float(seconds)
     self.since: Optional[float] = None  # the current outage's first failure
+    self.ended = float("-inf")  # when the last one ended
     self.lost = False  # past the bound: this worker stops
     self._lock = threading.Lock()
 
@@ -222,7 +223,7 @@ class Outage:
       if self.since is not None:
         print(f"the study's database is back after {time.time() - self.since:.0f} s; the "
               "sweep goes on", file=sys.stderr, flush=True)
-        self.since = None
+        self.since, self.ended = None, time.time()
 
   def call(self, fn, *args, **kwargs):
     delay = self.FIRST_DELAY_S
@@ -261,10 +262,12 @@ class Outage:
     self._answered()
 
 
-def ride_out(rdb, url: str, seconds: float):
+def ride_out(rdb, url: str, seconds: float, grace_s: float):
   """`rdb` (an RDBStorage) as a storage whose every call waits out an outage (Outage); Optuna
   takes it as it is (optuna.storages.get_storage passes a BaseStorage through), with its
-  heartbeats, as its own _CachedStorage would be. Why by hand: Optuna retries nothing (a call
+  heartbeats, as its own _CachedStorage would be. For `grace_s` (the heartbeats' grace period)
+  after an outage no trial is judged stale: no worker's heartbeats reached the database, and
+  the trials of the workers that rode it out are alive. Why by hand: Optuna retries nothing (a call
   that fails mid-trial ends optimize() with a traceback), and its storages have no hook."""
   import optuna
   from optuna.storages import BaseStorage
@@ -298,6 +301,13 @@ def ride_out(rdb, url: str, seconds: float):
     return outage.call(attempt)
 
   namespace["set_trial_state_values"] = set_trial_state_values
+
+  def _get_stale_trial_ids(self, study_id):
+    if outage.since is not None or time.time() - outage.ended < grace_s:
+      return []
+    return outage.call(inner._get_stale_trial_ids, study_id)
+
+  namespace["_get_stale_trial_ids"] = _get_stale_trial_ids
   namespace["record_heartbeat"] = lambda self, trial_id: outage.heartbeat(
       inner.record_heartbeat, trial_id)
   namespace["__getattr__"] = lambda self, name: getattr(inner, name)

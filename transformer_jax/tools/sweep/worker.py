@@ -867,7 +867,8 @@ def run_sweep(config_path: str, workdir: str, base_overrides: dict, train_fn: Tr
     checkpoint.create_workdir(workdir)
   st = store.open_storage(options.storage, workdir, options.heartbeat_s, options.retries)
   if st.heartbeats:  # a database server, which can go away for a while mid-sweep
-    st = st._replace(storage=store.ride_out(st.storage, st.url, options.outage_s))
+    st = st._replace(storage=store.ride_out(st.storage, st.url, options.outage_s,
+                                                 grace_s=3 * options.heartbeat_s))
   try:
     _sweep(p, workdir, st, train_fn, options, argv, out)
   except store.DatabaseLost:  # between trials: no trial of this worker's is left behind
