@@ -12,7 +12,11 @@ training run in this process (train_fn, run.train_and_evaluate), whose every eva
   file, one machine) mark it failed, and a copy is enqueued (up to --sweep_retries times) that
   trains in the same trial directory, resuming from its latest checkpoint;
 - its worker gets SIGTERM/SIGINT: training saves its step, the trial is handed back (failed, with
-  a copy enqueued as for a lost worker) and the worker exits with code 0.
+  a copy enqueued as for a lost worker) and the worker exits with code 0;
+- its database goes away: every call of the worker waits for it (store.ride_out), up to
+  Options.outage_s, while training goes on until its next evaluation's report; past the bound
+  training saves its step and the worker stops in one line naming that checkpoint, the trial
+  left running in the study until its heartbeat lapses and a worker takes it up again.
 Each trial runs through study.optimize(n_trials=1): in Optuna 5.0 that is where heartbeats live
 (its _run_trial fails stale trials, then records the trial's heartbeat from a thread while the
 objective runs; ask/tell has none), and only RDBStorage implements them (BaseHeartbeat).
@@ -442,9 +446,6 @@ def progress_line(text: str) -> None:
   print(text, file=sys.__stdout__, flush=True)
 
 
-# ------------------------------------------------------------------ several processes
-
-
 # ------------------------------------------------------------------ one trial
 
 
@@ -700,7 +701,7 @@ def work(p: Plan, workdir: str, study, st: store.Storage, train_fn,
   try:
     return _work(p, workdir, study, st, train_fn, parent, state)
   except BaseException:
-    outage = getattr(study._storage, "outage", None)
+    outage = getattr(st.storage, "outage", None)
     if outage is None or not outage.lost:
       raise
     # Whatever Optuna raised on its way out (it records the trial's end in the database that
