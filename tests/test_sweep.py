@@ -377,3 +377,18 @@ def test_a_study_of_another_sweep_is_refused_without_a_line_in_the_journal(tmp_p
   with pytest.raises(UserError, match="belongs to another sweep"):
     worker.join_study(other, str(workdir), st)
   assert (workdir / store.JOURNAL).read_bytes() == journal
+
+
+def test_a_resumed_trial_does_not_report_again_what_its_lost_attempt_reported():
+  import warnings
+
+  import optuna
+  optuna.logging.set_verbosity(optuna.logging.ERROR)
+  trial = optuna.create_study().ask()
+  trial.report(1.5, 10)  # the lost attempt's evaluation, inherited by its retry
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    worker._Reporter(trial, "loss", reported={10: 1.5})(10, {"loss": 1.5})
+    assert not [w for w in caught if "already reported" in str(w.message)]
+    worker._Reporter(trial, "loss")(10, {"loss": 1.5})  # what it did before: Optuna warned
+    assert [w for w in caught if "already reported" in str(w.message)]

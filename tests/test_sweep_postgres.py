@@ -164,6 +164,7 @@ def test_a_killed_workers_trial_is_requeued_and_resumes_from_its_checkpoint(tmp_
   out = second.communicate(timeout=600)[0]
   assert second.returncode == 0, out
   assert "trial_0000 started (again, after trial 0)" in out, out
+  assert "already reported" not in out, out  # the lost attempt's evaluations: not again
   study = _study(db.url, killed_dir)
   lost, again = study.get_trials()
   assert lost.state == optuna.trial.TrialState.FAIL and "sweep_error" not in lost.user_attrs
