@@ -121,11 +121,14 @@ _SWEEP_SEED = flags.DEFINE_integer(
 _SWEEP_HEARTBEAT_S = flags.DEFINE_integer(
     "sweep_heartbeat_s", 60, "With --sweep_storage: seconds between a worker's heartbeats; a "
     "trial silent for 3 of them is lost and goes back to the queue.")
+_SWEEP_OUTAGE_S = flags.DEFINE_float(
+    "sweep_outage_s", 300.0, "With --sweep_storage: seconds a worker rides out a database that "
+    "stops answering mid-sweep before it stops, naming its trial's checkpoint.")
 _SWEEP_RETRIES = flags.DEFINE_integer("sweep_retries", 3, "Times a trial whose worker was lost "
                                       "(or preempted) is taken up again.")
 _SWEEP_FLAGS = (_SWEEP, _SWEEP_PARALLEL, _SWEEP_SEEDS, _SWEEP_TRIALS, _SWEEP_TEST_BEST,
                 _SWEEP_DRY_RUN, _SWEEP_METRIC, _SWEEP_SAMPLER, _SWEEP_PRUNER, _SWEEP_BUDGET,
-                _SWEEP_STORAGE, _SWEEP_SEED, _SWEEP_HEARTBEAT_S, _SWEEP_RETRIES)
+                _SWEEP_STORAGE, _SWEEP_SEED, _SWEEP_HEARTBEAT_S, _SWEEP_OUTAGE_S, _SWEEP_RETRIES)
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "Multi-process runs: host:port of "
                                    "process 0 (auto-detected on Cloud TPU and SLURM).")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Multi-process runs: process count.")
@@ -369,6 +372,7 @@ FLAG_USES = {
     "sweep_storage": (("train",) + SWEEP_READING_MODES, SWEEPS),
     "sweep_seed": (("train",), SWEEPS),
     "sweep_heartbeat_s": (("train",), SWEEPS),
+    "sweep_outage_s": (("train",), SWEEPS),
     "sweep_retries": (("train",), SWEEPS),
     "coordinator_address": (WORKDIR_MODES, ()),
     "num_processes": (WORKDIR_MODES, ()),
@@ -578,7 +582,8 @@ def run(argv) -> None:
         metric=_SWEEP_METRIC.value, sampler=_SWEEP_SAMPLER.value, pruner=_SWEEP_PRUNER.value,
         budget=_SWEEP_BUDGET.value, storage=store.given(_SWEEP_STORAGE.value),
         seed=_SWEEP_SEED.value,
-        heartbeat_s=_SWEEP_HEARTBEAT_S.value, retries=_SWEEP_RETRIES.value,
+        heartbeat_s=_SWEEP_HEARTBEAT_S.value, outage_s=_SWEEP_OUTAGE_S.value,
+        retries=_SWEEP_RETRIES.value,
         parallel=_SWEEP_PARALLEL.value, seeds=_SWEEP_SEEDS.value, only=_sweep_trials(),
         test_best=_SWEEP_TEST_BEST.value, dry_run=_SWEEP_DRY_RUN.value)
     if not _SWEEP_DRY_RUN.value:  # a job of several processes is one worker
