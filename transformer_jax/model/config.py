@@ -41,6 +41,8 @@ CHOICES = {
   # its first token (BERT's [CLS]).
   "pooling": ("mean", "first"),
     "remat": ("none", "full", "dots"),
+    # the generator of dropout's random bits (attention.GENERATORS says what each one means)
+    "dropout_rng": ("threefry", "rbg"),
     # length_head: each source token's share of the output length, from z = w . h_i + b.
     # softplus: softplus(z), shares that add up as the parts of the source do. exp: exp(z), so
     # that what the context adds to z multiplies the share (a count such as "three times"
@@ -140,6 +142,7 @@ class ModelConfig:
   layer_norm_eps: float = 1e-6  # epsilon of LayerNorm / RMSNorm
   dtype: str = "float32"  # compute dtype; parameters stay float32
   remat: str = "none"  # recompute layer activations in the backward pass: none | full | dots
+  dropout_rng: str = "threefry"  # dropout's random bits: threefry (exact default) | rbg
   num_labels: int = 0  # encoder_only: > 0 adds a sequence-classification head of that many classes
   pooling: str = "mean"  # the classification head's summary of a row (see CHOICES)
   deterministic: bool = False  # True disables dropout (evaluation, decoding)

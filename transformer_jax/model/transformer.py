@@ -77,7 +77,7 @@ def _embed_tokens(cfg: ModelConfig, embed: nn.Embed, positions_module: AddPositi
   if cfg.embed_norm:
     x = norm_layer(cfg, "embed_norm")(x)
   x = constrain(x, "batch", "length", "embed")
-  return attention.Dropout(rate=cfg.dropout_rate)(x, deterministic)
+  return attention.Dropout(rate=cfg.dropout_rate, generator=cfg.dropout_rng)(x, deterministic)
 
 
 def _default_positions(tokens: Array) -> Array:
