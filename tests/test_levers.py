@@ -3,8 +3,12 @@ whose numerics equal the default's, or whose difference is stated and tested her
 
 model.dropout_rng=rbg: dropout's bits from XLA's RngBitGenerator instead of threefry (other
 masks from the same key, the same rate and scale, the same mask on any mesh).
+model.remat=dots_all|qkv_out (beside none|full|dots): what each policy keeps for the backward
+pass, read from JAX's own list of saved residuals, and the same loss and gradients as none.
 """
 
+import contextlib
+import io
 import subprocess
 import sys
 import textwrap
@@ -19,7 +23,8 @@ from transformer_jax import config as config_lib
 from transformer_jax.core import compilation
 from transformer_jax.core.errors import UserError
 from transformer_jax.experiments import tiny
-from transformer_jax.model import attention
+from transformer_jax.model import attention, make_model
+from transformer_jax.model.transformer import REMAT_POLICIES
 from transformer_jax.tools import benchmark
 from transformer_jax.train import sharding
 from transformer_jax.train import state as state_lib
@@ -133,3 +138,66 @@ def test_the_rbg_train_step_compiles_once_for_any_seed_and_rate():
   assert np.isfinite(first) and first != second
   assert _step_once(config("threefry", 0.1, 0))[0] != first
   assert _step_once(config("threefry", 0.0, 0))[0] == _step_once(config("rbg", 0.0, 0))[0]
+
+
+D_FF = 96  # a width no other array of the tiny remat model has
+
+
+def remat_model(remat: str):
+  c = tiny.get_config()
+  c.model.update(d_model=32, d_ff=D_FF, num_heads=4, remat=remat, dropout_rate=0.1,
+                 attention_dropout_rate=0.1)
+  model = make_model(config_lib.validate(c))
+  batch = benchmark.synthetic_batch(model.config, 4, 8, 8)
+  params = model.init({"params": jax.random.PRNGKey(0), "dropout": jax.random.PRNGKey(0)},
+                      batch["inputs"], batch["targets"])["params"]
+
+  def loss(p):
+    return step_lib._loss_and_metrics(p, model, batch, jax.random.PRNGKey(1), 0.1, 100.0)[0]
+
+  return loss, params
+
+
+def saved_activations(remat: str) -> list:
+  """JAX's list of what the backward pass keeps (jax.ad_checkpoint.print_saved_residuals),
+  parameters and constants left out: one line per array, e.g. "f32[4,8,96] output of ..."."""
+  loss, params = remat_model(remat)
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    jax.ad_checkpoint.print_saved_residuals(loss, params)
+  return [line for line in out.getvalue().splitlines()
+          if "from the argument" not in line and "from a " not in line]
+
+
+def test_every_remat_policy_keeps_what_it_says():
+  """none keeps the FFN's hidden layer and the attention weights; full neither; dots the hidden
+  layer (a weight product's output) but not the weights; dots_all the attention's batched
+  products as well; qkv_out the named queries, keys, values and block outputs, neither the
+  hidden layer nor the weights."""
+  hidden = f",{D_FF}]"
+  weights = "[4,4,8,8]"  # [batch, heads, queries, keys]
+
+  def count(lines, text):
+    return sum(text in line for line in lines)
+
+  kept = {remat: saved_activations(remat) for remat in ("none", *REMAT_POLICIES)}
+  assert count(kept["none"], hidden) and count(kept["none"], weights)
+  assert not count(kept["full"], hidden) and not count(kept["full"], weights)
+  assert count(kept["dots"], hidden) and not count(kept["dots"], weights)
+  assert count(kept["dots_all"], weights)
+  assert not count(kept["qkv_out"], hidden) and not count(kept["qkv_out"], weights)
+  assert count(kept["qkv_out"], "named 'qkv'") == 3 * 3  # 3 attentions of 3 arrays each
+  assert len(kept["full"]) < len(kept["qkv_out"]) < len(kept["none"])
+
+
+@pytest.mark.parametrize("remat", sorted(REMAT_POLICIES))
+def test_every_remat_policy_gives_the_loss_and_gradients_of_none(remat):
+  """Recomputing draws the same dropout masks: the same loss and gradients, up to the order
+  XLA sums in."""
+  reference_loss, reference_params = remat_model("none")
+  loss, params = remat_model(remat)
+  (a, grads_a), (b, grads_b) = (jax.jit(jax.value_and_grad(reference_loss))(reference_params),
+                                jax.jit(jax.value_and_grad(loss))(params))
+  np.testing.assert_allclose(float(a), float(b), rtol=1e-6)
+  for x, y in zip(jax.tree.leaves(grads_a), jax.tree.leaves(grads_b), strict=True):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)

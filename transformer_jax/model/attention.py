@@ -15,6 +15,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from transformer_jax.model.axes import constrain, param_init
 from transformer_jax.model.config import CHOICES, check_attention_dropout
@@ -471,6 +472,8 @@ class MultiHeadAttention(nn.Module):
       else:
         key, value = project_kv(inputs_kv)
 
+    # Names for model.remat's policies (transformer.REMAT_POLICIES); no effect elsewhere.
+    query, key, value = (checkpoint_name(t, "qkv") for t in (query, key, value))
     if self.rotary_base and self_attention:
       query = apply_rotary(query, positions, self.rotary_base)
       key = apply_rotary(key, positions, self.rotary_base)
@@ -495,11 +498,12 @@ class MultiHeadAttention(nn.Module):
                                 dropout_generator=self.dropout_generator,
                                 deterministic=deterministic, implementation=self.implementation,
                                 geometric_distances=geometric)
+    out = checkpoint_name(out, "context")
     out = nn.DenseGeneral(features=self.d_model, axis=(-2, -1), use_bias=self.out_bias,
                           dtype=self.dtype,
                           kernel_init=param_init(self.kernel_init, "heads", "kv", "embed"),
                           bias_init=param_init(bias_init, "embed"), name="out")(heads(out))
-    out = constrain(out, "batch", "length", "embed")
+    out = checkpoint_name(constrain(out, "batch", "length", "embed"), "attention_out")
     return Dropout(rate=self.output_dropout_rate, generator=self.dropout_generator)(
         out, deterministic)
 

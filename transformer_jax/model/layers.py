@@ -7,6 +7,7 @@ from typing import Callable, Optional, Sequence
 
 import flax.linen as nn
 import jax
+from jax.ad_checkpoint import checkpoint_name
 
 from transformer_jax.model.attention import Dropout, MultiHeadAttention
 from transformer_jax.model.axes import constrain, param_init
@@ -59,6 +60,7 @@ class FeedForward(nn.Module):
       h = h * dense(cfg.d_ff, ("embed", "mlp"), "wi")(x)
     h = constrain(h, "batch", "length", "mlp")
     h = constrain(dense(cfg.d_model, ("mlp", "embed"), "wo")(h), "batch", "length", "embed")
+    h = checkpoint_name(h, "mlp_out")  # for model.remat's policies (transformer.REMAT_POLICIES)
     return Dropout(rate=cfg.dropout_rate, generator=cfg.dropout_rng)(h, deterministic)
 
 
