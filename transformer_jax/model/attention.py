@@ -150,7 +150,11 @@ def dropout(x: Array, rate, rng: Array, generator: str = "threefry") -> Array:
   same masks and scales as its float rate gives). `generator`: where the bits come from
   (GENERATORS; model.dropout_rng): with "rbg" the same thresholds and scales, other masks.
   """
-  bits_of = functools.partial(random_bits, generator=generator)
+  with jax.named_scope("dropout"):  # tools/profile.py's kernel categories read these names
+    return _dropout(x, rate, functools.partial(random_bits, generator=generator), rng)
+
+
+def _dropout(x: Array, rate, bits_of: Callable, rng: Array) -> Array:
   bits = 8 if x.dtype == jnp.bfloat16 else 16
   if isinstance(rate, DropoutRate):
     keep_count, scale = rate.keep[str(bits)]
@@ -207,7 +211,8 @@ def dot_product_attention_weights(query: Array, key: Array, mask: Optional[Array
   Returns:
     float32 `[batch, heads, q_len, kv_len]`; masked positions get exactly zero weight.
   """
-  return jax.nn.softmax(_attention_logits(query, key, mask, bias), axis=-1)
+  with jax.named_scope("softmax"):  # tools/profile.py's kernel categories read these names
+    return jax.nn.softmax(_attention_logits(query, key, mask, bias), axis=-1)
 
 
 def _attention_logits(query: Array, key: Array, mask: Optional[Array],
@@ -284,7 +289,8 @@ def softmax_to_bfloat16(logits: Array) -> Array:
   the bfloat16 probabilities are kept instead, half the bytes. The gradient of the logits then
   uses p rounded to bfloat16 (relative error 2^-9) where it used float32 p.
   """
-  return jax.nn.softmax(logits, axis=-1).astype(jnp.bfloat16)
+  with jax.named_scope("softmax"):
+    return jax.nn.softmax(logits, axis=-1).astype(jnp.bfloat16)
 
 
 def _softmax_to_bfloat16_fwd(logits):
