@@ -91,3 +91,20 @@ def test_gpu_kernels_fall_in_their_categories(line, expected):
   text = f"ENTRY %main {{\n  {line}\n}}\n"
   name = line.split(" = ")[0].lstrip("%")
   assert profile.category(profile.kernels(text)[name]) == expected
+
+
+def test_the_benchmark_profiles_two_more_steps_by_category(tmp_path):
+  """benchmark.profile: the timed step's program traced for two more steps; the result holds
+  each category's share, which with the idle gaps add up to the whole."""
+  from transformer_jax.tools import benchmark
+  config = tiny.get_config()
+  config.model.update(dropout_rate=0.1)
+  config.benchmark.update(batch_size=8, steps=2, warmup=1, decode_steps=0,
+                          profile=str(tmp_path / "trace"))
+  shares = benchmark.run_benchmark(config)["profile"]
+  assert abs(sum(shares.values()) - 1.0) < 1e-9
+  assert shares["matrix products"] > 0 and shares["dropout"] > 0
+  assert list(shares)[-1] == profile.IDLE
+  trace = profile.find_trace(str(tmp_path / "trace"))
+  assert list((tmp_path / "trace").glob(f"**/{profile.PROGRAM_FILE}"))
+  assert profile.op_times(trace, "train_step")

@@ -212,6 +212,9 @@ def default_config() -> ml_collections.ConfigDict:
   c.benchmark.torch = False  # also time torch.nn.Transformer (needs the [torch] extra)
   c.benchmark.torch_autocast = False  # torch side: bf16 autocast (float32 parameters)
   c.benchmark.torch_compile = ""  # torch side: a torch.compile backend (e.g. inductor); "" = eager
+  # A directory: trace 2 more train steps after the timed ones into it and add each kernel
+  # category's share of them (tools/profile.py) to the result; "" = no trace.
+  c.benchmark.profile = ""
   c.benchmark.input = False  # time the input path alone (data.*), not the train step
   c.benchmark.input_steps = 200  # batches timed after the first one (benchmark.input)
   c.benchmark.input_raw = True  # benchmark.input: also time a first start from raw text

@@ -126,6 +126,8 @@ def benchmark_train(config, model_config: ModelConfig, references=None) -> dict:
   }
   for name in references or {}:
     result[f"{name}_step_ms"] = medians[name] * 1e3
+  if b.profile:
+    result["profile"] = profile_steps(run, compiled.as_text(), b.profile)
   if analysis is not None:
     result["temp_memory_gib"] = analysis.temp_size_in_bytes / 2**30  # activations and scratch
   stats = device.memory_stats() if hasattr(device, "memory_stats") else None
@@ -296,6 +298,23 @@ def benchmark_input(config, model_config: ModelConfig) -> dict:
       "padding": warm["padding"],
   })
   return result
+
+
+def profile_steps(run, hlo_text: str, directory: str, steps: int = 2) -> dict:
+  """A jax.profiler trace of `steps` more steps (`run()` each) into `directory`, with the
+  program's HLO beside it; returns tools/profile.py's share of each kernel category (and of the
+  idle gaps) in the traced time."""
+  from transformer_jax.tools import profile  # reads the trace; only a profiled run needs it
+  jax.profiler.start_trace(directory)
+  for _ in range(steps):
+    run()
+  jax.profiler.stop_trace()
+  trace = profile.find_trace(directory)
+  with open(os.path.join(os.path.dirname(trace), profile.PROGRAM_FILE), "w") as f:
+    f.write(hlo_text)
+  rows = profile.op_times(trace, "train_step")
+  return profile.category_seconds(rows, hlo_text, profile.idle_seconds(trace, "train_step"),
+                                  shares=True)
 
 
 def run_benchmark(config) -> dict:

@@ -185,10 +185,8 @@ def idle_seconds(trace_file: str, module: Optional[str] = None) -> float:
   return idle / 1e9
 
 
-def category_table(rows: list[OpTime], hlo_text: str, idle_s: float) -> str:
-  """Device time by category (CATEGORIES, with the idle gaps), as a share of the kernels' time
-  plus the gaps. On a CPU, where kernels run on several threads at once, the shares are of the
-  summed thread time."""
+def _by_category(rows: list[OpTime], hlo_text: str, idle_s: float) -> tuple:
+  """({category: seconds} with IDLE, {category: kernels}, kernels not found in the HLO)."""
   found = kernels(hlo_text)
   seconds, calls, unknown = {}, {}, 0
   for row in rows:
@@ -200,6 +198,23 @@ def category_table(rows: list[OpTime], hlo_text: str, idle_s: float) -> str:
     seconds[name] = seconds.get(name, 0.0) + row.seconds
     calls[name] = calls.get(name, 0) + 1
   seconds[IDLE] = idle_s
+  return seconds, calls, unknown
+
+
+def category_seconds(rows: list[OpTime], hlo_text: str, idle_s: float,
+                     shares: bool = False) -> dict:
+  """{category: seconds} (CATEGORIES' order, IDLE last), or each one's share of their sum."""
+  seconds = _by_category(rows, hlo_text, idle_s)[0]
+  total = sum(seconds.values()) or 1.0
+  return {name: seconds[name] / total if shares else seconds[name]
+          for name in [c for c, _ in CATEGORIES] + [IDLE] if name in seconds}
+
+
+def category_table(rows: list[OpTime], hlo_text: str, idle_s: float) -> str:
+  """Device time by category (CATEGORIES, with the idle gaps), as a share of the kernels' time
+  plus the gaps. On a CPU, where kernels run on several threads at once, the shares are of the
+  summed thread time."""
+  seconds, calls, unknown = _by_category(rows, hlo_text, idle_s)
   total = sum(seconds.values()) or 1.0
   lines = ["| category | kernels | total ms | share |", "| --- | ---: | ---: | ---: |"]
   for name in [c for c, _ in CATEGORIES] + [IDLE]:
