@@ -94,6 +94,11 @@ def benchmark_train(config, model_config: ModelConfig, references=None) -> dict:
   # XLA's own accounting of the compiled step: every backend reports it, unlike memory_stats().
   analysis = compiled.memory_analysis()
 
+  if not b.steps:  # compile only: the program is in the compilation cache now
+    return {"device": f"{mesh.devices.size} x {jax.devices()[0].device_kind}",
+            "compile_s": compile_s, "setup_s": setup_s, "trace_s": spent["trace_s"],
+            "lower_s": spent["lower_s"], "backend_compile_s": spent["compile_s"],
+            "compile_cache": spent["cache"]}
   holder = {"state": state}
   hparams = step.placed()
 
@@ -336,16 +341,16 @@ def run_benchmark(config) -> dict:
   if b.torch and model_config.arch != "encoder_decoder":
     raise UserError("benchmark.torch times torch.nn.Transformer, an encoder-decoder; set "
                     "model.arch=encoder_decoder or benchmark.torch=False")
-  if b.torch:
+  if b.torch and b.steps:
     from transformer_jax.tools import torch_reference  # imports torch: optional
     references["torch"], torch_params = torch_reference.make_step(
         model_config, config, synthetic_batch(model_config, b.batch_size, b.source_len,
                                               b.target_len))
   result = benchmark_train(config, model_config, references)  # sets torch_step_ms
-  if b.torch:
+  if b.torch and b.steps:
     result["torch_params"] = torch_params
     result["speedup_vs_torch"] = result["torch_step_ms"] / result["step_ms"]
-  if b.decode_steps and model_config.arch != "encoder_only":  # an encoder does not decode
+  if b.decode_steps and b.steps and model_config.arch != "encoder_only":  # encoders do not decode
     params = init_params(model_config, jax.random.PRNGKey(config.seed))
     result.update(benchmark_decode(config, model_config, params))
   return _report(result)
