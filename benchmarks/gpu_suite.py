@@ -53,7 +53,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 PEAK_TFLOPS = 989.0  # H100 SXM dense bf16 (the figure benchmark.PEAK_FLOPS uses)
 PUBLISHED_BLEU = 41.02  # Multi30k test_2016_flickr, lowercased tokenized BLEU (Wu et al., 2021)
 SEQ_LEN = 64  # tokens per row on each side in the train-step cases
-ROWS = {"8k": 128, "16k": 256, "25k": 400, "32k": 512}  # rows x 64 = 8,192 ... 32,768 tokens/side
+ROWS = {"8k": 128, "16k": 256, "25k": 400, "32k": 512, "64k": 1024}  # rows x 64 tokens/side
 DEFAULT_TOKENS = "25k"
 
 # XLA GPU flags tried one at a time on the big train step. Each name was checked against the flag
@@ -85,7 +85,8 @@ class Command:
     flags = [f"--config={self.config}", f"--mode={self.mode}"]
     if self.workdir:
       flags.append(f"--workdir={outdir / self.workdir}")
-    flags += [f"--config.{key}={_flag_value(value)}" for key, value in self.overrides.items()]
+    flags += [f"--config.{key}={_flag_value(value).replace('{outdir}', str(outdir))}"
+              for key, value in self.overrides.items()]
     return [python, "launch.py", *flags]
 
 
@@ -97,6 +98,8 @@ class Case:
   why: str
   commands: list
   describe: dict = dataclasses.field(default_factory=dict)  # shown in the tables
+  lever: bool = False  # a change of the default step, measured against it (`combine`)
+  combine: Optional[str] = None  # the model whose measured levers this case combines
 
 
 def _flag_value(value) -> str:
@@ -112,14 +115,69 @@ def _bench(model: str, tokens: str = DEFAULT_TOKENS, **overrides) -> dict:
   return values
 
 
-def _train_case(name, model, minutes, why, tokens=DEFAULT_TOKENS, xla_flag="", **overrides):
+def _train_case(name, model, minutes, why, tokens=DEFAULT_TOKENS, xla_flag="", lever=False,
+                **overrides):
   env = {"XLA_FLAGS": xla_flag} if xla_flag else {}
   return Case(name, "train", minutes, why,
               [Command("benchmark", f"experiments/{model}.py", _bench(model, tokens, **overrides),
                        env=env, timeout_min=6)],
-              {"model": model, "tokens": tokens, "xla_flags": xla_flag or "-",
-               "attention": overrides.get("model.attention_impl", "plain"),
-               "remat": overrides.get("model.remat", "none")})
+              _describe(model, tokens, xla_flag, overrides), lever=lever)
+
+
+def _describe(model, tokens, xla_flag, overrides) -> dict:
+  return {"model": model, "tokens": tokens, "xla_flags": xla_flag or "-",
+          "attention": overrides.get("model.attention_impl", "plain"),
+          "remat": overrides.get("model.remat", "none"),
+          "dropout bits": overrides.get("model.dropout_rng", "threefry")}
+
+
+def _lever(name, model, why, tokens=DEFAULT_TOKENS, xla_flag="", **overrides):
+  """A lever: one change of `model`'s default step, timed against it in the same window. Its
+  shapes are the default's (or only the batch differs), so XLA's per-fusion autotuning results,
+  kept beside the compilation cache (README: Compile once), serve most of its GEMMs: guessed
+  at 1.8 minutes against the default's 2.5-2.7 (start-up and the program's own compile stay)."""
+  return _train_case(name, model, 1.8, why, tokens, xla_flag, lever=True, **overrides)
+
+
+def combined_case(model: str) -> Case:
+  """The levers of `model` that beat its default in this window, together (built at run time
+  by `combine`); skipped where none did."""
+  return Case(f"{model}_best", "train", 2.0, f"{model}: every lever that beat the default, "
+              "together (chosen from this window's measurements)", [], {}, combine=model)
+
+
+def _tokens_per_s(row) -> Optional[float]:
+  return (row.get("metrics") or {}).get("target_tokens_per_s") if row.get("status") == "ok" \
+      else None
+
+
+def combine(case: Case, cases: list, rows: dict) -> Optional[Case]:
+  """`case` (a combined_case) with the command of its model's winning levers: those whose
+  target tokens/s beat the default's, merged best first (a key a better lever set is kept;
+  the XLA flags of all of them joined); None when no lever beat the default."""
+  default = _tokens_per_s(rows.get(f"{case.combine}_bf16", {}))
+  levers = [(c, _tokens_per_s(rows.get(c.name, {}))) for c in cases
+            if c.lever and c.describe.get("model") == case.combine]
+  winners = sorted([(speed, c) for c, speed in levers if default and speed and speed > default],
+                   key=lambda pair: -pair[0])
+  if not winners:
+    return None
+  overrides, flags = {}, []
+  for _, lever in winners:
+    command = lever.commands[0]
+    for key, value in command.overrides.items():
+      if key not in overrides or overrides[key] == _bench(case.combine).get(key):
+        overrides[key] = value
+    if command.env.get("XLA_FLAGS"):
+      flags.append(command.env["XLA_FLAGS"])
+  env = {"XLA_FLAGS": " ".join(flags)} if flags else {}
+  tokens = next((t for t, rows_ in ROWS.items()
+                 if rows_ == overrides.get("benchmark.batch_size")), DEFAULT_TOKENS)
+  return dataclasses.replace(
+      case, commands=[Command("benchmark", f"experiments/{case.combine}.py", overrides, env=env,
+                              timeout_min=6)],
+      describe=_describe(case.combine, tokens, " ".join(flags), overrides),
+      why=f"{case.why}: {', '.join(c.name for _, c in winners)}")
 
 
 def _torch_case(name, model, minutes, why, tokens=DEFAULT_TOKENS):
@@ -157,11 +215,45 @@ def _multi30k_case(data_dir: str) -> Case:
                timeout_min=5, workdir="runs/multi30k")])
 
 
+# A window: 15 minutes of device time, of which the machine's start and the install take about
+# 3 (the first window, 2026-11-28); the cases that fit in the rest run first.
+WINDOW_MIN = 15.0
+NO_WINNER = "no winner"  # the status of a combination none of whose levers beat the default
+STARTUP_MIN = 3.0
+
+
+def _profiled(model: str) -> dict:
+  """The default case's overrides: two more steps traced into OUTDIR/profiles/MODEL, whose
+  kernel categories land in its result (benchmark.profile): the profile costs no compile."""
+  return {"benchmark.profile": f"{{outdir}}/profiles/{model}"}
+
+
 def plan(multi30k_dir: Optional[str]) -> list:
-  """Every case, most important first."""
+  """Every case, most important first: the default step of both models with their profiles,
+  then the levers of issue 53 against them (big's first: its goal is the higher), each model's
+  winning levers together, and then the rest (PyTorch, the batch sweep, decoding, XLA flags)."""
   cases = [
-      _train_case("base_bf16", "base", 2.7, "the default: Transformer base, bf16, 25k tokens/side"),
-      _train_case("big_bf16", "big", 2.5, "the default: Transformer big, bf16, 25k tokens/side"),
+      _train_case("base_bf16", "base", 2.7, "the default: Transformer base, bf16, 25k tokens/side, "
+                  "profiled", **_profiled("base")),
+      _train_case("big_bf16", "big", 2.5, "the default: Transformer big, bf16, 25k tokens/side, "
+                  "profiled", **_profiled("big")),
+      _lever("big_rbg", "big", "dropout bits from XLA's RngBitGenerator, not threefry",
+             **{"model.dropout_rng": "rbg"}),
+      _lever("big_attn_jax", "big", "jax.nn.dot_product_attention (cuDNN on GPUs; no "
+             "attention dropout)", **{"model.attention_impl": "jax",
+                                      "model.attention_dropout_rate": 0.0}),
+      _lever("big_b64k", "big", "twice the default's tokens per step (the H200 holds them)",
+             tokens="64k"),
+      _lever("big_b64k_qkv_out", "big", "the same, recomputing the FFN's hidden layer and the "
+             "attention weights (remat qkv_out)", tokens="64k", **{"model.remat": "qkv_out"}),
+      _lever("base_rbg", "base", "dropout bits from XLA's RngBitGenerator, not threefry",
+             **{"model.dropout_rng": "rbg"}),
+      _lever("base_attn_jax", "base", "jax.nn.dot_product_attention (cuDNN on GPUs; no "
+             "attention dropout)", **{"model.attention_impl": "jax",
+                                      "model.attention_dropout_rate": 0.0}),
+      _lever("base_b64k", "base", "twice the default's tokens per step", tokens="64k"),
+      combined_case("big"),
+      combined_case("base"),
       _torch_case("base_torch", "base", 3.0,
                   "torch.nn.Transformer, bf16 autocast + torch.compile, timed in the same process"),
       # At 16k: both frameworks' activations of the big model share the one GPU in this case.
@@ -171,25 +263,113 @@ def plan(multi30k_dir: Optional[str]) -> list:
   if multi30k_dir:
     cases.append(_multi30k_case(multi30k_dir))
   cases += [
-      _train_case("base_attn_jax", "base", 2.7, "jax.nn.dot_product_attention (cuDNN on GPUs)",
-                  **{"model.attention_impl": "jax"}),
-      _train_case("big_attn_jax", "big", 2.5, "jax.nn.dot_product_attention (cuDNN on GPUs)",
-                  **{"model.attention_impl": "jax"}),
-      # Remat trades compute for memory: only big, whose memory may matter, is measured.
-      _train_case("big_remat_dots", "big", 2.7, "recompute all but the weight products' outputs",
-                  **{"model.remat": "dots"}),
+      _lever("big_remat_dots", "big", "recompute all but the weight products' outputs",
+             **{"model.remat": "dots"}),
       _train_case("base_b8k", "base", 2.5, "batch sweep", tokens="8k"),
       _train_case("base_b16k", "base", 2.5, "batch sweep", tokens="16k"),
       _train_case("base_b32k", "base", 2.7, "batch sweep", tokens="32k"),
-      # Big only at 32k: the largest batch is where its memory runs out first, if anywhere.
-      _train_case("big_b32k", "big", 2.7, "batch sweep: big's largest batch", tokens="32k"),
+      _train_case("big_b32k", "big", 2.7, "batch sweep", tokens="32k"),
       _decode_case("base_decode64", "base", 2.5, 64),
       _decode_case("base_decode256", "base", 2.7, 256),
       _decode_case("big_decode256", "big", 3.0, 256),
   ]
-  cases += [_train_case(f"big_xla_{short}", "big", 2.5, why, xla_flag=flag)
+  cases += [_lever(f"big_xla_{short}", "big", why, xla_flag=flag)
             for short, flag, why in XLA_FLAG_CASES]
   return cases
+
+
+# The compile phase (`precompile`): the window's train cases compiled at once, each process
+# running its benchmark with benchmark.steps=0 (compile, store in the compilation cache, stop);
+# then each case is timed alone and loads its program from the cache. Guesses until a window
+# measures them (results.json keeps precompile_min and each case's wall time): one compile and
+# autotuning as in the first window's cases (2.5-3 min, of which about 2 the compile), about 3
+# of the host's 16 cores each (XLA's parallel LLVM code generation); a case that loads its
+# program: the process's start, the load, warm-up, timed and traced steps.
+COMPILE_MIN = 2.0
+CORES_PER_COMPILE = 3
+HOST_CORES = 16
+TIMED_MIN = 0.6
+
+
+def precompilable(case: Case) -> bool:
+  return case.table == "train" and bool(case.commands) and case.commands[0].mode == "benchmark"
+
+
+def compile_phase_min(count: int) -> float:
+  """Guessed minutes to compile `count` train steps at once on the host's cores."""
+  return max(COMPILE_MIN, count * COMPILE_MIN * CORES_PER_COMPILE / HOST_CORES) if count else 0.0
+
+
+def in_one_window(cases: list, minutes: float = WINDOW_MIN - STARTUP_MIN) -> list:
+  """The first cases whose guessed minutes fit in `minutes` (one window after the machine's
+  start): the train cases among them compiled at once first, then timed at TIMED_MIN each."""
+  fitting = []
+  for case in cases:
+    trial = fitting + [case]
+    compiled = [c for c in trial if precompilable(c)]
+    spent = (compile_phase_min(len(compiled)) + TIMED_MIN * len(compiled)
+             + sum(c.minutes for c in trial if c not in compiled))
+    if spent > minutes:
+      break
+    fitting = trial
+  return fitting
+
+
+def precompile_command(command: Command) -> Command:
+  """The case's benchmark with nothing timed: it compiles the step into the compilation cache
+  (benchmark.steps=0), taking GPU memory as it needs it, so that several run at once."""
+  overrides = {k: v for k, v in command.overrides.items()
+               if k not in ("benchmark.profile", "benchmark.torch", "benchmark.torch_autocast",
+                            "benchmark.torch_compile")}
+  overrides.update({"benchmark.steps": 0, "benchmark.warmup": 0, "benchmark.decode_steps": 0})
+  return dataclasses.replace(command, overrides=overrides, timeout_min=8,
+                             env=dict(command.env, XLA_PYTHON_CLIENT_PREALLOCATE="false"))
+
+
+def precompile(cases: list, state: dict, args, outdir: pathlib.Path, env: dict,
+               started: float) -> None:
+  """The compile phase: the pending train cases of one window (of --budget_min where given)
+  compiled at once, --precompile_jobs at a time; each row gets precompile_s and
+  precompile_status, the state precompile_min. A case whose compile failed is still run (and
+  compiles then, or fails in its own log)."""
+  pending = [c for c, row in zip(cases, state["cases"]) if row["status"] == "pending"]
+  left = (args.budget_min - (time.time() - started) / 60 if args.budget_min
+          else WINDOW_MIN - STARTUP_MIN)
+  chosen = [c for c in in_one_window(pending, left) if precompilable(c)]
+  if not chosen or not args.precompile_jobs:
+    return
+  rows = {row["name"]: row for row in state["cases"]}
+  print(f"[{(time.time() - started) / 60:5.1f} min] compiling {len(chosen)} cases at once "
+        f"({args.precompile_jobs} at a time): {', '.join(c.name for c in chosen)}", flush=True)
+  phase_started = time.time()
+
+  def compile_one(case: Case) -> None:
+    command = precompile_command(case.commands[0])
+    if args.dry_run:
+      command = dataclasses.replace(command, overrides={
+          **dry_overrides(command), "benchmark.steps": 0, "benchmark.warmup": 0})
+    run_env = dict(env)
+    for key, value in command.env.items():
+      run_env[key] = (f"{run_env[key]} {value}".strip() if key == "XLA_FLAGS" and
+                      run_env.get(key) else value)
+    status, _, seconds, output = run_command(
+        command.argv(args.python, outdir), run_env, command.timeout_min * 60,
+        outdir / "logs" / f"{case.name}.compile.log")
+    parsed = last_json(output) if status == "ok" else None
+    rows[case.name].update(precompile_s=seconds, precompile_status=status if parsed or
+                           status != "ok" else "failed")
+
+  with concurrent.futures.ThreadPoolExecutor(max_workers=args.precompile_jobs) as pool:
+    list(pool.map(compile_one, chosen))
+  state["precompile_min"] = (time.time() - phase_started) / 60
+  print(f"          compiled in {state['precompile_min']:.1f} min: " + ", ".join(
+      f"{c.name} {rows[c.name]['precompile_status']}" for c in chosen), flush=True)
+  write_results(outdir, state, cases, started)
+
+
+def _cost_min(case: Case, row: dict) -> float:
+  """A case's guessed minutes now: TIMED_MIN once its program was compiled ahead."""
+  return TIMED_MIN if row.get("precompile_status") == "ok" else case.minutes
 
 
 # ----------------------------------------------------------------------------- the dry run
@@ -410,6 +590,7 @@ def run_estimate(case: Case, row: dict, outdir: pathlib.Path, python: str, base_
   if report and "train" in report:
     row["estimate"] = {k: report["train"][k] for k in ("step_s", "mfu", "estimate", "fits",
                                                       "total_bytes", "target_tokens_per_s")}
+    row["estimate"]["kind"] = "roofline bound (the compiler's, not autotuned)"
     row.pop("estimate_error", None)
   else:
     row["estimate_error"] = _error_line(output) or status
@@ -461,6 +642,7 @@ TABLES = {
         ("tokens/side", lambda c, r: c.describe["tokens"]),
         ("attention", lambda c, r: c.describe["attention"]),
         ("remat", lambda c, r: c.describe["remat"]),
+        ("dropout bits", lambda c, r: c.describe.get("dropout bits", "threefry")),
         ("XLA flags", lambda c, r: f"`{c.describe['xla_flags']}`"),
         ("compile s", lambda c, r: _num(_m(r, "compile_s"))),
         ("step ms", lambda c, r: _num(_m(r, "step_ms"))),
@@ -470,10 +652,12 @@ TABLES = {
          if r.get("mfu_989") is not None else "-"),
         ("peak GiB", lambda c, r: _num(_m(r, "peak_memory_gib"))),
         ("XLA temp GiB", lambda c, r: _num(_m(r, "temp_memory_gib"))),
-        ("estimate ms (h100)", lambda c, r: _num((r.get("estimate") or {}).get("step_s"),
-                                                 scale=1e3)),
-        ("estimated MFU", lambda c, r: _num(r["estimate"]["mfu"], scale=100) + "%"
+        ("roofline bound ms (h100)", lambda c, r: _num((r.get("estimate") or {}).get(
+            "step_s"), scale=1e3)),
+        ("bound's MFU", lambda c, r: _num(r["estimate"]["mfu"], scale=100) + "%"
          if r.get("estimate") else "-"),
+        ("measured / bound", lambda c, r: _num(_m(r, "step_ms") / (r["estimate"]["step_s"] * 1e3))
+         if r.get("estimate") and _m(r, "step_ms") else "-"),
     )),
     "torch": ("Against PyTorch: torch.nn.Transformer, bf16 autocast, torch.compile, same process", (
         ("model", lambda c, r: c.describe["model"]),
@@ -535,7 +719,16 @@ def render_markdown(state: dict, cases: list) -> str:
       cells = [fn(case, row) if done else "" for _, fn in columns]
       lines.append(f"| {case.name} | " + " | ".join(cells) + f" | {row['status']} |")
     lines.append("")
-  problems = [row for row in state["cases"] if row["status"] not in ("ok", "pending")]
+  profiled = [row for row in state["cases"] if (row.get("metrics") or {}).get("profile")]
+  if profiled:
+    kinds = list(profiled[0]["metrics"]["profile"])
+    lines += ["## Where the step's time goes (benchmark.profile: two traced steps)", "",
+              "| case | " + " | ".join(kinds) + " |", "| --- " * (len(kinds) + 1) + "|"]
+    lines += [f"| {row['name']} | " + " | ".join(
+        f"{row['metrics']['profile'].get(k, 0):.1%}" for k in kinds) + " |" for row in profiled]
+    lines.append("")
+  problems = [row for row in state["cases"]
+              if row["status"] not in ("ok", "pending", NO_WINNER)]
   if problems:
     lines += ["## Not ok", ""]
     lines += [f"- {row['name']}: {row['status']}"
@@ -576,16 +769,23 @@ def probe_environment(python: str, env: dict, with_torch: bool) -> dict:
     return {"probe_error": f"{type(e).__name__}: {e}"}
 
 
-def _start_case(pool, index, case, state, args, outdir, env, started):
+def _start_case(pool, index, case, state, args, outdir, env, started, cases):
   """Submits one case to the pool, or marks it skipped when it no longer fits the budget."""
   row = state["cases"][index]
   elapsed_min = (time.time() - started) / 60
   cap_s = None
   if args.budget_min:
-    if elapsed_min + case.minutes > args.budget_min:
+    if elapsed_min + _cost_min(case, row) > args.budget_min:
       row.update(status="skipped", error="over --budget_min")
       return None
     cap_s = (args.budget_min - elapsed_min) * 60
+  if case.combine:
+    built = combine(case, cases, {r["name"]: r for r in state["cases"]})
+    if built is None:
+      row.update(status=NO_WINNER, error=f"no lever of {case.combine} beat its default")
+      return None
+    case = cases[index] = built
+    row["why"] = case.why
   print(f"[{elapsed_min:5.1f} min] {case.name}: {case.why}", flush=True)
   row["status"] = "running"
   return pool.submit(run_case, case, outdir, args.python, env, args.dry_run, cap_s)
@@ -613,6 +813,16 @@ def _plan_text(cases: list, skipped: set) -> str:
   todo = sum(c.minutes for c in cases if c.name not in skipped)
   lines.append(f"total: {len(cases)} cases, about {todo:.1f} min on an H100 "
                f"(each case's limit is the kill time)")
+  window = in_one_window([c for c in cases if c.name not in skipped])
+  profiles = sum("benchmark.profile" in (c.commands[0].overrides if c.commands else {})
+                 for c in window)
+  compiled = sum(map(precompilable, window))
+  lines.append(f"one {WINDOW_MIN:g}-minute window ({STARTUP_MIN:g} of them the machine's start) "
+               f"holds the first {len(window)}: {profiles} profiled default steps, "
+               f"{sum(c.lever for c in window)} levers, {sum(bool(c.combine) for c in window)} "
+               f"combinations; {compiled} compiled at once first (about "
+               f"{compile_phase_min(compiled):.1f} min), then timed at {TIMED_MIN:g} min each "
+               "(guessed minutes; pass --budget_min to stop in time)")
   return "\n".join(lines)
 
 
@@ -629,6 +839,9 @@ def main(argv=None) -> int:
                       "Multi30k case is left out (a dry run makes a fake one)")
   parser.add_argument("--resume", action="store_true",
                       help="keep the cases OUTDIR/results.json has as ok, run the rest")
+  parser.add_argument("--precompile_jobs", type=int, default=6,
+                      help="train cases of the window compiled at once before any is timed "
+                      "(0: none; each then compiles when it runs)")
   parser.add_argument("--budget_min", type=float, default=0.0,
                       help="skip a case whose estimate no longer fits in this many minutes "
                       "since the start, and cap its timeout to what is left (0 = no budget)")
@@ -694,6 +907,7 @@ def main(argv=None) -> int:
 
   previous_handler = signal.signal(signal.SIGTERM, _raise_interrupted)
   try:
+    precompile(cases, state, args, outdir, env, started)
     return _run_all(cases, state, args, outdir, env, started, previous)
   finally:
     signal.signal(signal.SIGTERM, previous_handler)
@@ -709,7 +923,8 @@ def _run_all(cases, state, args, outdir, env, started, previous) -> int:
       while todo or running:
         while todo and len(running) < jobs:
           index = todo.pop(0)
-          future = _start_case(pool, index, cases[index], state, args, outdir, env, started)
+          future = _start_case(pool, index, cases[index], state, args, outdir, env, started,
+                               cases)
           if future is not None:
             running[future] = index
           write_results(outdir, state, cases, started)
@@ -734,7 +949,7 @@ def _run_all(cases, state, args, outdir, env, started, previous) -> int:
   if not args.no_estimates:
     run_estimates(cases, state, args, outdir, env, started)
   print((outdir / "results.md").read_text(), flush=True)
-  return 0 if all(row["status"] == "ok" for row in state["cases"]) else 1
+  return 0 if all(row["status"] in ("ok", NO_WINNER) for row in state["cases"]) else 1
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ machine.
 What cannot compile (an unknown topology, a mesh that does not divide the slice, a step that
 does not fit) has its rows in test_errors.py."""
 
+import importlib
 import json
 import os
 import pathlib
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 from launcher import Launcher
 
+from transformer_jax import config as config_lib
 from transformer_jax.core.errors import UserError
 from transformer_jax.model import flops
 from transformer_jax.model.flops import CHIPS, Chip
@@ -193,6 +195,23 @@ def test_compile_mode_reports_for_one_h100():
   assert 0.9 < train["compiled_flops"] / train["model_flops"] < 1.6
   assert train["bytes_accessed"] > train["params_bytes"]
   assert 0 < train["mfu"] < 1 and report["decode"]["tokens_per_s"] > 0
+  # What the estimate is, and that no window measured this (tiny) model.
+  assert "a roofline bound" in text and "no step of this model was measured" in text
+  assert "measured_factor" not in train
+
+
+def test_the_measured_models_say_how_far_their_estimate_was():
+  """base and big were timed on an H100 (docs/benchmarks.md): their estimates come with the
+  measured-to-estimate factor of that window, for GPU targets only."""
+  for name, factor in (("base", 49.1 / 24.3), ("big", 99.5 / 46.9)):
+    config = importlib.import_module(f"transformer_jax.experiments.{name}").get_config()
+    model_config = config_lib.validate(config)
+    assert compile_lib.measured_for(model_config).factor == pytest.approx(factor)
+    train = {"estimate": "roofline, HBM bandwidth-bound", "step_s": 0.025, "mfu": 0.4}
+    line = compile_lib.honest_line(train, model_config, "GPU")
+    assert f"({factor:.2f}x)" in line and f"about {25 * factor:.0f} ms" in line
+    assert f"MFU {0.4 / factor:.0%}" in line
+    assert "no step of this model" in compile_lib.honest_line(train, model_config, "chip")
 
 
 def test_compile_mode_splits_a_step_over_eight_h100s():

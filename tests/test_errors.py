@@ -522,8 +522,8 @@ ROWS = [
     # --- benchmark
     ("benchmark: batch of 0", BENCHMARK + ["--config.benchmark.batch_size=0"],
      ["benchmark.batch_size must be positive"]),
-    ("benchmark: no timed steps", BENCHMARK + ["--config.benchmark.steps=0"],
-     ["benchmark.steps must be positive"]),
+    ("benchmark: timed steps below 0", BENCHMARK + ["--config.benchmark.steps=-1"],
+     ["benchmark.steps must be >= 0 (0: compile the step, time nothing)"]),
     ("benchmark: source beyond max_len", BENCHMARK + ["--config.benchmark.source_len=1000"],
      ["benchmark.source_len (1000) must be below model.max_len (64)"]),
     ("benchmark: decode batch of 0", BENCHMARK + ["--config.benchmark.decode_batch=0"],

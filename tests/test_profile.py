@@ -19,6 +19,7 @@ def test_a_three_step_run_traces_its_steps_and_the_parser_finds_the_train_steps_
   config = tiny.get_config()
   config.data.update(batching="fixed", batch_size=8)
   config.train.update(steps=3, log_every=1, profile_start=1, profile_steps=2)
+  config.model.update(dropout_rate=0.1, attention_dropout_rate=0.1)  # dropout kernels too
   config.eval.update(max_examples=2, max_decode_len=4)
   workdir = tmp_path / "run"
   loop.train(config, str(workdir), evaluate_fn=evaluate_lib.evaluate)
@@ -35,11 +36,27 @@ def test_a_three_step_run_traces_its_steps_and_the_parser_finds_the_train_steps_
   assert [r.seconds for r in rows] == sorted((r.seconds for r in rows), reverse=True)
   table = profile.table(rows, top=5)
   assert table.count("| `") == 5 and f"{len(rows)} operations" in table
-  # The script prints the same table.
+  # Beside the trace, the traced program's HLO, by whose op names every kernel of the trace
+  # falls in a category; the categories and the idle gaps make up the whole.
+  hlo = (traces[0].parent / profile.PROGRAM_FILE).read_text()
+  found = profile.kernels(hlo)
+  kernels = [r for r in rows if not r.op.startswith(profile.CONTROL_FLOW)]
+  assert all(r.op in found for r in kernels)
+  kinds = {profile.category(found[r.op]) for r in kernels}
+  assert kinds >= {"attention products", "matrix products", "optimizer update", "loss",
+                   "dropout", "softmax", "layer norm"}, kinds
+  idle = profile.idle_seconds(str(traces[0]), "train_step")
+  assert idle > 0
+  shares = profile.category_table(rows, hlo, idle)
+  percents = [float(line.rsplit("|", 2)[-2].strip().rstrip("%"))
+              for line in shares.splitlines()[2:] if line.startswith("| ")]
+  assert abs(sum(percents) - 100) < 0.1 * len(percents) and "| idle" in shares
+  assert "not in the program's HLO" not in shares
+  # The script prints the same tables.
   command = [sys.executable, "-m", "transformer_jax.tools.profile"]
   out = subprocess.run(command + [str(workdir), "--top=3"], cwd=tmp_path, capture_output=True,
                        text=True, check=True).stdout
-  assert out.count("| `") == 3 and "jit_train_step" in out
+  assert out.count("| `") == 3 and "jit_train_step" in out and "| dropout |" in out
   missing = subprocess.run(command + [str(tmp_path / "x")], cwd=tmp_path,
                            capture_output=True, text=True)
   assert missing.returncode == 2 and missing.stderr.startswith("error: no profiler trace")
@@ -55,3 +72,39 @@ def test_a_profile_window_outside_training_is_refused(start, steps, message):
   with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")
                      .replace("+", r"\+")):
     config_lib.validate(config)
+
+
+@pytest.mark.parametrize("line, expected", [
+    ('%custom-call.3 = (bf16[8,64]{1,0}, s8[0]{0}) custom-call(%a, %b), custom_call_target='
+     '"__cublas$gemm", metadata={op_name="jit(train_step)/jvp(Transformer)/decoder/layer_0/ffn/'
+     'wi/dot_general"}', "matrix products"),
+    ('%custom-call.9 = bf16[8,64,4,16]{3,2,1,0} custom-call(%q, %k, %v), custom_call_target='
+     '"__cudnn$fmhaSoftmax", metadata={op_name="jit(train_step)/jvp(Transformer)/encoder/'
+     'layer_0/attention_block/self_attention/dot_product_attention"}', "attention products"),
+    ('%loop_select_fusion.2 = f32[64]{0} fusion(%p), kind=kLoop, calls=%fused_computation.2, '
+     'metadata={op_name="jit(train_step)/optimizer/mul"}', "optimizer update"),
+    ('%copy.7 = f32[64,8]{0,1} copy(%p), metadata={op_name="jit(train_step)/transpose"}',
+     "copies and layout"),
+])
+def test_gpu_kernels_fall_in_their_categories(line, expected):
+  """The GPU's kernels as XLA's GPU compiler names them (cuBLAS and cuDNN calls)."""
+  text = f"ENTRY %main {{\n  {line}\n}}\n"
+  name = line.split(" = ")[0].lstrip("%")
+  assert profile.category(profile.kernels(text)[name]) == expected
+
+
+def test_the_benchmark_profiles_two_more_steps_by_category(tmp_path):
+  """benchmark.profile: the timed step's program traced for two more steps; the result holds
+  each category's share, which with the idle gaps add up to the whole."""
+  from transformer_jax.tools import benchmark
+  config = tiny.get_config()
+  config.model.update(dropout_rate=0.1)
+  config.benchmark.update(batch_size=8, steps=2, warmup=1, decode_steps=0,
+                          profile=str(tmp_path / "trace"))
+  shares = benchmark.run_benchmark(config)["profile"]
+  assert abs(sum(shares.values()) - 1.0) < 1e-9
+  assert shares["matrix products"] > 0 and shares["dropout"] > 0
+  assert list(shares)[-1] == profile.IDLE
+  trace = profile.find_trace(str(tmp_path / "trace"))
+  assert list((tmp_path / "trace").glob(f"**/{profile.PROGRAM_FILE}"))
+  assert profile.op_times(trace, "train_step")

@@ -206,12 +206,17 @@ def default_config() -> ml_collections.ConfigDict:
   c.benchmark.source_len = 32  # tokens per source row of the synthetic batch
   c.benchmark.target_len = 32  # tokens per target row
   c.benchmark.warmup = 3  # untimed steps after the compilation
-  c.benchmark.steps = 20  # timed train steps; the median is reported
+  # timed train steps; the median is reported. 0: compile the step (into the compilation cache)
+  # and stop: benchmarks/gpu_suite.py compiles a window's cases at once that way.
+  c.benchmark.steps = 20
   c.benchmark.decode_batch = 32  # rows of the timed decoding
   c.benchmark.decode_steps = 3  # timed decode batches (greedy and beam 4); 0 skips decoding
   c.benchmark.torch = False  # also time torch.nn.Transformer (needs the [torch] extra)
   c.benchmark.torch_autocast = False  # torch side: bf16 autocast (float32 parameters)
   c.benchmark.torch_compile = ""  # torch side: a torch.compile backend (e.g. inductor); "" = eager
+  # A directory: trace 2 more train steps after the timed ones into it and add each kernel
+  # category's share of them (tools/profile.py) to the result; "" = no trace.
+  c.benchmark.profile = ""
   c.benchmark.input = False  # time the input path alone (data.*), not the train step
   c.benchmark.input_steps = 200  # batches timed after the first one (benchmark.input)
   c.benchmark.input_raw = True  # benchmark.input: also time a first start from raw text
@@ -519,9 +524,12 @@ def _validate_data(d) -> None:
 def validate_benchmark(config, model: ModelConfig) -> None:
   """The `benchmark.*` values, checked by --mode=benchmark only (other modes do not use them)."""
   b = config.benchmark
-  for key in ("batch_size", "source_len", "target_len", "steps", "decode_batch"):
+  for key in ("batch_size", "source_len", "target_len", "decode_batch"):
     if b[key] <= 0:
       raise UserError(f"benchmark.{key} must be positive, got {b[key]}")
+  if b.steps < 0:
+    raise UserError(f"benchmark.steps must be >= 0 (0: compile the step, time nothing), got "
+                    f"{b.steps}")
   for key in ("warmup", "decode_steps"):
     if b[key] < 0:
       raise UserError(f"benchmark.{key} must be >= 0, got {b[key]}")

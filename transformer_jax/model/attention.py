@@ -15,6 +15,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from transformer_jax.model.axes import constrain, param_init
 from transformer_jax.model.config import CHOICES, check_attention_dropout
@@ -103,7 +104,29 @@ def dropping(rate) -> bool:
   return (rate.rate if isinstance(rate, DropoutRate) else rate) > 0.0
 
 
-def dropout(x: Array, rate, rng: Array) -> Array:
+# The generators of dropout's random bits (model.dropout_rng). threefry: JAX's default key, the
+# bits a function of (key, shape) alone, computed shard by shard. rbg: XLA's RngBitGenerator
+# (Philox on GPUs) seeded from four threefry words of the same key: fewer integer operations per
+# bit, but its bits are the backend's own (a GPU and a CPU draw different masks for one key)
+# and on a mesh every device computes the whole array and keeps its shard (the same mask
+# whatever the mesh, at the cost of the whole array per device). JAX's unsafe_rbg differs from
+# rbg only in how keys split and fold in, which dropout never does with its rbg key: it would
+# draw the very same bits, so it is not a choice of its own.
+GENERATORS = CHOICES["dropout_rng"]
+
+
+def random_bits(rng: Array, shape: tuple, dtype, generator: str = "threefry") -> Array:
+  """`jax.random.bits(rng, shape, dtype)` from `generator` (GENERATORS); `rng` is a threefry
+  key (Flax's RNG streams) either way."""
+  if generator == "rbg":
+    seed = jax.random.bits(rng, (4,), jnp.uint32)
+    rng = jax.random.wrap_key_data(seed, impl="rbg")
+  elif generator != "threefry":
+    raise ValueError(f"unknown dropout generator {generator!r}")
+  return jax.random.bits(rng, shape, dtype)
+
+
+def dropout(x: Array, rate, rng: Array, generator: str = "threefry") -> Array:
   """Inverted dropout: zeroes each element with probability `rate`, scales the rest by 1/keep.
 
   One 16-bit draw per element: each 32-bit word of `jax.random.bits` gives two (its halves go to
@@ -124,14 +147,20 @@ def dropout(x: Array, rate, rng: Array) -> Array:
   the base model's step on H100s by the compiler's count. float32 keeps the 16-bit draws.
 
   `rate`: a float, or a `DropoutRate` whose thresholds are inputs of the compiled step (the
-  same masks and scales as its float rate gives).
+  same masks and scales as its float rate gives). `generator`: where the bits come from
+  (GENERATORS; model.dropout_rng): with "rbg" the same thresholds and scales, other masks.
   """
+  with jax.named_scope("dropout"):  # tools/profile.py's kernel categories read these names
+    return _dropout(x, rate, functools.partial(random_bits, generator=generator), rng)
+
+
+def _dropout(x: Array, rate, bits_of: Callable, rng: Array) -> Array:
   bits = 8 if x.dtype == jnp.bfloat16 else 16
   if isinstance(rate, DropoutRate):
     keep_count, scale = rate.keep[str(bits)]
     scale = scale.astype(x.dtype)
     if bits == 8:  # compared in 32 bits: a keep count of 256 (keep all) does not fit 8
-      draws = jax.random.bits(rng, x.shape, jnp.uint8).astype(jnp.uint32)
+      draws = bits_of(rng, x.shape, jnp.uint8).astype(jnp.uint32)
       return jnp.where(draws < keep_count, x * scale, jnp.zeros((), x.dtype))
   else:
     keep_count = round((1.0 - rate) * 2**bits)  # P(keep) = keep_count / 2^bits
@@ -141,13 +170,13 @@ def dropout(x: Array, rate, rng: Array) -> Array:
       return jnp.zeros_like(x)
     scale = jnp.asarray(2**bits / keep_count, x.dtype)
   if bits == 8:
-    draws = jax.random.bits(rng, x.shape, jnp.uint8)  # 4 per 32-bit word of threefry
+    draws = bits_of(rng, x.shape, jnp.uint8)  # 4 per 32-bit word of threefry
     return jnp.where(draws < jnp.uint8(keep_count), x * scale, jnp.zeros((), x.dtype))
   if x.ndim and x.shape[-1] % 2 == 0:
-    words = jax.random.bits(rng, x.shape[:-1] + (x.shape[-1] // 2,), jnp.uint32)
+    words = bits_of(rng, x.shape[:-1] + (x.shape[-1] // 2,), jnp.uint32)
     draws = jnp.concatenate([words & 0xFFFF, words >> 16], axis=-1)
   else:
-    draws = jax.random.bits(rng, x.shape, jnp.uint32) >> 16
+    draws = bits_of(rng, x.shape, jnp.uint32) >> 16
   threshold = keep_count if isinstance(rate, DropoutRate) else jnp.uint32(keep_count)
   return jnp.where(draws < threshold, x * scale, jnp.zeros((), x.dtype))
 
@@ -156,12 +185,13 @@ class Dropout(nn.Module):
   """`nn.Dropout` with the faster mask of `dropout`; draws from the "dropout" RNG stream."""
 
   rate: float
+  generator: str = "threefry"  # of the random bits: GENERATORS
 
   @nn.compact
   def __call__(self, x: Array, deterministic: bool) -> Array:
     if deterministic or not dropping(self.rate):
       return x
-    return dropout(x, self.rate, self.make_rng("dropout"))
+    return dropout(x, self.rate, self.make_rng("dropout"), self.generator)
 
 
 # ----------------------------------------------------------------------------- attention
@@ -181,7 +211,8 @@ def dot_product_attention_weights(query: Array, key: Array, mask: Optional[Array
   Returns:
     float32 `[batch, heads, q_len, kv_len]`; masked positions get exactly zero weight.
   """
-  return jax.nn.softmax(_attention_logits(query, key, mask, bias), axis=-1)
+  with jax.named_scope("softmax"):  # tools/profile.py's kernel categories read these names
+    return jax.nn.softmax(_attention_logits(query, key, mask, bias), axis=-1)
 
 
 def _attention_logits(query: Array, key: Array, mask: Optional[Array],
@@ -258,7 +289,8 @@ def softmax_to_bfloat16(logits: Array) -> Array:
   the bfloat16 probabilities are kept instead, half the bytes. The gradient of the logits then
   uses p rounded to bfloat16 (relative error 2^-9) where it used float32 p.
   """
-  return jax.nn.softmax(logits, axis=-1).astype(jnp.bfloat16)
+  with jax.named_scope("softmax"):
+    return jax.nn.softmax(logits, axis=-1).astype(jnp.bfloat16)
 
 
 def _softmax_to_bfloat16_fwd(logits):
@@ -283,6 +315,7 @@ def dot_product_attention(
     bias: Optional[Array] = None,
     dropout_rate: float = 0.0,
     dropout_rng: Optional[Array] = None,
+    dropout_generator: str = "threefry",
     deterministic: bool = True,
     implementation: str = "plain",
     geometric_distances: Optional[Array] = None,
@@ -298,6 +331,7 @@ def dot_product_attention(
     dropout_rate: dropout on the attention weights ("plain" and "plain_bf16"; "plain_bf16"
       with bfloat16 values drops the bfloat16 weights, with 8-bit draws).
     dropout_rng: PRNG key for that dropout.
+    dropout_generator: the generator of its random bits (GENERATORS).
     deterministic: disables dropout.
     implementation: "plain" (einsum + softmax, any backend), "plain_bf16" (the same, but with
       bfloat16 values the weights come from `softmax_to_bfloat16`: the backward pass keeps them
@@ -325,7 +359,7 @@ def dot_product_attention(
   else:
     weights = attention_weights(query, key, mask, bias, geometric_distances)
   if dropping(dropout_rate) and not deterministic:
-    weights = dropout(weights, dropout_rate, dropout_rng)
+    weights = dropout(weights, dropout_rate, dropout_rng, dropout_generator)
   return jnp.einsum("bhqk,bkhd->bqhd", weights.astype(value.dtype), value)
 
 
@@ -371,6 +405,7 @@ class MultiHeadAttention(nn.Module):
   head_dim: int = 0  # width of each head's queries, keys and values; 0 = d_model // num_heads
   dropout_rate: float = 0.0  # on attention weights
   output_dropout_rate: float = 0.0  # on the output projection
+  dropout_generator: str = "threefry"  # of both dropouts' random bits: GENERATORS
   fused_qkv: bool = False
   use_bias: bool = True  # on the query, key and value projections
   out_bias: bool = True  # on the output projection
@@ -443,6 +478,8 @@ class MultiHeadAttention(nn.Module):
       else:
         key, value = project_kv(inputs_kv)
 
+    # Names for model.remat's policies (transformer.REMAT_POLICIES); no effect elsewhere.
+    query, key, value = (checkpoint_name(t, "qkv") for t in (query, key, value))
     if self.rotary_base and self_attention:
       query = apply_rotary(query, positions, self.rotary_base)
       key = apply_rotary(key, positions, self.rotary_base)
@@ -464,14 +501,17 @@ class MultiHeadAttention(nn.Module):
                attention_weights(query, key, mask, bias, geometric))
     out = dot_product_attention(query, key, value, mask, bias=bias,
                                 dropout_rate=self.dropout_rate, dropout_rng=dropout_rng,
+                                dropout_generator=self.dropout_generator,
                                 deterministic=deterministic, implementation=self.implementation,
                                 geometric_distances=geometric)
+    out = checkpoint_name(out, "context")
     out = nn.DenseGeneral(features=self.d_model, axis=(-2, -1), use_bias=self.out_bias,
                           dtype=self.dtype,
                           kernel_init=param_init(self.kernel_init, "heads", "kv", "embed"),
                           bias_init=param_init(bias_init, "embed"), name="out")(heads(out))
-    out = constrain(out, "batch", "length", "embed")
-    return Dropout(rate=self.output_dropout_rate)(out, deterministic)
+    out = checkpoint_name(constrain(out, "batch", "length", "embed"), "attention_out")
+    return Dropout(rate=self.output_dropout_rate, generator=self.dropout_generator)(
+        out, deterministic)
 
   def _relative_xl(self, query, kv_len, distances, bias, head_dim):
     """Transformer-XL: the position term (q + v).(W_r R_{i-j}) / sqrt(head_dim) added to `bias`,

@@ -40,7 +40,9 @@ CHOICES = {
   # The classification head's summary of a row: the mean over its real tokens, or the output at
   # its first token (BERT's [CLS]).
   "pooling": ("mean", "first"),
-    "remat": ("none", "full", "dots"),
+    "remat": ("none", "full", "dots", "dots_all", "qkv_out"),  # transformer.REMAT_POLICIES
+    # the generator of dropout's random bits (attention.GENERATORS says what each one means)
+    "dropout_rng": ("threefry", "rbg"),
     # length_head: each source token's share of the output length, from z = w . h_i + b.
     # softplus: softplus(z), shares that add up as the parts of the source do. exp: exp(z), so
     # that what the context adds to z multiplies the share (a count such as "three times"
@@ -139,7 +141,8 @@ class ModelConfig:
   attention_impl: str = "plain"
   layer_norm_eps: float = 1e-6  # epsilon of LayerNorm / RMSNorm
   dtype: str = "float32"  # compute dtype; parameters stay float32
-  remat: str = "none"  # recompute layer activations in the backward pass: none | full | dots
+  remat: str = "none"  # recompute layer activations in the backward pass (CHOICES)
+  dropout_rng: str = "threefry"  # dropout's random bits: threefry (exact default) | rbg
   num_labels: int = 0  # encoder_only: > 0 adds a sequence-classification head of that many classes
   pooling: str = "mean"  # the classification head's summary of a row (see CHOICES)
   deterministic: bool = False  # True disables dropout (evaluation, decoding)

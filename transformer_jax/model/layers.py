@@ -7,6 +7,7 @@ from typing import Callable, Optional, Sequence
 
 import flax.linen as nn
 import jax
+from jax.ad_checkpoint import checkpoint_name
 
 from transformer_jax.model.attention import Dropout, MultiHeadAttention
 from transformer_jax.model.axes import constrain, param_init
@@ -59,7 +60,8 @@ class FeedForward(nn.Module):
       h = h * dense(cfg.d_ff, ("embed", "mlp"), "wi")(x)
     h = constrain(h, "batch", "length", "mlp")
     h = constrain(dense(cfg.d_model, ("mlp", "embed"), "wo")(h), "batch", "length", "embed")
-    return Dropout(rate=cfg.dropout_rate)(h, deterministic)
+    h = checkpoint_name(h, "mlp_out")  # for model.remat's policies (transformer.REMAT_POLICIES)
+    return Dropout(rate=cfg.dropout_rate, generator=cfg.dropout_rng)(h, deterministic)
 
 
 def attention(cfg: ModelConfig, name: str, decode: bool = False, rotary: bool = False,
@@ -73,6 +75,7 @@ def attention(cfg: ModelConfig, name: str, decode: bool = False, rotary: bool = 
       num_heads=cfg.num_heads, d_model=cfg.d_model, num_kv_heads=cfg.num_kv_heads,
       head_dim=cfg.head_dim,
       dropout_rate=cfg.attention_dropout_rate, output_dropout_rate=cfg.dropout_rate,
+      dropout_generator=cfg.dropout_rng,
       fused_qkv=cfg.fused_qkv, use_bias=cfg.qkv_bias, out_bias=cfg.use_bias,
       rotary_base=cfg.position_base if rotary and cfg.positional == "rotary" else 0.0,
       relative_base=cfg.position_base if relative else 0.0,

@@ -27,8 +27,18 @@ from transformer_jax.model.positions import AddPositions, RelativePositionBias, 
 Array = jax.Array
 
 # Rematerialisation of each layer in the backward pass (model.remat): "full" keeps only the
-# layer's inputs; "dots" also keeps the outputs of its weight matrix products.
-REMAT_POLICIES = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+# layer's inputs; "dots" also keeps the outputs of its weight matrix products; "dots_all" every
+# matrix product's output, the attention's batched ones (logits, context) too; "qkv_out" the
+# queries, keys, values, the attention's context and the outputs of the attention and the FFN
+# (names given in attention.py and layers.py): the FFN's hidden layer (d_ff wide, the largest
+# activation of a layer) and the attention weights are computed again.
+REMAT_POLICIES = {
+    "full": None,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "dots_all": jax.checkpoint_policies.dots_saveable,
+    "qkv_out": jax.checkpoint_policies.save_only_these_names("qkv", "context", "attention_out",
+                                                             "mlp_out"),
+}
 
 
 def shift_right(targets: Array, bos_id: int = BOS_ID, segments: Optional[Array] = None) -> Array:
@@ -77,7 +87,7 @@ def _embed_tokens(cfg: ModelConfig, embed: nn.Embed, positions_module: AddPositi
   if cfg.embed_norm:
     x = norm_layer(cfg, "embed_norm")(x)
   x = constrain(x, "batch", "length", "embed")
-  return attention.Dropout(rate=cfg.dropout_rate)(x, deterministic)
+  return attention.Dropout(rate=cfg.dropout_rate, generator=cfg.dropout_rng)(x, deterministic)
 
 
 def _default_positions(tokens: Array) -> Array:

@@ -94,6 +94,11 @@ def benchmark_train(config, model_config: ModelConfig, references=None) -> dict:
   # XLA's own accounting of the compiled step: every backend reports it, unlike memory_stats().
   analysis = compiled.memory_analysis()
 
+  if not b.steps:  # compile only: the program is in the compilation cache now
+    return {"device": f"{mesh.devices.size} x {jax.devices()[0].device_kind}",
+            "compile_s": compile_s, "setup_s": setup_s, "trace_s": spent["trace_s"],
+            "lower_s": spent["lower_s"], "backend_compile_s": spent["compile_s"],
+            "compile_cache": spent["cache"]}
   holder = {"state": state}
   hparams = step.placed()
 
@@ -126,6 +131,8 @@ def benchmark_train(config, model_config: ModelConfig, references=None) -> dict:
   }
   for name in references or {}:
     result[f"{name}_step_ms"] = medians[name] * 1e3
+  if b.profile:
+    result["profile"] = profile_steps(run, compiled.as_text(), b.profile)
   if analysis is not None:
     result["temp_memory_gib"] = analysis.temp_size_in_bytes / 2**30  # activations and scratch
   stats = device.memory_stats() if hasattr(device, "memory_stats") else None
@@ -298,6 +305,23 @@ def benchmark_input(config, model_config: ModelConfig) -> dict:
   return result
 
 
+def profile_steps(run, hlo_text: str, directory: str, steps: int = 2) -> dict:
+  """A jax.profiler trace of `steps` more steps (`run()` each) into `directory`, with the
+  program's HLO beside it; returns tools/profile.py's share of each kernel category (and of the
+  idle gaps) in the traced time."""
+  from transformer_jax.tools import profile  # reads the trace; only a profiled run needs it
+  jax.profiler.start_trace(directory)
+  for _ in range(steps):
+    run()
+  jax.profiler.stop_trace()
+  trace = profile.find_trace(directory)
+  with open(os.path.join(os.path.dirname(trace), profile.PROGRAM_FILE), "w") as f:
+    f.write(hlo_text)
+  rows = profile.op_times(trace, "train_step")
+  return profile.category_seconds(rows, hlo_text, profile.idle_seconds(trace, "train_step"),
+                                  shares=True)
+
+
 def run_benchmark(config) -> dict:
   """Everything `--mode=benchmark` prints; the last stdout line is the JSON object."""
   model_config = config_lib.validate(config, jax.default_backend())
@@ -317,16 +341,16 @@ def run_benchmark(config) -> dict:
   if b.torch and model_config.arch != "encoder_decoder":
     raise UserError("benchmark.torch times torch.nn.Transformer, an encoder-decoder; set "
                     "model.arch=encoder_decoder or benchmark.torch=False")
-  if b.torch:
+  if b.torch and b.steps:
     from transformer_jax.tools import torch_reference  # imports torch: optional
     references["torch"], torch_params = torch_reference.make_step(
         model_config, config, synthetic_batch(model_config, b.batch_size, b.source_len,
                                               b.target_len))
   result = benchmark_train(config, model_config, references)  # sets torch_step_ms
-  if b.torch:
+  if b.torch and b.steps:
     result["torch_params"] = torch_params
     result["speedup_vs_torch"] = result["torch_step_ms"] / result["step_ms"]
-  if b.decode_steps and model_config.arch != "encoder_only":  # an encoder does not decode
+  if b.decode_steps and b.steps and model_config.arch != "encoder_only":  # encoders do not decode
     params = init_params(model_config, jax.random.PRNGKey(config.seed))
     result.update(benchmark_decode(config, model_config, params))
   return _report(result)

@@ -53,6 +53,58 @@ GPU_SAY = ("not autotuned (default GEMM tiles; temporaries depend on the GEMM ba
            "NVLink and network transfers not counted")
 
 
+class Measured(NamedTuple):
+  """A train step a GPU window timed, beside the estimate `--mode=compile` gives for it."""
+  model: str  # the experiment
+  shape: tuple  # (d_model, d_ff, num_heads, encoder layers, decoder layers, vocab_size)
+  device: str
+  tokens: int  # per side
+  measured_ms: float
+  estimate_ms: float
+  source: str
+
+  @property
+  def factor(self) -> float:
+    return self.measured_ms / self.estimate_ms
+
+
+# Every measured step with its estimate: docs/benchmarks.md, "The first GPU numbers" (the
+# suite's base_bf16 and big_bf16 cases, bf16, plain attention, no remat; the estimates of the
+# same steps compiled for h100 on the CPU). A later window adds its rows here.
+MEASURED = (
+    Measured("base", (512, 2048, 8, 6, 6, 37000), "H100", 25_600, 49.1, 24.3,
+             "one H100, JAX 0.11.2, 2026-11-28"),
+    Measured("big", (1024, 4096, 16, 6, 6, 37000), "H100", 25_600, 99.5, 46.9,
+             "one H100, JAX 0.11.2, 2026-11-28"),
+)
+
+
+def _shape(model_config: ModelConfig) -> tuple:
+  c = model_config
+  return (c.d_model, c.d_ff, c.num_heads, c.num_encoder_layers, c.num_decoder_layers,
+          c.vocab_size)
+
+
+def measured_for(model_config: ModelConfig) -> Measured | None:
+  """The measured step of a model of this shape, if a GPU window timed one."""
+  return next((m for m in MEASURED if m.shape == _shape(model_config)), None)
+
+
+def honest_line(train: dict, model_config: ModelConfig, unit: str) -> str:
+  """What the step-time estimate is, and how far a measured step of the same model was from
+  its own estimate, where one was measured."""
+  kind = ("a roofline bound: the step cannot be faster on this part, a real one is slower"
+          if train["estimate"].startswith("roofline") else "XLA's cost model")
+  m = measured_for(model_config) if unit == "GPU" else None
+  if m is None:
+    return (f"  the step time above is {kind}; no step of this model was measured on such a "
+            "part yet, so nothing says how far from it a real step is")
+  return (f"  the step time above is {kind}; measured: {m.model} on {m.source} took "
+          f"{m.measured_ms:g} ms at {m.tokens:,} tokens/side where its estimate said "
+          f"{m.estimate_ms:g} ms ({m.factor:.2f}x): read this estimate as about "
+          f"{train['step_s'] * 1e3 * m.factor:.0f} ms, MFU {train['mfu'] / m.factor:.0%}")
+
+
 def gpu_parts() -> list:
   return sorted(path.stem for path in GPU_TARGETS.glob("*.txtpb"))
 
@@ -492,6 +544,10 @@ def run_compile(config) -> dict:
     raise gpu_fit_error("the train step", spec, mesh, train)
   decode_ = compile_decode_step(config, model_config, mesh, spec)
   print(report(name, mesh, train, decode_, spec, unit), flush=True)
+  print(honest_line(train, model_config, unit), flush=True)
+  measured = measured_for(model_config) if gpus else None
+  if measured is not None:
+    train["measured_factor"] = measured.factor
   result = {"topology": name, "chips": len(devices), "chip": spec.name,
             "platform": "gpu" if gpus else "tpu", "mesh": dict(mesh.shape),
             "note": SAY + (f"; {GPU_SAY}" if gpus else ""), "train": train, "decode": decode_}

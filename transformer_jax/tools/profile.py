@@ -21,13 +21,16 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import re
 import sys
 from typing import NamedTuple, Optional
 
 from transformer_jax.core import platforms
 from transformer_jax.core.errors import UserError
+from transformer_jax.train.actions import Profiler
 
 TRACE_SUFFIX = ".xplane.pb"
+PROGRAM_FILE = Profiler.PROGRAM_FILE  # the traced program's HLO, beside the trace
 
 
 class OpTime(NamedTuple):
@@ -72,6 +75,158 @@ def op_times(trace_file: str, module: Optional[str] = None) -> list[OpTime]:
   return sorted(rows, key=lambda r: (-r.seconds, r.module, r.op))
 
 
+# ----------------------------------------------------------------------------- categories
+
+# What a kernel does, from the op names of the instructions it runs (the fusion's body, or the
+# one instruction): the Flax module path and the named scopes of the model and the train step
+# ("dropout", "softmax", "loss", "optimizer"; model/attention.py, train/step.py). The first
+# category whose mark one of them carries is the kernel's: a fusion that draws dropout bits and
+# scales a softmax counts as dropout. Matrix products come first: a kernel with a dot (or a
+# cuBLAS/cuDNN call) is a product, the attention's own (its einsums, fused attention) apart.
+# A mark is a component of the op name's path ("jvp(loss)" and "transpose(jvp(loss))" have the
+# component "loss"); "norm" matches every component that ends in it (final_norm, ...).
+CATEGORIES = (
+    ("attention products", ("bqhd,bkhd->bhqk", "bhqk,bkhd->bqhd", "dot_product_attention")),
+    ("matrix products", ()),  # any other dot, convolution or GEMM call
+    ("optimizer update", ("optimizer",)),
+    ("loss", ("loss",)),
+    ("dropout", ("dropout",)),
+    ("softmax", ("softmax",)),
+    ("layer norm", ("norm",)),
+    ("copies and layout", ()),  # copy, transpose, bitcast kernels
+    ("other", ()),
+)
+IDLE = "idle (no kernel running)"
+CONTROL_FLOW = ("while", "conditional", "call")
+_PRODUCTS = ("dot(", "convolution(", "gemm", "cublas", "cudnn", "fmha")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*?\b([a-z][\w\-]*)\(")
+_CALLS = re.compile(r"calls=%?([\w.\-]+)")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
+
+
+def kernels(hlo_text: str) -> dict:
+  """{instruction name: the text of the instructions it runs} for every instruction of an
+  optimised HLO module: a fusion's body (its called computations, nested ones included) or the
+  instruction's own line."""
+  bodies, lines, current = {}, {}, None
+  for line in hlo_text.splitlines():
+    if current is None:
+      if found := _COMPUTATION.match(line):
+        current = found.group(1)
+        bodies[current] = []
+      continue
+    if line.strip() == "}":
+      current = None
+      continue
+    bodies[current].append(line)
+    if found := _INSTRUCTION.match(line):
+      lines[found.group(1)] = line
+
+  def text(line: str, depth: int = 0) -> str:
+    called = [c for c in _CALLS.findall(line) if c in bodies] if depth < 4 else []
+    return "\n".join([line] + [text(inner, depth + 1) for c in called for inner in bodies[c]])
+
+  return {name: text(line) for name, line in lines.items()}
+
+
+def _components(op_name: str) -> set:
+  return {c for c in re.split(r"[/()]", op_name) if c}
+
+
+def _marked(components: set, mark: str) -> bool:
+  return any(c.endswith(mark) for c in components) if mark == "norm" else mark in components
+
+
+def category(text: str) -> str:
+  """The category (CATEGORIES) of a kernel that runs the instructions of `text`."""
+  names = _OP_NAME.findall(text)
+  if any(mark in text for mark in _PRODUCTS):
+    products = [n for n in names if "dot_general" in n or "->" in n] or names
+    if "fmha" in text or any(_marked(_components(n), mark) for n in products
+                             for mark in CATEGORIES[0][1]):
+      return CATEGORIES[0][0]
+    return CATEGORIES[1][0]
+  components = [_components(n) for n in names]
+  for name, marks in CATEGORIES[2:7]:
+    if any(_marked(c, mark) for c in components for mark in marks):
+      return name
+  first = _INSTRUCTION.match(text.splitlines()[0]) if text else None
+  if first and first.group(2) in ("copy", "transpose", "bitcast", "copy-start", "copy-done"):
+    return "copies and layout"
+  return "other"
+
+
+def idle_seconds(trace_file: str, module: Optional[str] = None) -> float:
+  """Time inside the traced span of the program's kernels when none of them ran: on each
+  device (a plane; on a CPU, the host) the span from its first kernel's start to its last one's
+  end, less the union of its kernels' intervals over all its lines (streams, threads)."""
+  import jax
+  data = jax.profiler.ProfileData.from_file(trace_file)
+  idle = 0.0
+  for plane in data.planes:
+    spans = []
+    for line in plane.lines:
+      for event in line.events:
+        stats = _stats(event)
+        program = str(stats.get("hlo_module", ""))
+        if stats.get("hlo_op") and program and (not module or module in program):
+          spans.append((event.start_ns, event.end_ns))
+    if not spans:
+      continue
+    spans.sort()
+    busy, (start, end) = 0.0, spans[0]
+    for a, b in spans[1:]:
+      if a > end:
+        busy, start = busy + end - start, a
+      end = max(end, b)
+    busy += end - start
+    idle += max(b for _, b in spans) - spans[0][0] - busy
+  return idle / 1e9
+
+
+def _by_category(rows: list[OpTime], hlo_text: str, idle_s: float) -> tuple:
+  """({category: seconds} with IDLE, {category: kernels}, kernels not found in the HLO)."""
+  found = kernels(hlo_text)
+  seconds, calls, unknown = {}, {}, 0
+  for row in rows:
+    if row.op.startswith(CONTROL_FLOW):  # its body's kernels are rows of their own
+      continue
+    text = found.get(row.op)
+    unknown += text is None
+    name = category(text) if text is not None else "other"
+    seconds[name] = seconds.get(name, 0.0) + row.seconds
+    calls[name] = calls.get(name, 0) + 1
+  seconds[IDLE] = idle_s
+  return seconds, calls, unknown
+
+
+def category_seconds(rows: list[OpTime], hlo_text: str, idle_s: float,
+                     shares: bool = False) -> dict:
+  """{category: seconds} (CATEGORIES' order, IDLE last), or each one's share of their sum."""
+  seconds = _by_category(rows, hlo_text, idle_s)[0]
+  total = sum(seconds.values()) or 1.0
+  return {name: seconds[name] / total if shares else seconds[name]
+          for name in [c for c, _ in CATEGORIES] + [IDLE] if name in seconds}
+
+
+def category_table(rows: list[OpTime], hlo_text: str, idle_s: float) -> str:
+  """Device time by category (CATEGORIES, with the idle gaps), as a share of the kernels' time
+  plus the gaps. On a CPU, where kernels run on several threads at once, the shares are of the
+  summed thread time."""
+  seconds, calls, unknown = _by_category(rows, hlo_text, idle_s)
+  total = sum(seconds.values()) or 1.0
+  lines = ["| category | kernels | total ms | share |", "| --- | ---: | ---: | ---: |"]
+  for name in [c for c, _ in CATEGORIES] + [IDLE]:
+    if name in seconds:
+      lines.append(f"| {name} | {calls.get(name, '')} | {seconds[name] * 1e3:.2f} | "
+                   f"{seconds[name] / total:.1%} |")
+  if unknown:
+    lines.append(f"\n{unknown} of {len(rows)} operations not in the program's HLO: counted as "
+                 "other")
+  return "\n".join(lines)
+
+
 def table(rows: list[OpTime], top: int = 15) -> str:
   """The `top` operations as a Markdown table, each with its share of all compiled time."""
   total = sum(r.seconds for r in rows) or 1.0
@@ -101,6 +256,12 @@ def main(argv=None) -> int:
     print(f"error: {e}", file=sys.stderr)
     return 2
   print(f"{trace}\n\n{table(rows, args.top)}")
+  program = os.path.join(os.path.dirname(trace), PROGRAM_FILE)
+  if os.path.exists(program):
+    with open(program) as f:
+      hlo_text = f.read()
+    print(f"\nBy category (the op names of {PROGRAM_FILE}):\n\n"
+          f"{category_table(rows, hlo_text, idle_seconds(trace, args.module or None))}")
   return 0
 
 

@@ -11,10 +11,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+from typing import Callable, Optional
 
 import jax
 
-from transformer_jax.core import progress
+from transformer_jax.core import progress, storage
 from transformer_jax.core.errors import UserError
 from transformer_jax.model import ModelConfig
 from transformer_jax.model.flops import train_flops_per_step
@@ -262,8 +263,16 @@ class Profiler:
   shows it; the trace's start and stop are not counted (`Throughput.paused("profile")`).
   """
 
-  def __init__(self, train_config, directory: str, start: int, enabled: bool = True):
+  # Beside the trace: the traced program's optimised HLO, whose op names (Flax module paths
+  # and the named scopes of the step) let tools/profile.py sort its kernels into categories.
+  PROGRAM_FILE = "train_step.hlo.txt"
+
+  def __init__(self, train_config, directory: str, start: int, enabled: bool = True,
+               program: Optional[Callable[[], str]] = None):
+    """program: returns the optimised HLO text of the traced train step (from the compilation
+    cache when there is one; else compiled once more after the trace)."""
     t = train_config
+    self.program = program
     first, last = max(t.profile_start, start), t.profile_start + t.profile_steps
     self.window = (first, last) if enabled and t.profile_steps and first < last else None
     self.directory = directory
@@ -284,9 +293,18 @@ class Profiler:
     jax.block_until_ready(metrics)
     with paused():
       self.close()
+      self._write_program()
     first, last = self.window
     return (f"profile of steps {first + 1}-{last}: {self.directory}/plugins/profile/ "
             f"(tensorboard --logdir {self.directory}, Profile tab)")
+
+  def _write_program(self) -> None:
+    if self.program is None:
+      return
+    runs = storage.join(self.directory, "plugins", "profile")
+    newest = max(storage.listdir(runs), default=None)  # runs are named by their start time
+    if newest is not None:
+      storage.write(storage.join(runs, newest, self.PROGRAM_FILE), self.program())
 
   def close(self) -> None:
     """Ends a trace still running (a run stopped inside the window); no-op otherwise."""

@@ -47,7 +47,7 @@ UNREADABLE = "checkpoints_unreadable"  # where train moves checkpoints that do n
 # parameters compute. Every other model key, and switching gradient clipping on or off (it adds
 # optimizer state), makes a checkpoint incompatible.
 RESUMABLE_MODEL_KEYS = ("dropout_rate", "attention_dropout_rate", "attention_impl", "dtype", "init",
-                        "remat")
+                        "remat", "dropout_rng")
 
 # ----------------------------------------------------------------------------- the workdir
 

@@ -222,7 +222,9 @@ def train(config, workdir: str, evaluate_fn: EvaluateFn, on_eval: Optional[OnEva
   throughput = actions.Throughput(model_config)
   pending = actions.PendingSteps(DISPATCH_AHEAD)
   nonfinite = actions.NonFinitePolicy(t.on_nonfinite, manager)
-  profiler = actions.Profiler(t, storage.join(workdir, "tensorboard"), start, enabled=is_main)
+  profiler = actions.Profiler(
+      t, storage.join(workdir, "tensorboard"), start, enabled=is_main,
+      program=lambda: train_step.lower(state, batch.data, rng).compile().as_text())
 
   def evaluate(params, pairs=eval_pairs) -> tuple[dict, float]:
     """The metrics, and the seconds they took (the training clock stands still meanwhile)."""

@@ -123,9 +123,10 @@ def _loss_and_metrics(params, model, batch, rng, smoothing, normalizer, length_w
                          f"{loss_width(model.config)}")
   # bfloat16 compute runs on accelerators, where the step is HBM-bound and the loss's passes
   # over the [tokens, vocab] logits are its largest kernels; float32 keeps the CPU's faster form.
-  loss, nll, correct = label_smoothed_cross_entropy(
-      logits, labels, smoothing, bfloat16_logits=model.config.compute_dtype == jnp.bfloat16,
-      excluded_rows=excluded_loss_rows(model.config))
+  with jax.named_scope("loss"):  # tools/profile.py's kernel categories read these names
+    loss, nll, correct = label_smoothed_cross_entropy(
+        logits, labels, smoothing, bfloat16_logits=model.config.compute_dtype == jnp.bfloat16,
+        excluded_rows=excluded_loss_rows(model.config))
   correct = correct * weights
   sums = {"loss": (loss * weights).sum(), "nll": (nll * weights).sum(), "correct": correct.sum()}
   if model.config.length_head:
@@ -189,8 +190,9 @@ def train_step(state: TrainState, batch, rng, hparams=None, *, model, optimizer,
   (grads, sums), _ = jax.lax.scan(accumulate, zeros,
                                   (jax.tree.map(deal, batch), jnp.arange(accum_steps)))
 
-  updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-  params = optax.apply_updates(state.params, updates)
+  with jax.named_scope("optimizer"):
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
   # A NaN/inf loss or gradient leaves parameters and optimizer state as they were (the step still
   # advances to the next batch); `finite` tells the loop, which stops or skips on the host.
   grad_norm = optax.tree.norm(grads)
