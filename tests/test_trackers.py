@@ -510,3 +510,75 @@ def test_the_core_imports_no_tracker_package():
   done = subprocess.run([sys.executable, "-c", code],
                         capture_output=True, text=True, check=True, cwd=ROOT)
   assert done.stdout.strip() == "[]"
+
+
+# ---------------------------------------------------------------------------- provenance
+
+
+def _git(*args) -> str:
+  return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
+                        check=True).stdout.strip()
+
+
+def test_an_mlflow_run_carries_its_provenance_name_tags_and_notes(tmp_path):
+  """MLflow's own context tags, which MlflowClient.create_run leaves out (git commit, user,
+  program), the host and the command line with its secret masked, and train.run_name, tags
+  and notes; a real MLflow store (SQLite) read back with MLflow's client."""
+  from mlflow.tracking import MlflowClient
+
+  from transformer_jax.train.trackers import base
+  config = config_lib.default_config()
+  uri = f"sqlite:///{tmp_path}/mlflow.db"
+  config.mlflow.tracking_uri = uri
+  config.train.update(run_name="baseline-lr3", tags="paper, wmt", notes="the paper's recipe")
+  argv = sys.argv
+  sys.argv = ["launch.py", "--sweep_storage=postgresql://u:sentinel-pw@db/x"]
+  base._PROVENANCE.clear()
+  try:
+    tracker = mlflow_tracker.MlflowTracker(config, "workdir-name")
+    tracker.open("provenance-run", trackers.flat_config(config))
+  finally:
+    sys.argv = argv
+    base._PROVENANCE.clear()
+  run = MlflowClient(uri).get_run(tracker.run_id)
+  tags = run.data.tags
+  assert run.info.run_name == "baseline-lr3"
+  assert tags["mlflow.source.git.commit"] == _git("rev-parse", "HEAD")
+  assert tags["git_dirty"] == str(bool(_git("status", "--porcelain", "--untracked-files=no")))
+  assert tags["mlflow.user"] and tags["host"] and tags["mlflow.source.name"] == "launch.py"
+  assert "sentinel-pw" not in tags["command"] and "--sweep_storage=" in tags["command"]
+  assert "paper" in tags and "wmt" in tags
+  assert tags["mlflow.note.content"] == "the paper's recipe"
+  tracker.close("finished")
+
+
+def test_a_wandb_run_carries_its_provenance_name_tags_and_notes(tmp_path):
+  from transformer_jax.train.trackers.wandb import WandbTracker
+  config = config_lib.default_config()
+  config.wandb.update(mode="offline", project="provenance")
+  config.train.update(run_name="baseline-lr3", tags="paper,wmt", notes="the paper's recipe")
+  tracker = WandbTracker(config, str(tmp_path), "workdir-name")
+  tracker.open("provenance-run", {"a": 1})
+  tracker.close("finished")
+  [run_dir] = (tmp_path / "wandb").glob("offline-run-*-provenance-run")
+  summary = json.loads(_wandb_inspect(run_dir, "--summary"))
+  assert summary["config"]["provenance/git_commit"] == _git("rev-parse", "HEAD")
+  assert summary["config"]["provenance/host"] and summary["config"]["provenance/user"] is not None
+  [run] = [json.loads(line)["run"] for line in _wandb_inspect(run_dir).splitlines()
+           if json.loads(line)["type"] == "run"]
+  assert run["display_name"] == "baseline-lr3" and run["tags"] == ["paper", "wmt"]
+  assert run["notes"] == "the paper's recipe"
+
+
+def test_a_tracking_uri_mlflow_cannot_use_is_one_line(monkeypatch):
+  """A typo in MLFLOW_TRACKING_URI was an 'unreachable' MLflow retried for the whole run."""
+  config = config_lib.default_config()
+  config.train.trackers = "tensorboard,mlflow"
+  monkeypatch.setenv("MLFLOW_TRACKING_URI", "htp:/nonsense")
+  with pytest.raises(UserError, match=r"MLFLOW_TRACKING_URI 'htp:/nonsense' is no tracking URI "
+                                      r"MLflow knows \(its scheme 'htp'"):
+    trackers.check(config)
+  for good in ("http://127.0.0.1:5000", "sqlite:///m.db", "file:/tmp/mlruns", "mlruns",
+               "postgresql+psycopg://u@h/db", "databricks"):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", good)
+    assert "mlflow" in trackers.check(config)

@@ -139,6 +139,12 @@ def default_config() -> ml_collections.ConfigDict:
   # A group of runs (a sweep's study): the W&B group (where wandb.group is empty) and the tag
   # transformer_jax.study of the MLflow run.
   c.train.tracker_group = ""
+  # The run in every tracker: its name ("" = the workdir's name), tags (comma-separated) and
+  # notes (W&B's name, tags and notes; MLflow's run name, a tag per tag, the run's description).
+  # wandb.name, wandb.tags and mlflow.run_name win where set.
+  c.train.run_name = ""
+  c.train.tags = ""
+  c.train.notes = ""
   c.train.tracker_retry_s = 60.0  # seconds between tries of a tracker that could not be reached
   # Seconds between two sends of scalars to a tracker; what is logged in between goes in one
   # request (a request costs the training process milliseconds: trackers/base.py). 0 = each

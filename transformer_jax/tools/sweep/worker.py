@@ -722,8 +722,8 @@ def _lost(outage, ran: Optional[dict]) -> UserError:
              f"; {os.path.basename(directory)} stopped before its first checkpoint") + \
         (", from which it resumes when a worker takes it up again (its heartbeat lapses)")
   return UserError(f"the study's database at {outage.url} did not answer for "
-                   f"{outage.seconds:.0f} s (--sweep_outage_s){where}; run the same command once the "
-                   "database answers")
+                   f"{outage.seconds:.0f} s (--sweep_outage_s){where}; run the same command "
+                   "once the database answers")
 
 
 def _work(p: Plan, workdir: str, study, st: store.Storage, train_fn, parent: str,

@@ -39,7 +39,29 @@ def check(config) -> list:
     if missing:
       raise UserError(f"train.trackers asks for {name}, which is not installed: pip install "
                       f"'transformer_jax[{name}]' (or leave {name} out of train.trackers)")
+  if "mlflow" in chosen:
+    _check_tracking_uri(config)
   return chosen
+
+
+# The schemes of MLflow's tracking stores (its docs: "Where Runs Are Recorded"): a server, a
+# Databricks workspace, a folder, or a database through SQLAlchemy.
+TRACKING_SCHEMES = ("http", "https", "file", "databricks", "databricks-uc", "uc", "sqlite",
+                    "postgresql", "mysql", "mssql")
+
+
+def _check_tracking_uri(config) -> None:
+  """A tracking URI MLflow cannot use (a typo such as htp:/host) is one line now, not an
+  'unreachable' tracker retried for the whole run."""
+  from transformer_jax.core import secrets
+  from transformer_jax.train.trackers.mlflow import settings
+  uri = settings(config)[0]
+  scheme = uri.split(":", 1)[0].split("+", 1)[0].lower() if ":" in uri else ""
+  if scheme and len(scheme) > 1 and scheme not in TRACKING_SCHEMES:
+    where = "mlflow.tracking_uri" if config.mlflow.tracking_uri else "MLFLOW_TRACKING_URI"
+    raise UserError(f"{where} {secrets.redact(uri)!r} is no tracking URI MLflow knows (its "
+                    f"scheme {scheme!r} is none of {', '.join(TRACKING_SCHEMES)}); fix it, or "
+                    "leave it empty for MLflow's local store")
 
 
 def read_run_id(workdir: str) -> str | None:

@@ -15,12 +15,55 @@ measurable (docs/benchmarks.md, "Experiment trackers on and off").
 from __future__ import annotations
 
 import collections
+import getpass
+import os
+import shlex
+import socket
+import subprocess
 import sys
 import threading
 import time
 from typing import Optional
 
 from transformer_jax.core import secrets
+
+
+def split_tags(text: str) -> list:
+  """train.tags / wandb.tags: comma-separated, blanks dropped."""
+  return [t.strip() for t in text.split(",") if t.strip()]
+
+
+_PROVENANCE: dict = {}
+
+
+def provenance() -> dict:
+  """Where the run came from, for every tracker: the git commit of the code that runs (and
+  whether its tree had changes), the command line (secrets masked: cli.py redacts sys.argv once
+  its flags are read; masked again here), the program, the host and the user."""
+  if _PROVENANCE:
+    return dict(_PROVENANCE)
+  source = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  found = {"command": secrets.redact(shlex.join(sys.argv)), "host": socket.gethostname(),
+           "program": os.path.basename(sys.argv[0]) if sys.argv else "", "user": _user()}
+
+  def git(*args) -> str:
+    return subprocess.run(["git", "-C", source, *args], capture_output=True, text=True,
+                          timeout=10, check=True).stdout.strip()
+
+  try:  # an installed copy, or no git at all: no commit
+    found["git_commit"] = git("rev-parse", "HEAD")
+    found["git_dirty"] = bool(git("status", "--porcelain", "--untracked-files=no"))
+  except (OSError, subprocess.SubprocessError):
+    pass
+  _PROVENANCE.update(found)
+  return dict(found)
+
+
+def _user() -> str:
+  try:
+    return getpass.getuser()
+  except Exception:  # noqa: BLE001 - no user name in a container is no reason to stop
+    return ""
 
 
 class Tracker:

@@ -16,7 +16,7 @@ import time
 import urllib.parse
 
 from transformer_jax.core import secrets
-from transformer_jax.train.trackers.base import MAX_VALUES, Tracker
+from transformer_jax.train.trackers.base import MAX_VALUES, Tracker, provenance, split_tags
 
 RUN_ID_TAG = "transformer_jax.run_id"
 STUDY_TAG = "transformer_jax.study"
@@ -99,6 +99,17 @@ def settings(config) -> tuple[str, str]:
           m.experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME", "") or DEFAULT_EXPERIMENT)
 
 
+def context_tags() -> dict:
+  """The provenance of the run as MLflow's own context tags (what `mlflow.start_run` would add;
+  `MlflowClient.create_run` adds none) and two of ours."""
+  p = provenance()
+  tags = {"mlflow.user": p["user"], "mlflow.source.name": p["program"],
+          "mlflow.source.type": "LOCAL", "host": p["host"], "command": p["command"]}
+  if p.get("git_commit"):
+    tags.update({"mlflow.source.git.commit": p["git_commit"], "git_dirty": str(p["git_dirty"])})
+  return tags
+
+
 def _metric(key, value, step, wall=None):
   """wall: when the value was logged (time.time()); None: now."""
   from mlflow.entities import Metric
@@ -113,7 +124,10 @@ class MlflowTracker(Tracker):
     self.where = secrets.redact(self.tracking_uri) or "MLflow's default store"
     self.parent_run_id = config.mlflow.parent_run_id
     self.group = config.train.tracker_group
-    self.run_name = config.mlflow.run_name or run_name
+    self.run_name = config.mlflow.run_name or config.train.run_name or run_name
+    self.user_tags = {tag: "" for tag in split_tags(config.train.tags)}
+    if config.train.notes:
+      self.user_tags["mlflow.note.content"] = config.train.notes  # the run's description
     self.client = self.run_id = None
 
   def open(self, run_id: str, config: dict) -> dict:
@@ -121,7 +135,7 @@ class MlflowTracker(Tracker):
     client = _client(self.tracking_uri)
     experiment_id = _experiment_id(client, self.experiment, self.tracking_uri)
     run = _find_run(client, experiment_id, RUN_ID_TAG, run_id)
-    tags = {RUN_ID_TAG: run_id}
+    tags = {RUN_ID_TAG: run_id, **self.user_tags, **context_tags()}
     if self.parent_run_id:
       tags["mlflow.parentRunId"] = self.parent_run_id
     if self.group:

@@ -15,7 +15,7 @@ import subprocess
 import sys
 
 from transformer_jax.core import storage
-from transformer_jax.train.trackers.base import Tracker
+from transformer_jax.train.trackers.base import Tracker, provenance, split_tags
 
 
 def wandb_dir(workdir: str) -> str | None:
@@ -49,8 +49,9 @@ class WandbTracker(Tracker):
     self.settings = dict(
         project=w.project or None, entity=w.entity or None,
         group=w.group or config.train.tracker_group or None,
-        tags=[t.strip() for t in w.tags.split(",") if t.strip()] or None,
-        mode=w.mode or None, name=w.name or run_name, dir=wandb_dir(workdir))
+        tags=split_tags(w.tags or config.train.tags) or None, notes=config.train.notes or None,
+        mode=w.mode or None, name=w.name or config.train.run_name or run_name,
+        dir=wandb_dir(workdir))
     self.where = f"project {w.project or os.environ.get('WANDB_PROJECT') or '(W&B default)'}"
     self.run = None
 
@@ -62,6 +63,7 @@ class WandbTracker(Tracker):
     # W&B's console capture wraps sys.stdout and sys.stderr: every line and progress-bar
     # update of the training thread would pass through it. Off unless WANDB_CONSOLE asks.
     settings = wandb.Settings(silent=True, console=os.environ.get("WANDB_CONSOLE", "off"))
+    config = {**config, **{f"provenance/{k}": v for k, v in provenance().items()}}
     self.run = wandb.init(id=run_id, resume="allow", config=config, reinit="create_new",
                           settings=settings, **self.settings)
     self.run.config.update(config, allow_val_change=True)  # a resumed run's changed keys
