@@ -167,6 +167,12 @@ def test_a_run_in_mlflow_equals_metrics_jsonl_and_joins_its_sweep(tmp_path, laun
   assert table["columns"] == ["source", "translation", "reference"]
   assert table["data"] == [[s["source"], s["hypothesis"], s["reference"]]
                            for s in result["samples"]]
+  # The run's own files, as the workdir has them at the end.
+  uploaded = {f.path for f in client.list_artifacts(run.info.run_id)}
+  assert {"config.json", "summary.md", "metrics.jsonl"} <= uploaded
+  summary_md = open(client.download_artifacts(run.info.run_id, "summary.md",
+                                              str(tmp_path))).read()
+  assert summary_md == (workdir / "summary.md").read_text()
 
   code, out, err = launcher.run("--mode=plot", f"--workdir={workdir}")
   assert code == 0, out + err
@@ -559,6 +565,8 @@ def test_a_wandb_run_carries_its_provenance_name_tags_and_notes(tmp_path):
   config.train.update(run_name="baseline-lr3", tags="paper,wmt", notes="the paper's recipe")
   tracker = WandbTracker(config, str(tmp_path), "workdir-name")
   tracker.open("provenance-run", {"a": 1})
+  (tmp_path / "summary.md").write_text("# the run\n")
+  tracker.files({"summary": str(tmp_path / "summary.md")})  # the run's files (logger.RUN_FILES)
   tracker.close("finished")
   [run_dir] = (tmp_path / "wandb").glob("offline-run-*-provenance-run")
   summary = json.loads(_wandb_inspect(run_dir, "--summary"))
@@ -568,6 +576,7 @@ def test_a_wandb_run_carries_its_provenance_name_tags_and_notes(tmp_path):
            if json.loads(line)["type"] == "run"]
   assert run["display_name"] == "baseline-lr3" and run["tags"] == ["paper", "wmt"]
   assert run["notes"] == "the paper's recipe"
+  assert (run_dir / "files" / "summary.md").read_text() == "# the run\n"
 
 
 def test_a_tracking_uri_mlflow_cannot_use_is_one_line(monkeypatch):

@@ -15,7 +15,7 @@ from transformer_jax.core import outage, storage
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.eval import evaluate as evaluate_lib
 from transformer_jax.tools import summary
-from transformer_jax.train import checkpoint, loop
+from transformer_jax.train import checkpoint, logger, loop
 from transformer_jax.train.logger import read_metrics
 
 
@@ -133,6 +133,7 @@ def _train_and_report(config, workdir: str, on_eval: Optional[loop.OnEval] = Non
   report = summary.render(config, finals, read_metrics(result.workdir), result.step,
                           result.checkpoint_steps)
   summary.write(result.workdir, report)
+  logger.publish_run_files(config, result.workdir)
   print("\n" + report, flush=True)
   print(_workdir_map(result, paths), flush=True)
   return result.final_metrics

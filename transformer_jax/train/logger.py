@@ -329,6 +329,23 @@ _CACHE_WORDS = {"hit": "hit", "miss": "miss, now stored", "partly": "partly hit"
 def publish_images(config, workdir: str, paths: list, step: int) -> None:
   """--mode=plot's PNG files, to the workdir's tracker run (after training: the run resumed for
   the images alone); nothing without a tracker run or a tracker that shows images."""
+  _publish(config, workdir, paths, lambda tracker, files: tracker.images(files, step))
+
+
+# The run's own files, uploaded to its tracker run at the end of training (beside the plots of
+# --mode=plot): what a tracker's page then shows of the run as the workdir has it.
+RUN_FILES = ("config.json", "summary.md", "metrics.jsonl")
+
+
+def publish_run_files(config, workdir: str) -> None:
+  """RUN_FILES of a trained workdir to its tracker run (resumed for them, after summary.md is
+  written); nothing without a tracker run."""
+  paths = [storage.join(workdir, name) for name in RUN_FILES
+           if storage.exists(storage.join(workdir, name))]
+  _publish(config, workdir, paths, lambda tracker, files: tracker.files(files))
+
+
+def _publish(config, workdir: str, paths: list, send) -> None:
   chosen = [n for n in trackers.check(config) if n != "tensorboard"]
   run_id = trackers.read_run_id(workdir) if chosen else None
   if not run_id or not paths:
@@ -336,11 +353,11 @@ def publish_images(config, workdir: str, paths: list, step: int) -> None:
   import tempfile
   with tempfile.TemporaryDirectory() as local:
     files = {}
-    for path in paths:  # the trackers upload local files; plots of a bucket's workdir are copied
+    for path in paths:  # the trackers upload local files; a bucket workdir's are copied
       name = storage.basename(path).rsplit(".", 1)[0]
       files[name] = path if not storage.is_url(path) else _copy_local(path, local)
     for tracker in trackers.open_trackers(config, workdir, run_id):
-      tracker.images(files, step)
+      send(tracker, files)
       tracker.close("finished")
 
 

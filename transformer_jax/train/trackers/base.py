@@ -99,6 +99,9 @@ class Tracker:
   def checkpoints(self, steps: list, directory: str) -> None:
     """The checkpoint steps the workdir keeps now, in `directory` (references, not weights)."""
 
+  def files(self, paths: dict) -> None:
+    """{name: local file}: the run's own files (config.json, summary.md, metrics.jsonl)."""
+
   def close(self, state: str) -> None:
     """state: finished | stopped (a signal; the same command resumes it) | failed."""
 
@@ -160,6 +163,9 @@ class Background:
 
   def checkpoints(self, steps: list, directory: str) -> None:
     self._put("checkpoints", steps, directory)
+
+  def files(self, paths: dict) -> None:
+    self._put("files", paths)
 
   def _shown_before(self, split: str, step: int) -> bool:
     """A record of a step the run already shows (logged before a kill)."""

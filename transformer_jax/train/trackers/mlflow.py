@@ -192,6 +192,10 @@ class MlflowTracker(Tracker):
     for path in paths.values():
       self.client.log_artifact(self.run_id, path, "plots")
 
+  def files(self, paths: dict) -> None:
+    for path in paths.values():
+      self.client.log_artifact(self.run_id, path)
+
   def checkpoints(self, steps: list, directory: str) -> None:
     from mlflow.entities import RunTag
     self.client.log_batch(self.run_id, tags=[

@@ -87,6 +87,10 @@ class WandbTracker(Tracker):
     self.run.log({f"plots/{name}": wandb.Image(path) for name, path in paths.items()},
                  step=max(step, self.run.step))
 
+  def files(self, paths: dict) -> None:
+    for path in paths.values():  # into the run's files, uploaded with it
+      self.run.save(path, base_path=os.path.dirname(path), policy="now")
+
   def checkpoints(self, steps: list, directory: str) -> None:
     self.run.summary.update({"checkpoint_steps": list(steps), "checkpoints": directory})
 
