@@ -435,7 +435,8 @@ def test_a_sweep_with_mlflow_makes_its_trials_children_of_the_study(tmp_path, ml
   experiment.write_text(TWO_TRIALS)
   workdir = tmp_path / "sweep"
   subprocess.run([sys.executable, "launch.py", f"--config={experiment}", f"--workdir={workdir}",
-                  "--sweep", "--sweep_pruner=none", "--config.train.steps=2",
+                  "--sweep", "--sweep_pruner=none", "--config.train.steps=3",
+                  "--config.train.eval_every=2",  # reported at step 2; the last step is 3
                   "--config.train.log_every=1", "--config.train.checkpoint_every=2",
                   "--config.eval.max_examples=8", "--config.eval.batch_size=8",
                   "--config.train.trackers=mlflow",
@@ -461,7 +462,7 @@ def test_a_sweep_with_mlflow_makes_its_trials_children_of_the_study(tmp_path, ml
     assert run.data.tags["mlflow.parentRunId"] == parent_id
     assert run.data.tags[mlflow_tracker.STUDY_TAG] == study.study_name
     assert (run.data.tags["trial"], run.data.tags["trial_state"]) == (str(t.number), "COMPLETE")
-    assert run.data.tags["last_step"] == "2"  # its final step (train.steps)
+    assert run.data.tags["last_step"] == "3"  # its final step (train.steps), not step 2's
     assert run.data.params["data.shuffle_buffer"] == str(
         t.user_attrs["sweep_overrides"]["data.shuffle_buffer"])
     assert run.data.metrics["trial/value"] == pytest.approx(t.value)

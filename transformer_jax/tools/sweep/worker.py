@@ -348,6 +348,8 @@ def _record(p: Plan, study_name: str, parent: str, state: dict):
     if not _tracked(config):
       return
     step = trial.user_attrs.get("sweep_pruned_step")
+    if step is None and trial.state.name == "COMPLETE" and ran is not None:
+      step = ran.get("step")  # its final step: the last evaluation may come before it
     if step is None and trial.intermediate_values:
       step = max(trial.intermediate_values)
     if step is None and ran is not None:
