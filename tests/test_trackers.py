@@ -4,6 +4,7 @@ here on 127.0.0.1 with a SQLite store, and to W&B in offline mode, read back by 
 while the server is away and back, and from a job of two processes.
 """
 
+import hashlib
 import json
 import os
 import signal
@@ -449,7 +450,10 @@ def test_a_sweep_with_mlflow_makes_its_trials_children_of_the_study(tmp_path, ml
   parent_id = study.user_attrs[worker.PARENT_ATTR]
   runs = {r.info.run_id: r for r in _runs(mlflow_server, "sweep")}
   parent = runs.pop(parent_id)
-  assert parent.data.tags[mlflow_tracker.STUDY_TAG] == study.study_name
+  # Named by the study's folder, not the machine's absolute path (one MLflow server for many).
+  shown = f"sweep-{hashlib.sha1(study.study_name.encode()).hexdigest()[:6]}"
+  assert parent.data.tags[mlflow_tracker.STUDY_TAG] == shown == parent.info.run_name
+  assert str(tmp_path) not in parent.info.run_name
   assert parent.info.status == "FINISHED" and parent.data.params["budget"] == "2"
   best = min(trials, key=lambda t: t.value)
   assert json.loads(parent.data.tags["best/trial"]) == best.number
@@ -460,7 +464,7 @@ def test_a_sweep_with_mlflow_makes_its_trials_children_of_the_study(tmp_path, ml
     [run] = [r for r in runs.values()
              if r.data.tags[mlflow_tracker.RUN_ID_TAG] == _run_id(directory)]
     assert run.data.tags["mlflow.parentRunId"] == parent_id
-    assert run.data.tags[mlflow_tracker.STUDY_TAG] == study.study_name
+    assert run.data.tags[mlflow_tracker.STUDY_TAG] == shown
     assert (run.data.tags["trial"], run.data.tags["trial_state"]) == (str(t.number), "COMPLETE")
     assert run.data.tags["last_step"] == "3"  # its final step (train.steps), not step 2's
     assert run.data.params["data.shuffle_buffer"] == str(

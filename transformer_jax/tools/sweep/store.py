@@ -136,6 +136,16 @@ def study_name(workdir: str) -> str:
   return storage.check(workdir).rstrip("/")
 
 
+def display_name(study: str) -> str:
+  """The study as the trackers show it (the W&B group, MLflow's parent run and study tag): the
+  last folder of its workdir and 6 hex digits of the whole name, so that two sweeps in folders
+  of one name stay apart, without a machine's absolute path in a shared project."""
+  if "/" not in study:
+    return study
+  digest = hashlib.sha1(study.encode()).hexdigest()[:6]
+  return f"{study.rstrip('/').rsplit('/', 1)[-1]}-{digest}"
+
+
 def fingerprint(base_config, experiment, metric: str) -> dict:
   """What makes two sweeps the same one: the base config, the declared trials and space, the
   metric. Stored on the study; a worker of another sweep is refused."""

@@ -310,7 +310,7 @@ def study_parent(study, p: Plan, st: store.Storage) -> str:
     params["space"] = "; ".join(s.strip() for s in space_lib.describe(p.experiment.space))
   try:
     parent = mlflow.start_study(p.base_config, study.study_name, storage=store.redact(st.url),
-                                params=params)
+                                params=params, display=store.display_name(study.study_name))
   except Exception as e:  # noqa: BLE001 - a tracker never stops the sweep
     _TrackerWarning.warn("MLflow's parent run of the study", e)
     return ""
@@ -324,7 +324,7 @@ def with_tracker_group(config, study_name: str, parent: str):
   chosen = _tracked(config)
   if chosen:
     if not config.train.tracker_group:
-      config.train.tracker_group = study_name
+      config.train.tracker_group = store.display_name(study_name)
     if "mlflow" in chosen and parent:
       config.mlflow.parent_run_id = parent
   return config

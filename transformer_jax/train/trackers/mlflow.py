@@ -213,18 +213,21 @@ class MlflowTracker(Tracker):
 #   train.tracker_group = STUDY (also the W&B group) and mlflow.parent_run_id = start_study(...)
 
 
-def start_study(config, study: str, storage: str = "", params: dict | None = None) -> str:
+def start_study(config, study: str, storage: str = "", params: dict | None = None,
+                display: str = "") -> str:
   """The parent run of the sweep `study` in `config`'s MLflow experiment, created if it does not
   exist (a resumed sweep finds its own); its id. storage: where the study lives (Optuna's
-  storage URL), kept as a tag; params: the sweep's settings (its space, sampler, pruner)."""
+  storage URL), kept as a tag; params: the sweep's settings (its space, sampler, pruner);
+  display: the study's name as the run and its study tag show it ("" = `study`)."""
+  display = display or study
   from mlflow.entities import Param
   tracking_uri, experiment = settings(config)
   client = _client(tracking_uri)
   experiment_id = _experiment_id(client, experiment, tracking_uri)
   run = _find_run(client, experiment_id, STUDY_TAG + ".parent", study)
   if run is None:
-    run = client.create_run(experiment_id, run_name=study, tags={
-        STUDY_TAG + ".parent": study, STUDY_TAG: study, "study_storage": storage})
+    run = client.create_run(experiment_id, run_name=display, tags={
+        STUDY_TAG + ".parent": study, STUDY_TAG: display, "study_storage": storage})
   else:
     client.update_run(run.info.run_id, status="RUNNING")
   known = run.data.params
