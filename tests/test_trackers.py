@@ -596,3 +596,33 @@ def test_a_tracking_uri_mlflow_cannot_use_is_one_line(monkeypatch):
                "postgresql+psycopg://u@h/db", "databricks"):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", good)
     assert "mlflow" in trackers.check(config)
+
+
+IMPORTED_AT_THREAD_START = """
+import sys, threading
+from transformer_jax import config as config_lib
+from transformer_jax.train import trackers
+seen = []
+start = threading.Thread.start
+def observed(self):
+  if self.name.startswith("tracker-"):
+    seen.append(all(m in sys.modules for m in ("wandb", "mlflow.tracking", "mlflow.entities")))
+  return start(self)
+threading.Thread.start = observed
+config = config_lib.default_config()
+config.train.trackers = "tensorboard,wandb,mlflow"
+config.wandb.update(mode="offline", project="imports")
+config.mlflow.tracking_uri = "sqlite:///" + sys.argv[1] + "/mlflow.db"
+for tracker in trackers.open_trackers(config, sys.argv[1], "imports-run"):
+  tracker.close("finished")
+print(seen)
+"""
+
+
+def test_the_trackers_are_imported_before_their_threads_start(tmp_path):
+  """Two tracker threads importing MLflow and W&B at once lost an MLflow run (Python 3.11's
+  'AST constructor recursion depth mismatch'): each thread starts with both imported."""
+  done = subprocess.run([sys.executable, "-c", IMPORTED_AT_THREAD_START, str(tmp_path)],
+                        cwd=ROOT, capture_output=True, text=True, env=environment(), timeout=300)
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert done.stdout.strip().splitlines()[-1] == "[True, True]", done.stdout

@@ -112,13 +112,23 @@ def make(name: str, config, workdir: str) -> Tracker:
   return MlflowTracker(config, run_name)
 
 
+# What each tracker's calls import, imported on the calling thread before any tracker thread
+# starts: two threads importing MLflow and W&B at once lost an MLflow run to Python 3.11's "AST
+# constructor recursion depth mismatch" (an import race inside a dependency).
+IMPORTS = {"wandb": ("wandb",), "mlflow": ("mlflow.tracking", "mlflow.entities")}
+
+
 def open_trackers(config, workdir: str, run_id: str, backlog: list = ()) -> list:
   """A started Background for each tracker of train.trackers but TensorBoard (the logger's).
   backlog: the scalar records of the steps before this run (Background)."""
+  names = [name for name in check(config) if name != "tensorboard"]
+  for name in names:
+    for module in IMPORTS.get(name, ()):
+      importlib.import_module(module)
   return [Background(make(name, config, workdir), run_id, flat_config(config),
                      retry_s=config.train.tracker_retry_s, backlog=backlog,
                      interval_s=config.train.tracker_interval_s)
-          for name in check(config) if name != "tensorboard"]
+          for name in names]
 
 
 def record_trial(config, workdir: str, trial: int, state: str, params: dict | None = None,
