@@ -626,3 +626,28 @@ def test_the_trackers_are_imported_before_their_threads_start(tmp_path):
                         cwd=ROOT, capture_output=True, text=True, env=environment(), timeout=300)
   assert done.returncode == 0, done.stderr[-2000:]
   assert done.stdout.strip().splitlines()[-1] == "[True, True]", done.stdout
+
+
+def test_rerunning_a_finished_workdir_sends_its_tracker_what_it_lacks(tmp_path, tiny_run):
+  """A workdir whose tracker run lacks points (its tracker away at the end, or chosen only
+  now): the same command on the finished workdir sends every record of metrics.jsonl the run
+  lacks and the run's files, and ends the run FINISHED (a real MLflow SQLite store)."""
+  import shutil
+  workdir = tmp_path / "run"
+  shutil.copytree(tiny_run, workdir)
+  uri = f"sqlite:///{tmp_path}/mlflow.db"
+  done = subprocess.run([sys.executable, "launch.py", "--config=experiments/tiny.py",
+                         f"--workdir={workdir}", "--mode=train", "--config.train.eval_every=10",
+                         "--config.train.trackers=tensorboard,mlflow",
+                         *_mlflow_flags(uri, "synced")], cwd=ROOT, capture_output=True,
+                        text=True, env=environment(), timeout=300)
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert "already trained" in done.stdout and "got what it lacked" in done.stdout
+  [run] = _runs(uri, "synced", _run_id(workdir))
+  assert run.info.status == "FINISHED"
+  for split, key in (("train", "loss"), ("eval", "bleu")):
+    records = _records(workdir, split)
+    assert [step for step, _ in _history(uri, run, f"{split}/{key}")] == [
+        r["step"] for r in records] and records
+  files = {f.path for f in _client(uri).list_artifacts(run.info.run_id)}
+  assert {"config.json", "summary.md", "metrics.jsonl"} <= files

@@ -102,6 +102,9 @@ def train_and_evaluate(config, workdir: str, on_eval: Optional[loop.OnEval] = No
     print(f"already trained to step {step} (train.steps) and evaluated: eval/{{{names}}} and "
           f"summary.md in {storage.check(workdir)} are unchanged; raise train.steps to train "
           "further, or --mode=evaluate to evaluate otherwise", flush=True)
+    if jax.process_index() == 0 and logger.sync_trackers(config, workdir):
+      print("the trackers' run got what it lacked of metrics.jsonl and the run's files",
+            flush=True)
     return done[config.data.eval_split]
   try:  # a bucket's outage is ridden out up to the last write (core/outage.py), then no more
     return _train_and_report(config, workdir, on_eval)

@@ -345,6 +345,22 @@ def publish_run_files(config, workdir: str) -> None:
   _publish(config, workdir, paths, lambda tracker, files: tracker.files(files))
 
 
+def sync_trackers(config, workdir: str) -> bool:
+  """Sends a trained workdir's tracker runs what they lack (metrics.jsonl's records they do not
+  show, the run's files) and closes them as finished: a run whose tracker was away at its end,
+  or a workdir trained before the tracker was chosen. Whether there was a tracker to sync."""
+  chosen = [n for n in trackers.check(config) if n != "tensorboard"]
+  if not chosen:
+    return False
+  run_id = trackers.shared_run_id(workdir)
+  backlog = [(r["split"], _scalars(r), r["step"]) for r in read_metrics(workdir)
+             if isinstance(r.get("split"), str) and r["split"] != "startup"]
+  for tracker in trackers.open_trackers(config, workdir, run_id, backlog):
+    tracker.close("finished")
+  publish_run_files(config, workdir)
+  return True
+
+
 def _publish(config, workdir: str, paths: list, send) -> None:
   chosen = [n for n in trackers.check(config) if n != "tensorboard"]
   run_id = trackers.read_run_id(workdir) if chosen else None
