@@ -137,3 +137,19 @@ def test_a_checkpoint_write_the_store_refuses_is_one_line(store):
   assert len(lines) == 1 and lines[0].startswith("error: "), err
   assert "permission denied" in lines[0] and "Forbidden" in lines[0], err
   assert "no checkpoint was written" in lines[0], err
+
+
+@pytest.mark.parametrize("outage_s", [0, 3, 31, 60, 300, 1000])
+def test_tensorstore_retries_a_write_as_long_as_the_outage_budget(outage_s):
+  """TensorStore's backoff (from 1 s, doubling, at most 16 s) over its tries adds up to the
+  run's train.storage_outage_s (a 200 s outage inside a checkpoint write ended a run bound at
+  300 s after TensorStore's 5 tries), never fewer than its 5, and not a try more than needed."""
+  settings = checkpoint.tensorstore_retries(outage_s)
+  assert (settings["initial_delay"], settings["max_delay"]) == ("1s", "16s")
+  tries = settings["max_retries"]
+
+  def waited(n):
+    return sum(min(2 ** i, 16) for i in range(n))
+
+  assert tries >= 5 and waited(tries) >= outage_s
+  assert tries == 5 or waited(tries - 1) < outage_s

@@ -238,20 +238,35 @@ class _Unanswered(Exception):
   """A checkpoint write cut by a store that does not answer (Manager rides it out)."""
 
 
-# TensorStore's own retries of a bucket's requests (it writes the arrays): about half a minute,
-# as gcsfs's (orbax's other files), instead of its default 32 tries of up to 32 s each; past
-# them the outage is ridden out by train.storage_outage_s (`core/outage.py`), which says so.
-_STORE_RETRIES = {"max_retries": 5, "initial_delay": "1s", "max_delay": "16s"}
+# TensorStore's own retries of a bucket's requests (it writes the arrays), backing off from 1 s
+# to at most 16 s between tries: as many tries as cover the run's outage budget
+# (train.storage_outage_s), so that a write cut by an outage inside the bound waits inside
+# TensorStore instead of failing after its default tries (a 200 s outage inside a checkpoint
+# write ended a run whose bound was 300 s: "All 5 retry attempts failed").
+_FIRST_DELAY_S, _MAX_DELAY_S = 1, 16
 
 
-def _bound_tensorstore_retries() -> None:
-  """Puts _STORE_RETRIES into the TensorStore context orbax builds for every array it writes
-  (a private table of orbax 0.11 to 0.12; another orbax keeps TensorStore's defaults)."""
+def tensorstore_retries(outage_s: float) -> dict:
+  """TensorStore's retry settings (its gcs_request_retries / s3_request_retries context) whose
+  backoff adds up to at least `outage_s` seconds (and to TensorStore's 5 tries at least)."""
+  tries, waited, delay = 0, 0.0, _FIRST_DELAY_S
+  while tries < 5 or waited < outage_s:
+    waited += delay
+    delay = min(2 * delay, _MAX_DELAY_S)
+    tries += 1
+  return {"max_retries": tries, "initial_delay": f"{_FIRST_DELAY_S}s",
+          "max_delay": f"{_MAX_DELAY_S}s"}
+
+
+def _bound_tensorstore_retries(outage_s: float) -> None:
+  """Puts tensorstore_retries(outage_s) into the TensorStore context orbax builds for every
+  array it writes (a private table of orbax 0.11 to 0.12; another orbax keeps TensorStore's
+  defaults: 32 tries of up to 32 s each, which cover 300 s as well)."""
   try:
     from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
     for context in (ts_utils._BASE_TS_CONTEXT, ts_utils._DEFAULT_OCDBT_TS_CONTEXT):
       for resource in ("gcs_request_retries", "s3_request_retries"):
-        context.setdefault(resource, dict(_STORE_RETRIES))
+        context[resource] = tensorstore_retries(outage_s)
   except (ImportError, AttributeError):
     pass
 
@@ -455,7 +470,7 @@ class Manager:
     self._last = self._unsaved = None  # the newest save asked for; one not written (an outage)
     if writable:
       if storage.is_url(self.workdir):
-        _bound_tensorstore_retries()
+        _bound_tensorstore_retries(config.train.storage_outage_s)
         _FILTER.bucket_saves = True
       for name in ("absl", "asyncio"):
         logging.getLogger(name).addFilter(_FILTER)
