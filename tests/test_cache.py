@@ -428,3 +428,17 @@ def test_the_default_cache_of_a_job_of_several_processes_with_a_bucket_workdir(m
   d.cache_dir = "gcs://mine/c"
   with pytest.raises(UserError, match="unknown storage scheme gcs://"):
     cache.root(d)
+
+
+def test_a_missing_bucket_is_one_warning_for_every_entry_of_the_run(gcs, tmp_path, monkeypatch,
+                                                                     capsys):
+  """A run fetches several entries (the tokenizer, each split): a cache in a bucket that does
+  not exist is said once, as the docs say, and every entry is built without it."""
+  _on_a_fresh_host(monkeypatch, tmp_path, "host")
+  root = f"gs://no-such-bucket-{os.getpid()}/cache"
+  build = Builds()
+  for kind in ("tokenizer", "encoded", "encoded_eval"):
+    assert_same(cache.fetch(root, kind, KEY, build), arrays())
+  assert build.calls == 3
+  warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning")]
+  assert len(warnings) == 1 and root in warnings[0], warnings

@@ -238,9 +238,17 @@ def _mirror(cache_dir: str, kind: str, key: dict) -> str:
   return os.path.join(directory, key_hash(key))
 
 
+# Buckets of this process whose cache could not be read, or written: said once (a run fetches
+# several entries: the tokenizer, each split), later entries go without it in silence.
+_UNREADABLE: set = set()
+_UNWRITABLE: set = set()
+
+
 def _fetch_remote(cache_dir: str, kind: str, key: dict, build: Callable[[], dict],
                   describe: str, expected: bool) -> dict:
   """`fetch` for a cache in a bucket (see the module's docstring)."""
+  if cache_dir in _UNREADABLE:
+    return build()
   entry = storage.join(cache_dir, kind, key_hash(key))
   mirror = _mirror(cache_dir, kind, key)
   with _locked(mirror + ".lock") as locked:  # one download per host
@@ -264,6 +272,7 @@ def _fetch_remote(cache_dir: str, kind: str, key: dict, build: Callable[[], dict
       arrays = None
     except (UserError, OSError) as e:
       warn(f"cannot read the cache {cache_dir} ({_reason(e)}); this run goes on without it")
+      _UNREADABLE.add(cache_dir)
       return build()
     if arrays is not None:
       return arrays
@@ -275,9 +284,11 @@ def _fetch_remote(cache_dir: str, kind: str, key: dict, build: Callable[[], dict
       print(f"{describe}: writing it to the cache ({entry}) for later runs", flush=True)
     arrays = build()
     try:
-      _upload(entry, key, arrays)
+      if cache_dir not in _UNWRITABLE:
+        _upload(entry, key, arrays)
     except (UserError, OSError) as e:
-      warn(f"cannot write the cache entry {entry} ({_reason(e)}); this run goes on without it")
+      warn(f"cannot write the cache {cache_dir} ({_reason(e)}); this run goes on without it")
+      _UNWRITABLE.add(cache_dir)
     with contextlib.suppress(OSError):
       write(mirror, key, arrays)  # later starts on this host read it without a download
     return arrays
