@@ -427,6 +427,7 @@ def test_imported_generation_settings(workdirs, capsys, tmp_path, dirs):
   assert evaluate_lib.decode_name(config) == "beam4-lplength1-eos-len11"
   model = transformers.MarianMTModel.from_pretrained(dirs["marian"])
   model.generation_config.no_repeat_ngram_size = 3
+  model.generation_config.eos_token_id = [0, 5]  # a list: transformers stops at either
   model.save_pretrained(tmp_path / "hf")
   for name in ("source.spm", "target.spm", "vocab.json", "tokenizer_config.json"):
     (tmp_path / "hf" / name).write_bytes((dirs_path(dirs, "marian") / name).read_bytes())
@@ -434,6 +435,8 @@ def test_imported_generation_settings(workdirs, capsys, tmp_path, dirs):
   hf.import_hf(str(tmp_path / "hf"), str(tmp_path / "w"))
   err = capsys.readouterr().err
   assert "no_repeat_ngram_size=3" in err and "have no counterpart here" in err
+  assert "eos_token_id=[0, 5] (transformers stops at any of them; generation here stops at the " \
+         "EOS token 0 alone)" in err
   # A decoder start that only generation_config.json names (config.json without one, as
   # transformers 5 may save it) is the one our BOS reads.
   t5 = tmp_path / "t5"

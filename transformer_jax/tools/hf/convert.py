@@ -479,8 +479,14 @@ def _generation_settings(config, hf_dir: str, hf_config: dict, model: ModelConfi
     settings = {k: v for k, v in hf_config.items() if k in _GENERATION_DEFAULTS or k in (
         "max_new_tokens", "bad_words_ids", "suppress_tokens", "forced_eos_token_id",
         "forced_bos_token_id", "begin_suppress_tokens")}
-  settings = {k: v for k, v in settings.items() if v is not None and k not in _GENERATION_IGNORED}
   e, unmapped = config.eval, []
+  # transformers stops generating at any of a list of EOS ids; ours at the tokenizer's EOS.
+  eos = settings.get("eos_token_id")
+  if isinstance(eos, list) and len(set(eos)) > 1:
+    ours = special_ids.get("eos")
+    unmapped.append(f"eos_token_id={eos} (transformers stops at any of them; generation here "
+                    f"stops at the EOS token{f' {ours}' if ours is not None else ''} alone)")
+  settings = {k: v for k, v in settings.items() if v is not None and k not in _GENERATION_IGNORED}
   value = lambda key: settings.get(key, _GENERATION_DEFAULTS.get(key))  # noqa: E731
   # Their max_length counts the decoder's start token, or a decoder-only model's prompt too.
   longest = model.max_len - (model.arch == "decoder_only")  # a prompt of one token at least
