@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 WORKDIR ?= runs/scan_simple
 
-.PHONY: install lint test quick demo clean
+.PHONY: install lint test quick file-costs demo clean
 
 install: $(VENV)/.installed
 
@@ -29,9 +29,15 @@ test: lint
 	# workdirs) is then built once, not once on each worker.
 	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
-# The everyday loop: the suite without the files marked slow (tests/conftest.py: SLOW_FILE_S).
+# The everyday loop: the suite without the files marked slow (tests/conftest.py: SLOW_FILE_S,
+# of the measured tests/file_costs.json).
 quick: lint
 	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow" tests
+
+# The suite as `make test` runs it, writing the seconds each file took to tests/file_costs.json
+# (the order in which the workers take the files, and which are slow): after tests change.
+file-costs: lint
+	$(PY) -m pytest -q -n 2 --dist loadfile --record-file-costs tests
 
 demo: $(VENV)/.installed
 	$(PY) launch.py --config=experiments/scan_simple.py --workdir=$(WORKDIR) --mode=train

@@ -3,6 +3,7 @@ cache and the compilation cache of the tests' subprocesses in temporary director
 directories built once per test session (a trained workdir that several test files read)."""
 
 import fcntl
+import json
 import os
 import shutil
 import subprocess
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 from launcher import QUICK_COMPILE
 
-from transformer_jax.core import platforms
+from transformer_jax.core import compilation, platforms
 from transformer_jax.data import cache
 from transformer_jax.model import ModelConfig
 
@@ -31,26 +32,57 @@ os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {QUICK_COMPILE}".s
 
 # The order in which pytest-xdist's workers take the files (`-n 2 --dist loadfile`): the most
 # expensive first, so that the run does not end with one worker busy on a long file while the
-# other waits. Seconds of each file (setup, call and teardown of its tests, summed from
-# `pytest --durations=0` of one whole run of the suite on the 2-vCPU dev machine, 2026-11-28,
-# test_compile_once.py after it was cut down); a file not listed goes last, in pytest's order.
-# A scheduling hint only: a missing or stale entry changes which worker runs what, never a
-# result. test_bucket_outage.py: over a minute of wall time waiting on a store that is down, at
-# little CPU; listed first so that the other worker's files run meanwhile.
-FILE_COST = {
-    "test_bucket_outage.py": 160, "test_trackers.py": 148, "test_gpu_suite.py": 111,
-    "test_hf.py": 98, "test_sweep_postgres.py": 95, "test_bucket_workdir.py": 84,
-    "test_compile_once.py": 80, "test_length_head.py": 66, "test_train.py": 60,
-    "test_hf_scores.py": 58, "test_compile.py": 57, "test_sweep.py": 57, "test_sharding.py": 54,
-    "test_errors.py": 52, "test_plot.py": 48, "test_decode.py": 47,
-    "test_geometric_attention.py": 47, "test_multiprocess.py": 47, "test_docs.py": 40,
-    "test_model.py": 37, "test_evaluate.py": 36, "test_storage.py": 36, "test_hf_t5.py": 33,
-    "test_launch.py": 32, "test_checkpoint.py": 31, "test_length_options.py": 30,
-    "test_faults.py": 29, "test_install.py": 27, "test_hf_damage.py": 26,
-    "test_attention.py": 24, "test_tasks.py": 24, "test_hf_llama.py": 22, "test_hf_marian.py": 21,
-    "test_benchmark.py": 20, "test_data.py": 19, "test_profile.py": 16, "test_flops.py": 15,
-    "test_tfds_prepare.py": 10, "test_layers.py": 9, "test_cache.py": 7, "test_scan.py": 7,
-    "test_pretrained.py": 4, "test_layout.py": 3, "test_top_fusions.py": 2}
+# other waits. The seconds of each file (setup, call and teardown of its tests, summed) are
+# measured, not written by hand: file_costs.json beside this file holds what the last run with
+# `--record-file-costs` measured (`make file-costs`: the whole suite as `make test` runs it,
+# on the 2-core machine). A file it does not list yet goes last, in pytest's order. A
+# scheduling hint only: a missing or stale entry changes which worker runs what, never a result.
+# Files are named by their path under tests/ (hf/test_x.py for tests/hf/test_x.py).
+COSTS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "file_costs.json")
+
+
+def _read_costs() -> dict:
+  try:
+    with open(COSTS_FILE, encoding="utf-8") as f:
+      return json.load(f)
+  except (OSError, ValueError):  # none yet, or damaged: pytest's order, the same results
+    return {}
+
+
+FILE_COST = _read_costs()
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def _file(item) -> str:
+  return os.path.relpath(str(item.path), TESTS)
+
+
+def pytest_addoption(parser):
+  parser.addoption("--record-file-costs", action="store_true",
+                   help=f"write the seconds each test file took in this run to {COSTS_FILE} "
+                        "(the order and `slow` marks of the next runs); best from a whole run "
+                        "of the suite as `make test` runs it")
+
+
+_spent: dict = {}
+
+
+def pytest_runtest_logreport(report):
+  # In the controller of an xdist run, every worker's reports arrive here too.
+  path = report.nodeid.split("::")[0]
+  path = path[len("tests/"):] if path.startswith("tests/") else path
+  _spent[path] = _spent.get(path, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session):
+  config = session.config
+  if not config.getoption("--record-file-costs") or hasattr(config, "workerinput"):
+    return
+  costs = {path: round(seconds) for path, seconds in
+           sorted(_spent.items(), key=lambda entry: (-entry[1], entry[0]))}
+  with open(COSTS_FILE, "w", encoding="utf-8") as f:
+    json.dump(costs, f, indent=0)
+    f.write("\n")
 
 
 def pytest_configure(config):
@@ -66,9 +98,9 @@ SLOW_FILE_S = 45
 
 
 def pytest_collection_modifyitems(config, items):
-  items.sort(key=lambda item: -FILE_COST.get(item.path.name, 0))  # stable: a file keeps its order
+  items.sort(key=lambda item: -FILE_COST.get(_file(item), 0))  # stable: a file keeps its order
   for item in items:
-    if FILE_COST.get(item.path.name, 0) >= SLOW_FILE_S:
+    if FILE_COST.get(_file(item), 0) >= SLOW_FILE_S:
       item.add_marker(pytest.mark.slow)
 
 
@@ -93,16 +125,18 @@ def _session_root(tmp_path_factory):
 # processes that compile the same program at the same time neither read a half-written entry
 # nor write over each other (without it, an entry is written in place, unlocked).
 CACHE_LIMIT_BYTES = 16 << 30
+IN_PROCESS_MIN_COMPILE_S = float(os.environ.get("TRANSFORMER_JAX_TEST_MIN_COMPILE_S", "0.1"))
 
 
 @pytest.fixture(autouse=True, scope="session")
 def compilation_cache(tmp_path_factory):
-  """A persistent compilation cache for every subprocess of the tests (launch.py runs, sweep
-  trials, scripts), through the environment: one for the whole session, shared by the test
-  workers. A program that several runs compile (the tiny model's train step, its evaluation's
-  decoding), in whichever test file and on whichever worker, compiles once; the others read
-  it. This process's JAX has read its configuration already and keeps none. Tests that want a
-  cache of their own pass one (launcher.environment)."""
+  """A persistent compilation cache for the tests' own processes and every subprocess of theirs
+  (launch.py runs, sweep trials, scripts, through the environment): one for the whole session,
+  shared by the test workers. A program that several tests compile (the tiny model's train
+  step, its evaluation's decoding, each test's fresh `jax.jit` of the same function), in
+  whichever test file, process or worker, compiles once; the others read it. Tests that want a
+  cache of their own pass one (launcher.environment); a test that counts this process's
+  compiles turns it off for itself (`no_compilation_cache`)."""
   directory = _session_root(tmp_path_factory) / "jax_cache"
   directory.mkdir(exist_ok=True)
   if os.environ.get("TRANSFORMER_JAX_TEST_COMPILE_CACHE") == "off":
@@ -113,7 +147,23 @@ def compilation_cache(tmp_path_factory):
                     JAX_COMPILATION_CACHE_MAX_SIZE=str(CACHE_LIMIT_BYTES),
                     JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                     JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+  # This process's JAX read its configuration when it was imported: set it as launch.py does,
+  # but keep only programs that took a while to compile. The tests' own processes run hundreds
+  # of tiny ones (each eager operation is one) that compile in milliseconds: writing and
+  # locking an entry for each costs more than it saves.
+  if compilation.configure(None):  # the environment's (above), or none when it says "off"
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", IN_PROCESS_MIN_COMPILE_S)
   return directory
+
+
+@pytest.fixture
+def no_compilation_cache():
+  """This process without its persistent compilation cache for one test (one that counts what
+  it compiles), and with it again afterwards."""
+  before = compilation.directory()
+  compilation.configure(compilation.OFF)
+  yield
+  compilation.configure(before or compilation.OFF)
 
 
 @pytest.fixture(scope="session")

@@ -95,6 +95,42 @@ def _quick_compile() -> str:
 QUICK_COMPILE = _quick_compile()
 
 
+def cpu_environment(devices: int, **extra) -> dict:
+  """This environment on the CPU, with `devices` host devices (XLA's
+  --xla_force_host_platform_device_count) and the tests' quick-compiling flags; `extra` added."""
+  return dict(os.environ, JAX_PLATFORMS="cpu",
+              XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {QUICK_COMPILE}",
+              **extra)
+
+
+def start_job(command: list, env: dict, processes: int = 2, port=None) -> list:
+  """Starts `command` (a launch.py command line) as the `processes` processes of one JAX job, as
+  the explicit flags make one: a coordinator on 127.0.0.1 at a free port (or `port`),
+  --num_processes and --process_id. The Popen of each, process 0 first, with stdout and stderr
+  together in text; `job_outputs` waits for them. The one way the tests start a job of several
+  processes."""
+  from tests import emulators  # (its free_port: the one way the tests find a port)
+  port = port or emulators.free_port()
+  return [subprocess.Popen([*command, f"--coordinator_address=127.0.0.1:{port}",
+                            f"--num_processes={processes}", f"--process_id={i}"], cwd=ROOT,
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+          for i in range(processes)]
+
+
+def job_outputs(job: list, timeout: float = 300) -> tuple:
+  """Waits for the processes of `start_job`: (their exit codes, their outputs), process 0 first.
+  A process still running after `timeout` seconds is killed, with the others, and fails the test
+  with what each printed."""
+  try:
+    outputs = [p.communicate(timeout=timeout)[0] for p in job]
+  except subprocess.TimeoutExpired:
+    for p in job:
+      p.kill()
+    raise AssertionError(f"a job's process ran past {timeout} s:\n" +
+                         "\n".join(p.communicate()[0][-3000:] for p in job)) from None
+  return [p.returncode for p in job], outputs
+
+
 # A user and mount namespace of the server's own, where it may mount file systems (a small
 # tmpfs: a full disk) that only it and its children see. As root, or as any user where the kernel
 # allows unprivileged user namespaces.

@@ -6,10 +6,11 @@ import glob
 import os
 import pwd
 import shutil
-import socket
 import subprocess
 import tempfile
 from types import SimpleNamespace
+
+from tests import emulators
 
 USER, PASSWORD, DATABASE = "sweeper", "s3cret-pw", "sweeps"
 
@@ -22,10 +23,7 @@ def _binaries() -> str:
   return os.path.dirname(found[-1])
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
+_free_port = emulators.free_port  # (the tests' one way to find a port)
 
 
 def start() -> SimpleNamespace:

@@ -165,10 +165,11 @@ def test_with_dropout_as_inputs_the_loss_is_bitwise_and_gradients_agree_to_an_ul
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
-def test_settings_share_one_program_and_a_shape_compiles_anew():
+def test_settings_share_one_program_and_a_shape_compiles_anew(no_compilation_cache):
   """Two steps whose configs differ in every setting that is an input (dropout rates included)
   share the jitted function: the second runs without tracing or compiling (JAX's events say
-  so); d_model (a shape) makes a new program."""
+  so); d_model (a shape) makes a new program. (Without the session's persistent cache, where
+  another test may have stored the first and third already.)"""
   first = train_config(learning_rate=1e-3, label_smoothing=0.1, grad_clip_norm=1.0)
   second = train_config(learning_rate=3e-3, label_smoothing=0.2, grad_clip_norm=0.3,
                         warmup_steps=7, adam_b1=0.8, adam_b2=0.99, adam_eps=1e-7)
@@ -269,28 +270,24 @@ def test_an_unwritable_cache_folder_warns_once_and_the_run_goes_on(launcher, tmp
   assert startup(tmp_path / "run")["cache"] == "off"
 
 
-def test_a_cache_in_a_bucket_serves_the_next_process(tmp_path_factory):
+def test_a_cache_in_a_bucket_serves_the_next_process(launcher, tmp_path_factory):
   """gs:// and s3:// (the emulators): the second process finds the first's program there, and
   nothing appears on the local disk."""
   from transformer_jax.core import storage
-  with emulators.buckets():
-    server = Launcher(environment(tmp_path_factory.mktemp("unused_cache")),
-                      str(tmp_path_factory.mktemp("launches")))
-    try:
-      for bucket in ("gs", "s3"):
-        tmp = tmp_path_factory.mktemp(f"{bucket}_runs")
-        for name, rate in (("first", "1e-3"), ("second", "2e-3")):
-          code, _, err = server.run(*TINY, f"--workdir={tmp / name}",
+  with emulators.buckets() as (gcs_url, s3_url):
+    for bucket in ("gs", "s3"):
+      tmp = tmp_path_factory.mktemp(f"{bucket}_runs")
+      for name, rate in (("first", "1e-3"), ("second", "2e-3")):
+        code, _, err = launcher.run(*TINY, f"--workdir={tmp / name}",
                                     f"--config.train.learning_rate={rate}",
-                                    f"--compile_cache={bucket}://bucket/xla")
-          assert code == 0, err
-        assert startup(tmp / "first")["cache"] == "miss", bucket
-        assert startup(tmp / "second")["cache"] == "hit", bucket
-        assert any(n.endswith("-cache") for n in storage.listdir(f"{bucket}://bucket/xla"))
-      # No folder named after a URL where the runs started (JAX's lock file, XLA's caches).
-      assert not [n for n in os.listdir(ROOT) if n.endswith(":")]
-    finally:
-      server.close()
+                                    f"--compile_cache={bucket}://bucket/xla",
+                                    env=emulators.environment(gcs_url, s3_url))
+        assert code == 0, err
+      assert startup(tmp / "first")["cache"] == "miss", bucket
+      assert startup(tmp / "second")["cache"] == "hit", bucket
+      assert any(n.endswith("-cache") for n in storage.listdir(f"{bucket}://bucket/xla"))
+    # No folder named after a URL where the runs started (JAX's lock file, XLA's caches).
+    assert not [n for n in os.listdir(ROOT) if n.endswith(":")]
 
 
 def test_the_compile_cache_flag_is_refused_where_nothing_compiles():

@@ -5,7 +5,6 @@ as the two workers of a Cloud TPU VM pod that JAX finds through the VM's metadat
 import http.server
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -13,7 +12,7 @@ import threading
 import jax
 import numpy as np
 import pytest
-from launcher import NAMESPACE, QUICK_COMPILE, namespaces_work
+from launcher import NAMESPACE, cpu_environment, job_outputs, namespaces_work, start_job
 
 from tests import emulators
 from transformer_jax.data import prepare
@@ -29,15 +28,7 @@ ARGS = ["--config=experiments/tiny.py", "--mode=train", "--config.train.steps=3"
         "--config.model.qkv_bias=False"]
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    return s.getsockname()[1]
-
-
-def _env(devices: int) -> dict:
-  return dict(os.environ, JAX_PLATFORMS="cpu",
-              XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {QUICK_COMPILE}")
+_env = cpu_environment  # (test_trackers' job of two processes imports it by this name)
 
 
 def _train_losses(workdir):
@@ -65,7 +56,7 @@ def one_process(tmp_path_factory):
   devices, the same global batch."""
   workdir = tmp_path_factory.mktemp("one") / "run"
   _outputs([subprocess.Popen([sys.executable, "launch.py", *ARGS, f"--workdir={workdir}"],
-                             cwd=ROOT, env=_env(4), stdout=subprocess.PIPE,
+                             cwd=ROOT, env=cpu_environment(4), stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT)])
   return workdir
 
@@ -87,15 +78,11 @@ def test_data_that_process_0_refuses_stops_every_process_of_the_job(tmp_path):
   too, each with exit 2, instead of leaving it waiting for data that never comes. (That a job of
   two processes trains like one process: the TPU VM pod below, which starts the same way once
   JAX has found its coordinator, process count and ids.)"""
-  port = _free_port()
-  pair = [subprocess.Popen([sys.executable, "launch.py", *ARGS, f"--workdir={tmp_path / 'w'}",
-                            "--config.model.vocab_size=12",  # too few pieces for SCAN's words
-                            f"--coordinator_address=localhost:{port}", "--num_processes=2",
-                            f"--process_id={i}"], cwd=ROOT,
-                           env=dict(_env(2), TRANSFORMER_JAX_CACHE=str(tmp_path / "cache")),
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i in (0, 1)]
-  outputs = [p.communicate(timeout=300)[0].decode() for p in pair]
-  assert [p.returncode for p in pair] == [2, 2], outputs
+  codes, outputs = job_outputs(start_job(
+      [sys.executable, "launch.py", *ARGS, f"--workdir={tmp_path / 'w'}",
+       "--config.model.vocab_size=12"],  # too few pieces for SCAN's words
+      cpu_environment(2, TRANSFORMER_JAX_CACHE=str(tmp_path / "cache"))))
+  assert codes == [2, 2], outputs
   assert "error: a word vocabulary of model.vocab_size=12 pieces" in outputs[0]
   assert "error: process 0 of this job could not prepare the data" in outputs[1]
   assert not (tmp_path / "w").exists()
@@ -176,7 +163,7 @@ def _on_a_tpu_vm(command, directory) -> list:
 def _tpu_vm_env(server: MetadataServer, port: int, cache_dir) -> dict:
   """The environment of a worker of a TPU VM pod: its metadata server, the coordinator's port
   (JAX's default, 8482, may be taken here), no variable of another cluster kind."""
-  env = dict(_env(2), JAX_FORCE_TPU_INIT="1", GCE_METADATA_IP=server.address,
+  env = dict(cpu_environment(2), JAX_FORCE_TPU_INIT="1", GCE_METADATA_IP=server.address,
              JAX_COORDINATOR_PORT=str(port), TRANSFORMER_JAX_CACHE=str(cache_dir),
              NO_PROXY="127.0.0.1", no_proxy="127.0.0.1")
   for name in ("TPU_WORKER_HOSTNAMES", "TPU_PROCESS_ADDRESSES", "TPU_SKIP_MDS_QUERY",
@@ -193,7 +180,7 @@ def test_the_pod_detection_counts_the_workers_of_a_tpu_vm(tmp_path, workers, gke
   script = tmp_path / "count.py"
   script.write_text("from transformer_jax.train import sharding\n"
                     "print('processes:', sharding.detected_process_count())\n")
-  env = _tpu_vm_env(server, _free_port(), tmp_path / "cache")
+  env = _tpu_vm_env(server, emulators.free_port(), tmp_path / "cache")
   if gke_hosts:
     env.update(TPU_WORKER_HOSTNAMES=gke_hosts, TPU_WORKER_ID="0")
   try:
@@ -221,7 +208,7 @@ def test_a_tpu_vm_pod_found_through_its_metadata_server_trains_as_one_job(tmp_pa
   servers = [MetadataServer(worker, 2) for worker in (0, 1)]
   with emulators.gcs_buckets("bucket") as gcs_url:
     try:
-      port = _free_port()
+      port = emulators.free_port()
       command = [sys.executable, "launch.py", *ARGS, f"--workdir={pod}", "--config.mesh.data=1",
                  "--config.mesh.fsdp=4", "--config.data.cache_dir=gs://bucket/cache"]
       pair = [subprocess.Popen(_on_a_tpu_vm(command, tmp_path), cwd=ROOT,
