@@ -44,6 +44,8 @@ OTHERS = {
     # Timings of a workdir in a bucket (the GCS emulator); the code they time is tested.
     ".venv/bin/python benchmarks/bucket_checkpoint.py": "test_bucket_workdir (its checkpoints)",
     ".venv/bin/python benchmarks/bucket_logging.py": "test_bucket_workdir (its metrics)",
+    # Minutes of waiting on a store that is down; test_bucket_outage rides out short outages.
+    ".venv/bin/python benchmarks/storage_outage.py": "test_bucket_outage (the same runs, short)",
     "printf ": "writes the input of the next command (a launch.py command, checked)",
     ".venv/bin/python -m transformer_jax.tools.profile": "test_profile (the same command)",
     "cd \"$SLURM_SUBMIT_DIR\"": "a SLURM job script (its launch.py line is checked)",

@@ -253,8 +253,11 @@ def test_a_run_killed_and_resumed_shows_every_step_once(tmp_path, launcher, mlfl
   assert sorted(history) == [r["step"] for r in train]  # evaluations and saves share their rows
   for r in train:
     assert history[r["step"]]["train/loss"] == pytest.approx(r["loss"], rel=1e-6)
-  summary = json.loads(_wandb_inspect(sorted((workdir / "wandb").glob("offline-run-*"))[-1],
-                                      "--summary"))
+  # The training's own session: after it, one more uploads the run's files (logger.RUN_FILES).
+  summaries = [json.loads(_wandb_inspect(d, "--summary"))
+               for d in sorted((workdir / "wandb").glob("offline-run-*"))
+               if list(d.glob("*.wandb"))]
+  summary = [s for s in summaries if "summary/step" in s["summary"]][-1]
   assert (summary["run_id"], summary["project"], summary["tags"]) == (_run_id(workdir), "tiny",
                                                                       ["a", "b"])
   assert summary["config"]["model.d_model"] == 32 and summary["config"]["train.steps"] == 400

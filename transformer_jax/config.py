@@ -142,9 +142,9 @@ def default_config() -> ml_collections.ConfigDict:
   # The run in every tracker: its name ("" = the workdir's name), tags (comma-separated) and
   # notes (W&B's name, tags and notes; MLflow's run name, a tag per tag, the run's description).
   # wandb.name, wandb.tags and mlflow.run_name win where set.
-  c.train.run_name = ""
-  c.train.tags = ""
-  c.train.notes = ""
+  c.train.run_name = ""  # the run's name in the trackers; "" = the workdir's name
+  c.train.tags = ""  # the run's tags in the trackers, comma-separated
+  c.train.notes = ""  # the run's notes (W&B) or description (MLflow)
   c.train.tracker_retry_s = 60.0  # seconds between tries of a tracker that could not be reached
   # Seconds between two sends of scalars to a tracker; what is logged in between goes in one
   # request (a request costs the training process milliseconds: trackers/base.py). 0 = each
@@ -213,7 +213,7 @@ def default_config() -> ml_collections.ConfigDict:
   c.benchmark.target_len = 32  # tokens per target row
   c.benchmark.warmup = 3  # untimed steps after the compilation
   # timed train steps; the median is reported. 0: compile the step (into the compilation cache)
-  # and stop: benchmarks/gpu_suite.py compiles a window's cases at once that way.
+  # and stop: the GPU suite compiles a window's cases at once that way.
   c.benchmark.steps = 20
   c.benchmark.decode_batch = 32  # rows of the timed decoding
   c.benchmark.decode_steps = 3  # timed decode batches (greedy and beam 4); 0 skips decoding

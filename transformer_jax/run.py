@@ -136,7 +136,8 @@ def _train_and_report(config, workdir: str, on_eval: Optional[loop.OnEval] = Non
   report = summary.render(config, finals, read_metrics(result.workdir), result.step,
                           result.checkpoint_steps)
   summary.write(result.workdir, report)
-  logger.publish_run_files(config, result.workdir)
+  if result.trackers_complete:  # else the same command on the finished workdir sends them
+    logger.publish_run_files(config, result.workdir)
   print("\n" + report, flush=True)
   print(_workdir_map(result, paths), flush=True)
   return result.final_metrics

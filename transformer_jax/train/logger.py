@@ -159,6 +159,7 @@ class MetricLogger:
     self.enabled = enabled
     self.peak_flops = peak_flops
     self._closed = False
+    self.trackers_complete = True  # after close: every tracker sent everything
     chosen = trackers.check(config) if config is not None else ["tensorboard"]
     run_id = (trackers.shared_run_id(workdir) if set(chosen) - {"tensorboard"} else None)
     if not enabled:
@@ -314,6 +315,7 @@ class MetricLogger:
         self._tb.close()
       for tracker in self._trackers:
         tracker.close(state)
+      self.trackers_complete = all(tracker.complete for tracker in self._trackers)
 
   def __enter__(self):
     return self

@@ -53,6 +53,7 @@ class Result:
   wall_time: float  # seconds since this run's first step, up to the final evaluation
   train_time: float  # seconds of train steps alone (Throughput's clock), compiling ones aside
   pruned: Optional[str] = None  # why on_eval stopped the run early (a sweep's pruner), or None
+  trackers_complete: bool = True  # the trackers got everything (else they were away at the end)
 
   @property
   def step(self) -> int:
@@ -325,7 +326,8 @@ def train(config, workdir: str, evaluate_fn: EvaluateFn, on_eval: Optional[OnEva
                 start_step=start, final_metrics=final_metrics, test_metrics=test_metrics,
                 stopped_by=preemption.signal, pruned=pruned,
                 checkpoint_steps=checkpoint_steps, tokens_seen=throughput.tokens_seen,
-                wall_time=wall_time, train_time=throughput.train_seconds)
+                wall_time=wall_time, train_time=throughput.train_seconds,
+                trackers_complete=logger.trackers_complete)
 
 
 def _eval_eta(throughput: actions.Throughput, step: int, t) -> float | None:

@@ -42,7 +42,7 @@ def provenance() -> dict:
   its flags are read; masked again here), the program, the host and the user."""
   if _PROVENANCE:
     return dict(_PROVENANCE)
-  source = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  source = os.path.dirname(os.path.abspath(__file__))  # git finds the checkout above it
   found = {"command": secrets.redact(shlex.join(sys.argv)), "host": socket.gethostname(),
            "program": os.path.basename(sys.argv[0]) if sys.argv else "", "user": _user()}
 
@@ -247,6 +247,11 @@ class Background:
               file=sys.stderr, flush=True)
     with self._cond:
       self.unsent = len(self._calls) + self._dropped
+
+  @property
+  def complete(self) -> bool:
+    """After close: everything was sent."""
+    return not self._thread.is_alive() and not self.unsent
 
   def close(self, state: str = "finished", timeout: float = CLOSE_TIMEOUT_S) -> None:
     """Sends what is queued (waiting at most `timeout` seconds), then ends the tracker's run."""
