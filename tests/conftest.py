@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from launcher import QUICK_COMPILE
 
-from transformer_jax.core import compilation, platforms
+from transformer_jax.core import platforms
 from transformer_jax.data import cache
 from transformer_jax.model import ModelConfig
 
@@ -125,18 +125,16 @@ def _session_root(tmp_path_factory):
 # processes that compile the same program at the same time neither read a half-written entry
 # nor write over each other (without it, an entry is written in place, unlocked).
 CACHE_LIMIT_BYTES = 16 << 30
-IN_PROCESS_MIN_COMPILE_S = float(os.environ.get("TRANSFORMER_JAX_TEST_MIN_COMPILE_S", "0.1"))
 
 
 @pytest.fixture(autouse=True, scope="session")
 def compilation_cache(tmp_path_factory):
-  """A persistent compilation cache for the tests' own processes and every subprocess of theirs
-  (launch.py runs, sweep trials, scripts, through the environment): one for the whole session,
-  shared by the test workers. A program that several tests compile (the tiny model's train
-  step, its evaluation's decoding, each test's fresh `jax.jit` of the same function), in
-  whichever test file, process or worker, compiles once; the others read it. Tests that want a
-  cache of their own pass one (launcher.environment); a test that counts this process's
-  compiles turns it off for itself (`no_compilation_cache`)."""
+  """A persistent compilation cache for every subprocess of the tests (launch.py runs, sweep
+  trials, scripts), through the environment: one for the whole session, shared by the test
+  workers. A program that several runs compile (the tiny model's train step, its evaluation's
+  decoding), in whichever test file and on whichever worker, compiles once; the others read
+  it. This process's JAX has read its configuration already and keeps none. Tests that want a
+  cache of their own pass one (launcher.environment)."""
   directory = _session_root(tmp_path_factory) / "jax_cache"
   directory.mkdir(exist_ok=True)
   if os.environ.get("TRANSFORMER_JAX_TEST_COMPILE_CACHE") == "off":
@@ -147,23 +145,7 @@ def compilation_cache(tmp_path_factory):
                     JAX_COMPILATION_CACHE_MAX_SIZE=str(CACHE_LIMIT_BYTES),
                     JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                     JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-  # This process's JAX read its configuration when it was imported: set it as launch.py does,
-  # but keep only programs that took a while to compile. The tests' own processes run hundreds
-  # of tiny ones (each eager operation is one) that compile in milliseconds: writing and
-  # locking an entry for each costs more than it saves.
-  if compilation.configure(None):  # the environment's (above), or none when it says "off"
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", IN_PROCESS_MIN_COMPILE_S)
   return directory
-
-
-@pytest.fixture
-def no_compilation_cache():
-  """This process without its persistent compilation cache for one test (one that counts what
-  it compiles), and with it again afterwards."""
-  before = compilation.directory()
-  compilation.configure(compilation.OFF)
-  yield
-  compilation.configure(before or compilation.OFF)
 
 
 @pytest.fixture(scope="session")

@@ -165,11 +165,10 @@ def test_with_dropout_as_inputs_the_loss_is_bitwise_and_gradients_agree_to_an_ul
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
-def test_settings_share_one_program_and_a_shape_compiles_anew(no_compilation_cache):
+def test_settings_share_one_program_and_a_shape_compiles_anew():
   """Two steps whose configs differ in every setting that is an input (dropout rates included)
   share the jitted function: the second runs without tracing or compiling (JAX's events say
-  so); d_model (a shape) makes a new program. (Without the session's persistent cache, where
-  another test may have stored the first and third already.)"""
+  so); d_model (a shape) makes a new program."""
   first = train_config(learning_rate=1e-3, label_smoothing=0.1, grad_clip_norm=1.0)
   second = train_config(learning_rate=3e-3, label_smoothing=0.2, grad_clip_norm=0.3,
                         warmup_steps=7, adam_b1=0.8, adam_b2=0.99, adam_eps=1e-7)
