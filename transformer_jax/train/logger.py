@@ -172,10 +172,8 @@ class MetricLogger:
     self._tb = (_Events(storage.join(workdir, "tensorboard")) if "tensorboard" in chosen
                 else None)
     # The trackers get metrics.jsonl's earlier records too: those their run lacks are sent.
-    backlog = ([(r["split"], _scalars(r), r["step"]) for r in read_metrics(workdir)
-                if isinstance(r.get("split"), str) and r["split"] != "startup"]
-               if run_id else [])
-    self._trackers = trackers.open_trackers(config, workdir, run_id, backlog) if run_id else []
+    self._trackers = (trackers.open_trackers(config, workdir, run_id, _backlog(workdir))
+                      if run_id else [])
 
   def _write(self, record: dict) -> None:
     self._jsonl.append(record)
@@ -354,13 +352,19 @@ def sync_trackers(config, workdir: str) -> bool:
   chosen = [n for n in trackers.check(config) if n != "tensorboard"]
   if not chosen:
     return False
-  run_id = trackers.shared_run_id(workdir)
-  backlog = [(r["split"], _scalars(r), r["step"]) for r in read_metrics(workdir)
-             if isinstance(r.get("split"), str) and r["split"] != "startup"]
-  for tracker in trackers.open_trackers(config, workdir, run_id, backlog):
+  # Process 0 alone gets here: its own claim, not shared_run_id's broadcast to the job (which
+  # every process must join, and would wait for the others for good).
+  run_id = trackers.claim_run_id(workdir)
+  for tracker in trackers.open_trackers(config, workdir, run_id, _backlog(workdir)):
     tracker.close("finished")
   publish_run_files(config, workdir)
   return True
+
+
+def _backlog(workdir: str) -> list:
+  """metrics.jsonl's records as the trackers take them (Background's backlog)."""
+  return [(r["split"], _scalars(r), r["step"]) for r in read_metrics(workdir)
+          if isinstance(r.get("split"), str) and r["split"] != "startup"]
 
 
 def _publish(config, workdir: str, paths: list, send) -> None:
