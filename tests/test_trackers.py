@@ -547,13 +547,13 @@ def test_an_mlflow_run_carries_its_provenance_name_tags_and_notes(tmp_path):
   config.train.update(run_name="baseline-lr3", tags="paper, wmt", notes="the paper's recipe")
   argv = sys.argv
   sys.argv = ["launch.py", "--sweep_storage=postgresql://u:sentinel-pw@db/x"]
-  base._PROVENANCE.clear()
+  base._provenance.cache_clear()
   try:
     tracker = mlflow_tracker.MlflowTracker(config, "workdir-name")
     tracker.open("provenance-run", trackers.flat_config(config))
   finally:
     sys.argv = argv
-    base._PROVENANCE.clear()
+    base._provenance.cache_clear()
   run = MlflowClient(uri).get_run(tracker.run_id)
   tags = run.data.tags
   assert run.info.run_name == "baseline-lr3"

@@ -15,6 +15,7 @@ measurable (docs/benchmarks.md, "Experiment trackers on and off").
 from __future__ import annotations
 
 import collections
+import functools
 import getpass
 import os
 import shlex
@@ -33,15 +34,15 @@ def split_tags(text: str) -> list:
   return [t.strip() for t in text.split(",") if t.strip()]
 
 
-_PROVENANCE: dict = {}
-
-
 def provenance() -> dict:
   """Where the run came from, for every tracker: the git commit of the code that runs (and
   whether its tree had changes), the command line (secrets masked: cli.py redacts sys.argv once
   its flags are read; masked again here), the program, the host and the user."""
-  if _PROVENANCE:
-    return dict(_PROVENANCE)
+  return dict(_provenance())
+
+
+@functools.lru_cache(maxsize=None)
+def _provenance() -> dict:
   source = os.path.dirname(os.path.abspath(__file__))  # git finds the checkout above it
   found = {"command": secrets.redact(shlex.join(sys.argv)), "host": socket.gethostname(),
            "program": os.path.basename(sys.argv[0]) if sys.argv else "", "user": _user()}
@@ -55,8 +56,7 @@ def provenance() -> dict:
     found["git_dirty"] = bool(git("status", "--porcelain", "--untracked-files=no"))
   except (OSError, subprocess.SubprocessError):
     pass
-  _PROVENANCE.update(found)
-  return dict(found)
+  return found
 
 
 def _user() -> str:
