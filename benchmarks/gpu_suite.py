@@ -348,12 +348,8 @@ def precompile(cases: list, state: dict, args, outdir: pathlib.Path, env: dict,
     if args.dry_run:
       command = dataclasses.replace(command, overrides={
           **dry_overrides(command), "benchmark.steps": 0, "benchmark.warmup": 0})
-    run_env = dict(env)
-    for key, value in command.env.items():
-      run_env[key] = (f"{run_env[key]} {value}".strip() if key == "XLA_FLAGS" and
-                      run_env.get(key) else value)
     status, _, seconds, output = run_command(
-        command.argv(args.python, outdir), run_env, command.timeout_min * 60,
+        command.argv(args.python, outdir), command_env(env, command), command.timeout_min * 60,
         outdir / "logs" / f"{case.name}.compile.log")
     parsed = last_json(output) if status == "ok" else None
     rows[case.name].update(precompile_s=seconds, precompile_status=status if parsed or
@@ -521,6 +517,15 @@ def derive(row: dict) -> None:
     row["bleu_minus_published"] = m["bleu_lowercase_tokenized"] - PUBLISHED_BLEU
 
 
+def command_env(base_env: dict, command: Command) -> dict:
+  """The environment of a command: the suite's, with the command's own on top (its XLA_FLAGS
+  after the suite's)."""
+  env = dict(base_env)
+  for key, value in command.env.items():
+    env[key] = f"{env[key]} {value}".strip() if key == "XLA_FLAGS" and env.get(key) else value
+  return env
+
+
 def run_case(case: Case, outdir: pathlib.Path, python: str, base_env: dict, dry_run: bool,
              timeout_cap_s: Optional[float]) -> dict:
   log = outdir / "logs" / f"{case.name}.log"
@@ -531,9 +536,7 @@ def run_case(case: Case, outdir: pathlib.Path, python: str, base_env: dict, dry_
     if dry_run:
       command = dataclasses.replace(command, overrides=dry_overrides(command), timeout_min=3)
     argv = command.argv(python, outdir)
-    env = dict(base_env)
-    for key, value in command.env.items():
-      env[key] = f"{env[key]} {value}".strip() if key == "XLA_FLAGS" and env.get(key) else value
+    env = command_env(base_env, command)
     timeout_s = command.timeout_min * 60
     if timeout_cap_s is not None:
       timeout_s = max(30.0, min(timeout_s, timeout_cap_s - row["wall_s"]))
