@@ -162,11 +162,11 @@ def combine(case: Case, cases: list, rows: dict) -> Optional[Case]:
                    key=lambda pair: -pair[0])
   if not winners:
     return None
-  overrides, flags = {}, []
+  overrides, flags, defaults = {}, [], _bench(case.combine)
   for _, lever in winners:
     command = lever.commands[0]
     for key, value in command.overrides.items():
-      if key not in overrides or overrides[key] == _bench(case.combine).get(key):
+      if key not in overrides or overrides[key] == defaults.get(key):
         overrides[key] = value
     if command.env.get("XLA_FLAGS"):
       flags.append(command.env["XLA_FLAGS"])
