@@ -28,7 +28,10 @@ FIRST_DELAY_S, MAX_DELAY_S = 0.5, 8.0  # the backoff between tries
 
 # Failures of a store that does not answer (or answers that it cannot now), by exception type
 # name (aiohttp's, botocore's, gcsfs', Python's) or by their text, which orbax and TensorStore
-# wrap in their own exception types.
+# wrap in their own exception types. TensorStore (the checkpoints' arrays) reaches the store
+# through curl and, once its own tries are spent, says `ABORTED: All N retry attempts failed:
+# CURL error Could not connect to server: ... [curl_code='7']` (it retries only what it takes
+# for passing: no connection, a cut one, 429 and 5xx).
 _NAMES = ("ClientConnectorError", "ClientConnectorDNSError", "ServerDisconnectedError",
           "ClientOSError", "ServerTimeoutError", "EndpointConnectionError", "ConnectTimeoutError",
           "ReadTimeoutError", "ConnectionClosedError", "FSTimeoutError", "TimeoutError",
@@ -38,7 +41,10 @@ _TEXT = re.compile(r"Cannot connect to host|Connect call failed|Connection refus
                    r"Server disconnected|Connection reset|Connection aborted|timed out|"
                    r"Could not connect to the endpoint|UNAVAILABLE|DEADLINE_EXCEEDED|"
                    r"\b(?:429|500|502|503|504) (?:Too Many|Internal|Bad Gateway|Service|Gateway)|"
-                   r"Service Unavailable|SlowDown|RequestTimeout", re.IGNORECASE)
+                   r"Service Unavailable|SlowDown|RequestTimeout|"
+                   r"All \d+ retry attempts failed|Could not connect to server|Couldn't connect|"
+                   r"Failed to connect to|Empty reply from server|Recv failure|Send failure|"
+                   r"curl_code='?(?:6|7|28|52|55|56)\b", re.IGNORECASE)
 
 _lock = threading.Lock()
 _limit = 0.0  # 0: not armed (fail at once)

@@ -242,15 +242,18 @@ class _Unanswered(Exception):
 # to at most 16 s between tries: as many tries as cover the run's outage budget
 # (train.storage_outage_s), so that a write cut by an outage inside the bound waits inside
 # TensorStore instead of failing after its default tries (a 200 s outage inside a checkpoint
-# write ended a run whose bound was 300 s: "All 5 retry attempts failed").
-_FIRST_DELAY_S, _MAX_DELAY_S = 1, 16
+# write ended a run whose bound was 300 s: "All 5 retry attempts failed"). Never fewer than
+# _MIN_TRIES (about 3 s, a blip's worth, as gcsfs and s3fs are given: storage.RETRIES), and not
+# many more than the bound, so that past it the run stops about when its other writes do.
+_FIRST_DELAY_S, _MAX_DELAY_S, _MIN_TRIES = 1, 16, 2
 
 
 def tensorstore_retries(outage_s: float) -> dict:
   """TensorStore's retry settings (its gcs_request_retries / s3_request_retries context) whose
-  backoff adds up to at least `outage_s` seconds (and to TensorStore's 5 tries at least)."""
+  backoff adds up to at least `outage_s` seconds. TensorStore waits once after each of its
+  max_retries failed tries (1 s, 2 s, 4 s, ... at most 16 s, each plus up to 1 s of jitter)."""
   tries, waited, delay = 0, 0.0, _FIRST_DELAY_S
-  while tries < 5 or waited < outage_s:
+  while tries < _MIN_TRIES or waited < outage_s:
     waited += delay
     delay = min(2 * delay, _MAX_DELAY_S)
     tries += 1
@@ -369,6 +372,16 @@ def _quiet():
     for lg, level in zip(loggers, levels):
       lg.setLevel(level)
     sys.unraisablehook = hook
+
+
+def _excerpt(text: str, limit: int = 200) -> str:
+  """`text` on one line, without TensorStore's annotations (`[source locations='...']`,
+  `[tensorstore_spec='{...}']`, which repeat the paths), and at most `limit` characters, cut
+  between words with `...` (a line cut mid-path reads as a wrong path)."""
+  text = " ".join(re.sub(r"\s*\[[a-z_ ]+='(?:[^'\\]|\\.)*'\]", "", str(text)).split())
+  if len(text) <= limit:
+    return text
+  return text[:limit].rsplit(" ", 1)[0].rstrip(",;:") + " ..."
 
 
 def _reason(e: Exception) -> str:
@@ -576,7 +589,7 @@ class Manager:
     while cause.__cause__ is not None or cause.__context__ is not None:
       cause = cause.__cause__ or cause.__context__
     known = storage.user_failure(self.directory, cause, "write a checkpoint in")
-    reason = " ".join(str(cause).split())[:200] or type(cause).__name__
+    reason = _excerpt(str(cause)) or type(cause).__name__
     steps = saved_steps(self.workdir)
     kept = (f"the checkpoints written before (steps {steps}) are intact" if steps
             else "no checkpoint was written")
