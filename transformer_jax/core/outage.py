@@ -2,12 +2,16 @@
 cuts them or answers 5xx for a minute (a preemptible job's network blip, a zone's hiccup).
 
 A training run arms it (`arm(train.storage_outage_s)`) once its workdir has answered; from then
-on every request of `core/storage.py` that fails because the store does not answer is retried
-with backoff (`retry`), and a checkpoint write that fails so is redone or skipped by
-`train/checkpoint.py` (`wait_until_answering`), while training goes on. The outage is said in
-one warning line when it begins and one when it ends. Past the bound the run stops with one
-UserError naming the endpoint and what it waited for: what was written before is intact, and the
-same command resumes from the last complete checkpoint.
+on every request that fails because the store does not answer is retried with backoff, on one
+clock and one bound: those of `core/storage.py` (`retry`: metrics and events, the lease, the
+run's files) and those orbax makes through fsspec for a checkpoint (`retry_async`, in
+`storage._riding`); TensorStore, which writes a checkpoint's arrays, retries as long by its own
+settings (`train/checkpoint.py`). A checkpoint save that fails all the same is redone or skipped
+by `train/checkpoint.py` (`wait_until_answering`). Training goes on meanwhile, up to a save that
+must wait for the one before it. The outage is said in one warning line when it begins and one
+when it ends. Past the bound the run stops with one UserError naming the endpoint and what it
+waited for: what was written before is intact, and the same command resumes from the last
+complete checkpoint.
 
 Modes that only read (evaluate, translate, plot, ...) are not armed: they fail at once, in one
 line, and are rerun.
@@ -15,6 +19,7 @@ line, and are rerun.
 
 from __future__ import annotations
 
+import asyncio
 import re
 import sys
 import threading
@@ -93,8 +98,8 @@ def _began(endpoint: str, error: BaseException) -> float:
         return _since
       reason = " ".join(str(error).split())[:120] or type(error).__name__
       print(f"warning: {endpoint} does not answer ({type(error).__name__}: {reason}); writes "
-            f"wait for it, up to train.storage_outage_s={_limit:.0f} s, and training goes on",
-            file=sys.stderr, flush=True)
+            f"wait for it, up to train.storage_outage_s={_limit:.0f} s (training goes on up to "
+            "its next checkpoint)", file=sys.stderr, flush=True)
     return _since
 
 
@@ -143,14 +148,38 @@ def retry(fn: Callable, endpoint: str, waited_for: str):
     try:
       result = fn()
     except Exception as e:  # the libraries raise many types; `unreachable` sorts them
-      if not armed() or not unreachable(e):
-        raise
-      failed(endpoint, e, waited_for)
+      _counted(e, endpoint, waited_for)
       time.sleep(delay)
       delay = min(delay * 2, MAX_DELAY_S)
       continue
     answered()
     return result
+
+
+async def retry_async(fn: Callable, endpoint: str, waited_for: str):
+  """`retry` for a coroutine function `fn` (the requests of an asyncio filesystem: gcsfs,
+  s3fs), on the same bound and clock: its waits let the event loop run."""
+  delay = FIRST_DELAY_S
+  while True:
+    if _gave_up:
+      raise give_up(endpoint, waited_for)
+    try:
+      result = await fn()
+    except Exception as e:  # noqa: BLE001  sorted by `unreachable`
+      _counted(e, endpoint, waited_for)
+      await asyncio.sleep(delay)
+      delay = min(delay * 2, MAX_DELAY_S)
+      continue
+    answered()
+    return result
+
+
+def _counted(error: Exception, endpoint: str, waited_for: str) -> None:
+  """A failed try of `retry`: `error` raised again unless the store did not answer in a process
+  that rides outages out, where it counts against the bound (`failed`)."""
+  if not armed() or not unreachable(error):
+    raise error
+  failed(endpoint, error, waited_for)
 
 
 def wait_until_answering(probe: Callable[[], object], endpoint: str, waited_for: str) -> None:

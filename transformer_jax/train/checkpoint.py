@@ -295,6 +295,18 @@ def _release_cut_save() -> None:
   gc.collect()
 
 
+def _user_error_in(e: BaseException) -> Optional[UserError]:
+  """The UserError `e` was raised from (or during), if any: one of ours, raised inside orbax's
+  save (a request past train.storage_outage_s), which orbax may have wrapped."""
+  seen = set()
+  while e is not None and id(e) not in seen:
+    if isinstance(e, UserError):
+      return e
+    seen.add(id(e))
+    e = e.__cause__ or e.__context__
+  return None
+
+
 def _write_errno(e: BaseException):
   """The errno of a failed write, found in an OSError or in the text of the error that orbax and
   tensorstore raise for it (`... No space left on device [os_error_code='28']`); else None."""
@@ -622,7 +634,13 @@ class Manager:
     _Unanswered (after `outage.failed`, which raises its UserError past the bound)."""
     try:
       yield
+    except UserError:
+      raise  # ours already (a request that waited past train.storage_outage_s)
     except Exception as e:  # orbax wraps the OSError in whatever its layer raises
+      ours = _user_error_in(e)  # orbax's requests ride outages out (storage._riding)
+      if ours is not None:
+        _release_cut_save()
+        raise ours from None
       if storage.is_url(self.directory) and outage.armed() and outage.unreachable(e):
         _release_cut_save()
         outage.failed(self._endpoint(), e, "to save a checkpoint")
