@@ -118,6 +118,11 @@ def ongoing() -> bool:
   return _since is not None
 
 
+def seen() -> bool:
+  """Whether this process met an outage (under way, or over)."""
+  return _since is not None or _ended > float("-inf")
+
+
 def give_up(endpoint: str, waited_for: str) -> UserError:
   """The run's one line past the bound. The process stops waiting from then on: what it still
   does on its way out (releasing its lease) tries once."""

@@ -686,11 +686,23 @@ def set_aside_partial_line(path: str, err=None) -> int:
 
 class _Uploads:
   """Runs uploads in order on one background thread, so that the caller (the training loop)
-  never waits for a request. A failed upload is raised by the next `submit` or by `close`."""
+  never waits for a request. A failed upload is raised by the next `submit` or by `close`; the
+  uploads queued after it are dropped unrun (a log with a chunk missing is not continued, and a
+  run on its way out after an outage does not wait out each one's tries)."""
 
   def __init__(self):
     self._pool = futures.ThreadPoolExecutor(1, thread_name_prefix="storage-upload")
     self._pending: list = []
+    self._failed = False
+
+  def _run(self, upload: Callable[[], object]) -> None:
+    if self._failed:
+      return
+    try:
+      upload()
+    except BaseException:
+      self._failed = True
+      raise
 
   def _raise_failures(self, wait: bool) -> None:
     keep = []
@@ -703,7 +715,7 @@ class _Uploads:
 
   def submit(self, upload: Callable[[], object]) -> None:
     self._raise_failures(wait=False)
-    self._pending.append(self._pool.submit(upload))
+    self._pending.append(self._pool.submit(self._run, upload))
 
   def close(self) -> None:
     try:

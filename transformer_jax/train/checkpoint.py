@@ -493,6 +493,8 @@ class Manager:
     self.tokenizer_sha = tokenizer_sha
     self.unreadable = []  # steps found unreadable by latest_good()
     self._last = self._unsaved = None  # the newest save asked for; one not written (an outage)
+    self._started = None  # the step of the newest save orbax began
+    self._cut: set = set()  # steps whose save an outage cut: their leftovers go
     if writable:
       if storage.is_url(self.workdir):
         _bound_tensorstore_retries(config.train.storage_outage_s)
@@ -567,11 +569,15 @@ class Manager:
         return
       try:
         with self._writing():
+          self._forget_cut()  # its requests wait for the store (up to the bound) themselves
           self._manager.save(step, args=args, metrics=metrics, force=True)
-        self._unsaved = None
+        self._started, self._unsaved = step, None
         return
       except _Unanswered:
-        continue  # the save before this one was cut by the outage: see whether it is over
+        # The save before this one (orbax raises its failure here), or this one's start, was
+        # cut by the outage: see whether it is over.
+        self._cut |= {s for s in (self._started, step) if s is not None}
+        continue
 
   def wait(self) -> None:
     """Waits for the save under way; through an outage, until the store answers (up to
@@ -582,16 +588,35 @@ class Manager:
           self._manager.wait_until_finished()
       except _Unanswered:
         self._unsaved = self._last  # the save in flight was the newest one asked for
+        self._cut.add(self._started)
       if self._unsaved is None:
+        if storage.is_url(self.directory) and outage.seen():
+          # A save the outage cut may have failed where orbax only logs it: what any save
+          # left unfinished goes now that none is under way.
+          self._cut |= set(self.unfinished_steps())
+          self._forget_cut()
         return
       step, args, metrics = self._unsaved
       outage.wait_until_answering(lambda: storage.probe(self.directory), self._endpoint(),
                                   f"to save checkpoint step {step}")
-      # What the cut save left of the step (no commit file: never read) goes, and orbax
-      # forgets it, so that the step is written again from the start.
-      storage.remove_tree(storage.join(self.directory, str(step)))
-      self._manager.reload()
+      self._cut.add(step)  # written again from the start
       self._put(step, args, metrics)
+
+  def _forget_cut(self) -> None:
+    """What the saves an outage cut left in the store (a step without its commit file: never
+    read, but a resume would warn of it) goes, once the store answers again, and orbax forgets
+    those steps, so that a step is written again from the start."""
+    cut, self._cut = sorted(s for s in self._cut if s is not None), set()
+    if not cut:
+      return
+    if jax.process_index() == 0:  # one process deletes; the others wait for it below
+      for step in cut:
+        path = storage.join(self.directory, str(step))
+        if not storage.exists(storage.join(path, COMMIT_FILE)):
+          storage.remove_tree(path)
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices("cut checkpoint saves forgotten")
+    self._manager.reload()
 
   def _refused(self, error: Exception) -> UserError:
     """One line for a checkpoint write that the bucket's store refused (no permission, a
