@@ -14,12 +14,14 @@ own processes, reached through the same environment variables a user sets for a 
 import contextlib
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 
 GCS_SERVER = r"""
@@ -250,7 +252,9 @@ class Outage:
   """A TCP relay in front of an endpoint (a thread of the test process), taken down and brought
   back by the test: down, it refuses new connections and cuts the open ones, as a store that
   went away does; the emulator behind it keeps every object; stalled, it takes connections and
-  never answers them, as a server that hangs does. Point the client at `url`."""
+  never answers them, as a server that hangs does; tripped (`trip`), it goes down by itself when
+  a chosen request passes (inside a checkpoint write, say), for a chosen time. Point the client
+  at `url`."""
 
   def __init__(self, target: str):
     self.target = target.split("://", 1)[-1].split(":")
@@ -260,7 +264,49 @@ class Outage:
     self._lock = threading.Lock()
     self.refusing = ()  # texts: connections whose first request line holds them all get 403
     self.stalled = False
+    self._trips: list = []  # [(text, seconds)]: the next request holding `text` takes it down
+    self.tripped: list = []  # [text, when it went down, when it came back or None], in order
+    self._closed = False
     self.up()
+
+  def trip(self, *trips: tuple) -> None:
+    """From now on, the relay goes down by itself when a request naming the first trip's text
+    passes (in its first packet: the request line, the headers, the start of its body, where a
+    multipart upload names its object; as sent or percent-encoded), that request cut, and comes
+    back up after the trip's seconds (None: when `up` is called); then the next trip waits for
+    its own text. `trips`: (text, seconds) pairs, a text a string or a tuple of strings that
+    must all be there (("PUT /", "summary.md"): an upload of it). `tripped` records each
+    outage as [text, its start, its end (None while down)]."""
+    with self._lock:
+      self._trips = list(trips)
+
+  _REQUEST = re.compile(rb"^[A-Z]+ \S+ HTTP/1\.[01]\r\n")
+
+  def _trips_on(self, data: bytes):
+    """The seconds of the trip that the request beginning `data` sets off (then taken off the
+    list), or False."""
+    if not self._REQUEST.match(data):
+      return False
+    data = data.lower()
+    with self._lock:
+      if not self._trips or self._listener is None:
+        return False
+      text, seconds = self._trips[0]
+      if not all(t.lower().encode() in data
+                 or urllib.parse.quote(t, safe="").lower().encode() in data
+                 for t in ((text,) if isinstance(text, str) else text)):
+        return False
+      self._trips.pop(0)
+      self.tripped.append([text, time.time(), None])
+      return seconds
+
+  def wait_tripped(self, n: int, seconds: float = 120.0) -> None:
+    """Waits until `n` trips have taken the relay down and brought it back up."""
+    deadline = time.time() + seconds
+    while not (len(self.tripped) >= n and all(end for _, _, end in self.tripped[:n])):
+      if time.time() > deadline:
+        raise TimeoutError(f"{len(self.tripped)} of {n} trips happened: {self.tripped}")
+      time.sleep(0.05)
 
   def stall(self) -> None:
     """From now on, connections are taken and held unanswered; the open ones are cut."""
@@ -277,6 +323,10 @@ class Outage:
     self.up()
 
   def up(self) -> None:
+    if self._listener is not None or self._closed:
+      return  # up already, or closed
+    for outage in self.tripped:
+      outage[2] = outage[2] or time.time()
     listener = socket.socket()
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.bind(("127.0.0.1", self.port))
@@ -287,10 +337,11 @@ class Outage:
 
   def down(self) -> None:
     listener, self._listener = self._listener, None
-    with contextlib.suppress(OSError):
-      listener.shutdown(socket.SHUT_RDWR)
-    listener.close()
-    self._thread.join(timeout=5)
+    if listener is not None:
+      with contextlib.suppress(OSError):
+        listener.shutdown(socket.SHUT_RDWR)
+      listener.close()
+      self._thread.join(timeout=5)
     with self._lock:
       for connection in self._open:
         with contextlib.suppress(OSError):
@@ -334,13 +385,21 @@ class Outage:
       return
     with self._lock:
       self._open += [client, server]
-    for a, b in ((client, server), (server, client)):
-      threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+    for a, b, requests in ((client, server, True), (server, client, False)):
+      threading.Thread(target=self._pump, args=(a, b, requests), daemon=True).start()
 
-  @staticmethod
-  def _pump(source, sink) -> None:
+  def _pump(self, source, sink, requests: bool) -> None:
     try:
       while data := source.recv(65536):
+        if requests and self._trips:
+          seconds = self._trips_on(data)
+          if seconds is not False:  # this request is cut, with every other one
+            self.down()
+            if seconds is not None:
+              timer = threading.Timer(seconds, self.up)
+              timer.daemon = True
+              timer.start()
+            return
         sink.sendall(data)
     except OSError:
       pass
@@ -349,5 +408,5 @@ class Outage:
         sink.shutdown(socket.SHUT_WR)
 
   def close(self) -> None:
-    if self._listener is not None:
-      self.down()
+    self._closed, self._trips = True, []  # a trip's timer no longer brings it up
+    self.down()

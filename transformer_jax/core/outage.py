@@ -2,12 +2,16 @@
 cuts them or answers 5xx for a minute (a preemptible job's network blip, a zone's hiccup).
 
 A training run arms it (`arm(train.storage_outage_s)`) once its workdir has answered; from then
-on every request of `core/storage.py` that fails because the store does not answer is retried
-with backoff (`retry`), and a checkpoint write that fails so is redone or skipped by
-`train/checkpoint.py` (`wait_until_answering`), while training goes on. The outage is said in
-one warning line when it begins and one when it ends. Past the bound the run stops with one
-UserError naming the endpoint and what it waited for: what was written before is intact, and the
-same command resumes from the last complete checkpoint.
+on every request that fails because the store does not answer is retried with backoff, on one
+clock and one bound: those of `core/storage.py` (`retry`: metrics and events, the lease, the
+run's files) and those orbax makes through fsspec for a checkpoint (`retry_async`, in
+`storage._riding`); TensorStore, which writes a checkpoint's arrays, retries as long by its own
+settings (`train/checkpoint.py`). A checkpoint save that fails all the same is redone or skipped
+by `train/checkpoint.py` (`wait_until_answering`). Training goes on meanwhile, up to a save that
+must wait for the one before it. The outage is said in one warning line when it begins and one
+when it ends. Past the bound the run stops with one UserError naming the endpoint and what it
+waited for: what was written before is intact, and the same command resumes from the last
+complete checkpoint.
 
 Modes that only read (evaluate, translate, plot, ...) are not armed: they fail at once, in one
 line, and are rerun.
@@ -15,6 +19,7 @@ line, and are rerun.
 
 from __future__ import annotations
 
+import asyncio
 import re
 import sys
 import threading
@@ -28,7 +33,10 @@ FIRST_DELAY_S, MAX_DELAY_S = 0.5, 8.0  # the backoff between tries
 
 # Failures of a store that does not answer (or answers that it cannot now), by exception type
 # name (aiohttp's, botocore's, gcsfs', Python's) or by their text, which orbax and TensorStore
-# wrap in their own exception types.
+# wrap in their own exception types. TensorStore (the checkpoints' arrays) reaches the store
+# through curl and, once its own tries are spent, says `ABORTED: All N retry attempts failed:
+# CURL error Could not connect to server: ... [curl_code='7']` (it retries only what it takes
+# for passing: no connection, a cut one, 429 and 5xx).
 _NAMES = ("ClientConnectorError", "ClientConnectorDNSError", "ServerDisconnectedError",
           "ClientOSError", "ServerTimeoutError", "EndpointConnectionError", "ConnectTimeoutError",
           "ReadTimeoutError", "ConnectionClosedError", "FSTimeoutError", "TimeoutError",
@@ -38,7 +46,10 @@ _TEXT = re.compile(r"Cannot connect to host|Connect call failed|Connection refus
                    r"Server disconnected|Connection reset|Connection aborted|timed out|"
                    r"Could not connect to the endpoint|UNAVAILABLE|DEADLINE_EXCEEDED|"
                    r"\b(?:429|500|502|503|504) (?:Too Many|Internal|Bad Gateway|Service|Gateway)|"
-                   r"Service Unavailable|SlowDown|RequestTimeout", re.IGNORECASE)
+                   r"Service Unavailable|SlowDown|RequestTimeout|"
+                   r"All \d+ retry attempts failed|Could not connect to server|Couldn't connect|"
+                   r"Failed to connect to|Empty reply from server|Recv failure|Send failure|"
+                   r"curl_code='?(?:6|7|28|52|55|56)\b", re.IGNORECASE)
 
 _lock = threading.Lock()
 _limit = 0.0  # 0: not armed (fail at once)
@@ -87,8 +98,8 @@ def _began(endpoint: str, error: BaseException) -> float:
         return _since
       reason = " ".join(str(error).split())[:120] or type(error).__name__
       print(f"warning: {endpoint} does not answer ({type(error).__name__}: {reason}); writes "
-            f"wait for it, up to train.storage_outage_s={_limit:.0f} s, and training goes on",
-            file=sys.stderr, flush=True)
+            f"wait for it, up to train.storage_outage_s={_limit:.0f} s (training goes on up to "
+            "its next checkpoint)", file=sys.stderr, flush=True)
     return _since
 
 
@@ -105,6 +116,11 @@ def answered() -> None:
 
 def ongoing() -> bool:
   return _since is not None
+
+
+def seen() -> bool:
+  """Whether this process met an outage (under way, or over)."""
+  return _since is not None or _ended > float("-inf")
 
 
 def give_up(endpoint: str, waited_for: str) -> UserError:
@@ -137,14 +153,38 @@ def retry(fn: Callable, endpoint: str, waited_for: str):
     try:
       result = fn()
     except Exception as e:  # the libraries raise many types; `unreachable` sorts them
-      if not armed() or not unreachable(e):
-        raise
-      failed(endpoint, e, waited_for)
+      _counted(e, endpoint, waited_for)
       time.sleep(delay)
       delay = min(delay * 2, MAX_DELAY_S)
       continue
     answered()
     return result
+
+
+async def retry_async(fn: Callable, endpoint: str, waited_for: str):
+  """`retry` for a coroutine function `fn` (the requests of an asyncio filesystem: gcsfs,
+  s3fs), on the same bound and clock: its waits let the event loop run."""
+  delay = FIRST_DELAY_S
+  while True:
+    if _gave_up:
+      raise give_up(endpoint, waited_for)
+    try:
+      result = await fn()
+    except Exception as e:  # noqa: BLE001  sorted by `unreachable`
+      _counted(e, endpoint, waited_for)
+      await asyncio.sleep(delay)
+      delay = min(delay * 2, MAX_DELAY_S)
+      continue
+    answered()
+    return result
+
+
+def _counted(error: Exception, endpoint: str, waited_for: str) -> None:
+  """A failed try of `retry`: `error` raised again unless the store did not answer in a process
+  that rides outages out, where it counts against the bound (`failed`)."""
+  if not armed() or not unreachable(error):
+    raise error
+  failed(endpoint, error, waited_for)
 
 
 def wait_until_answering(probe: Callable[[], object], endpoint: str, waited_for: str) -> None:

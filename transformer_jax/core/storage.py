@@ -156,28 +156,71 @@ def filesystem(scheme: str):
         fs = _gcs_class()(token=token, requests_timeout=timeout, skip_instance_cache=True,
                           use_listings_cache=False)
       else:
+        import fsspec.config
         import s3fs  # imported here: only bucket workdirs need it
+        settings = {"connect_timeout": timeout, "read_timeout": timeout,
+                    "retries": {"total_max_attempts": RETRIES}}
         fs = s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False,
-                               config_kwargs={"connect_timeout": timeout, "read_timeout": timeout,
-                                              "retries": {"total_max_attempts": RETRIES}})
+                               config_kwargs=settings)
+        # orbax writes a checkpoint's folders and metadata through etils.epath, which takes
+        # fsspec's s3:// filesystem: the same tries and time limits for it (botocore's own, 5
+        # tries of a growing backoff, about 10 s at a store that refuses connections), where
+        # fsspec's configuration sets none, and its requests ride outages out (`_riding`).
+        fsspec.config.conf.setdefault("s3", {}).setdefault("config_kwargs", settings)
+        for name in ("s3", "s3a"):
+          fsspec.register_implementation(name, _riding(s3fs.S3FileSystem, "_call_s3", "s3"),
+                                         clobber=True)
+      _fresh_listings(scheme)
       _FILESYSTEMS[key] = fs
     return _FILESYSTEMS[key]
+
+
+def _fresh_listings(scheme: str) -> None:
+  """The filesystems fsspec makes for `scheme` (orbax's, through etils.epath) list the store
+  afresh, as the workdir's own do: fsspec keeps listings by default, so orbax would go on
+  seeing checkpoint steps deleted by another filesystem (`Manager` removing what an outage
+  cut), or long gone where the process read a workdir before (unless fsspec's configuration
+  says otherwise)."""
+  import fsspec.config
+  for protocol in ({"gs": ("gs", "gcs"), "s3": ("s3", "s3a")}[scheme]):
+    fsspec.config.conf.setdefault(protocol, {}).setdefault("use_listings_cache", False)
 
 
 def _gcs_class():
   """gcsfs's filesystem with its requests tried RETRIES times (`_retrying`), for the workdir's
   own requests; orbax writes a checkpoint's folders and metadata through etils.epath, which
   takes fsspec's class for gs:// (gcsfs's extended one), so that class is registered again with
-  the same count of tries. Longer outages are core/outage.py's to ride out."""
+  the same count of tries, its requests riding outages out (`_riding`). Longer outages are
+  core/outage.py's to ride out."""
   # The workdir's: the JSON-API filesystem itself, not gcsfs's default subclass for zonal and
   # hierarchical buckets: that one first asks each bucket's layout over gRPC, which an emulator
   # does not answer (it then hangs in retries). Imported here: only bucket workdirs need it.
   import fsspec
   from gcsfs.core import GCSFileSystem
   for name in ("gs", "gcs"):
-    fsspec.register_implementation(name, _retrying(fsspec.get_filesystem_class(name)),
-                                   clobber=True)
+    registered = fsspec.get_filesystem_class(name)
+    if not getattr(registered, "rides_outages", False):
+      fsspec.register_implementation(name, _riding(_retrying(registered), "_request", "gs"),
+                                     clobber=True)
   return _retrying(GCSFileSystem)
+
+
+def _riding(base: type, method: str, scheme: str) -> type:
+  """`base`, an fsspec filesystem class, whose requests (its coroutine method `method`) ride out
+  an outage in a training run as the workdir's own requests do (`_ride`: on the same bound and
+  clock, said in the same lines), for the filesystems fsspec makes: orbax's, through
+  etils.epath, which write a checkpoint's folders, metadata and commit files. A save in flight
+  then waits for the store as TensorStore waits with its arrays (train/checkpoint.py), instead
+  of failing after the library's few tries and leaving TensorStore's writes to land behind it.
+  Outside a training run (`outage.armed`) one try, as before."""
+  request = getattr(base, method)
+
+  async def ride(self, *args, **kwargs):
+    return await outage.retry_async(lambda: request(self, *args, **kwargs), endpoint(scheme),
+                                    "to write or read a checkpoint's files")
+
+  return type(base.__name__, (base,), {method: ride, "rides_outages": True,
+                                       "__module__": base.__module__})
 
 
 def _retrying(base: type) -> type:
@@ -643,11 +686,23 @@ def set_aside_partial_line(path: str, err=None) -> int:
 
 class _Uploads:
   """Runs uploads in order on one background thread, so that the caller (the training loop)
-  never waits for a request. A failed upload is raised by the next `submit` or by `close`."""
+  never waits for a request. A failed upload is raised by the next `submit` or by `close`; the
+  uploads queued after it are dropped unrun (a log with a chunk missing is not continued, and a
+  run on its way out after an outage does not wait out each one's tries)."""
 
   def __init__(self):
     self._pool = futures.ThreadPoolExecutor(1, thread_name_prefix="storage-upload")
     self._pending: list = []
+    self._failed = False
+
+  def _run(self, upload: Callable[[], object]) -> None:
+    if self._failed:
+      return
+    try:
+      upload()
+    except BaseException:
+      self._failed = True
+      raise
 
   def _raise_failures(self, wait: bool) -> None:
     keep = []
@@ -660,7 +715,7 @@ class _Uploads:
 
   def submit(self, upload: Callable[[], object]) -> None:
     self._raise_failures(wait=False)
-    self._pending.append(self._pool.submit(upload))
+    self._pending.append(self._pool.submit(self._run, upload))
 
   def close(self) -> None:
     try:

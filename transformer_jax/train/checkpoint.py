@@ -242,15 +242,18 @@ class _Unanswered(Exception):
 # to at most 16 s between tries: as many tries as cover the run's outage budget
 # (train.storage_outage_s), so that a write cut by an outage inside the bound waits inside
 # TensorStore instead of failing after its default tries (a 200 s outage inside a checkpoint
-# write ended a run whose bound was 300 s: "All 5 retry attempts failed").
-_FIRST_DELAY_S, _MAX_DELAY_S = 1, 16
+# write ended a run whose bound was 300 s: "All 5 retry attempts failed"). Never fewer than
+# _MIN_TRIES (about 3 s, a blip's worth, as gcsfs and s3fs are given: storage.RETRIES), and not
+# many more than the bound, so that past it the run stops about when its other writes do.
+_FIRST_DELAY_S, _MAX_DELAY_S, _MIN_TRIES = 1, 16, 2
 
 
 def tensorstore_retries(outage_s: float) -> dict:
   """TensorStore's retry settings (its gcs_request_retries / s3_request_retries context) whose
-  backoff adds up to at least `outage_s` seconds (and to TensorStore's 5 tries at least)."""
+  backoff adds up to at least `outage_s` seconds. TensorStore waits once after each of its
+  max_retries failed tries (1 s, 2 s, 4 s, ... at most 16 s, each plus up to 1 s of jitter)."""
   tries, waited, delay = 0, 0.0, _FIRST_DELAY_S
-  while tries < 5 or waited < outage_s:
+  while tries < _MIN_TRIES or waited < outage_s:
     waited += delay
     delay = min(2 * delay, _MAX_DELAY_S)
     tries += 1
@@ -290,6 +293,18 @@ def _release_cut_save() -> None:
   except Exception:  # noqa: BLE001  another orbax: its own timeout ends them
     pass
   gc.collect()
+
+
+def _user_error_in(e: BaseException) -> Optional[UserError]:
+  """The UserError `e` was raised from (or during), if any: one of ours, raised inside orbax's
+  save (a request past train.storage_outage_s), which orbax may have wrapped."""
+  seen = set()
+  while e is not None and id(e) not in seen:
+    if isinstance(e, UserError):
+      return e
+    seen.add(id(e))
+    e = e.__cause__ or e.__context__
+  return None
 
 
 def _write_errno(e: BaseException):
@@ -369,6 +384,16 @@ def _quiet():
     for lg, level in zip(loggers, levels):
       lg.setLevel(level)
     sys.unraisablehook = hook
+
+
+def _excerpt(text: str, limit: int = 200) -> str:
+  """`text` on one line, without TensorStore's annotations (`[source locations='...']`,
+  `[tensorstore_spec='{...}']`, which repeat the paths), and at most `limit` characters, cut
+  between words with `...` (a line cut mid-path reads as a wrong path)."""
+  text = " ".join(re.sub(r"\s*\[[a-z_ ]+='(?:[^'\\]|\\.)*'\]", "", str(text)).split())
+  if len(text) <= limit:
+    return text
+  return text[:limit].rsplit(" ", 1)[0].rstrip(",;:") + " ..."
 
 
 def _reason(e: Exception) -> str:
@@ -468,6 +493,8 @@ class Manager:
     self.tokenizer_sha = tokenizer_sha
     self.unreadable = []  # steps found unreadable by latest_good()
     self._last = self._unsaved = None  # the newest save asked for; one not written (an outage)
+    self._started = None  # the step of the newest save orbax began
+    self._cut: set = set()  # steps whose save an outage cut: their leftovers go
     if writable:
       if storage.is_url(self.workdir):
         _bound_tensorstore_retries(config.train.storage_outage_s)
@@ -542,11 +569,15 @@ class Manager:
         return
       try:
         with self._writing():
+          self._forget_cut()  # its requests wait for the store (up to the bound) themselves
           self._manager.save(step, args=args, metrics=metrics, force=True)
-        self._unsaved = None
+        self._started, self._unsaved = step, None
         return
       except _Unanswered:
-        continue  # the save before this one was cut by the outage: see whether it is over
+        # The save before this one (orbax raises its failure here), or this one's start, was
+        # cut by the outage: see whether it is over.
+        self._cut |= {s for s in (self._started, step) if s is not None}
+        continue
 
   def wait(self) -> None:
     """Waits for the save under way; through an outage, until the store answers (up to
@@ -557,16 +588,35 @@ class Manager:
           self._manager.wait_until_finished()
       except _Unanswered:
         self._unsaved = self._last  # the save in flight was the newest one asked for
+        self._cut.add(self._started)
       if self._unsaved is None:
+        if storage.is_url(self.directory) and outage.seen():
+          # A save the outage cut may have failed where orbax only logs it: what any save
+          # left unfinished goes now that none is under way.
+          self._cut |= set(self.unfinished_steps())
+          self._forget_cut()
         return
       step, args, metrics = self._unsaved
       outage.wait_until_answering(lambda: storage.probe(self.directory), self._endpoint(),
                                   f"to save checkpoint step {step}")
-      # What the cut save left of the step (no commit file: never read) goes, and orbax
-      # forgets it, so that the step is written again from the start.
-      storage.remove_tree(storage.join(self.directory, str(step)))
-      self._manager.reload()
+      self._cut.add(step)  # written again from the start
       self._put(step, args, metrics)
+
+  def _forget_cut(self) -> None:
+    """What the saves an outage cut left in the store (a step without its commit file: never
+    read, but a resume would warn of it) goes, once the store answers again, and orbax forgets
+    those steps, so that a step is written again from the start."""
+    cut, self._cut = sorted(s for s in self._cut if s is not None), set()
+    if not cut:
+      return
+    if jax.process_index() == 0:  # one process deletes; the others wait for it below
+      for step in cut:
+        path = storage.join(self.directory, str(step))
+        if not storage.exists(storage.join(path, COMMIT_FILE)):
+          storage.remove_tree(path)
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices("cut checkpoint saves forgotten")
+    self._manager.reload()
 
   def _refused(self, error: Exception) -> UserError:
     """One line for a checkpoint write that the bucket's store refused (no permission, a
@@ -576,7 +626,7 @@ class Manager:
     while cause.__cause__ is not None or cause.__context__ is not None:
       cause = cause.__cause__ or cause.__context__
     known = storage.user_failure(self.directory, cause, "write a checkpoint in")
-    reason = " ".join(str(cause).split())[:200] or type(cause).__name__
+    reason = _excerpt(str(cause)) or type(cause).__name__
     steps = saved_steps(self.workdir)
     kept = (f"the checkpoints written before (steps {steps}) are intact" if steps
             else "no checkpoint was written")
@@ -609,7 +659,13 @@ class Manager:
     _Unanswered (after `outage.failed`, which raises its UserError past the bound)."""
     try:
       yield
+    except UserError:
+      raise  # ours already (a request that waited past train.storage_outage_s)
     except Exception as e:  # orbax wraps the OSError in whatever its layer raises
+      ours = _user_error_in(e)  # orbax's requests ride outages out (storage._riding)
+      if ours is not None:
+        _release_cut_save()
+        raise ours from None
       if storage.is_url(self.directory) and outage.armed() and outage.unreachable(e):
         _release_cut_save()
         outage.failed(self._endpoint(), e, "to save a checkpoint")
