@@ -272,33 +272,35 @@ def publish_run_files(config, workdir: str) -> None:
   _send(config, workdir, lambda writer, files: writer.files(files), _run_files(workdir))
 
 
-def sync_trackers(config, workdir: str) -> bool:
+def sync_trackers(config, workdir: str) -> bool | None:
   """Sends a workdir's tracker runs what they lack (metrics.jsonl's records they do not show,
   the run's files) and closes them as finished: a run whose tracker was away at its end, or a
-  workdir trained before the tracker was chosen. Whether there was a tracker to sync."""
+  workdir trained before the tracker was chosen. On process 0 alone. Whether they got it all
+  (else each said what it did not get); None without a tracker that keeps a run."""
   if not trackers.with_runs(config):
-    return False
-  run_id = trackers.shared_run_id(workdir)
-  _send(config, workdir, lambda writer, files: writer.files(files), _run_files(workdir),
-        run_id=run_id, backlog=read_metrics(workdir))
-  return True
+    return None
+  return _send(config, workdir, lambda writer, files: writer.files(files), _run_files(workdir),
+               run_id=trackers.claim_run_id(workdir), backlog=read_metrics(workdir))
 
 
 def _send(config, workdir: str, send, paths: dict, run_id: str | None = None,
-          backlog: list = ()) -> None:
-  """send(writer, {name: local file}) for each tracker run of the workdir, then its close."""
+          backlog: list = ()) -> bool:
+  """send(writer, {name: local file}) for each tracker run of the workdir, then its close;
+  whether every writer sent everything."""
   run_id = run_id or (trackers.read_run_id(workdir) if trackers.with_runs(config) else None)
   if not run_id or not (paths or backlog):
-    return
+    return True
   import tempfile
   with tempfile.TemporaryDirectory() as local:
     # The trackers upload local files; a bucket workdir's are copied, under the same names.
     files = {name: path if not storage.is_url(path) else _copy_local(path, local, name)
              for name, path in paths.items()}
-    for writer in trackers.open_writers(config, workdir, run_id, backlog, tensorboard=False):
+    writers = trackers.open_writers(config, workdir, run_id, backlog, tensorboard=False)
+    for writer in writers:
       if files:
         send(writer, files)
       writer.close("finished")
+  return all(writer.complete for writer in writers)
 
 
 def _copy_local(path: str, directory: str, name: str) -> str:
