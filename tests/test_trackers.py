@@ -419,7 +419,7 @@ def test_wandb_rows_sent_together_keep_the_time_they_were_logged_at(tmp_path):
   from transformer_jax.train.trackers.wandb import WandbTracker
   config = config_lib.default_config()
   config.wandb.update(mode="offline", project="interval")
-  logger = Background(WandbTracker(config, str(tmp_path), "interval"), "interval-run",
+  logger = Background(WandbTracker(config, str(tmp_path)), "interval-run",
                       {"a": 1}, interval_s=30)
   logged = {}
   for step in range(1, 6):
@@ -594,7 +594,7 @@ def test_a_wandb_run_carries_its_provenance_name_tags_and_notes(tmp_path):
   config = config_lib.default_config()
   config.wandb.update(mode="offline", project="provenance")
   config.train.update(run_name="baseline-lr3", tags="paper,wmt", notes="the paper's recipe")
-  tracker = WandbTracker(config, str(tmp_path), "workdir-name")
+  tracker = WandbTracker(config, str(tmp_path))
   tracker.open("provenance-run", {"a": 1})
   (tmp_path / "summary.md").write_text("# the run\n")
   tracker.files({"summary.md": str(tmp_path / "summary.md")})  # the run's files (logger.RUN_FILES)

@@ -1,5 +1,5 @@
-"""Training logs: one readable line per log step, WORKDIR/metrics.jsonl, TensorBoard events, and
-the experiment trackers of train.trackers (train/trackers/: W&B, MLflow), all fed from here."""
+"""Training logs: one readable line per log step, and each record to every writer: metrics.jsonl
+(`Jsonl`) and the trackers of train.trackers (train/trackers/: TensorBoard, W&B, MLflow)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from transformer_jax.core import progress, storage
 from transformer_jax.core.errors import UserError
 from transformer_jax.train import trackers
 from transformer_jax.train.trackers.base import numbers  # noqa: F401 - a record's numbers
+from transformer_jax.train.trackers.tensorboard import write_hparams  # noqa: F401 - for sweeps
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -36,12 +37,6 @@ def read_metrics(workdir: str, required: bool = False) -> list[dict]:
   return sorted(latest.values(), key=lambda r: r["step"])
 
 
-def write_hparams(workdir: str, hparams: dict, metrics: dict, step: int) -> None:
-  """A sweep trial's overrides and final metrics in WORKDIR/tensorboard (HParams view)."""
-  from transformer_jax.train.trackers import tensorboard
-  tensorboard.write_hparams(workdir, hparams, metrics, step)
-
-
 def check_trackers(config) -> None:
   """The trackers of train.trackers exist and are installed (one UserError otherwise): checked
   with the rest of a run's config, before the workdir changes."""
@@ -50,8 +45,6 @@ def check_trackers(config) -> None:
 
 class Jsonl(trackers.Writer):
   """The writer of WORKDIR/metrics.jsonl: each record whole, one JSON object per line."""
-
-  name = METRICS_FILE
 
   def __init__(self, workdir: str, start_step: int):
     """Records of steps after `start_step` were written by a run that stopped before its next

@@ -1,22 +1,19 @@
-"""Where a run is logged besides metrics.jsonl, chosen by train.trackers: TensorBoard, Weights &
-Biases and MLflow, each a `base.Writer` like metrics.jsonl's (train/logger.py hands every record
-to each). W&B and MLflow keep a run of their own, on a service: each runs off the training thread
-(base.Background), and its package is imported only when it is asked for, so the core install
-needs neither.
+"""Where a run is logged besides metrics.jsonl, chosen by train.trackers: TensorBoard, W&B and
+MLflow, each a `base.Writer` as metrics.jsonl's is (train/logger.py hands each record to each).
+W&B and MLflow keep a run of their own, driven off the training thread (base.Background); each
+package is imported only when asked for, so the core install needs neither.
 
-One run, whatever happens to it: the tracker run's id is WORKDIR/tracker.json's, written once
-by the first training of the workdir; a resumed run (after a stop, a kill, a changed
-train.steps) continues it, and in a job of several processes process 0 alone logs, under the id
-it read or chose and sent to the others. What a run lacks (its service away at the end, a
-tracker chosen later) is sent from metrics.jsonl by the next training of the workdir, or by
-the same command on the finished workdir (train/logger.py: sync_trackers).
+One run, whatever happens to it: the tracker run's id is WORKDIR/tracker.json's, written once by
+the workdir's first training; a resumed run (after a stop, a kill, a raised train.steps)
+continues it, sending first what its run lacks of metrics.jsonl, as does the same command on a
+finished workdir (logger.sync_trackers). In a job of several processes process 0 alone logs,
+under the id it read or chose and sent to the others.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import uuid
 
 from transformer_jax import config as config_lib
@@ -24,18 +21,21 @@ from transformer_jax.core import storage
 from transformer_jax.core.errors import UserError
 from transformer_jax.train.trackers.base import Background, Tracker, Writer  # noqa: F401
 
-PACKAGES = {"wandb": "wandb", "mlflow": "mlflow"}  # tracker: the package (and pip extra) it needs
-RUNS = ("wandb", "mlflow")  # the trackers that keep a run of their own (a run id, resumed, synced)
 ID_FILE = "tracker.json"
+# The trackers that keep a run of their own (a run id, resumed, synced), each its module here
+# and its pip extra: its class, and what its calls import, imported on the calling thread before
+# any tracker thread starts (two threads importing MLflow and W&B at once lost an MLflow run to
+# Python 3.11's "AST constructor recursion depth mismatch", an import race in a dependency).
+RUNS = {"wandb": ("WandbTracker", ("wandb",)),
+        "mlflow": ("MlflowTracker", ("mlflow.tracking", "mlflow.entities"))}
 
 
 def check(config) -> list:
   """The trackers `config` asks for, each installed; else one UserError naming the pip extra."""
   chosen = config_lib.tracker_names(config)
-  for name in chosen:
-    package = PACKAGES.get(name)
+  for name in (name for name in chosen if name in RUNS):
     try:
-      missing = package and importlib.util.find_spec(package) is None
+      missing = importlib.util.find_spec(name) is None
     except ValueError:  # in sys.modules as None: an import of it fails
       missing = True
     if missing:
@@ -110,21 +110,6 @@ def flat_config(config) -> dict:
           for k, v in flatten(config.to_dict()).items()}
 
 
-def make(name: str, config, workdir: str) -> Tracker:
-  run_name = os.path.basename(workdir.rstrip("/")) or workdir
-  if name == "wandb":
-    from transformer_jax.train.trackers.wandb import WandbTracker
-    return WandbTracker(config, workdir, run_name)
-  from transformer_jax.train.trackers.mlflow import MlflowTracker
-  return MlflowTracker(config, run_name)
-
-
-# What each tracker's calls import, imported on the calling thread before any tracker thread
-# starts: two threads importing MLflow and W&B at once lost an MLflow run to Python 3.11's "AST
-# constructor recursion depth mismatch" (an import race inside a dependency).
-IMPORTS = {"wandb": ("wandb",), "mlflow": ("mlflow.tracking", "mlflow.entities")}
-
-
 def open_writers(config, workdir: str, run_id: str | None, backlog: list = (),
                  tensorboard: bool = True) -> list:
   """A writer for each tracker of train.trackers: TensorBoard's (unless `tensorboard` is
@@ -139,12 +124,12 @@ def open_writers(config, workdir: str, run_id: str | None, backlog: list = (),
     return writers
   names = [name for name in names if name in RUNS]
   for name in names:
-    for module in IMPORTS.get(name, ()):
+    for module in RUNS[name][1]:
       importlib.import_module(module)
-  return writers + [Background(make(name, config, workdir), run_id, flat_config(config),
-                               retry_s=config.train.tracker_retry_s, backlog=backlog,
-                               interval_s=config.train.tracker_interval_s)
-                    for name in names]
+  return writers + [Background(
+      getattr(importlib.import_module(f"{__name__}.{name}"), RUNS[name][0])(config, workdir),
+      run_id, flat_config(config), retry_s=config.train.tracker_retry_s, backlog=backlog,
+      interval_s=config.train.tracker_interval_s) for name in names]
 
 
 def record_trial(config, workdir: str, trial: int, state: str, params: dict | None = None,

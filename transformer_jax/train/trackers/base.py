@@ -1,21 +1,18 @@
-"""The one interface of every place the run is logged to, and the thread that keeps a tracker's
+"""The one interface of every place a run is logged to, and the thread that keeps a tracker's
 service off the training loop's path.
 
-A `Writer` (like CLU's metric writers) takes metrics.jsonl's records as the logger makes them:
-metrics.jsonl itself (logger.py), TensorBoard (tensorboard.py), W&B and MLflow (wandb.py,
-mlflow.py) are writers of the same kind, and the logger hands each record to each of them.
-
-A tracker of a service (W&B, MLflow) is a `Tracker`: a writer whose every method is a call to
-that service, which may fail. `Background` is the writer that drives one on a thread of its own,
-in order, from a bounded queue that the training thread only appends to: a tracker that is
-slow, stalled or unreachable costs training nothing. The first failure prints one warning;
-the call is retried every `retry_s` while later calls wait behind it (up to `capacity`, then
-the oldest are dropped: metrics.jsonl and TensorBoard keep them all). Records go at most once
-every `interval_s`, those logged in between in one call: a request to a tracker costs the
-training process some milliseconds of Python (MLflow's client: about 2 ms of CPU, which the
-training thread waits for under the GIL), and a request every few log steps would cost a small
-model's training several percent; one every two seconds costs it nothing measurable
-(docs/benchmarks.md, "Experiment trackers on and off").
+A `Writer` (as CLU's metric writers) takes the logger's records: metrics.jsonl (logger.py),
+TensorBoard, W&B and MLflow (a module each here) are writers of the same kind. A `Tracker` is a
+writer whose every call goes to a service and may fail; `Background` drives one on a thread of
+its own, in order, from a bounded queue that the training thread only appends to: a tracker that
+is slow, stalled or unreachable costs training nothing. Its first failure prints one warning;
+the call is retried every `retry_s` while later calls wait behind it (up to `capacity`, then the
+oldest are dropped: metrics.jsonl and TensorBoard keep them all). Records go at most once every
+`interval_s`, those logged in between in one call: a request costs the training process some
+milliseconds of Python (MLflow's client: about 2 ms of CPU, which the training thread waits for
+under the GIL), which a request every few log steps would make several percent of a small
+model's training; one every two seconds costs nothing measurable (docs/benchmarks.md,
+"Experiment trackers on and off").
 """
 
 from __future__ import annotations
@@ -65,26 +62,30 @@ def checkpoint_uris(steps: list, directory: str) -> dict:
   return {str(step): f"{directory.rstrip('/')}/{step}" for step in steps}
 
 
+def run_name(config, workdir: str, own: str = "") -> str:
+  """The run's name in a tracker: its own key, else train.run_name, else the workdir's name."""
+  return own or config.train.run_name or os.path.basename(workdir.rstrip("/")) or workdir
+
+
 def split_tags(text: str) -> list:
   """train.tags / wandb.tags: comma-separated, blanks dropped."""
   return [t.strip() for t in text.split(",") if t.strip()]
 
 
 class Writer:
-  """One place the run is logged to. Each method is a no-op unless the writer shows that kind
-  of thing; `close` ends the writer's part of the run."""
+  """One place a run is logged to. A method is a no-op where the writer shows no such thing."""
 
   name = "writer"
 
   def write(self, records: list) -> None:
-    """metrics.jsonl records, in their order: {"split", "step", "time", numbers..., and for an
+    """metrics.jsonl's records, in order: {"split", "step", "time", numbers..., and for an
     evaluation "samples": [{"source", "hypothesis", "reference"}]}."""
 
   def text(self, tag: str, text: str, step: int) -> None:
-    """A text of the run's (its config, its model)."""
+    """A text of the run's: its config, its model."""
 
   def summary(self, values: dict) -> None:
-    """The run's figures at its end (final metrics, tokens, time), or at its start-up."""
+    """The run's figures at its end (final metrics, tokens, time) or at its start-up."""
 
   def checkpoints(self, steps: list, directory: str) -> None:
     """The checkpoint steps the workdir keeps now, in `directory` (references, not weights)."""
@@ -93,7 +94,7 @@ class Writer:
     """{name: local PNG file}: --mode=plot's plots."""
 
   def files(self, paths: dict) -> None:
-    """{name in the run ("summary.md", "plots/curves.png"): local file}: the run's own files."""
+    """{name in the run ("summary.md", "plots/curves.png"): local file}: the run's files."""
 
   def close(self, state: str = "finished") -> None:
     """state: finished | stopped (a signal; the same command resumes it) | failed."""
@@ -105,18 +106,13 @@ class Writer:
 
 
 class Tracker(Writer):
-  """A writer to a service that keeps a run of its own (W&B, MLflow). Each method is called on
-  `Background`'s thread; any exception means "not done, try again later" (the same call is
-  made again: a retried `write` sends the same numbers at the same steps and times, which
-  MLflow's stores keep once and W&B does not take twice).
+  """A writer to a service that keeps a run of its own (W&B, MLflow), called on `Background`'s
+  thread. Any exception means "not done, try again": a retried `write` sends the same numbers
+  at the same steps and times, which MLflow's stores keep once. `open` finds the workdir's run
+  by `run_id` (WORKDIR/tracker.json) or creates it, and returns {split: last step} ("*": every
+  split) of the steps it shows already, which a resumed run does not send again (a run killed
+  after its last checkpoint logs those steps a second time)."""
 
-  The run is the workdir's: `open` finds it by `run_id` (WORKDIR/tracker.json) or creates it,
-  and returns {split: last step} ("*": every split) of the steps it already shows, which a
-  resumed run does not send again (a run killed after its last checkpoint logs those steps a
-  second time).
-  """
-
-  name = "tracker"
   where = ""  # the service, for messages: a URI, a project
 
   def open(self, run_id: str, config: dict) -> dict:

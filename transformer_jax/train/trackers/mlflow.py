@@ -137,10 +137,10 @@ def _metric(key, value, step, wall=None):
 class MlflowTracker(base.Tracker):
   name = "mlflow"
 
-  def __init__(self, config, run_name: str):
+  def __init__(self, config, workdir: str):
     self.config = config
     self.where = secrets.redact(settings(config)[0]) or "MLflow's default store"
-    self.run_name = config.mlflow.run_name or config.train.run_name or run_name
+    self.run_name = base.run_name(config, workdir, config.mlflow.run_name)
     self.tags = {tag: "" for tag in base.split_tags(config.train.tags)}
     if config.train.notes:
       self.tags["mlflow.note.content"] = config.train.notes  # the run's description

@@ -44,14 +44,14 @@ def last_offline_step(directory: str | None, run_id: str) -> int:
 class WandbTracker(base.Tracker):
   name = "wandb"
 
-  def __init__(self, config, workdir: str, run_name: str):
+  def __init__(self, config, workdir: str):
     w = config.wandb
     self.settings = dict(
         project=w.project or None, entity=w.entity or None,
         group=w.group or config.train.tracker_group or None,
         tags=base.split_tags(w.tags or config.train.tags) or None,
         notes=config.train.notes or None,
-        mode=w.mode or None, name=w.name or config.train.run_name or run_name,
+        mode=w.mode or None, name=base.run_name(config, workdir, w.name),
         dir=wandb_dir(workdir))
     self.where = f"project {w.project or os.environ.get('WANDB_PROJECT') or '(W&B default)'}"
     self.run = None
@@ -120,7 +120,7 @@ def record_trial(config, workdir: str, run_id: str, trial: int, state: str,
   its state (Optuna's: COMPLETE, PRUNED, FAIL), parameters, objective value and last reported
   step (the pruning step of a pruned trial), in the run's summary and config."""
   import wandb
-  tracker = WandbTracker(config, workdir, run_name="")
+  tracker = WandbTracker(config, workdir)
   settings = {k: v for k, v in tracker.settings.items() if k != "name"}
   run = wandb.init(id=run_id, resume="allow", reinit="create_new",
                    settings=wandb.Settings(silent=True, console="off"), **settings)
