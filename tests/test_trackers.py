@@ -598,14 +598,21 @@ def test_a_wandb_run_carries_its_provenance_name_tags_and_notes(tmp_path):
   tracker.open("provenance-run", {"a": 1})
   (tmp_path / "summary.md").write_text("# the run\n")
   tracker.files({"summary.md": str(tmp_path / "summary.md")})  # the run's files (logger.RUN_FILES)
+  # Checkpoints in a bucket: references (or, where W&B's client cannot reach the bucket, the
+  # URIs in the artifact's metadata), never a read of the weights nor a failing tracker.
+  tracker.checkpoints([10, 20], "gs://bucket/run/checkpoints")
   tracker.close("finished")
   [run_dir] = (tmp_path / "wandb").glob("offline-run-*-provenance-run")
   summary = json.loads(_wandb_inspect(run_dir, "--summary"))
   assert summary["config"]["provenance/git_commit"] == _git("rev-parse", "HEAD")
   assert summary["config"]["provenance/host"] and summary["config"]["provenance/user"] is not None
-  [run] = [json.loads(line)["run"] for line in _wandb_inspect(run_dir).splitlines()
-           if json.loads(line)["type"] == "run"]
+  records = [json.loads(line) for line in _wandb_inspect(run_dir).splitlines()]
+  [run] = [r["run"] for r in records if r["type"] == "run"]
   assert run["display_name"] == "baseline-lr3" and run["tags"] == ["paper", "wmt"]
+  [kept] = [r["artifact"] for r in records if r["type"] == "artifact"]
+  assert kept["name"] == "checkpoints-provenance-run" and "step-20" in kept["aliases"]
+  assert json.loads(kept["metadata"])["steps"] == {"10": "gs://bucket/run/checkpoints/10",
+                                                   "20": "gs://bucket/run/checkpoints/20"}
   assert run["notes"] == "the paper's recipe"
   assert (run_dir / "files" / "summary.md").read_text() == "# the run\n"
 

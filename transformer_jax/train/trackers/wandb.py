@@ -99,11 +99,16 @@ class WandbTracker(base.Tracker):
     change of the steps kept; the directory and its steps in the run's summary."""
     import wandb
     self.run.summary.update({"checkpoint_steps": list(steps), "checkpoints": directory})
+    uris = base.checkpoint_uris(steps, directory)
     artifact = wandb.Artifact(f"checkpoints-{self.run.id}", type="model",
-                              metadata={"directory": directory, "steps": list(steps)})
-    for step, uri in base.checkpoint_uris(steps, directory).items():
-      if not uri.startswith("file://") or os.path.isdir(uri[len("file://"):]):
-        artifact.add_reference(uri, name=step, checksum=False)  # one in flight: at the next
+                              metadata={"directory": directory, "steps": uris})
+    for step, uri in uris.items():
+      if uri.startswith("file://") and not os.path.isdir(uri[len("file://"):]):
+        continue  # a save in flight: referenced at the next one, or at the end
+      try:
+        artifact.add_reference(uri, name=step, checksum=False)
+      except Exception:  # noqa: BLE001 - a bucket W&B's own client cannot reach from here
+        pass  # (no library, no credentials): its URI stays in the metadata
     self.run.log_artifact(artifact, aliases=["latest", f"step-{max(steps)}"] if steps else None)
 
   def close(self, state: str) -> None:
