@@ -158,6 +158,11 @@ LOCAL_ERRORS = (ImportError, SyntaxError, SystemError, NameError, AttributeError
                 AssertionError, RecursionError, MemoryError, NotImplementedError)
 
 
+def _queued(method: str):
+  """A method of Background: Writer's `method`, queued for the tracker's thread."""
+  return lambda self, *args: self._put(method, *args)
+
+
 class Background(Writer):
   """Drives `tracker` on a thread; each method returns at once."""
 
@@ -204,17 +209,7 @@ class Background(Writer):
       else:
         self._put("write", record)
 
-  def summary(self, values: dict) -> None:
-    self._put("summary", values)
-
-  def images(self, paths: dict, step: int) -> None:
-    self._put("images", paths, step)
-
-  def checkpoints(self, steps: list, directory: str) -> None:
-    self._put("checkpoints", steps, directory)
-
-  def files(self, paths: dict) -> None:
-    self._put("files", paths)
+  summary, images, checkpoints, files = map(_queued, ("summary", "images", "checkpoints", "files"))
 
   def _shown_before(self, record: dict) -> bool:
     """A record of a step the run already shows (logged before a kill)."""

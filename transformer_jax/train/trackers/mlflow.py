@@ -30,12 +30,10 @@ _BATCH = 100  # params and tags per log_batch call (MLflow's limit); metrics go 
 _PARAM_CHARS = 6000  # MLflow's longest param value
 
 
-class _OwnRetries(logging.Filter):
+def _not_own_retry(record) -> bool:
   """urllib3's warning at each retry of a request, from a tracker's thread: the tracker says
   once that it cannot reach its server (base.Background), not once per request."""
-
-  def filter(self, record) -> bool:
-    return not threading.current_thread().name.startswith("tracker-")
+  return not threading.current_thread().name.startswith("tracker-")
 
 
 def _credentials_apart(tracking_uri: str) -> str:
@@ -55,8 +53,8 @@ def _client(tracking_uri: str):
     os.environ.setdefault(name, value)
   tracking_uri = _credentials_apart(tracking_uri)
   retries = logging.getLogger("urllib3.connectionpool")
-  if not any(isinstance(f, _OwnRetries) for f in retries.filters):
-    retries.addFilter(_OwnRetries())
+  if _not_own_retry not in retries.filters:
+    retries.addFilter(_not_own_retry)
   from mlflow.tracking import MlflowClient
   return MlflowClient(tracking_uri=tracking_uri or None)
 
