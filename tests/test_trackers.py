@@ -174,6 +174,10 @@ def test_a_run_in_mlflow_equals_metrics_jsonl_and_joins_its_sweep(tmp_path, laun
   summary_md = open(client.download_artifacts(run.info.run_id, "summary.md",
                                               str(tmp_path))).read()
   assert summary_md == (workdir / "summary.md").read_text()
+  kept = json.loads(open(client.download_artifacts(run.info.run_id, "checkpoints.json",
+                                                  str(tmp_path))).read())
+  assert kept == {"directory": str(workdir / "checkpoints"),
+                  "steps": {s: f"file://{workdir}/checkpoints/{s}" for s in ("10", "20")}}
 
   code, out, err = launcher.run("--mode=plot", f"--workdir={workdir}")
   assert code == 0, out + err
@@ -247,12 +251,22 @@ def test_a_run_killed_and_resumed_shows_every_step_once(tmp_path, launcher, mlfl
     steps = [s for s, _ in _history(mlflow_server, run, key)]
     assert len(steps) == len(set(steps)), key
 
-  history, run_ids = _wandb_history(workdir)
+  records = _wandb_records(workdir)
+  history, run_ids = _wandb_history(workdir, records)
   assert run_ids == {_run_id(workdir)}
   train = _records(workdir, "train")
   assert sorted(history) == [r["step"] for r in train]  # evaluations and saves share their rows
   for r in train:
     assert history[r["step"]]["train/loss"] == pytest.approx(r["loss"], rel=1e-6)
+  for r in _records(workdir, "eval"):  # each evaluation's samples: a table at its step
+    assert history[r["step"]]["eval/samples.nrows"] == len(r["samples"]) == 5
+  # The checkpoints as references (not uploads), the last save's among them (in flight when
+  # it was logged: sent again at the end).
+  [*_, kept] = [r["artifact"] for r in records if r["type"] == "artifact"
+                and r["artifact"]["name"] == f"checkpoints-{_run_id(workdir)}"]
+  refs = {e["path"].split("/")[0]: e["ref"] for e in kept["manifest"]["contents"]}
+  assert set(refs) == {"200", "400"} and "step-400" in kept["aliases"]
+  assert refs["400"].startswith(f"file://{workdir}/checkpoints/400/")
   # The training's own session: after it, one more uploads the run's files (logger.RUN_FILES).
   summaries = [json.loads(_wandb_inspect(d, "--summary"))
                for d in sorted((workdir / "wandb").glob("offline-run-*"))
@@ -319,9 +333,9 @@ def test_log_steps_between_two_sends_go_in_one_request_each_with_its_own_time(ml
   class Counted(mlflow_tracker.MlflowTracker):
     sends = []
 
-    def scalars(self, records):
-      self.sends.append([step for _, _, step, _ in records])
-      super().scalars(records)
+    def write(self, records):
+      self.sends.append([r["step"] for r in records])
+      super().write(records)
 
   config = config_lib.default_config()
   config.mlflow.update(tracking_uri=mlflow_server, experiment="interval")
@@ -329,7 +343,7 @@ def test_log_steps_between_two_sends_go_in_one_request_each_with_its_own_time(ml
   logged = {}
   for step in range(1, 21):
     before = time.time()
-    logger.scalars("train", {"train/loss": 1.0 / step}, step)
+    logger.write([{"split": "train", "step": step, "time": time.time(), "loss": 1.0 / step}])
     logged[step] = (int(before * 1000), int(time.time() * 1000) + 1)
     deadline = time.time() + 60
     while step == 1 and not Counted.sends and time.time() < deadline:  # the run opened, 1 sent
@@ -375,23 +389,26 @@ def _wandb_inspect(run_dir, *flags):
   return done.stdout
 
 
-def _wandb_history(workdir):
-  """({step: history row} of every offline run of the workdir, {their run ids}), as W&B's own
-  reader of its run files gives them; a step twice fails. A run directory without a run file
-  (W&B's service killed before it wrote one: it writes the file in blocks) has nothing to read,
-  as the tracker's resume finds (trackers.wandb.last_offline_step): the resumed run sends all."""
+def _wandb_records(workdir) -> list:
+  """The records of every offline run of the workdir, in order, as W&B's own reader of its run
+  files gives them. A run directory without a run file (W&B's service killed before it wrote
+  one: it writes the file in blocks) has nothing to read, as the tracker's resume finds
+  (trackers.wandb.last_offline_step): the resumed run sends all."""
+  return [json.loads(line) for run_dir in sorted((workdir / "wandb").glob("offline-run-*"))
+          if list(run_dir.glob("*.wandb")) for line in _wandb_inspect(run_dir).splitlines()]
+
+
+def _wandb_history(workdir, records=None):
+  """({step: history row} of every offline run of the workdir, {their run ids}); a step twice
+  fails. A row's table shows as its fields NAME._type, NAME.nrows, ..."""
   history, run_ids = {}, set()
-  for run_dir in sorted((workdir / "wandb").glob("offline-run-*")):
-    if not list(run_dir.glob("*.wandb")):
-      continue
-    for line in _wandb_inspect(run_dir).splitlines():
-      record = json.loads(line)
-      if record["type"] == "run":
-        run_ids.add(record["run"]["run_id"])
-      if record["type"] == "history":
-        step = record["history"]["step"]["num"]
-        assert step not in history, f"step {step} shown twice"
-        history[step] = record["history"]["item"]
+  for record in records if records is not None else _wandb_records(workdir):
+    if record["type"] == "run":
+      run_ids.add(record["run"]["run_id"])
+    if record["type"] == "history":
+      step = record["history"]["step"]["num"]
+      assert step not in history, f"step {step} shown twice"
+      history[step] = record["history"]["item"]
   return history, run_ids
 
 
@@ -402,12 +419,12 @@ def test_wandb_rows_sent_together_keep_the_time_they_were_logged_at(tmp_path):
   from transformer_jax.train.trackers.wandb import WandbTracker
   config = config_lib.default_config()
   config.wandb.update(mode="offline", project="interval")
-  logger = Background(WandbTracker(config, str(tmp_path), "interval"), "interval-run",
+  logger = Background(WandbTracker(config, str(tmp_path)), "interval-run",
                       {"a": 1}, interval_s=30)
   logged = {}
   for step in range(1, 6):
     before = time.time()
-    logger.scalars("train", {"train/loss": 1.0 / step}, step)
+    logger.write([{"split": "train", "step": step, "time": time.time(), "loss": 1.0 / step}])
     logged[step] = (before, time.time())
     time.sleep(0.1)
   logger.close()  # sends what the 30 s interval held back at once
@@ -563,7 +580,13 @@ def test_an_mlflow_run_carries_its_provenance_name_tags_and_notes(tmp_path):
   assert "sentinel-pw" not in tags["command"] and "--sweep_storage=" in tags["command"]
   assert "paper" in tags and "wmt" in tags
   assert tags["mlflow.note.content"] == "the paper's recipe"
+  (tmp_path / "plots").mkdir()
+  (tmp_path / "plots" / "curves.png").write_bytes(b"png")
+  tracker.files({"plots/curves.png": str(tmp_path / "plots" / "curves.png")})
   tracker.close("finished")
+  # A SQLite store keeps its artifacts beside the database, not in the current directory.
+  assert (tmp_path / "mlartifacts" / run.info.run_id / "artifacts"
+          / "plots" / "curves.png").read_bytes() == b"png"
 
 
 def test_a_wandb_run_carries_its_provenance_name_tags_and_notes(tmp_path):
@@ -571,18 +594,25 @@ def test_a_wandb_run_carries_its_provenance_name_tags_and_notes(tmp_path):
   config = config_lib.default_config()
   config.wandb.update(mode="offline", project="provenance")
   config.train.update(run_name="baseline-lr3", tags="paper,wmt", notes="the paper's recipe")
-  tracker = WandbTracker(config, str(tmp_path), "workdir-name")
+  tracker = WandbTracker(config, str(tmp_path))
   tracker.open("provenance-run", {"a": 1})
   (tmp_path / "summary.md").write_text("# the run\n")
-  tracker.files({"summary": str(tmp_path / "summary.md")})  # the run's files (logger.RUN_FILES)
+  tracker.files({"summary.md": str(tmp_path / "summary.md")})  # the run's files (logger.RUN_FILES)
+  # Checkpoints in a bucket: references (or, where W&B's client cannot reach the bucket, the
+  # URIs in the artifact's metadata), never a read of the weights nor a failing tracker.
+  tracker.checkpoints([10, 20], "gs://bucket/run/checkpoints")
   tracker.close("finished")
   [run_dir] = (tmp_path / "wandb").glob("offline-run-*-provenance-run")
   summary = json.loads(_wandb_inspect(run_dir, "--summary"))
   assert summary["config"]["provenance/git_commit"] == _git("rev-parse", "HEAD")
   assert summary["config"]["provenance/host"] and summary["config"]["provenance/user"] is not None
-  [run] = [json.loads(line)["run"] for line in _wandb_inspect(run_dir).splitlines()
-           if json.loads(line)["type"] == "run"]
+  records = [json.loads(line) for line in _wandb_inspect(run_dir).splitlines()]
+  [run] = [r["run"] for r in records if r["type"] == "run"]
   assert run["display_name"] == "baseline-lr3" and run["tags"] == ["paper", "wmt"]
+  [kept] = [r["artifact"] for r in records if r["type"] == "artifact"]
+  assert kept["name"] == "checkpoints-provenance-run" and "step-20" in kept["aliases"]
+  assert json.loads(kept["metadata"])["steps"] == {"10": "gs://bucket/run/checkpoints/10",
+                                                   "20": "gs://bucket/run/checkpoints/20"}
   assert run["notes"] == "the paper's recipe"
   assert (run_dir / "files" / "summary.md").read_text() == "# the run\n"
 
@@ -615,42 +645,87 @@ threading.Thread.start = observed
 config = config_lib.default_config()
 config.train.trackers = "tensorboard,wandb,mlflow"
 config.wandb.update(mode="offline", project="imports")
-config.mlflow.tracking_uri = "sqlite:///" + sys.argv[1] + "/mlflow.db"
-for tracker in trackers.open_trackers(config, sys.argv[1], "imports-run"):
-  tracker.close("finished")
+config.mlflow.tracking_uri = sys.argv[2]
+for writer in trackers.open_writers(config, sys.argv[1], "imports-run"):
+  writer.close("finished")
 print(seen)
 """
 
 
-def test_the_trackers_are_imported_before_their_threads_start(tmp_path):
+def test_the_trackers_are_imported_before_their_threads_start(tmp_path, mlflow_server):
   """Two tracker threads importing MLflow and W&B at once lost an MLflow run (Python 3.11's
   'AST constructor recursion depth mismatch'): each thread starts with both imported."""
-  done = subprocess.run([sys.executable, "-c", IMPORTED_AT_THREAD_START, str(tmp_path)],
+  done = subprocess.run([sys.executable, "-c", IMPORTED_AT_THREAD_START, str(tmp_path),
+                         mlflow_server],
                         cwd=ROOT, capture_output=True, text=True, env=environment(), timeout=300)
   assert done.returncode == 0, done.stderr[-2000:]
   assert done.stdout.strip().splitlines()[-1] == "[True, True]", done.stdout
 
 
-def test_rerunning_a_finished_workdir_sends_its_tracker_what_it_lacks(tmp_path, tiny_run):
-  """A workdir whose tracker run lacks points (its tracker away at the end, or chosen only
-  now): the same command on the finished workdir sends every record of metrics.jsonl the run
-  lacks and the run's files, and ends the run FINISHED (a real MLflow SQLite store)."""
+def test_rerunning_a_finished_workdir_sends_its_tracker_what_it_lacks(tmp_path, tiny_run,
+                                                                       mlflow_server):
+  """A workdir whose tracker runs lack points (their service away at the end, a kill, or
+  chosen only now): the same command on the finished workdir sends every record of
+  metrics.jsonl they lack, the sample translations of each evaluation among them (W&B lost
+  one across a kill: only its numbers were in metrics.jsonl), and the run's files, and ends
+  the runs FINISHED (MLflow's server, and W&B offline read back by its own reader)."""
   import shutil
   workdir = tmp_path / "run"
   shutil.copytree(tiny_run, workdir)
-  uri = f"sqlite:///{tmp_path}/mlflow.db"
   done = subprocess.run([sys.executable, "launch.py", "--config=experiments/tiny.py",
                          f"--workdir={workdir}", "--mode=train", "--config.train.eval_every=10",
-                         "--config.train.trackers=tensorboard,mlflow",
-                         *_mlflow_flags(uri, "synced")], cwd=ROOT, capture_output=True,
+                         "--config.train.trackers=tensorboard,mlflow,wandb",
+                         "--config.wandb.mode=offline", "--config.wandb.project=synced",
+                         *_mlflow_flags(mlflow_server, "synced")], cwd=ROOT, capture_output=True,
                         text=True, env=environment(), timeout=300)
   assert done.returncode == 0, done.stderr[-2000:]
   assert "already trained" in done.stdout and "got what it lacked" in done.stdout
-  [run] = _runs(uri, "synced", _run_id(workdir))
+  [run] = _runs(mlflow_server, "synced", _run_id(workdir))
   assert run.info.status == "FINISHED"
   for split, key in (("train", "loss"), ("eval", "bleu")):
     records = _records(workdir, split)
-    assert [step for step, _ in _history(uri, run, f"{split}/{key}")] == [
+    assert [step for step, _ in _history(mlflow_server, run, f"{split}/{key}")] == [
         r["step"] for r in records] and records
-  files = {f.path for f in _client(uri).list_artifacts(run.info.run_id)}
+  client = _client(mlflow_server)
+  files = {f.path for f in client.list_artifacts(run.info.run_id)}
   assert {"config.json", "summary.md", "metrics.jsonl"} <= files
+  evals = _records(workdir, "eval")
+  assert [r["step"] for r in evals] == [10, 20] and all(len(r["samples"]) == 5 for r in evals)
+  for r in evals:
+    table = json.loads(open(client.download_artifacts(
+        run.info.run_id, f"eval/samples/step_{r['step']:09d}.json", str(tmp_path))).read())
+    assert table["data"] == [[s["source"], s["hypothesis"], s["reference"]]
+                             for s in r["samples"]]
+  history, run_ids = _wandb_history(workdir)
+  assert run_ids == {_run_id(workdir)}
+  assert sorted(history) == sorted({r["step"] for r in _records(workdir, "train") + evals})
+  for r in evals:
+    assert history[r["step"]]["eval/samples.nrows"] == 5
+    assert history[r["step"]]["eval/bleu"] == pytest.approx(r["bleu"])
+  [run_dir] = (workdir / "wandb").glob("offline-run-*")
+  assert (run_dir / "files" / "summary.md").read_text() == (workdir / "summary.md").read_text()
+
+
+def test_a_tracker_failing_in_this_process_is_not_said_to_be_its_server(capsys):
+  """An MLflow run was lost to an error of this process (Python 3.11's 'AST constructor
+  recursion depth mismatch', a SystemError, from two threads importing at once) and the closing
+  line said the server did not answer: both lines name the error as this process's."""
+  from transformer_jax.train.trackers.base import Background
+
+  class Broken(mlflow_tracker.MlflowTracker):
+    def open(self, run_id, config):
+      raise SystemError("AST constructor recursion depth mismatch (before=48, after=47)")
+
+  config = config_lib.default_config()
+  config.mlflow.tracking_uri = "http://127.0.0.1:9"  # never asked
+  writer = Background(Broken(config, "local"), "local-run", {}, retry_s=60)
+  writer.write([{"split": "train", "step": 1, "time": time.time(), "loss": 1.0}])
+  writer.close()
+  err = capsys.readouterr().err
+  assert err.count("SystemError: AST constructor recursion depth mismatch") == 2, err
+  warning, closing = err.strip().splitlines()
+  assert "warning: mlflow failed in this process" in warning, err
+  assert closing.startswith("mlflow: 1 record(s) not sent, its close, open not made (it failed "
+                            "in this process: SystemError"), err
+  assert "did not answer" not in err and "127.0.0.1" not in closing, err
+  assert not writer.complete

@@ -509,8 +509,8 @@ def test_tensorboard_events_are_written_without_importing_torch_and_read_by_tens
   every run where torch is installed), which stay importable afterwards."""
   script = textwrap.dedent(f"""
       import sys
-      from transformer_jax.train import logger
-      events = logger._Events({str(tmp_path)!r})
+      from transformer_jax.train.trackers import tensorboard
+      events = tensorboard.Events({str(tmp_path)!r})
       events.scalars({{"train/loss": 1.5}}, step=3)
       events.text("samples", "jump twice", step=4)
       events.close()

@@ -1,39 +1,41 @@
-"""Experiment trackers beside TensorBoard: Weights & Biases and MLflow, chosen by train.trackers.
+"""Where a run is logged besides metrics.jsonl, chosen by train.trackers: TensorBoard, W&B and
+MLflow, each a `base.Writer` as metrics.jsonl's is (train/logger.py hands each record to each).
+W&B and MLflow keep a run of their own, driven off the training thread (base.Background); each
+package is imported only when asked for, so the core install needs neither.
 
-`train/logger.py` is their one caller: it writes metrics.jsonl and TensorBoard itself and hands
-the same records to each tracker of `open_trackers`, which runs it off the training thread
-(base.Background). Each tracker's package is imported only when it is asked for, so the core
-install needs neither.
-
-One run, whatever happens to it: the tracker run's id is WORKDIR/tracker.json's, written once
-by the first training of the workdir; a resumed run (after a stop, a kill, a changed
-train.steps) continues it, and in a job of several processes process 0 alone logs, under the id
-it read or chose and sent to the others.
+One run, whatever happens to it: the tracker run's id is WORKDIR/tracker.json's, written once by
+the workdir's first training; a resumed run (after a stop, a kill, a raised train.steps)
+continues it, sending first what its run lacks of metrics.jsonl, as does the same command on a
+finished workdir (logger.sync_trackers). In a job of several processes process 0 alone logs,
+under the id it read or chose and sent to the others.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import uuid
 
 from transformer_jax import config as config_lib
 from transformer_jax.core import storage
 from transformer_jax.core.errors import UserError
-from transformer_jax.train.trackers.base import Background, Tracker  # noqa: F401
+from transformer_jax.train.trackers.base import Background, Tracker, Writer  # noqa: F401
 
-PACKAGES = {"wandb": "wandb", "mlflow": "mlflow"}  # tracker: the package (and pip extra) it needs
 ID_FILE = "tracker.json"
+# The trackers that keep a run of their own (a run id, resumed, synced), each its module here
+# and its pip extra: its class, and what its calls import, imported on the calling thread before
+# any tracker thread starts (two threads importing MLflow and W&B at once lost an MLflow run to
+# Python 3.11's "AST constructor recursion depth mismatch", an import race in a dependency).
+RUNS = {"wandb": ("WandbTracker", ("wandb",)),
+        "mlflow": ("MlflowTracker", ("mlflow.tracking", "mlflow.entities"))}
 
 
 def check(config) -> list:
   """The trackers `config` asks for, each installed; else one UserError naming the pip extra."""
   chosen = config_lib.tracker_names(config)
-  for name in chosen:
-    package = PACKAGES.get(name)
+  for name in (name for name in chosen if name in RUNS):
     try:
-      missing = package and importlib.util.find_spec(package) is None
+      missing = importlib.util.find_spec(name) is None
     except ValueError:  # in sys.modules as None: an import of it fails
       missing = True
     if missing:
@@ -62,6 +64,11 @@ def _check_tracking_uri(config) -> None:
     raise UserError(f"{where} {secrets.redact(uri)!r} is no tracking URI MLflow knows (its "
                     f"scheme {scheme!r} is none of {', '.join(TRACKING_SCHEMES)}); fix it, or "
                     "leave it empty for MLflow's local store")
+
+
+def with_runs(config) -> list:
+  """The trackers of train.trackers that keep a run of their own (check()ed)."""
+  return [name for name in check(config) if name in RUNS]
 
 
 def read_run_id(workdir: str) -> str | None:
@@ -103,32 +110,26 @@ def flat_config(config) -> dict:
           for k, v in flatten(config.to_dict()).items()}
 
 
-def make(name: str, config, workdir: str) -> Tracker:
-  run_name = os.path.basename(workdir.rstrip("/")) or workdir
-  if name == "wandb":
-    from transformer_jax.train.trackers.wandb import WandbTracker
-    return WandbTracker(config, workdir, run_name)
-  from transformer_jax.train.trackers.mlflow import MlflowTracker
-  return MlflowTracker(config, run_name)
-
-
-# What each tracker's calls import, imported on the calling thread before any tracker thread
-# starts: two threads importing MLflow and W&B at once lost an MLflow run to Python 3.11's "AST
-# constructor recursion depth mismatch" (an import race inside a dependency).
-IMPORTS = {"wandb": ("wandb",), "mlflow": ("mlflow.tracking", "mlflow.entities")}
-
-
-def open_trackers(config, workdir: str, run_id: str, backlog: list = ()) -> list:
-  """A started Background for each tracker of train.trackers but TensorBoard (the logger's).
-  backlog: the scalar records of the steps before this run (Background)."""
-  names = [name for name in check(config) if name != "tensorboard"]
+def open_writers(config, workdir: str, run_id: str | None, backlog: list = (),
+                 tensorboard: bool = True) -> list:
+  """A writer for each tracker of train.trackers: TensorBoard's (unless `tensorboard` is
+  False), and a started Background for each tracker that keeps a run (its run `run_id`; none
+  without one). backlog: the records of the steps before this run (Background)."""
+  names = check(config)
+  writers = []
+  if tensorboard and "tensorboard" in names:
+    from transformer_jax.train.trackers.tensorboard import TensorBoard
+    writers.append(TensorBoard(workdir))
+  if not run_id:
+    return writers
+  names = [name for name in names if name in RUNS]
   for name in names:
-    for module in IMPORTS.get(name, ()):
+    for module in RUNS[name][1]:
       importlib.import_module(module)
-  return [Background(make(name, config, workdir), run_id, flat_config(config),
-                     retry_s=config.train.tracker_retry_s, backlog=backlog,
-                     interval_s=config.train.tracker_interval_s)
-          for name in names]
+  return writers + [Background(
+      getattr(importlib.import_module(f"{__name__}.{name}"), RUNS[name][0])(config, workdir),
+      run_id, flat_config(config), retry_s=config.train.tracker_retry_s, backlog=backlog,
+      interval_s=config.train.tracker_interval_s) for name in names]
 
 
 def record_trial(config, workdir: str, trial: int, state: str, params: dict | None = None,
@@ -140,7 +141,7 @@ def record_trial(config, workdir: str, trial: int, state: str, params: dict | No
   Nothing where the workdir has no tracker run yet or no tracker is chosen; workdir "": the
   trial has no training run (it failed before one), so MLflow gets a child run of its own."""
   run_id = read_run_id(workdir) if workdir else None
-  chosen = [n for n in check(config) if n != "tensorboard"]
+  chosen = with_runs(config)
   if "mlflow" in chosen and config.mlflow.parent_run_id:
     from transformer_jax.train.trackers import mlflow
     mlflow.record_trial(config, config.mlflow.parent_run_id, trial, state, params, value, step,

@@ -16,7 +16,7 @@ import time
 import urllib.parse
 
 from transformer_jax.core import secrets
-from transformer_jax.train.trackers.base import MAX_VALUES, Tracker, provenance, split_tags
+from transformer_jax.train.trackers import base
 
 RUN_ID_TAG = "transformer_jax.run_id"
 STUDY_TAG = "transformer_jax.study"
@@ -30,12 +30,10 @@ _BATCH = 100  # params and tags per log_batch call (MLflow's limit); metrics go 
 _PARAM_CHARS = 6000  # MLflow's longest param value
 
 
-class _OwnRetries(logging.Filter):
+def _not_own_retry(record) -> bool:
   """urllib3's warning at each retry of a request, from a tracker's thread: the tracker says
   once that it cannot reach its server (base.Background), not once per request."""
-
-  def filter(self, record) -> bool:
-    return not threading.current_thread().name.startswith("tracker-")
+  return not threading.current_thread().name.startswith("tracker-")
 
 
 def _credentials_apart(tracking_uri: str) -> str:
@@ -55,8 +53,8 @@ def _client(tracking_uri: str):
     os.environ.setdefault(name, value)
   tracking_uri = _credentials_apart(tracking_uri)
   retries = logging.getLogger("urllib3.connectionpool")
-  if not any(isinstance(f, _OwnRetries) for f in retries.filters):
-    retries.addFilter(_OwnRetries())
+  if _not_own_retry not in retries.filters:
+    retries.addFilter(_not_own_retry)
   from mlflow.tracking import MlflowClient
   return MlflowClient(tracking_uri=tracking_uri or None)
 
@@ -91,6 +89,24 @@ def _find_run(client, experiment_id: str, tag: str, value: str):
   return runs[0] if runs else None
 
 
+def _store(config) -> tuple:
+  """(an MlflowClient of `config`'s tracking URI, the id of its experiment)."""
+  tracking_uri, experiment = settings(config)
+  client = _client(tracking_uri)
+  return client, _experiment_id(client, experiment, tracking_uri)
+
+
+def _log(client, run, params: dict = None, tags: dict = None, metrics: list = ()) -> None:
+  """The params `run` lacks (MLflow's are immutable), tags and metrics, in MLflow's batches."""
+  from mlflow.entities import Param, RunTag
+  params = [Param(k, str(v)[:_PARAM_CHARS]) for k, v in (params or {}).items()
+            if k not in run.data.params]
+  tags = [RunTag(k, str(v)) for k, v in (tags or {}).items()]
+  for i in range(0, max(len(params), len(tags), len(metrics) and 1), _BATCH):
+    client.log_batch(run.info.run_id, metrics=[] if i else list(metrics),
+                     params=params[i:i + _BATCH], tags=tags[i:i + _BATCH])
+
+
 def settings(config) -> tuple[str, str]:
   """(tracking URI, experiment name) of `config`: its mlflow.* keys, else MLflow's own
   environment variables (MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_NAME)."""
@@ -102,7 +118,7 @@ def settings(config) -> tuple[str, str]:
 def context_tags() -> dict:
   """The provenance of the run as MLflow's own context tags (what `mlflow.start_run` would add;
   `MlflowClient.create_run` adds none) and two of ours."""
-  p = provenance()
+  p = base.provenance()
   tags = {"mlflow.user": p["user"], "mlflow.source.name": p["program"],
           "mlflow.source.type": "LOCAL", "host": p["host"], "command": p["command"]}
   if p.get("git_commit"):
@@ -116,30 +132,26 @@ def _metric(key, value, step, wall=None):
   return Metric(key, float(value), int((time.time() if wall is None else wall) * 1000), int(step))
 
 
-class MlflowTracker(Tracker):
+class MlflowTracker(base.Tracker):
   name = "mlflow"
 
-  def __init__(self, config, run_name: str):
-    self.tracking_uri, self.experiment = settings(config)
-    self.where = secrets.redact(self.tracking_uri) or "MLflow's default store"
-    self.parent_run_id = config.mlflow.parent_run_id
-    self.group = config.train.tracker_group
-    self.run_name = config.mlflow.run_name or config.train.run_name or run_name
-    self.user_tags = {tag: "" for tag in split_tags(config.train.tags)}
+  def __init__(self, config, workdir: str):
+    self.config = config
+    self.where = secrets.redact(settings(config)[0]) or "MLflow's default store"
+    self.run_name = base.run_name(config, workdir, config.mlflow.run_name)
+    self.tags = {tag: "" for tag in base.split_tags(config.train.tags)}
     if config.train.notes:
-      self.user_tags["mlflow.note.content"] = config.train.notes  # the run's description
+      self.tags["mlflow.note.content"] = config.train.notes  # the run's description
+    if config.mlflow.parent_run_id:
+      self.tags["mlflow.parentRunId"] = config.mlflow.parent_run_id
+    if config.train.tracker_group:
+      self.tags[STUDY_TAG] = config.train.tracker_group
     self.client = self.run_id = None
 
   def open(self, run_id: str, config: dict) -> dict:
-    from mlflow.entities import Param, RunTag
-    client = _client(self.tracking_uri)
-    experiment_id = _experiment_id(client, self.experiment, self.tracking_uri)
+    client, experiment_id = _store(self.config)
     run = _find_run(client, experiment_id, RUN_ID_TAG, run_id)
-    tags = {RUN_ID_TAG: run_id, **self.user_tags, **context_tags()}
-    if self.parent_run_id:
-      tags["mlflow.parentRunId"] = self.parent_run_id
-    if self.group:
-      tags[STUDY_TAG] = self.group
+    tags = {RUN_ID_TAG: run_id, **self.tags, **context_tags()}
     if run is None:
       run = client.create_run(experiment_id, run_name=self.run_name, tags=tags)
       shown = {}
@@ -150,14 +162,11 @@ class MlflowTracker(Tracker):
     # Params are immutable in MLflow: a resumed run with a changed config (which training
     # allows for some keys) keeps the first values and names the changed keys in a tag.
     known = run.data.params
-    values = {k: str(v)[:_PARAM_CHARS] for k, v in config.items()}
-    params = [Param(k, v) for k, v in values.items() if k not in known]
-    changed = sorted(k for k, v in values.items() if k in known and known[k] != v)
-    tag_list = [RunTag(k, v) for k, v in tags.items()]
+    changed = sorted(k for k, v in config.items() if k in known
+                     and known[k] != str(v)[:_PARAM_CHARS])
     if changed:
-      tag_list.append(RunTag("config_changed_on_resume", ", ".join(changed)[:5000]))
-    for i in range(0, max(len(params), len(tag_list)), _BATCH):
-      client.log_batch(self.run_id, params=params[i:i + _BATCH], tags=tag_list[i:i + _BATCH])
+      tags["config_changed_on_resume"] = ", ".join(changed)[:5000]
+    _log(client, run, config, tags)
     return shown
 
   @staticmethod
@@ -169,37 +178,39 @@ class MlflowTracker(Tracker):
                                                                    f"{split}/time")), default=-1)
             for split in splits}
 
-  def scalars(self, records: list) -> None:
-    # One request (MAX_VALUES numbers at most, MLflow's limit): a retry never sends
-    # half of them twice. A record of more numbers, split, could.
-    metrics = [_metric(k, v, step, wall) for _, values, step, wall in records
-               for k, v in values.items()]
-    for i in range(0, len(metrics), MAX_VALUES):
-      self.client.log_batch(self.run_id, metrics=metrics[i:i + MAX_VALUES])
-
-  def table(self, name: str, columns: list, rows: list, step: int) -> None:
-    self.client.log_table(self.run_id, {c: [r[i] for r in rows] for i, c in enumerate(columns)},
-                          f"{name}/step_{step:09d}.json")
+  def write(self, records: list) -> None:
+    metrics = [_metric(k, v, r["step"], r.get("time")) for r in records
+               for k, v in base.scalars(r).items()]
+    for i in range(0, len(metrics), base.MAX_VALUES):
+      self.client.log_batch(self.run_id, metrics=metrics[i:i + base.MAX_VALUES])
+    for r in records:
+      if rows := base.sample_rows(r):
+        columns = dict(zip(base.SAMPLE_COLUMNS, map(list, zip(*rows))))
+        self.client.log_table(self.run_id, columns,
+                              f"{r['split']}/samples/step_{r['step']:09d}.json")
 
   def summary(self, values: dict) -> None:
-    numbers = {k: v for k, v in values.items() if isinstance(v, (int, float))
-               and not isinstance(v, bool)}
     step = int(values.get("step", 0))
     self.client.log_batch(self.run_id, metrics=[_metric(f"summary/{k}", v, step)
-                                                for k, v in numbers.items()])
+                                                for k, v in base.numbers(values).items()])
 
   def images(self, paths: dict, step: int) -> None:
     for path in paths.values():
       self.client.log_artifact(self.run_id, path, "plots")
 
   def files(self, paths: dict) -> None:
-    for path in paths.values():
-      self.client.log_artifact(self.run_id, path)
+    for name, path in paths.items():
+      self.client.log_artifact(self.run_id, path, os.path.dirname(name) or None)
 
   def checkpoints(self, steps: list, directory: str) -> None:
+    """Tags, and checkpoints.json: {"directory", "steps": {step: its URI}} (MLflow keeps no
+    references to files it does not store)."""
     from mlflow.entities import RunTag
     self.client.log_batch(self.run_id, tags=[
         RunTag("checkpoint_steps", ",".join(map(str, steps))), RunTag("checkpoints", directory)])
+    self.client.log_dict(self.run_id, {"directory": directory,
+                                       "steps": base.checkpoint_uris(steps, directory)},
+                         "checkpoints.json")
 
   def close(self, state: str) -> None:
     if self.client is not None:
@@ -219,21 +230,14 @@ def start_study(config, study: str, storage: str = "", params: dict | None = Non
   exist (a resumed sweep finds its own); its id. storage: where the study lives (Optuna's
   storage URL), kept as a tag; params: the sweep's settings (its space, sampler, pruner);
   display: the study's name as the run and its study tag show it ("" = `study`)."""
-  display = display or study
-  from mlflow.entities import Param
-  tracking_uri, experiment = settings(config)
-  client = _client(tracking_uri)
-  experiment_id = _experiment_id(client, experiment, tracking_uri)
+  client, experiment_id = _store(config)
   run = _find_run(client, experiment_id, STUDY_TAG + ".parent", study)
   if run is None:
-    run = client.create_run(experiment_id, run_name=display, tags={
-        STUDY_TAG + ".parent": study, STUDY_TAG: display, "study_storage": storage})
+    run = client.create_run(experiment_id, run_name=display or study, tags={
+        STUDY_TAG + ".parent": study, STUDY_TAG: display or study, "study_storage": storage})
   else:
     client.update_run(run.info.run_id, status="RUNNING")
-  known = run.data.params
-  values = [Param(k, str(v)[:_PARAM_CHARS]) for k, v in (params or {}).items() if k not in known]
-  for i in range(0, len(values), _BATCH):
-    client.log_batch(run.info.run_id, params=values[i:i + _BATCH])
+  _log(client, run, params)
   return run.info.run_id
 
 
@@ -245,27 +249,20 @@ def record_trial(config, parent_run_id: str, trial: int, state: str, params: dic
   a pruned trial). run_id: the trial's training run (WORKDIR/tracker.json's id); without one,
   or before its training run exists, a child run of its own is made for the trial.
   Returns the MLflow id of the run that holds the trial."""
-  from mlflow.entities import Param, RunTag
-  tracking_uri, experiment = settings(config)
-  client = _client(tracking_uri)
-  experiment_id = _experiment_id(client, experiment, tracking_uri)
-  run = _find_run(client, experiment_id, RUN_ID_TAG, run_id) if run_id else None
-  if run is None:
-    run = _find_run(client, experiment_id, "trial_key", f"{parent_run_id}/{trial}")
+  client, experiment_id = _store(config)
+  key = f"{parent_run_id}/{trial}"
+  run = ((_find_run(client, experiment_id, RUN_ID_TAG, run_id) if run_id else None)
+         or _find_run(client, experiment_id, "trial_key", key))
   if run is None:
     run = client.create_run(experiment_id, run_name=f"trial {trial}", tags={
-        "mlflow.parentRunId": parent_run_id, "trial_key": f"{parent_run_id}/{trial}",
+        "mlflow.parentRunId": parent_run_id, "trial_key": key,
         **({RUN_ID_TAG: run_id} if run_id else {})})
-  tags = [RunTag("mlflow.parentRunId", parent_run_id), RunTag("trial", str(trial)),
-          RunTag("trial_key", f"{parent_run_id}/{trial}"), RunTag("trial_state", state)]
+  tags = {"mlflow.parentRunId": parent_run_id, "trial": trial, "trial_key": key,
+          "trial_state": state}
   if step is not None:
-    tags.append(RunTag("pruned_at_step" if state == "PRUNED" else "last_step", str(step)))
-  known = run.data.params
-  values = [Param(k, str(v)[:_PARAM_CHARS]) for k, v in (params or {}).items() if k not in known]
-  metrics = [] if value is None else [_metric("trial/value", value, step or 0)]
-  client.log_batch(run.info.run_id, metrics=metrics, params=values[:_BATCH], tags=tags)
-  for i in range(_BATCH, len(values), _BATCH):
-    client.log_batch(run.info.run_id, params=values[i:i + _BATCH])
+    tags["pruned_at_step" if state == "PRUNED" else "last_step"] = step
+  _log(client, run, params, tags, [] if value is None else [_metric("trial/value", value,
+                                                                      step or 0)])
   status = {"COMPLETE": "FINISHED", "PRUNED": "KILLED", "FAIL": "FAILED"}.get(state)
   if status:
     client.set_terminated(run.info.run_id, status)
@@ -276,8 +273,7 @@ def end_study(config, parent_run_id: str, best: dict | None = None,
               state: str = "FINISHED") -> None:
   """Ends the parent run: the best trial's number, value and parameters (as best/...)."""
   from mlflow.entities import RunTag
-  tracking_uri, _ = settings(config)
-  client = _client(tracking_uri)
+  client = _client(settings(config)[0])
   best = best or {}
   tags = [RunTag(f"best/{k}", json.dumps(v) if not isinstance(v, str) else v)
           for k, v in best.items()]

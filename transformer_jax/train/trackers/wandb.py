@@ -15,7 +15,7 @@ import subprocess
 import sys
 
 from transformer_jax.core import storage
-from transformer_jax.train.trackers.base import Tracker, provenance, split_tags
+from transformer_jax.train.trackers import base
 
 
 def wandb_dir(workdir: str) -> str | None:
@@ -41,16 +41,17 @@ def last_offline_step(directory: str | None, run_id: str) -> int:
   return last
 
 
-class WandbTracker(Tracker):
+class WandbTracker(base.Tracker):
   name = "wandb"
 
-  def __init__(self, config, workdir: str, run_name: str):
+  def __init__(self, config, workdir: str):
     w = config.wandb
     self.settings = dict(
         project=w.project or None, entity=w.entity or None,
         group=w.group or config.train.tracker_group or None,
-        tags=split_tags(w.tags or config.train.tags) or None, notes=config.train.notes or None,
-        mode=w.mode or None, name=w.name or config.train.run_name or run_name,
+        tags=base.split_tags(w.tags or config.train.tags) or None,
+        notes=config.train.notes or None,
+        mode=w.mode or None, name=base.run_name(config, workdir, w.name),
         dir=wandb_dir(workdir))
     self.where = f"project {w.project or os.environ.get('WANDB_PROJECT') or '(W&B default)'}"
     self.run = None
@@ -63,7 +64,7 @@ class WandbTracker(Tracker):
     # W&B's console capture wraps sys.stdout and sys.stderr: every line and progress-bar
     # update of the training thread would pass through it. Off unless WANDB_CONSOLE asks.
     settings = wandb.Settings(silent=True, console=os.environ.get("WANDB_CONSOLE", "off"))
-    config = {**config, **{f"provenance/{k}": v for k, v in provenance().items()}}
+    config = {**config, **{f"provenance/{k}": v for k, v in base.provenance().items()}}
     self.run = wandb.init(id=run_id, resume="allow", config=config, reinit="create_new",
                           settings=settings, **self.settings)
     self.run.config.update(config, allow_val_change=True)  # a resumed run's changed keys
@@ -71,13 +72,14 @@ class WandbTracker(Tracker):
       before = max(before, self.run.starting_step - 1)
     return {"*": before} if before >= 0 else {}
 
-  def scalars(self, records: list) -> None:
-    for _, values, step, wall in records:  # W&B takes a row's time from its _timestamp
-      self.run.log(values if wall is None else {**values, "_timestamp": wall}, step=step)
-
-  def table(self, name: str, columns: list, rows: list, step: int) -> None:
+  def write(self, records: list) -> None:
     import wandb
-    self.run.log({name: wandb.Table(columns=columns, data=rows)}, step=step)
+    for r in records:  # W&B takes a row's time from its _timestamp
+      values = base.scalars(r)
+      if rows := base.sample_rows(r):
+        values[f"{r['split']}/samples"] = wandb.Table(list(base.SAMPLE_COLUMNS), rows)
+      self.run.log({**values, **({"_timestamp": r["time"]} if "time" in r else {})},
+                   step=r["step"])
 
   def summary(self, values: dict) -> None:
     self.run.summary.update({f"summary/{k}": v for k, v in values.items()})
@@ -88,11 +90,26 @@ class WandbTracker(Tracker):
                  step=max(step, self.run.step))
 
   def files(self, paths: dict) -> None:
-    for path in paths.values():  # into the run's files, uploaded with it
-      self.run.save(path, base_path=os.path.dirname(path), policy="now")
+    for name, path in paths.items():  # into the run's files as `name`, uploaded with it
+      root = path[:-len(name)] if path.endswith(name) else os.path.dirname(path)
+      self.run.save(path, base_path=root, policy="now")
 
   def checkpoints(self, steps: list, directory: str) -> None:
+    """An artifact of references to the checkpoints (W&B stores no weights), a version per
+    change of the steps kept; the directory and its steps in the run's summary."""
+    import wandb
     self.run.summary.update({"checkpoint_steps": list(steps), "checkpoints": directory})
+    uris = base.checkpoint_uris(steps, directory)
+    artifact = wandb.Artifact(f"checkpoints-{self.run.id}", type="model",
+                              metadata={"directory": directory, "steps": uris})
+    for step, uri in uris.items():
+      if uri.startswith("file://") and not os.path.isdir(uri[len("file://"):]):
+        continue  # a save in flight: referenced at the next one, or at the end
+      try:
+        artifact.add_reference(uri, name=step, checksum=False)
+      except Exception:  # noqa: BLE001 - a bucket W&B's own client cannot reach from here
+        pass  # (no library, no credentials): its URI stays in the metadata
+    self.run.log_artifact(artifact, aliases=["latest", f"step-{max(steps)}"] if steps else None)
 
   def close(self, state: str) -> None:
     if self.run is not None:
@@ -108,7 +125,7 @@ def record_trial(config, workdir: str, run_id: str, trial: int, state: str,
   its state (Optuna's: COMPLETE, PRUNED, FAIL), parameters, objective value and last reported
   step (the pruning step of a pruned trial), in the run's summary and config."""
   import wandb
-  tracker = WandbTracker(config, workdir, run_name="")
+  tracker = WandbTracker(config, workdir)
   settings = {k: v for k, v in tracker.settings.items() if k != "name"}
   run = wandb.init(id=run_id, resume="allow", reinit="create_new",
                    settings=wandb.Settings(silent=True, console="off"), **settings)
