@@ -118,9 +118,9 @@ GENERATORS = CHOICES["dropout_rng"]
 def random_bits(rng: Array, shape: tuple, dtype, generator: str = "threefry") -> Array:
   """`jax.random.bits(rng, shape, dtype)` from `generator` (GENERATORS); `rng` is a threefry
   key (Flax's RNG streams) either way."""
-  if generator == "rbg":
+  if generator in ("rbg", "unsafe_rbg"):
     seed = jax.random.bits(rng, (4,), jnp.uint32)
-    rng = jax.random.wrap_key_data(seed, impl="rbg")
+    rng = jax.random.wrap_key_data(seed, impl=generator)
   elif generator != "threefry":
     raise ValueError(f"unknown dropout generator {generator!r}")
   return jax.random.bits(rng, shape, dtype)
@@ -344,14 +344,16 @@ def dot_product_attention(
   Returns:
     `[batch, q_len, heads, head_dim]` in the dtype of `query`.
   """
-  if implementation == "jax" and geometric_distances is None:
+  if implementation in ("jax", "cudnn") and geometric_distances is None:
     check_attention_dropout(implementation, 0.0 if deterministic or not dropping(dropout_rate)
-                          else 1.0)
+                            else 1.0)
     if bias is not None:
       bias = jnp.broadcast_to(bias, bias.shape[:2] + (query.shape[1], key.shape[1]))
       bias = bias.astype(query.dtype)
-    return jax.nn.dot_product_attention(query, key, value, bias=bias, mask=mask)
-  if implementation not in ("plain", "plain_bf16", "jax"):
+    return jax.nn.dot_product_attention(
+        query, key, value, bias=bias, mask=mask,
+        implementation="cudnn" if implementation == "cudnn" else "xla")
+  if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"unknown attention implementation {implementation!r}")
   if (implementation == "plain_bf16" and value.dtype == jnp.bfloat16
       and geometric_distances is None):

@@ -31,13 +31,15 @@ Array = jax.Array
 # matrix product's output, the attention's batched ones (logits, context) too; "qkv_out" the
 # queries, keys, values, the attention's context and the outputs of the attention and the FFN
 # (names given in attention.py and layers.py): the FFN's hidden layer (d_ff wide, the largest
-# activation of a layer) and the attention weights are computed again.
+# activation of a layer) and the attention weights are computed again; "block_out" the outputs
+# of the attention and FFN blocks alone (MaxText's save_out_proj), each block's inside again.
 REMAT_POLICIES = {
     "full": None,
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     "dots_all": jax.checkpoint_policies.dots_saveable,
     "qkv_out": jax.checkpoint_policies.save_only_these_names("qkv", "context", "attention_out",
                                                              "mlp_out"),
+    "block_out": jax.checkpoint_policies.save_only_these_names("attention_out", "mlp_out"),
 }
 
 
