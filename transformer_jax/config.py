@@ -451,6 +451,9 @@ def validate(config: ml_collections.ConfigDict, platform: str = "cpu") -> ModelC
       raise UserError(f"{key} must be >= 0, got {_get(config, key)}")
   if config.train.learning_rate <= 0:
     raise UserError(f"train.learning_rate must be positive, got {config.train.learning_rate}")
+  if config.train.loss_chunk_tokens and model.num_labels:
+    raise UserError("train.loss_chunk_tokens chunks the vocabulary's logits, and a classifier "
+                    "(model.num_labels) has a few classes' instead; set it to 0")
   if not 0.0 <= config.train.label_smoothing < 1.0:
     raise UserError(f"train.label_smoothing must be in [0, 1), got {config.train.label_smoothing}")
   if config.eval.temperature <= 0:
