@@ -365,3 +365,51 @@ def test_the_train_step_with_a_chunked_loss_gives_the_default_metrics():
   chunked, _ = _step_metrics(c)
   for key in ("loss", "nll", "accuracy", "grad_norm", "tokens"):
     np.testing.assert_allclose(chunked[key], default[key], rtol=1e-5, err_msg=key)
+
+
+# ----------------------------------------------------------------------------- cuDNN attention
+
+
+def fused_attention_calls(attention_impl: str, monkeypatch) -> set:
+  """The custom calls of a tiny bfloat16 train step compiled for one H100 on this CPU (XLA's GPU
+  compiler, from the CUDA plugin of JAX) with model.attention_impl=`attention_impl`.
+
+  JAX asks the installed cuDNN for its version before it emits the fused call; the compiler
+  itself needs no cuDNN, and the gpu-compile extra installs none. Without the library, the
+  test answers the question with a version (9.10) instead of skipping."""
+  pytest.importorskip("jax_plugins.xla_cuda12",
+                      reason="compiling for GPUs needs the gpu-compile extra (jax-cuda12-plugin)")
+  from jax._src.cudnn import fused_attention_stablehlo
+
+  from transformer_jax.tools import compile as compile_lib
+  try:
+    fused_attention_stablehlo.check_cudnn_version()
+  except RuntimeError:
+    monkeypatch.setattr(fused_attention_stablehlo, "check_cudnn_version", lambda: 91000)
+  mesh = jax.sharding.Mesh(np.array(compile_lib.gpu_devices("h100", 1, 1)).reshape(1, 1, 1),
+                           ("data", "fsdp", "tensor"))
+  c = tiny.get_config()
+  c.model.update(attention_impl=attention_impl, dtype="bfloat16", d_model=64, num_heads=4)
+  c.compile.batch_size = 16
+  lowered, _, _ = compile_lib.lower_train_step(c, config_lib.validate(c, platform="gpu"), mesh)
+  compiled, _ = compile_lib.compile_lowered(lowered, "the train step", "H100", mesh)
+  return set(re.findall(r'custom_call_target="([^"]+)"', compiled.as_text()))
+
+
+def test_cudnn_attention_compiles_for_an_h100_with_the_fused_kernels(monkeypatch):
+  """Forward and backward: cuDNN's fused attention, the mask as a bias."""
+  calls = fused_attention_calls("cudnn", monkeypatch)
+  assert {"__cudnn$fmhaScaleBiasSoftmax", "__cudnn$fmhaScaleBiasSoftmaxBackward"} <= calls, calls
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"attention_dropout_rate": 0.1}, r"^model.attention_impl='cudnn' has no attention-weight "
+                                      r"dropout; set model.attention_dropout_rate=0"),
+    ({"dtype": "float32"}, r"^model.attention_impl='cudnn' runs cuDNN's fused attention, on "
+                           r"NVIDIA GPUs in bfloat16, and model.dtype is float32"),
+])
+def test_cudnn_attention_refuses_what_it_cannot_do_in_one_line(changes, message):
+  c = tiny.get_config()
+  c.model.update({"attention_impl": "cudnn", "dtype": "bfloat16", **changes})
+  with pytest.raises(UserError, match=message):
+    config_lib.validate(c, platform="gpu")
