@@ -1,6 +1,7 @@
 """train.profile_steps: a jax.profiler trace of chosen train steps, and the table of its top
 compiled operations (tools/profile.py)."""
 
+import json
 import subprocess
 import sys
 
@@ -52,11 +53,27 @@ def test_a_three_step_run_traces_its_steps_and_the_parser_finds_the_train_steps_
               for line in shares.splitlines()[2:] if line.startswith("| ")]
   assert abs(sum(percents) - 100) < 0.1 * len(percents) and "| idle" in shares
   assert "not in the program's HLO" not in shares
-  # The script prints the same tables.
+  # The profile as numbers: two steps traced; a step's device time is its kernels' time plus
+  # the gaps, shared out by category (summing to 1) and, kernel by kernel, in the top table.
+  found = profile.summary(rows, hlo, idle, top=5)
+  kernel_s = sum(r.seconds for r in kernels)
+  assert found["steps"] == profile.steps_traced(rows) == 2
+  assert found["step_device_ms"] == pytest.approx((kernel_s + idle) * 1e3 / 2)
+  assert sum(found["categories"].values()) == pytest.approx(1.0)
+  assert found["idle_share"] == pytest.approx(found["categories"][profile.IDLE])
+  assert [k["op"] for k in found["top"]] == [r.op for r in kernels[:5]]
+  for k in found["top"]:
+    assert k["category"] == profile.category(profile.kernels(hlo)[k["op"]])
+    assert k["share"] <= found["categories"][k["category"]] + 1e-9
+    assert k["ms_per_step"] == pytest.approx(k["share"] * found["step_device_ms"])
+  # The script prints the same tables, and with --json the same numbers.
   command = [sys.executable, "-m", "transformer_jax.tools.profile"]
-  out = subprocess.run(command + [str(workdir), "--top=3"], cwd=tmp_path, capture_output=True,
-                       text=True, check=True).stdout
-  assert out.count("| `") == 3 and "jit_train_step" in out and "| dropout |" in out
+  out = subprocess.run(command + [str(workdir), "--top=3", "--json"], cwd=tmp_path,
+                       capture_output=True, text=True, check=True).stdout
+  assert out.count("| `") == 3 and "| dropout |" in out and "share of the step" in out
+  printed = json.loads(out.strip().splitlines()[-1])
+  assert printed["steps"] == 2 and printed["categories"].keys() == found["categories"].keys()
+  assert [k["op"] for k in printed["top"]] == [r.op for r in kernels[:3]]
   missing = subprocess.run(command + [str(tmp_path / "x")], cwd=tmp_path,
                            capture_output=True, text=True)
   assert missing.returncode == 2 and missing.stderr.startswith("error: no profiler trace")
@@ -101,8 +118,11 @@ def test_the_benchmark_profiles_two_more_steps_by_category(tmp_path):
   config.model.update(dropout_rate=0.1)
   config.benchmark.update(batch_size=8, steps=2, warmup=1, decode_steps=0,
                           profile=str(tmp_path / "trace"))
-  shares = benchmark.run_benchmark(config)["profile"]
+  result = benchmark.run_benchmark(config)
+  shares, top = result["profile"], result["profile_top"]
   assert abs(sum(shares.values()) - 1.0) < 1e-9
+  assert top["steps"] == 2 and top["idle_share"] == pytest.approx(shares[profile.IDLE])
+  assert len(top["top"]) == 12 and all(k["category"] in shares for k in top["top"])
   assert shares["matrix products"] > 0 and shares["dropout"] > 0
   assert list(shares)[-1] == profile.IDLE
   trace = profile.find_trace(str(tmp_path / "trace"))
