@@ -276,6 +276,9 @@ def test_gpu_sh_dry_run_fills_a_row_per_case_with_the_parsed_numbers(tmp_path, d
       assert row["val_metrics"]["split"] == "val"
       assert row["train_wall_s"] > 0 and row["evaluate_wall_s"] > 0
       assert "--config.data.eval_split=test_2016_flickr" in row["commands"][1]
+      # The given data's files were checked; the tiny model trains on the suite's fake text,
+      # which its vocabulary of 64 fits (the real Multi30k's characters alone do not).
+      assert f"--config.data.path={out}/fake_multi30k" in row["commands"][0]
       line = next(row for row in markdown.splitlines() if row.startswith("| multi30k |"))
       assert f"{m['bleu_lowercase_tokenized']:.4g}" in line
       continue
