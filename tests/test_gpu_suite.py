@@ -314,6 +314,20 @@ def test_gpu_sh_dry_run_fills_a_row_per_case_with_the_parsed_numbers(tmp_path, d
   assert f"XLA_FLAGS={QUICK_COMPILE} {flag} " in (out / rows[XLA_SAMPLE]["log"]).read_text(
       ).replace("'", "")
 
+  # --estimates_only, afterwards: the next measured train case gets its estimate (a dry run
+  # estimates one per call), the rows stay as they ran, the combination with its own options.
+  assert runner.main([str(out), "--dry_run", "--estimates_only"]) == 0
+  before = {**rows, "big_cudnn": cudnn, "base_best": combined}
+  after = {row["name"]: row for row in json.loads((out / "results.json").read_text())["cases"]}
+  new = {n for n, r in after.items() if "estimate" in r} - {
+      n for n, r in before.items() if "estimate" in r}
+  assert len(new) == 1 and after[new.pop()]["estimate"]["kind"].startswith("roofline bound")
+  assert {n: r["status"] for n, r in after.items()} == {n: r["status"] for n, r in before.items()}
+  if combined["status"] == "ok":
+    line = next(line for line in (out / "results.md").read_text().splitlines()
+                if line.startswith("| base_best |"))
+    assert line.startswith("| base_best | base | 25k | plain | none | rbg |"), line
+
 
 def test_a_failing_case_is_recorded_a_missing_option_noted_and_the_suite_goes_on(
     tmp_path, monkeypatch, dry_run_outdir, capsys):

@@ -43,13 +43,13 @@ def _bound_factor(row):
 
 TABLES = {
     "train": ("Train step (bf16, rows of 64 + 64 tokens)", (
-        ("model", lambda c, r: c.describe["model"]),
-        ("tokens/side", lambda c, r: c.describe["tokens"]),
-        ("attention", lambda c, r: c.describe["attention"]),
-        ("remat", lambda c, r: c.describe["remat"]),
+        ("model", lambda c, r: c.describe.get("model", "-")),
+        ("tokens/side", lambda c, r: c.describe.get("tokens", "-")),
+        ("attention", lambda c, r: c.describe.get("attention", "-")),
+        ("remat", lambda c, r: c.describe.get("remat", "-")),
         ("dropout bits", lambda c, r: c.describe.get("dropout bits", "threefry")),
         ("loss chunk", lambda c, r: str(c.describe.get("loss chunk", "-"))),
-        ("XLA flags", lambda c, r: f"`{c.describe['xla_flags']}`"),
+        ("XLA flags", lambda c, r: f"`{c.describe.get('xla_flags', '-')}`"),
         ("compile s", lambda c, r: num(_m(r, "compile_s"))),
         ("step ms", lambda c, r: num(_m(r, "step_ms"))),
         ("target tok/s", lambda c, r: num(_m(r, "target_tokens_per_s"))),
@@ -63,8 +63,8 @@ TABLES = {
         ("measured / bound", lambda c, r: num(_bound_factor(r))),
     )),
     "torch": ("Against PyTorch: torch.nn.Transformer, bf16 autocast, torch.compile, same process", (
-        ("model", lambda c, r: c.describe["model"]),
-        ("tokens/side", lambda c, r: c.describe["tokens"]),
+        ("model", lambda c, r: c.describe.get("model", "-")),
+        ("tokens/side", lambda c, r: c.describe.get("tokens", "-")),
         ("JAX step ms", lambda c, r: num(_m(r, "step_ms"))),
         ("PyTorch step ms", lambda c, r: num(_m(r, "torch_step_ms"))),
         ("PyTorch / JAX", lambda c, r: num(_m(r, "speedup_vs_torch")) + "x"
@@ -73,8 +73,8 @@ TABLES = {
         ("PyTorch params", lambda c, r: num(_m(r, "torch_params"))),
     )),
     "decode": ("Decoding (random weights: every row runs all 64 positions)", (
-        ("model", lambda c, r: c.describe["model"]),
-        ("batch", lambda c, r: str(c.describe["decode_batch"])),
+        ("model", lambda c, r: c.describe.get("model", "-")),
+        ("batch", lambda c, r: str(c.describe.get("decode_batch", "-"))),
         ("greedy tok/s", lambda c, r: num(_m(r, "greedy_tokens_per_s"))),
         ("greedy ms/batch", lambda c, r: num(_m(r, "greedy_ms_per_batch"))),
         ("beam 4 tok/s", lambda c, r: num(_m(r, "beam4_tokens_per_s"))),

@@ -410,13 +410,26 @@ class Suite:
                    error=f"no lever of {self.cases[index].combine} beat its default")
         continue
       self.cases[index] = case
-      row["why"] = case.why
+      command = case.commands[0]
+      row.update(why=case.why, built={"overrides": command.overrides, "env": command.env,
+                                      "describe": case.describe})
       why = plan_lib.missing_option(case)
       if why:
         row.update(status=report.UNAVAILABLE, error=why)
         continue
       built.append(index)
     return built
+
+  def rebuild_finished_combinations(self) -> None:
+    """The combinations an earlier run finished (--resume, --estimates_only), as they ran (their
+    rows keep what they were built of)."""
+    for index, case in enumerate(self.cases):
+      built = self.rows[index].get("built")
+      if case.combine and self.rows[index]["status"] == "ok" and built:
+        self.cases[index] = dataclasses.replace(
+            case, why=self.rows[index].get("why", case.why), describe=built["describe"],
+            commands=[Command("benchmark", f"experiments/{case.combine}.py",
+                              built["overrides"], env=built["env"], timeout_min=6)])
 
   def precompile(self, indices: list, phase: str) -> None:
     """The compile phase of a wave: its cases compiled at once, --precompile_jobs at a time;
@@ -676,9 +689,11 @@ def main(argv=None) -> int:
     suite.cases = [c for c in cases if c.name in by_name]
     state = suite.state = dict(earlier, cases=[by_name[c.name] for c in suite.cases])
     suite.rows = state["cases"]
+    suite.rebuild_finished_combinations()
     run_estimates(suite.cases, state, args, outdir, env, suite.started)
     print((outdir / "results.md").read_text(), flush=True)
     return 0
+  suite.rebuild_finished_combinations()  # --resume keeps them: their commands, as they ran
   suite.save()
   state["environment"] = probe_environment(args.python, env, with_torch=not args.dry_run)
   print(f"environment: {json.dumps(state['environment'])}", flush=True)
