@@ -350,3 +350,16 @@ def test_a_failing_case_is_recorded_a_missing_option_noted_and_the_suite_goes_on
   assert state["cases"][2]["metrics"]["step_ms"] > 0 and "estimate" not in state["cases"][2]
   text = (tmp_path / "results.md").read_text()
   assert "- bad: failed" in text and "- missing: unavailable (no config key" in text
+
+
+def test_the_report_keeps_a_timing_whose_profile_failed_and_says_why():
+  cases = gpu_plan.plan(None)[:2]
+  state = {"dry_run": False, "started": "2026-11-29T00:00:00+00:00", "elapsed_min": 1.0,
+           "plan_min": 5.4, "cases": [
+               {"name": "base_bf16", "status": "ok", "metrics": {
+                   "step_ms": 49.1, "profile_error": "RuntimeError: no CUPTI"}},
+               {"name": "big_bf16", "status": "pending"}]}
+  text = report.render_markdown(state, cases)
+  assert "| base_bf16 | base | 25k | plain | none | threefry | - | `-` | - | 49.1 |" in text
+  assert "- base_bf16: no profile (RuntimeError: no CUPTI); its timing stands" in text
+  assert "| big_bf16 |" in text and text.count("| pending |") == 1

@@ -149,8 +149,10 @@ def _profiles(state: dict) -> list:
   """The profiled cases: each category's share of the step side by side, then each one's own
   tables."""
   profiled = [row for row in state["cases"] if (row.get("metrics") or {}).get("profile")]
+  failed = [f"- {row['name']}: no profile ({row['metrics']['profile_error']}); its timing stands"
+            for row in state["cases"] if (row.get("metrics") or {}).get("profile_error")]
   if not profiled:
-    return []
+    return ["## Where the step's time goes", "", *failed, ""] if failed else []
   kinds = list(profiled[0]["metrics"]["profile"])
   lines = ["## Where the step's time goes (benchmark.profile: two traced steps)", "",
            "Each category's share of the step's device time (its kernels' time plus the idle "
@@ -162,7 +164,7 @@ def _profiles(state: dict) -> list:
   for row in profiled:
     if row["metrics"].get("profile_top"):
       lines += [profile_tables(row), ""]
-  return lines
+  return lines + (failed + [""] if failed else [])
 
 
 def render_markdown(state: dict, cases: list) -> str:

@@ -61,21 +61,58 @@ def _stats(event) -> dict:
   return {name: value for name, value in event.stats}
 
 
-def op_times(trace_file: str, module: Optional[str] = None) -> list[OpTime]:
-  """Every compiled operation of the trace, with its time, the longest first. module: only
-  those of programs whose name contains it (e.g. "train_step")."""
+# Lines the profiler derives from the others (TSL's xplane schema): on a TPU's plane "XLA Ops"
+# holds the kernels; on a GPU's plane the streams do, and these repeat them grouped.
+DERIVED_LINES = ("Steps", "XLA Modules", "XLA Ops", "Async XLA Ops", "XLA TraceMe",
+                 "TensorFlow Name Scope", "TensorFlow Ops", "Framework Name Scope",
+                 "Framework Ops", "Source code", "Launch Stats")
+
+
+def _load(trace_file: str):
   import jax  # the profiler's reader; imported here, as only this tool needs it
-  data = jax.profiler.ProfileData.from_file(trace_file)
+  return jax.profiler.ProfileData.from_file(trace_file)
+
+
+def _is_kernel(event, module: Optional[str]) -> bool:
+  stats = _stats(event)
+  program = str(stats.get("hlo_module") or "")
+  return bool(stats.get("hlo_op")) and bool(program) and (not module or module in program)
+
+
+def kernel_lines(data, module: Optional[str] = None) -> list:
+  """[(plane, its lines that hold the program's kernels)], each kernel counted once: on a GPU
+  the device planes' streams, on a TPU their "XLA Ops" line (the host's annotations of the same
+  operations left out); on a CPU, where the host runs the kernels, every line of the host."""
+  def has_kernels(line):
+    return any(_is_kernel(e, module) for e in line.events)
+
+  devices = [p for p in data.planes if p.name.startswith("/device:")
+             and any(has_kernels(line) for line in p.lines)]
+  if not devices:
+    return [(p, list(p.lines)) for p in data.planes]
+  chosen = []
+  for plane in devices:
+    streams = [line for line in plane.lines
+               if line.name not in DERIVED_LINES and has_kernels(line)]
+    chosen.append((plane, streams or [line for line in plane.lines if line.name == "XLA Ops"]))
+  return chosen
+
+
+def op_times(trace_file: str, module: Optional[str] = None, data=None) -> list[OpTime]:
+  """Every compiled operation of the trace, with its time, the longest first. module: only
+  those of programs whose name contains it (e.g. "train_step"). data: the trace as read
+  (jax.profiler.ProfileData), instead of the file."""
+  data = data if data is not None else _load(trace_file)
   totals = {}
-  for plane in data.planes:
-    for line in plane.lines:
+  for _, lines in kernel_lines(data, module):
+    for line in lines:
       for event in line.events:
-        stats = _stats(event)
-        op, program = stats.get("hlo_op"), stats.get("hlo_module")
-        if not op or not program or (module and module not in str(program)):
+        if not _is_kernel(event, module):
           continue
-        calls, ns = totals.get((program, op), (0, 0.0))
-        totals[(str(program), str(op))] = (calls + 1, ns + event.duration_ns)
+        stats = _stats(event)
+        key = (str(stats["hlo_module"]), str(stats["hlo_op"]))
+        calls, ns = totals.get(key, (0, 0.0))
+        totals[key] = (calls + 1, ns + event.duration_ns)
   rows = [OpTime(program, op, calls, ns / 1e9) for (program, op), (calls, ns) in totals.items()]
   return sorted(rows, key=lambda r: (-r.seconds, r.module, r.op))
 
@@ -162,24 +199,17 @@ def category(text: str) -> str:
   return "other"
 
 
-def idle_seconds(trace_file: str, module: Optional[str] = None) -> float:
+def idle_seconds(trace_file: str, module: Optional[str] = None, data=None) -> float:
   """Time inside the traced span of the program's kernels when none of them ran: on each
   device (a plane; on a CPU, the host) the span from its first kernel's start to its last one's
   end, less the union of its kernels' intervals over all its lines (streams, threads)."""
-  import jax
-  data = jax.profiler.ProfileData.from_file(trace_file)
+  data = data if data is not None else _load(trace_file)
   idle = 0.0
-  for plane in data.planes:
-    spans = []
-    for line in plane.lines:
-      for event in line.events:
-        stats = _stats(event)
-        program = str(stats.get("hlo_module", ""))
-        if stats.get("hlo_op") and program and (not module or module in program):
-          spans.append((event.start_ns, event.end_ns))
+  for _, lines in kernel_lines(data, module):
+    spans = sorted((e.start_ns, e.end_ns) for line in lines for e in line.events
+                   if _is_kernel(e, module))
     if not spans:
       continue
-    spans.sort()
     busy, (start, end) = 0.0, spans[0]
     for a, b in spans[1:]:
       if a > end:
