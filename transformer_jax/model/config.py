@@ -143,7 +143,8 @@ class ModelConfig:
   use_bias: bool = True
   init: str = "xavier"  # parameter init: xavier (uniform, the paper's) | normal (GPT-2's 0.02)
   # plain (ours, with dropout) | plain_bf16 (plain; under dtype=bfloat16 the backward pass keeps
-  # bfloat16 attention weights, not float32 ones) | jax (jax.nn.dot_product_attention)
+  # bfloat16 attention weights, not float32 ones) | jax (jax.nn.dot_product_attention, XLA's) |
+  # cudnn (its cuDNN flash attention: NVIDIA GPUs, bfloat16, no attention-weight dropout)
   attention_impl: str = "plain"
   layer_norm_eps: float = 1e-6  # epsilon of LayerNorm / RMSNorm
   dtype: str = "float32"  # compute dtype; parameters stay float32
