@@ -56,10 +56,9 @@ CHOICES = {
 def check_attention_dropout(implementation: str, rate: float) -> None:
   """Refuses attention-weight dropout with the fused implementations. jax.nn.
   dot_product_attention ("jax", "cudnn") takes no dropout at all; cuDNN's own dropout (JAX's
-  private cuDNN module) takes its rate and seed as constants of the compiled program and draws
-  its masks from a counter of the program's executions, not from the step's key: another rate
-  or seed would compile another program, and a resumed run would not draw the masks of an
-  uninterrupted one (docs/benchmarks.md, "GPU levers")."""
+  private cuDNN module) takes its rate and seed as Python numbers written into the compiled
+  call: another rate or seed would compile another program (the step's are inputs), and its
+  masks are cuDNN's, not a function of the step's key (docs/benchmarks.md, "GPU levers")."""
   if implementation in ("jax", "cudnn") and rate > 0.0:
     raise UserError(f"model.attention_impl={implementation!r} has no attention-weight dropout; "
                     "set model.attention_dropout_rate=0 or model.attention_impl='plain'")
@@ -144,7 +143,8 @@ class ModelConfig:
   use_bias: bool = True
   init: str = "xavier"  # parameter init: xavier (uniform, the paper's) | normal (GPT-2's 0.02)
   # plain (ours, with dropout) | plain_bf16 (plain; under dtype=bfloat16 the backward pass keeps
-  # bfloat16 attention weights, not float32 ones) | jax (jax.nn.dot_product_attention)
+  # bfloat16 attention weights, not float32 ones) | jax (jax.nn.dot_product_attention, XLA's) |
+  # cudnn (its cuDNN flash attention: NVIDIA GPUs, bfloat16, no attention-weight dropout)
   attention_impl: str = "plain"
   layer_norm_eps: float = 1e-6  # epsilon of LayerNorm / RMSNorm
   dtype: str = "float32"  # compute dtype; parameters stay float32

@@ -175,6 +175,8 @@ def train_step(state: TrainState, batch, rng, hparams=None, *, model, optimizer,
   all non-padding target tokens of the batch, so rows of padding added to fill a mesh change
   nothing. With `accum_steps` > 1 the rows are dealt out to microbatches in turn (row r to
   microbatch r % accum_steps), so every device holds part of every microbatch.
+  loss_chunk_tokens (train.loss_chunk_tokens): > 0 computes the output layer and the loss in
+  chunks of that many tokens (`_loss_and_metrics`).
   """
   if hparams is not None:
     smoothing = hparams["smoothing"] if smoothing else 0.0
