@@ -95,10 +95,15 @@ def _gib(n):
 
 
 def table(results: list) -> str:
+  """The rows as Markdown. Every step time, MFU and rate is the compiler's estimate (a
+  roofline bound on a GPU, XLA's cost model or a roofline on a TPU), and where a GPU window
+  measured the same model, its measured-to-estimate factor stands beside it (compile.MEASURED,
+  with its source under the table)."""
   lines = ["| model | slice | mesh | tokens/chip/side | HBM per chip, GiB (params + optimizer "
-           "+ temp) | fits | TFLOP per chip, compiled / formula | step (estimate) | MFU | "
-           "target tokens/s per chip |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+           "+ temp) | fits | TFLOP per chip, compiled / formula | step (estimate) | MFU "
+           "(estimate) | target tokens/s per chip (estimate) | measured / estimate |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+  factors = False
   for r in results:
     mesh = " x ".join(str(r["mesh"][a]) for a in ("data", "fsdp", "tensor"))
     head = (f"| {r['model']} | {r['topology']} | {r['mesh_name']} ({mesh}) | "
@@ -108,17 +113,28 @@ def table(results: list) -> str:
       hbm = (needs.group(1) if needs else
              r["error"].split("(Ran out of memory on HBM, ")[-1].split(")")[0] if (
                  "does not fit" in r["error"]) else r["error"][:80])
-      lines.append(f"{head} {hbm} | no | | | | |")
+      lines.append(f"{head} {hbm} | no | | | | | |")
       continue
     t = r["report"]["train"]
-    method = "cost model" if t["estimate"].startswith("XLA") else "roofline"
+    method = "cost model" if t["estimate"].startswith("XLA") else "roofline bound"
+    factor = t.get("measured_factor")
+    factors = factors or factor is not None
     lines.append(
         f"{head} {_gib(t['total_bytes'])} ({_gib(t['params_bytes'])} + "
         f"{_gib(t['optimizer_bytes'])} + {_gib(t['temp_bytes'])}) | "
         f"{'yes' if t['fits'] else 'no'} | "
         f"{t['compiled_flops'] / 1e12:.3f} / {t['model_flops'] / 1e12:.3f} | "
         f"{t['step_s'] * 1e3:.1f} ms ({method}) | "
-        f"{t['mfu']:.1%} | {t['target_tokens_per_s']:,.0f} |")
+        f"{t['mfu']:.1%} | {t['target_tokens_per_s']:,.0f} | "
+        f"{f'{factor:.2f}x' if factor else '-'} |")
+  lines.append("\nEvery step time, MFU and rate above is the compiler's estimate for a program it "
+               "has not run, not a measurement.")
+  if factors:
+    from transformer_jax.tools.compile import MEASURED  # the measured steps, with their source
+    lines.append("measured / estimate: how much slower a measured step of the same model was "
+                 "than its own estimate (one GPU, the default step): " + "; ".join(
+                     f"{m.model} {m.factor:.2f}x ({m.measured_ms:g} ms against {m.estimate_ms:g} "
+                     f"ms at {m.tokens:,} tokens/side; {m.source})" for m in MEASURED))
   return "\n".join(lines) + "\n"
 
 

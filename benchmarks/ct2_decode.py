@@ -22,7 +22,6 @@ import argparse
 import io
 import os
 import statistics
-import sys
 import tempfile
 import time
 
@@ -33,13 +32,12 @@ import sentencepiece as spm
 import torch
 import transformers
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from transformer_jax import config as config_lib
+from transformer_jax.eval import decode
+from transformer_jax.eval.load import load_trained
+from transformer_jax.tools import hf
 
-from transformer_jax import config as config_lib  # noqa: E402
-from transformer_jax.eval import decode  # noqa: E402
-from transformer_jax.eval.load import load_trained  # noqa: E402
-from transformer_jax.tools import hf  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def lines(path, count):

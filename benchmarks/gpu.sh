@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU benchmark suite on a bare H100 machine, in one go (issue 17):
 #
-#   bash benchmarks/gpu.sh OUTDIR [--dry_run] [gpu_suite.py options: --only NAME..., --resume, ...]
+#   bash benchmarks/gpu.sh OUTDIR [--dry_run] [the suite's options: --only NAME..., --budget_min M, --resume, ...]
 #
 # 1. A virtual environment with the CUDA build of the pinned jax, jax[cuda12]==$JAX_VERSION, the
 #    project, and torch (CUDA build) for the side-by-side step. Machines without internet: put the
@@ -11,7 +11,7 @@
 #    back to the jax and torch of the machine's own python, layered under the venv, and adds the
 #    wheels that .whl/ holds (the project's missing dependencies): the suite still runs, and
 #    results.json records which versions it ran on.
-# 3. benchmarks/gpu_suite.py OUTDIR: OUTDIR/results.json, OUTDIR/results.md, OUTDIR/logs/.
+# 3. python -m benchmarks.gpu OUTDIR (benchmarks/gpu/): OUTDIR/results.json, OUTDIR/results.md, OUTDIR/logs/.
 #
 # Multi30k data: --multi30k DIR, or $MULTI30K, or the first of .data/multi30k and
 # ../shared/data/multi30k that exists; without any, that case is left out.
@@ -22,7 +22,7 @@
 set -uo pipefail
 
 if [ $# -lt 1 ] || [ "${1#-}" != "$1" ]; then
-  echo "usage: bash benchmarks/gpu.sh OUTDIR [--dry_run] [gpu_suite.py options]" >&2
+  echo "usage: bash benchmarks/gpu.sh OUTDIR [--dry_run] [suite options]" >&2
   exit 2
 fi
 OUTDIR=$1
@@ -158,4 +158,4 @@ else
   suite_python=$VENV/bin/python
 fi
 
-exec "$suite_python" benchmarks/gpu_suite.py "$OUTDIR" ${extra[@]+"${extra[@]}"} "$@"
+exec "$suite_python" -m benchmarks.gpu "$OUTDIR" ${extra[@]+"${extra[@]}"} "$@"

@@ -25,19 +25,18 @@ import sys
 import tempfile
 import time
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from transformer_jax import config as config_lib
+from transformer_jax.data import scan
+from transformer_jax.eval import decode
+from transformer_jax.eval.load import load_trained
+from transformer_jax.eval.translate import encode_sources
+from transformer_jax.tools import hf
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from transformer_jax import config as config_lib  # noqa: E402
-from transformer_jax.data import scan  # noqa: E402
-from transformer_jax.eval import decode  # noqa: E402
-from transformer_jax.eval.load import load_trained  # noqa: E402
-from transformer_jax.eval.translate import encode_sources  # noqa: E402
-from transformer_jax.tools import hf  # noqa: E402
 
 BATCH = 512
 

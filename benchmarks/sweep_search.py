@@ -25,11 +25,9 @@ import sys
 import tempfile
 import time
 
+from transformer_jax.core import platforms
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from transformer_jax.core import platforms  # noqa: E402
-
 platforms.cpu_only_unless_accelerated()
 
 EXPERIMENT = """from transformer_jax.experiments import tiny

@@ -237,3 +237,34 @@ def test_compile_mode_refuses_in_one_line(flags, expected):
   assert result.returncode == 2, result.stderr
   assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, result.stderr
   assert expected in result.stderr
+
+
+def test_the_estimate_table_says_what_its_figures_are_and_the_measured_factor():
+  """benchmarks/compile_table.py's rows: every figure named an estimate (a roofline bound on a
+  GPU, XLA's cost model on a TPU), and beside a model a GPU window measured, its
+  measured-to-estimate factor with the window it comes from (compile_lib.MEASURED)."""
+  from benchmarks import compile_table
+  train = {"total_bytes": 3 << 30, "params_bytes": 1 << 30, "optimizer_bytes": 1 << 30,
+           "temp_bytes": 1 << 30, "fits": True, "compiled_flops": 2e12, "model_flops": 1.9e12,
+           "step_s": 0.05, "mfu": 0.4, "target_tokens_per_s": 6e5,
+           "estimate": "roofline, HBM bandwidth-bound"}
+  big = compile_lib.MEASURED[1]
+  rows = [{"model": "big", "topology": "h100", "mesh_name": "data", "tokens_per_chip": 32768,
+           "mesh": {"data": 1, "fsdp": 1, "tensor": 1},
+           "report": {"train": dict(train, measured_factor=big.factor)}},
+          {"model": "xl", "topology": "h100", "mesh_name": "data", "tokens_per_chip": 8192,
+           "mesh": {"data": 1, "fsdp": 1, "tensor": 1}, "report": {"train": train}},
+          {"model": "base", "topology": "v5e:2x4", "mesh_name": "data", "tokens_per_chip": 2048,
+           "mesh": {"data": 8, "fsdp": 1, "tensor": 1},
+           "report": {"train": dict(train, estimate="XLA cost model")}}]
+  text = compile_table.table(rows)
+  head, _, big_line, xl_line, tpu_line = text.splitlines()[:5]
+  assert "step (estimate)" in head and "MFU (estimate)" in head
+  assert head.endswith("| measured / estimate |")
+  assert "50.0 ms (roofline bound)" in big_line and big_line.endswith(f"| {big.factor:.2f}x |")
+  assert big.factor == pytest.approx(99.5 / 46.9)
+  assert xl_line.endswith("| - |") and "(cost model)" in tpu_line and tpu_line.endswith("| - |")
+  assert "the compiler's estimate for a program it has not run, not a measurement" in text
+  assert f"big {big.factor:.2f}x (99.5 ms against 46.9 ms at 25,600 tokens/side; {big.source})" \
+      in text
+  assert "measured / estimate:" not in compile_table.table(rows[1:])

@@ -1,8 +1,10 @@
 """train.profile_steps: a jax.profiler trace of chosen train steps, and the table of its top
 compiled operations (tools/profile.py)."""
 
+import json
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -52,11 +54,27 @@ def test_a_three_step_run_traces_its_steps_and_the_parser_finds_the_train_steps_
               for line in shares.splitlines()[2:] if line.startswith("| ")]
   assert abs(sum(percents) - 100) < 0.1 * len(percents) and "| idle" in shares
   assert "not in the program's HLO" not in shares
-  # The script prints the same tables.
+  # The profile as numbers: two steps traced; a step's device time is its kernels' time plus
+  # the gaps, shared out by category (summing to 1) and, kernel by kernel, in the top table.
+  found = profile.summary(rows, hlo, idle, top=5)
+  kernel_s = sum(r.seconds for r in kernels)
+  assert found["steps"] == profile.steps_traced(rows) == 2
+  assert found["step_device_ms"] == pytest.approx((kernel_s + idle) * 1e3 / 2)
+  assert sum(found["categories"].values()) == pytest.approx(1.0)
+  assert found["idle_share"] == pytest.approx(found["categories"][profile.IDLE])
+  assert [k["op"] for k in found["top"]] == [r.op for r in kernels[:5]]
+  for k in found["top"]:
+    assert k["category"] == profile.category(profile.kernels(hlo)[k["op"]])
+    assert k["share"] <= found["categories"][k["category"]] + 1e-9
+    assert k["ms_per_step"] == pytest.approx(k["share"] * found["step_device_ms"])
+  # The script prints the same tables, and with --json the same numbers.
   command = [sys.executable, "-m", "transformer_jax.tools.profile"]
-  out = subprocess.run(command + [str(workdir), "--top=3"], cwd=tmp_path, capture_output=True,
-                       text=True, check=True).stdout
-  assert out.count("| `") == 3 and "jit_train_step" in out and "| dropout |" in out
+  out = subprocess.run(command + [str(workdir), "--top=3", "--json"], cwd=tmp_path,
+                       capture_output=True, text=True, check=True).stdout
+  assert out.count("| `") == 3 and "| dropout |" in out and "share of the step" in out
+  printed = json.loads(out.strip().splitlines()[-1])
+  assert printed["steps"] == 2 and printed["categories"].keys() == found["categories"].keys()
+  assert [k["op"] for k in printed["top"]] == [r.op for r in kernels[:3]]
   missing = subprocess.run(command + [str(tmp_path / "x")], cwd=tmp_path,
                            capture_output=True, text=True)
   assert missing.returncode == 2 and missing.stderr.startswith("error: no profiler trace")
@@ -101,10 +119,65 @@ def test_the_benchmark_profiles_two_more_steps_by_category(tmp_path):
   config.model.update(dropout_rate=0.1)
   config.benchmark.update(batch_size=8, steps=2, warmup=1, decode_steps=0,
                           profile=str(tmp_path / "trace"))
-  shares = benchmark.run_benchmark(config)["profile"]
+  result = benchmark.run_benchmark(config)
+  shares, top = result["profile"], result["profile_top"]
   assert abs(sum(shares.values()) - 1.0) < 1e-9
+  assert top["steps"] == 2 and top["idle_share"] == pytest.approx(shares[profile.IDLE])
+  assert len(top["top"]) == 12 and all(k["category"] in shares for k in top["top"])
   assert shares["matrix products"] > 0 and shares["dropout"] > 0
   assert list(shares)[-1] == profile.IDLE
   trace = profile.find_trace(str(tmp_path / "trace"))
   assert list((tmp_path / "trace").glob(f"**/{profile.PROGRAM_FILE}"))
   assert profile.op_times(trace, "train_step")
+
+
+def _event(op, start, end, module="jit_train_step"):
+  return types.SimpleNamespace(stats=[("hlo_op", op), ("hlo_module", module)], start_ns=start,
+                               end_ns=end, duration_ns=end - start)
+
+
+def _plane(name, **lines):
+  return types.SimpleNamespace(name=name, lines=[types.SimpleNamespace(name=n.replace("_", " "),
+                                                                       events=e)
+                                                 for n, e in lines.items()])
+
+
+def test_each_kernel_counts_once_on_a_gpu_a_tpu_and_a_cpu():
+  """A GPU's trace names each operation three times: the host's launch annotation, the kernel on
+  its stream, and the profiler's derived "XLA Ops" line; only the streams' kernels count (and
+  only their gaps are idle). A TPU's plane has the derived line alone; a CPU's host runs them."""
+  kernels = [_event("fusion.1", 0, 10), _event("dot.2", 15, 20), _event("fusion.1", 30, 40)]
+  derived = [_event("fusion.1", 0, 10), _event("dot.2", 15, 20), _event("fusion.1", 30, 40)]
+  host = _plane("/host:CPU", python=[_event("fusion.1", 0, 2), _event("dot.2", 3, 4)])
+  gpu = types.SimpleNamespace(planes=[host, _plane(
+      "/device:GPU:0", Stream_7=kernels, XLA_Ops=derived,
+      XLA_Modules=[types.SimpleNamespace(stats=[("hlo_module", "jit_train_step")], start_ns=0,
+                                         end_ns=40, duration_ns=40)])])
+  rows = profile.op_times("", "train_step", data=gpu)
+  assert [(r.op, r.calls, r.seconds * 1e9) for r in rows] == [("fusion.1", 2, 20), ("dot.2", 1, 5)]
+  assert profile.idle_seconds("", "train_step", data=gpu) * 1e9 == pytest.approx(15)
+  tpu = types.SimpleNamespace(planes=[host, _plane("/device:TPU:0", XLA_Ops=derived)])
+  assert profile.op_times("", "train_step", data=tpu) == rows
+  cpu = types.SimpleNamespace(planes=[_plane("/host:CPU", a=kernels[:2], b=kernels[2:])])
+  assert profile.op_times("", None, data=cpu) == rows
+  other = types.SimpleNamespace(planes=[_plane("/host:CPU", a=[_event("x.1", 0, 5, "jit_eval")])])
+  assert profile.op_times("", "train_step", data=other) == []
+
+
+def test_a_profile_that_fails_leaves_the_benchmarks_timing(tmp_path, monkeypatch):
+  """A machine whose profiler cannot trace (no CUPTI on a GPU, say) still gets its step timed:
+  the result says why there is no profile."""
+  import jax
+
+  from transformer_jax.tools import benchmark
+
+  def no_profiler(directory):
+    raise RuntimeError("the profiler's library is not installed")
+
+  monkeypatch.setattr(jax.profiler, "start_trace", no_profiler)
+  config = tiny.get_config()
+  config.benchmark.update(batch_size=8, steps=2, warmup=1, decode_steps=0,
+                          profile=str(tmp_path / "trace"))
+  result = benchmark.run_benchmark(config)
+  assert result["step_ms"] > 0 and "profile" not in result
+  assert result["profile_error"] == "RuntimeError: the profiler's library is not installed"

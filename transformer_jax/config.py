@@ -114,6 +114,11 @@ def default_config() -> ml_collections.ConfigDict:
   # (tokens^2), summed over the examples and divided by the batch's target tokens, as the loss is.
   c.train.length_loss_weight = 0.1
   c.train.grad_accum_steps = 1  # micro-batches summed into one update (the batch split in N)
+  # > 0: the output projection, log-softmax and loss (and their gradients) run over the targets
+  # in chunks of this many tokens, so that no float32 [tokens, vocab] logits live in memory at
+  # once (train/losses.py: chunked_loss); the same loss and gradients up to float rounding.
+  # 0 = one pass over all tokens (the default).
+  c.train.loss_chunk_tokens = 0
   c.train.log_every = 100  # steps between log lines (stdout, metrics.jsonl, TensorBoard)
   c.train.eval_every = 0  # 0 = evaluate only at the end
   c.train.checkpoint_every = 1000  # steps between checkpoints (and one at the last step)
@@ -441,11 +446,14 @@ def validate(config: ml_collections.ConfigDict, platform: str = "cpu") -> ModelC
               "eval.length_penalty", "eval.top_k", "eval.average_last", "train.keep_best",
               "train.profile_steps", "train.profile_start", "train.storage_outage_s",
               "compile.batch_size", "compile.source_len", "compile.target_len",
-              "train.length_loss_weight", "eval.length_head_slack"):
+              "train.length_loss_weight", "eval.length_head_slack", "train.loss_chunk_tokens"):
     if _get(config, key) < 0:
       raise UserError(f"{key} must be >= 0, got {_get(config, key)}")
   if config.train.learning_rate <= 0:
     raise UserError(f"train.learning_rate must be positive, got {config.train.learning_rate}")
+  if config.train.loss_chunk_tokens and model.num_labels:
+    raise UserError("train.loss_chunk_tokens chunks the vocabulary's logits, and a classifier "
+                    "(model.num_labels) has a few classes' instead; set it to 0")
   if not 0.0 <= config.train.label_smoothing < 1.0:
     raise UserError(f"train.label_smoothing must be in [0, 1), got {config.train.label_smoothing}")
   if config.eval.temperature <= 0:

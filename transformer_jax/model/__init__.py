@@ -15,10 +15,11 @@ from transformer_jax.model.transformer import (
                                                init_boxed_params,
                                                init_params,
                                                make_model,
+                                               output_layer_params,
                                                param_shapes,
                                                shift_right,
 )
 
 __all__ = ["CHOICES", "DecoderOnly", "EncoderOnly", "ModelConfig", "Transformer", "count_params",
-           "describe", "init_boxed_params", "init_params", "make_model", "param_shapes",
-           "shift_right"]
+           "describe", "init_boxed_params", "init_params", "make_model", "output_layer_params",
+           "param_shapes", "shift_right"]

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from transformer_jax.core.errors import UserError
 from transformer_jax.model.axes import constrain, param_init
 from transformer_jax.model.config import CHOICES, check_attention_dropout
 from transformer_jax.model.positions import (
@@ -109,18 +110,21 @@ def dropping(rate) -> bool:
 # (Philox on GPUs) seeded from four threefry words of the same key: fewer integer operations per
 # bit, but its bits are the backend's own (a GPU and a CPU draw different masks for one key)
 # and on a mesh every device computes the whole array and keeps its shard (the same mask
-# whatever the mesh, at the cost of the whole array per device). JAX's unsafe_rbg differs from
-# rbg only in how keys split and fold in, which dropout never does with its rbg key: it would
-# draw the very same bits, so it is not a choice of its own.
+# whatever the mesh, at the cost of the whole array per device; XLA's flag that lets each
+# device draw its own shard instead is for TPUs). unsafe_rbg: JAX's other RngBitGenerator key,
+# which differs from rbg only in how keys split and fold in (by RngBitGenerator, not threefry).
+# Dropout does neither with the key it makes (the stream's keys are derived as threefry keys
+# by Flax, then each draw's key is seeded once), so unsafe_rbg draws rbg's very bits: it is
+# here so that a benchmark of JAX's generators by name finds it, and measures the same.
 GENERATORS = CHOICES["dropout_rng"]
 
 
 def random_bits(rng: Array, shape: tuple, dtype, generator: str = "threefry") -> Array:
   """`jax.random.bits(rng, shape, dtype)` from `generator` (GENERATORS); `rng` is a threefry
   key (Flax's RNG streams) either way."""
-  if generator == "rbg":
+  if generator in ("rbg", "unsafe_rbg"):
     seed = jax.random.bits(rng, (4,), jnp.uint32)
-    rng = jax.random.wrap_key_data(seed, impl="rbg")
+    rng = jax.random.wrap_key_data(seed, impl=generator)
   elif generator != "threefry":
     raise ValueError(f"unknown dropout generator {generator!r}")
   return jax.random.bits(rng, shape, dtype)
@@ -335,8 +339,11 @@ def dot_product_attention(
     deterministic: disables dropout.
     implementation: "plain" (einsum + softmax, any backend), "plain_bf16" (the same, but with
       bfloat16 values the weights come from `softmax_to_bfloat16`: the backward pass keeps them
-      in bfloat16; float32 values are computed as "plain") or "jax"
-      (`jax.nn.dot_product_attention`, which uses cuDNN flash attention on GPUs when it can).
+      in bfloat16; float32 values are computed as "plain"), "jax"
+      (`jax.nn.dot_product_attention`, XLA's implementation) or "cudnn" (the same function's
+      cuDNN flash attention: NVIDIA GPUs, 16-bit inputs, head_dim a multiple of 8; the mask
+      enters as a bias of large negative values, as JAX turns masks into one). Neither of the
+      last two drops attention weights (`check_attention_dropout`).
     geometric_distances: int `[batch, q_len, kv_len]` (query position - key position): the
       weights are `geometric_attention_weights` instead of the softmax (any implementation:
       computed as "plain").
@@ -344,14 +351,23 @@ def dot_product_attention(
   Returns:
     `[batch, q_len, heads, head_dim]` in the dtype of `query`.
   """
-  if implementation == "jax" and geometric_distances is None:
+  if implementation in ("jax", "cudnn") and geometric_distances is None:
     check_attention_dropout(implementation, 0.0 if deterministic or not dropping(dropout_rate)
-                          else 1.0)
+                            else 1.0)
     if bias is not None:
       bias = jnp.broadcast_to(bias, bias.shape[:2] + (query.shape[1], key.shape[1]))
       bias = bias.astype(query.dtype)
-    return jax.nn.dot_product_attention(query, key, value, bias=bias, mask=mask)
-  if implementation not in ("plain", "plain_bf16", "jax"):
+    try:
+      return jax.nn.dot_product_attention(
+          query, key, value, bias=bias, mask=mask,
+          implementation="cudnn" if implementation == "cudnn" else "xla")
+    except RuntimeError as e:  # JAX asks the installed cuDNN for its version first
+      if "cuDNN" not in str(e):
+        raise
+      raise UserError(f"model.attention_impl='cudnn' needs NVIDIA's cuDNN library ({e}); "
+                      "install jax[cuda12], which brings it, or use another "
+                      "model.attention_impl") from None
+  if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"unknown attention implementation {implementation!r}")
   if (implementation == "plain_bf16" and value.dtype == jnp.bfloat16
       and geometric_distances is None):

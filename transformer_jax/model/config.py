@@ -31,7 +31,8 @@ CHOICES = {
     # logits (q + u).k + (q + v).(W_r R_{i-j}), R sinusoids of the distance i - j.
     "positional": ("sinusoidal", "learned", "rotary", "relative_bias", "relative_xl", "none"),
     "init": ("xavier", "normal"),
-    "attention_impl": ("plain", "plain_bf16", "jax"),  # see attention.dot_product_attention
+    # see attention.dot_product_attention; cudnn: cuDNN's fused attention (NVIDIA GPUs only)
+    "attention_impl": ("plain", "plain_bf16", "jax", "cudnn"),
     # softmax: the paper's; geometric: Csordas et al.'s geometric attention (the Neural Data
     # Router, 2022), each query takes the nearest key that matches (attention.
     # geometric_attention_weights). Self-attention only: cross-attention stays softmax.
@@ -40,9 +41,10 @@ CHOICES = {
   # The classification head's summary of a row: the mean over its real tokens, or the output at
   # its first token (BERT's [CLS]).
   "pooling": ("mean", "first"),
-    "remat": ("none", "full", "dots", "dots_all", "qkv_out"),  # transformer.REMAT_POLICIES
+    # transformer.REMAT_POLICIES
+    "remat": ("none", "full", "dots", "dots_all", "qkv_out", "block_out"),
     # the generator of dropout's random bits (attention.GENERATORS says what each one means)
-    "dropout_rng": ("threefry", "rbg"),
+    "dropout_rng": ("threefry", "rbg", "unsafe_rbg"),
     # length_head: each source token's share of the output length, from z = w . h_i + b.
     # softplus: softplus(z), shares that add up as the parts of the source do. exp: exp(z), so
     # that what the context adds to z multiplies the share (a count such as "three times"
@@ -52,9 +54,13 @@ CHOICES = {
 
 
 def check_attention_dropout(implementation: str, rate: float) -> None:
-  """jax.nn.dot_product_attention has no dropout on the attention weights: refuse the pair."""
-  if implementation == "jax" and rate > 0.0:
-    raise UserError("model.attention_impl='jax' has no attention-weight dropout; "
+  """Refuses attention-weight dropout with the fused implementations. jax.nn.
+  dot_product_attention ("jax", "cudnn") takes no dropout at all; cuDNN's own dropout (JAX's
+  private cuDNN module) takes its rate and seed as Python numbers written into the compiled
+  call: another rate or seed would compile another program (the step's are inputs), and its
+  masks are cuDNN's, not a function of the step's key (docs/benchmarks.md, "GPU levers")."""
+  if implementation in ("jax", "cudnn") and rate > 0.0:
+    raise UserError(f"model.attention_impl={implementation!r} has no attention-weight dropout; "
                     "set model.attention_dropout_rate=0 or model.attention_impl='plain'")
 
 
@@ -137,12 +143,15 @@ class ModelConfig:
   use_bias: bool = True
   init: str = "xavier"  # parameter init: xavier (uniform, the paper's) | normal (GPT-2's 0.02)
   # plain (ours, with dropout) | plain_bf16 (plain; under dtype=bfloat16 the backward pass keeps
-  # bfloat16 attention weights, not float32 ones) | jax (jax.nn.dot_product_attention)
+  # bfloat16 attention weights, not float32 ones) | jax (jax.nn.dot_product_attention, XLA's) |
+  # cudnn (its cuDNN flash attention: NVIDIA GPUs, bfloat16, no attention-weight dropout)
   attention_impl: str = "plain"
   layer_norm_eps: float = 1e-6  # epsilon of LayerNorm / RMSNorm
   dtype: str = "float32"  # compute dtype; parameters stay float32
   remat: str = "none"  # recompute layer activations in the backward pass (CHOICES)
-  dropout_rng: str = "threefry"  # dropout's random bits: threefry (exact default) | rbg
+  # dropout's random bits: threefry (the default: the same masks on any mesh and backend) | rbg |
+  # unsafe_rbg (attention.GENERATORS)
+  dropout_rng: str = "threefry"
   num_labels: int = 0  # encoder_only: > 0 adds a sequence-classification head of that many classes
   pooling: str = "mean"  # the classification head's summary of a row (see CHOICES)
   deterministic: bool = False  # True disables dropout (evaluation, decoding)
@@ -204,6 +213,10 @@ class ModelConfig:
         raise UserError(f"model.{name} must be one of {', '.join(choices)}; "
                         f"got {getattr(self, name)!r}")
     check_attention_dropout(self.attention_impl, self.attention_dropout_rate)
+    if self.attention_impl == "cudnn" and self.dtype != "bfloat16":
+      raise UserError("model.attention_impl='cudnn' runs cuDNN's fused attention, on NVIDIA GPUs "
+                      f"in bfloat16, and model.dtype is {self.dtype} (auto is float32 on a "
+                      "CPU); set model.dtype=bfloat16 on a GPU, or another attention_impl")
     for name in ("qkv_bias", "use_bias"):
       if not isinstance(getattr(self, name), bool):
         raise UserError(f"model.{name} must be True or False, got {getattr(self, name)!r}")

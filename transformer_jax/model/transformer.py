@@ -31,13 +31,15 @@ Array = jax.Array
 # matrix product's output, the attention's batched ones (logits, context) too; "qkv_out" the
 # queries, keys, values, the attention's context and the outputs of the attention and the FFN
 # (names given in attention.py and layers.py): the FFN's hidden layer (d_ff wide, the largest
-# activation of a layer) and the attention weights are computed again.
+# activation of a layer) and the attention weights are computed again; "block_out" the outputs
+# of the attention and FFN blocks alone (MaxText's save_out_proj), each block's inside again.
 REMAT_POLICIES = {
     "full": None,
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     "dots_all": jax.checkpoint_policies.dots_saveable,
     "qkv_out": jax.checkpoint_policies.save_only_these_names("qkv", "context", "attention_out",
                                                              "mlp_out"),
+    "block_out": jax.checkpoint_policies.save_only_these_names("attention_out", "mlp_out"),
 }
 
 
@@ -193,6 +195,25 @@ def _logits(cfg: ModelConfig, embed: nn.Embed, y: Array, bias: Optional[Array] =
   return constrain(exclude_rows(logits, cfg.excluded_rows), "batch", "length", "vocab")
 
 
+# The parameters the output layer reads (`output_logits`), by name: the table of a tied layer
+# (the target side's), the untied layer ("logits") and the logits' biases, at the top of the
+# tree or in the decoder.
+_TIED_TABLES = ("shared_embedding", "target_embedding", "token_embedding")
+_OUTPUT_LAYERS = ("logits", "logits_bias", "mlm_bias")
+
+
+def output_layer_params(config: ModelConfig, params) -> dict:
+  """The part of `params` that the model's `output_logits` reads (and nothing more): what the
+  chunked loss (train.loss_chunk_tokens) keeps a gradient of while it runs."""
+  names = _OUTPUT_LAYERS + (_TIED_TABLES if config.tie_output else ())
+  kept = {name: params[name] for name in names if name in params}
+  if "decoder" in params:
+    inner = {name: params["decoder"][name] for name in names if name in params["decoder"]}
+    if inner:
+      kept["decoder"] = inner
+  return kept
+
+
 def _maybe_remat(layer_class, cfg: ModelConfig, deterministic_argnum: int):
   """The layer class, wrapped in `nn.remat` when training with model.remat set.
 
@@ -272,9 +293,10 @@ class Decoder(nn.Module):
   embed: nn.Module
 
   @nn.compact
-  def __call__(self, tokens: Array, positions: Array, segments: Array,
-               encoded: Optional[Array] = None, cross_mask: Optional[Array] = None,
-               output_from: int = 0) -> Array:
+  def __call__(self, tokens: Optional[Array], positions: Optional[Array],
+               segments: Optional[Array], encoded: Optional[Array] = None,
+               cross_mask: Optional[Array] = None, output_from: int = 0,
+               output_layer: bool = True, hidden: Optional[Array] = None) -> Array:
     """Returns logits `[batch, length - output_from, vocab]` in float32.
 
     Args:
@@ -286,8 +308,14 @@ class Decoder(nn.Module):
       encoded: `[batch, src_len, d_model]` from the encoder, or None (decoder-only).
       cross_mask: bool `[batch, 1, length, src_len]`.
       output_from: the logits of positions output_from, ... only (decoder-only: the target).
+      output_layer: False returns what the output layer reads instead of logits: the final
+        hidden states `[batch, length - output_from, d_model]` (train.loss_chunk_tokens).
+      hidden: such hidden states: the output layer alone runs, on them (the other arguments
+        are not read).
     """
     cfg = self.config
+    if hidden is not None:
+      return _decoder_logits(self, hidden)
     deterministic = cfg.deterministic
     positions = _drawn_positions(self, cfg, positions)
     key_positions = _cached_key_positions(self, positions) if cfg.decode else None
@@ -314,9 +342,17 @@ class Decoder(nn.Module):
     y = y[:, output_from:]
     if cfg.norm == "pre":
       y = norm_layer(cfg, "final_norm")(y)
-    bias = (self.param("logits_bias", param_init(nn.initializers.zeros_init(), "vocab"),
-                       (cfg.vocab_size,)) if cfg.logits_bias else None)
-    return _logits(cfg, self.embed, y, bias)
+    return _decoder_logits(self, y) if output_layer else y
+
+
+def _decoder_logits(decoder: Decoder, y: Array) -> Array:
+  """The decoder's output layer: float32 logits `[batch, length, vocab]` of its final hidden
+  states y `[batch, length, d_model]`. Called in the decoder's compact scope (its "logits"
+  layer, "logits_bias")."""
+  cfg = decoder.config
+  bias = (decoder.param("logits_bias", param_init(nn.initializers.zeros_init(), "vocab"),
+                        (cfg.vocab_size,)) if cfg.logits_bias else None)
+  return _logits(cfg, decoder.embed, y, bias)
 
 
 class Transformer(nn.Module):
@@ -365,8 +401,9 @@ class Transformer(nn.Module):
 
   def decode(self, encoded: Array, source_tokens: Array, decoder_inputs: Array,
              target_positions: Optional[Array] = None, source_segments: Optional[Array] = None,
-             target_segments: Optional[Array] = None) -> Array:
-    """Logits `[batch, tgt_len, vocab]` (float32) of the targets.
+             target_segments: Optional[Array] = None, output_layer: bool = True) -> Array:
+    """Logits `[batch, tgt_len, vocab]` (float32) of the targets (with `output_layer=False`,
+    the hidden states `output_logits` turns into them).
 
     Args:
       encoded: `[batch, src_len, d_model]` from the encoder.
@@ -385,21 +422,28 @@ class Transformer(nn.Module):
       cross_mask = attention.combine_masks(
           cross_mask, attention.segment_mask(target_segments, source_segments))
     return self.decoder(decoder_inputs, positions, _segments(decoder_inputs, target_segments),
-                        encoded, cross_mask)
+                        encoded, cross_mask, output_layer=output_layer)
+
+  def output_logits(self, hidden: Array) -> Array:
+    """The output layer alone: float32 logits `[batch, length, vocab]` of the decoder's final
+    hidden states `[batch, length, d_model]` (what `output_layer=False` returns)."""
+    return self.decoder(None, None, None, hidden=hidden)
 
   def __call__(self, source_tokens: Array, decoder_inputs: Array,
                source_positions: Optional[Array] = None, target_positions: Optional[Array] = None,
                source_segments: Optional[Array] = None,
-               target_segments: Optional[Array] = None) -> Array:
+               target_segments: Optional[Array] = None, output_layer: bool = True) -> Array:
     """source_tokens `[batch, src_len]`, decoder_inputs `[batch, tgt_len]`
-    -> logits `[batch, tgt_len, vocab]`. With model.length_head, the predicted target lengths
-    (`predict_length`) are sown as the "intermediates" collection's "length"; packed rows
-    (source_segments) have none, since each row holds several targets."""
+    -> logits `[batch, tgt_len, vocab]`, or with `output_layer=False` the hidden states
+    `[batch, tgt_len, d_model]` that `output_logits` turns into them. With model.length_head,
+    the predicted target lengths (`predict_length`) are sown as the "intermediates"
+    collection's "length"; packed rows (source_segments) have none, since each row holds
+    several targets."""
     encoded = self.encode(source_tokens, source_positions, source_segments)
     if self.config.length_head and source_segments is None:
       self.sow("intermediates", "length", self.predict_length(encoded, source_tokens))
     return self.decode(encoded, source_tokens, decoder_inputs, target_positions,
-                       source_segments, target_segments)
+                       source_segments, target_segments, output_layer)
 
 
 class DecoderOnly(nn.Module):
@@ -416,8 +460,9 @@ class DecoderOnly(nn.Module):
   def __call__(self, source_tokens: Array, decoder_inputs: Array,
                source_positions: Optional[Array] = None, target_positions: Optional[Array] = None,
                source_segments: Optional[Array] = None,
-               target_segments: Optional[Array] = None) -> Array:
-    """Logits `[batch, tgt_len, vocab]` of the targets.
+               target_segments: Optional[Array] = None, output_layer: bool = True) -> Array:
+    """Logits `[batch, tgt_len, vocab]` of the targets (with `output_layer=False`, the hidden
+    states `output_logits` turns into them).
 
     Args:
       source_tokens: int `[batch, src_len]` (0 = padding; src_len may be 0).
@@ -438,7 +483,11 @@ class DecoderOnly(nn.Module):
         jnp.concatenate([source_tokens, decoder_inputs], axis=1),
         jnp.concatenate([source_positions, target_positions + source_length], axis=1),
         jnp.concatenate([source_segments, target_segments], axis=1),
-        output_from=source_tokens.shape[1])
+        output_from=source_tokens.shape[1], output_layer=output_layer)
+
+  def output_logits(self, hidden: Array) -> Array:
+    """The output layer alone (as `Transformer.output_logits`)."""
+    return self.decoder(None, None, None, hidden=hidden)
 
   def extend(self, tokens: Array, positions: Array) -> Array:
     """Decode mode: writes `tokens` (int `[batch, n]`, a prompt or one step) at `positions`
@@ -457,13 +506,18 @@ class EncoderOnly(nn.Module):
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, tokens: Array, positions: Optional[Array] = None,
-               segments: Optional[Array] = None, token_types: Optional[Array] = None) -> Array:
+  def __call__(self, tokens: Optional[Array], positions: Optional[Array] = None,
+               segments: Optional[Array] = None, token_types: Optional[Array] = None,
+               output_layer: bool = True, hidden: Optional[Array] = None) -> Array:
     """tokens int `[batch, length]` -> float32 logits: `[batch, length, vocab]` (masked LM) or
     `[batch, 1, num_labels]` (classification). token_types: int `[batch, length]` (BERT's
-    segment A 0 / B 1; None: all 0)."""
+    segment A 0 / B 1; None: all 0). The masked LM's `output_layer=False` returns the
+    `[batch, length, d_model]` the output projection reads, and `hidden` (such an array) runs
+    the projection alone (`output_logits`)."""
     cfg = self.config
     embed = _embed(cfg, "token_embedding")
+    if hidden is not None:
+      return self._mlm_logits(embed, hidden)
     x = Encoder(cfg, embed, name="encoder")(tokens, positions, segments, token_types)
 
     def dense(features, names, name):
@@ -482,9 +536,18 @@ class EncoderOnly(nn.Module):
       return logits[:, None, :].astype(jnp.float32)
     h = ACTIVATIONS[cfg.activation](dense(cfg.d_model, ("embed", "mlp"), "mlm_dense")(x))
     h = norm_layer(cfg, "mlm_norm")(h)
+    return self._mlm_logits(embed, h) if output_layer else h
+
+  def _mlm_logits(self, embed: nn.Embed, h: Array) -> Array:
+    """The masked LM's output projection (with BERT's bias); called from `__call__`."""
+    cfg = self.config
     bias = (self.param("mlm_bias", param_init(nn.initializers.zeros_init(), "vocab"),
                        (cfg.vocab_size,)) if cfg.tie_output and cfg.use_bias else None)
     return _logits(cfg, embed, h, bias)
+
+  def output_logits(self, hidden: Array) -> Array:
+    """The masked LM's output projection alone (as `Transformer.output_logits`)."""
+    return self(None, hidden=hidden)
 
 
 MODELS = {"encoder_decoder": Transformer, "decoder_only": DecoderOnly,

@@ -9,17 +9,22 @@ step's operations run on several threads at once, the total may exceed the wall 
 step of each batch shape is a program of its own under the same name; their operations of the
 same name are summed together.
 
-  python -m transformer_jax.tools.profile WORKDIR [--top=N] [--module=SUBSTRING]
+  python -m transformer_jax.tools.profile WORKDIR [--top=N] [--module=SUBSTRING] [--json]
 
 WORKDIR: a workdir trained with --config.train.profile_steps=N (or any directory or .xplane.pb
 file of a jax.profiler trace); the newest trace under it is read. --module keeps the programs
-whose name contains it (default train_step, the train step's program; "" = all).
+whose name contains it (default train_step, the train step's program; "" = all). With the
+traced program's HLO beside the trace (train.profile_steps and benchmark.profile write it), it
+prints the top kernels by device time, each with its category and its share of the step (the
+kernels' time plus the idle gaps between them), and the step's time by category; --json adds
+those numbers as one JSON line (the GPU suite reads it).
 """
 
 from __future__ import annotations
 
 import argparse
 import glob
+import json
 import os
 import re
 import sys
@@ -56,21 +61,58 @@ def _stats(event) -> dict:
   return {name: value for name, value in event.stats}
 
 
-def op_times(trace_file: str, module: Optional[str] = None) -> list[OpTime]:
-  """Every compiled operation of the trace, with its time, the longest first. module: only
-  those of programs whose name contains it (e.g. "train_step")."""
+# Lines the profiler derives from the others (TSL's xplane schema): on a TPU's plane "XLA Ops"
+# holds the kernels; on a GPU's plane the streams do, and these repeat them grouped.
+DERIVED_LINES = ("Steps", "XLA Modules", "XLA Ops", "Async XLA Ops", "XLA TraceMe",
+                 "TensorFlow Name Scope", "TensorFlow Ops", "Framework Name Scope",
+                 "Framework Ops", "Source code", "Launch Stats")
+
+
+def _load(trace_file: str):
   import jax  # the profiler's reader; imported here, as only this tool needs it
-  data = jax.profiler.ProfileData.from_file(trace_file)
+  return jax.profiler.ProfileData.from_file(trace_file)
+
+
+def _is_kernel(event, module: Optional[str]) -> bool:
+  stats = _stats(event)
+  program = str(stats.get("hlo_module") or "")
+  return bool(stats.get("hlo_op")) and bool(program) and (not module or module in program)
+
+
+def kernel_lines(data, module: Optional[str] = None) -> list:
+  """[(plane, its lines that hold the program's kernels)], each kernel counted once: on a GPU
+  the device planes' streams, on a TPU their "XLA Ops" line (the host's annotations of the same
+  operations left out); on a CPU, where the host runs the kernels, every line of the host."""
+  def has_kernels(line):
+    return any(_is_kernel(e, module) for e in line.events)
+
+  devices = [p for p in data.planes if p.name.startswith("/device:")
+             and any(has_kernels(line) for line in p.lines)]
+  if not devices:
+    return [(p, list(p.lines)) for p in data.planes]
+  chosen = []
+  for plane in devices:
+    streams = [line for line in plane.lines
+               if line.name not in DERIVED_LINES and has_kernels(line)]
+    chosen.append((plane, streams or [line for line in plane.lines if line.name == "XLA Ops"]))
+  return chosen
+
+
+def op_times(trace_file: str, module: Optional[str] = None, data=None) -> list[OpTime]:
+  """Every compiled operation of the trace, with its time, the longest first. module: only
+  those of programs whose name contains it (e.g. "train_step"). data: the trace as read
+  (jax.profiler.ProfileData), instead of the file."""
+  data = data if data is not None else _load(trace_file)
   totals = {}
-  for plane in data.planes:
-    for line in plane.lines:
+  for _, lines in kernel_lines(data, module):
+    for line in lines:
       for event in line.events:
-        stats = _stats(event)
-        op, program = stats.get("hlo_op"), stats.get("hlo_module")
-        if not op or not program or (module and module not in str(program)):
+        if not _is_kernel(event, module):
           continue
-        calls, ns = totals.get((program, op), (0, 0.0))
-        totals[(str(program), str(op))] = (calls + 1, ns + event.duration_ns)
+        stats = _stats(event)
+        key = (str(stats["hlo_module"]), str(stats["hlo_op"]))
+        calls, ns = totals.get(key, (0, 0.0))
+        totals[key] = (calls + 1, ns + event.duration_ns)
   rows = [OpTime(program, op, calls, ns / 1e9) for (program, op), (calls, ns) in totals.items()]
   return sorted(rows, key=lambda r: (-r.seconds, r.module, r.op))
 
@@ -157,24 +199,17 @@ def category(text: str) -> str:
   return "other"
 
 
-def idle_seconds(trace_file: str, module: Optional[str] = None) -> float:
+def idle_seconds(trace_file: str, module: Optional[str] = None, data=None) -> float:
   """Time inside the traced span of the program's kernels when none of them ran: on each
   device (a plane; on a CPU, the host) the span from its first kernel's start to its last one's
   end, less the union of its kernels' intervals over all its lines (streams, threads)."""
-  import jax
-  data = jax.profiler.ProfileData.from_file(trace_file)
+  data = data if data is not None else _load(trace_file)
   idle = 0.0
-  for plane in data.planes:
-    spans = []
-    for line in plane.lines:
-      for event in line.events:
-        stats = _stats(event)
-        program = str(stats.get("hlo_module", ""))
-        if stats.get("hlo_op") and program and (not module or module in program):
-          spans.append((event.start_ns, event.end_ns))
+  for _, lines in kernel_lines(data, module):
+    spans = sorted((e.start_ns, e.end_ns) for line in lines for e in line.events
+                   if _is_kernel(e, module))
     if not spans:
       continue
-    spans.sort()
     busy, (start, end) = 0.0, spans[0]
     for a, b in spans[1:]:
       if a > end:
@@ -185,20 +220,37 @@ def idle_seconds(trace_file: str, module: Optional[str] = None) -> float:
   return idle / 1e9
 
 
-def _by_category(rows: list[OpTime], hlo_text: str, idle_s: float) -> tuple:
-  """({category: seconds} with IDLE, {category: kernels}, kernels not found in the HLO)."""
+def categorized(rows: list[OpTime], hlo_text: str) -> tuple:
+  """([(row, its category)] of the kernels, control-flow operations left out: their bodies'
+  kernels are rows of their own; the number of kernels not found in the HLO, counted as
+  other)."""
   found = kernels(hlo_text)
-  seconds, calls, unknown = {}, {}, 0
+  result, unknown = [], 0
   for row in rows:
-    if row.op.startswith(CONTROL_FLOW):  # its body's kernels are rows of their own
+    if row.op.startswith(CONTROL_FLOW):
       continue
     text = found.get(row.op)
     unknown += text is None
-    name = category(text) if text is not None else "other"
+    result.append((row, category(text) if text is not None else "other"))
+  return result, unknown
+
+
+def _by_category(rows: list[OpTime], hlo_text: str, idle_s: float) -> tuple:
+  """({category: seconds} with IDLE, {category: kernels}, kernels not found in the HLO)."""
+  seconds, calls = {}, {}
+  found, unknown = categorized(rows, hlo_text)
+  for row, name in found:
     seconds[name] = seconds.get(name, 0.0) + row.seconds
     calls[name] = calls.get(name, 0) + 1
   seconds[IDLE] = idle_s
   return seconds, calls, unknown
+
+
+def steps_traced(rows: list[OpTime]) -> int:
+  """How many steps the trace holds: the fewest executions of any kernel (a step runs each of
+  its kernels at least once; the optimizer's, for one, exactly once)."""
+  counts = [r.calls for r in rows if not r.op.startswith(CONTROL_FLOW)]
+  return max(1, min(counts)) if counts else 1
 
 
 def category_seconds(rows: list[OpTime], hlo_text: str, idle_s: float,
@@ -216,10 +268,12 @@ def category_table(rows: list[OpTime], hlo_text: str, idle_s: float) -> str:
   summed thread time."""
   seconds, calls, unknown = _by_category(rows, hlo_text, idle_s)
   total = sum(seconds.values()) or 1.0
-  lines = ["| category | kernels | total ms | share |", "| --- | ---: | ---: | ---: |"]
+  steps = steps_traced(rows)
+  lines = ["| category | kernels | ms per step | share of the step |",
+           "| --- | ---: | ---: | ---: |"]
   for name in [c for c, _ in CATEGORIES] + [IDLE]:
     if name in seconds:
-      lines.append(f"| {name} | {calls.get(name, '')} | {seconds[name] * 1e3:.2f} | "
+      lines.append(f"| {name} | {calls.get(name, '')} | {seconds[name] * 1e3 / steps:.2f} | "
                    f"{seconds[name] / total:.1%} |")
   if unknown:
     lines.append(f"\n{unknown} of {len(rows)} operations not in the program's HLO: counted as "
@@ -227,8 +281,36 @@ def category_table(rows: list[OpTime], hlo_text: str, idle_s: float) -> str:
   return "\n".join(lines)
 
 
+def summary(rows: list[OpTime], hlo_text: str, idle_s: float, top: int = 15) -> dict:
+  """The profile as numbers: steps traced, the device time of a step (kernels plus idle gaps),
+  each category's share of it, and the `top` kernels by device time with their category and
+  share (the same denominator: kernels' time plus the gaps)."""
+  found, _ = categorized(rows, hlo_text)
+  steps = steps_traced(rows)
+  total = sum(r.seconds for r, _ in found) + idle_s or 1.0
+  return {"steps": steps, "step_device_ms": total * 1e3 / steps,
+          "idle_share": idle_s / total,
+          "categories": category_seconds(rows, hlo_text, idle_s, shares=True),
+          "top": [{"op": r.op, "category": name, "calls_per_step": r.calls / steps,
+                   "ms_per_step": r.seconds * 1e3 / steps, "share": r.seconds / total}
+                  for r, name in found[:top]]}
+
+
+def top_table(profile: dict) -> str:
+  """`summary`'s top kernels as a Markdown table: each with its category and share of the
+  step."""
+  lines = ["| kernel | category | calls per step | ms per step | share of the step |",
+           "| --- | --- | ---: | ---: | ---: |"]
+  lines += [f"| `{k['op']}` | {k['category']} | {k['calls_per_step']:g} | "
+            f"{k['ms_per_step']:.3f} | {k['share']:.1%} |" for k in profile["top"]]
+  lines.append(f"\n{profile['steps']} steps traced; a step is {profile['step_device_ms']:.2f} "
+               f"ms of device time, {profile['idle_share']:.1%} of it idle (no kernel running)")
+  return "\n".join(lines)
+
+
 def table(rows: list[OpTime], top: int = 15) -> str:
-  """The `top` operations as a Markdown table, each with its share of all compiled time."""
+  """The `top` operations as a Markdown table, each with its share of all compiled time (for a
+  trace without its program's HLO: no categories, no idle gaps)."""
   total = sum(r.seconds for r in rows) or 1.0
   lines = ["| operation | program | calls | total ms | ms per call | share |",
            "| --- | --- | ---: | ---: | ---: | ---: |"]
@@ -244,6 +326,8 @@ def main(argv=None) -> int:
   parser.add_argument("workdir")
   parser.add_argument("--top", type=int, default=15)
   parser.add_argument("--module", default="train_step")
+  parser.add_argument("--json", action="store_true",
+                      help="also print the profile's numbers as one JSON line, last")
   args = parser.parse_args(argv)
   platforms.cpu_only_unless_accelerated()  # reading a trace needs no accelerator runtime
   try:
@@ -255,13 +339,20 @@ def main(argv=None) -> int:
   except UserError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  print(f"{trace}\n\n{table(rows, args.top)}")
   program = os.path.join(os.path.dirname(trace), PROGRAM_FILE)
-  if os.path.exists(program):
-    with open(program) as f:
-      hlo_text = f.read()
-    print(f"\nBy category (the op names of {PROGRAM_FILE}):\n\n"
-          f"{category_table(rows, hlo_text, idle_seconds(trace, args.module or None))}")
+  if not os.path.exists(program):  # a trace of another program: no categories
+    print(f"{trace}\n\n{table(rows, args.top)}")
+    if args.json:
+      print(json.dumps({"trace": trace, "top": [r._asdict() for r in rows[:args.top]]}))
+    return 0
+  with open(program) as f:
+    hlo_text = f.read()
+  idle_s = idle_seconds(trace, args.module or None)
+  found = summary(rows, hlo_text, idle_s, args.top)
+  print(f"{trace}\n\nThe top kernels (categories from the op names of {PROGRAM_FILE}):\n\n"
+        f"{top_table(found)}\n\nBy category:\n\n{category_table(rows, hlo_text, idle_s)}")
+  if args.json:
+    print(json.dumps({"trace": trace, **found}))
   return 0
 
 

@@ -142,3 +142,106 @@ def _one_hot(targets, vocab: int):
 
 
 _cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
+
+
+
+def chunked_loss_sums(logits_of, params, hidden, targets, weights, smoothing, chunk_tokens: int,
+                      bfloat16_logits: bool = False, excluded_rows: tuple = ()):
+  """The sums over the tokens of `label_smoothed_cross_entropy(logits_of(params, hidden),
+  targets, ...)` times `weights` (loss, nll, correct), computed in chunks of about
+  `chunk_tokens` tokens, so that no float32 `[tokens, vocab]` array is ever whole
+  (train.loss_chunk_tokens).
+
+  A chunk is every row's next `ceil(chunk_tokens / batch)` positions (the last one padded
+  with weight 0). One scan over the chunks computes each chunk's logits, its sums and, at
+  once, their gradients with respect to the chunk's hidden states and the output layer's
+  parameters (the gradient of the loss against the logits is known in the forward pass:
+  p - q, the custom rule of `label_smoothed_cross_entropy`); the backward pass only scales
+  them by the loss's cotangent (a fused linear cross-entropy). The output layer's products run
+  three times, as in the default (logits, their gradient times the layer, the layer's
+  gradient), but per chunk: the logits and their gradient live one chunk at a time, and the
+  forward pass keeps the hidden states' gradient `[batch, length, d]` and the layer's
+  `[vocab, d]`. The layer's gradient is summed over the chunks (on a mesh, reduced across
+  devices per chunk).
+
+  Args:
+    logits_of: (params, hidden `[batch, span, d]`) -> float32 logits `[batch, span, vocab]`:
+      the model's output layer.
+    params: the parameters it reads (only these: each gets a gradient accumulator).
+    hidden: `[batch, length, d]`: what the output layer reads.
+    targets: int `[batch, length]`.
+    weights: float `[batch, length]` (0 at padding).
+    smoothing, bfloat16_logits, excluded_rows: as `label_smoothed_cross_entropy`.
+    chunk_tokens: > 0.
+
+  Returns:
+    float32 scalars (loss sum, nll sum, correct sum), equal to the sums of the default's
+    per-token values up to float rounding (summed in another order). Only the loss sum has a
+    gradient: the nll and correct sums are metrics (the train step's aux), and the weights,
+    targets and smoothing are data.
+  """
+  if not isinstance(smoothing, dict):
+    width = jax.eval_shape(logits_of, params, hidden[:, :1]).shape[-1]
+    smoothing = (smoothing_coefficients(float(smoothing), width, tuple(excluded_rows))
+                 if smoothing else None)
+  return _chunked_sums(logits_of, int(chunk_tokens), bool(bfloat16_logits),
+                       tuple(excluded_rows), params, hidden, targets, weights, smoothing)
+
+
+def _chunks(rows: int, length: int, chunk_tokens: int):
+  """(split, join) of `chunked_loss_sums`: `[rows, length, ...]` <-> `[chunks, rows, span,
+  ...]`, padded with zeros at the end of the length axis."""
+  span = min(length, max(1, -(-chunk_tokens // rows)))  # positions per chunk
+  chunks = -(-length // span)
+  pad = chunks * span - length
+
+  def split(x):
+    x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    return x.reshape((rows, chunks, span) + x.shape[2:]).swapaxes(0, 1)
+
+  def join(x):
+    return x.swapaxes(0, 1).reshape((rows, chunks * span) + x.shape[3:])[:, :length]
+
+  return split, join
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _chunked_sums(logits_of, chunk_tokens, one_pass, excluded, params, hidden, targets, weights,
+                  smoothing):
+  return _chunked_sums_fwd(logits_of, chunk_tokens, one_pass, excluded, params, hidden, targets,
+                           weights, smoothing)[0]
+
+
+def _chunked_sums_fwd(logits_of, chunk_tokens, one_pass, excluded, params, hidden, targets,
+                      weights, smoothing):
+  split, join = _chunks(*targets.shape, chunk_tokens)
+
+  def sums(p, h, t, w):
+    loss, nll, correct = label_smoothed_cross_entropy(logits_of(p, h), t, smoothing, one_pass,
+                                                      excluded)
+    return jnp.sum(loss * w), (jnp.sum(nll * w), jnp.sum(correct * w))
+
+  grads = jax.value_and_grad(sums, argnums=(0, 1), has_aux=True)
+
+  def one_chunk(carry, chunk):
+    d_params, totals = carry
+    (loss, (nll, correct)), (dp, dh) = grads(params, *chunk)
+    return (jax.tree.map(jnp.add, d_params, dp),
+            tuple(a + b for a, b in zip(totals, (loss, nll, correct)))), dh
+
+  zero = jnp.zeros((), jnp.float32)
+  (d_params, totals), d_hidden = jax.lax.scan(
+      one_chunk, (jax.tree.map(jnp.zeros_like, params), (zero, zero, zero)),
+      (split(hidden), split(targets), split(weights.astype(jnp.float32))))
+  return totals, (d_params, join(d_hidden))
+
+
+def _chunked_sums_bwd(logits_of, chunk_tokens, one_pass, excluded, residuals, cotangents):
+  d_params, d_hidden = residuals
+  d_loss = cotangents[0]  # the nll and correct sums are metrics: no gradient (see above)
+  # None: no gradient to the targets, weights and smoothing (data, not parameters)
+  return (jax.tree.map(lambda g: (d_loss * g).astype(g.dtype), d_params),
+          (d_loss * d_hidden).astype(d_hidden.dtype), None, None, None)
+
+
+_chunked_sums.defvjp(_chunked_sums_fwd, _chunked_sums_bwd)

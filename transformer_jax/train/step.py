@@ -12,12 +12,16 @@ import optax
 
 from transformer_jax.core.errors import UserError
 from transformer_jax.core.tokens import EOS_ID, MASK_ID
-from transformer_jax.model import ModelConfig, make_model, shift_right
+from transformer_jax.model import ModelConfig, make_model, output_layer_params, shift_right
 from transformer_jax.model.attention import DropoutRate
 from transformer_jax.model.axes import constrain
 from transformer_jax.train import sharding
 from transformer_jax.train import state as state_lib
-from transformer_jax.train.losses import label_smoothed_cross_entropy, smoothing_coefficients
+from transformer_jax.train.losses import (
+  chunked_loss_sums,
+  label_smoothed_cross_entropy,
+  smoothing_coefficients,
+)
 from transformer_jax.train.state import TrainState
 
 # Folded into the step's key for the masked-LM corruption: apart from the dropout keys, which
@@ -73,13 +77,15 @@ def target_lengths(targets):
   return jnp.maximum(jnp.sum(targets > 0, axis=-1) - 1, 0).astype(jnp.float32)
 
 
-def forward(model, params, batch, rngs=None, lengths: bool = False):
+def forward(model, params, batch, rngs=None, lengths: bool = False, output_layer: bool = True):
   """The model's logits for a batch, the labels they predict and the weight of each label.
 
   encoder-decoder and decoder-only: logits `[batch, tgt_len, vocab]` of the targets (teacher
   forcing); encoder-only: logits at every input position (masked LM) or `[batch, 1, labels]`
   (classification, whose targets hold label + 1). Weights are 1 at real labels, 0 at padding.
   With `lengths` (model.length_head), a fourth value: the predicted target lengths `[batch]`.
+  With `output_layer=False` (not for a classifier), the hidden states `[batch, length,
+  d_model]` that the model's `output_logits` turns into those logits, in their place.
   """
   targets = batch["targets"]
   if model.config.arch == "encoder_only":
@@ -87,7 +93,8 @@ def forward(model, params, batch, rngs=None, lengths: bool = False):
     logits = model.apply({"params": params}, batch["inputs"], batch.get("inputs_position"),
                          segments, rngs=rngs,
                          token_types=(pair_token_types(batch["inputs"]) if segments is None
-                                      and model.config.type_vocab_size else None))
+                                      and model.config.type_vocab_size else None),
+                         output_layer=output_layer)
   else:
     segments = batch.get("targets_segmentation")  # packed rows (data.batching=packed) only
     logits = model.apply({"params": params}, batch["inputs"],
@@ -95,7 +102,7 @@ def forward(model, params, batch, rngs=None, lengths: bool = False):
                          source_positions=batch.get("inputs_position"),
                          target_positions=batch.get("targets_position"),
                          source_segments=batch.get("inputs_segmentation"),
-                         target_segments=segments, rngs=rngs,
+                         target_segments=segments, output_layer=output_layer, rngs=rngs,
                          mutable=["intermediates"] if lengths else False)
   labels = jnp.maximum(targets - 1, 0) if model.config.num_labels else targets
   if lengths:  # the model sowed them (Transformer.__call__)
@@ -104,31 +111,41 @@ def forward(model, params, batch, rngs=None, lengths: bool = False):
   return logits, labels, (targets > 0).astype(jnp.float32)
 
 
-def _loss_and_metrics(params, model, batch, rng, smoothing, normalizer, length_weight=0.0):
+def _loss_and_metrics(params, model, batch, rng, smoothing, normalizer, length_weight=0.0,
+                      chunk_tokens: int = 0):
   """Sum of the smoothed loss over a microbatch's tokens, divided by the batch's token count.
 
   smoothing: the label smoothing, as `label_smoothed_cross_entropy` takes it. With
   model.length_head, plus `length_weight` (train.length_loss_weight) times the squared error of
   each example's predicted target length, summed over the examples and divided by the same
-  token count."""
+  token count. chunk_tokens (train.loss_chunk_tokens) > 0: the output layer and the loss run in
+  chunks of that many tokens (`chunked_loss_sums`), the same sums up to float rounding."""
+  outputs = forward(model, params, batch, {"dropout": rng}, lengths=model.config.length_head,
+                    output_layer=not chunk_tokens)
   if model.config.length_head:
-    logits, labels, weights, predicted = forward(model, params, batch, {"dropout": rng},
-                                                 lengths=True)
+    outputs, predicted = outputs[:3], outputs[3]
     real = batch["targets"][:, 0] > 0
     squared = jnp.where(real, (predicted - target_lengths(batch["targets"])) ** 2, 0.0)
-  else:
-    logits, labels, weights = forward(model, params, batch, {"dropout": rng})
-  if isinstance(smoothing, dict) and logits.shape[-1] != loss_width(model.config):
+  logits, labels, weights = outputs  # with chunk_tokens: the hidden states the logits come from
+  if (isinstance(smoothing, dict) and not chunk_tokens
+      and logits.shape[-1] != loss_width(model.config)):
     raise AssertionError(f"logits of {logits.shape[-1]} rows, smoothing for "
                          f"{loss_width(model.config)}")
   # bfloat16 compute runs on accelerators, where the step is HBM-bound and the loss's passes
   # over the [tokens, vocab] logits are its largest kernels; float32 keeps the CPU's faster form.
+  options = {"bfloat16_logits": model.config.compute_dtype == jnp.bfloat16,
+             "excluded_rows": excluded_loss_rows(model.config)}
   with jax.named_scope("loss"):  # tools/profile.py's kernel categories read these names
-    loss, nll, correct = label_smoothed_cross_entropy(
-        logits, labels, smoothing, bfloat16_logits=model.config.compute_dtype == jnp.bfloat16,
-        excluded_rows=excluded_loss_rows(model.config))
-  correct = correct * weights
-  sums = {"loss": (loss * weights).sum(), "nll": (nll * weights).sum(), "correct": correct.sum()}
+    if chunk_tokens:
+      total, nll, correct = chunked_loss_sums(
+          lambda p, h: model.apply({"params": p}, h, method="output_logits"),
+          output_layer_params(model.config, params), logits, labels, weights, smoothing,
+          chunk_tokens, **options)
+      sums = {"loss": total, "nll": nll, "correct": correct}
+    else:
+      loss, nll, correct = label_smoothed_cross_entropy(logits, labels, smoothing, **options)
+      sums = {"loss": (loss * weights).sum(), "nll": (nll * weights).sum(),
+              "correct": (correct * weights).sum()}
   if model.config.length_head:
     sums["length_squared_error"] = squared.sum()
     sums["loss"] = sums["loss"] + length_weight * sums["length_squared_error"]
@@ -146,7 +163,7 @@ def excluded_loss_rows(model_config: ModelConfig) -> tuple:
 
 def train_step(state: TrainState, batch, rng, hparams=None, *, model, optimizer, smoothing,
                accum_steps: int, task: str = "seq2seq", mask_rate: float = 0.15,
-               length_weight=0.0):
+               length_weight=0.0, loss_chunk_tokens: int = 0):
   """One update from the global batch: (state, batch, rng) -> (state, metrics).
 
   hparams: `state_lib.hyperparameters` and the loss's smoothing (`make_train_step`), inputs of
@@ -158,6 +175,8 @@ def train_step(state: TrainState, batch, rng, hparams=None, *, model, optimizer,
   all non-padding target tokens of the batch, so rows of padding added to fill a mesh change
   nothing. With `accum_steps` > 1 the rows are dealt out to microbatches in turn (row r to
   microbatch r % accum_steps), so every device holds part of every microbatch.
+  loss_chunk_tokens (train.loss_chunk_tokens): > 0 computes the output layer and the loss in
+  chunks of that many tokens (`_loss_and_metrics`).
   """
   if hparams is not None:
     smoothing = hparams["smoothing"] if smoothing else 0.0
@@ -181,7 +200,7 @@ def train_step(state: TrainState, batch, rng, hparams=None, *, model, optimizer,
     grads, sums = carry
     microbatch, i = inputs
     g, s = grad_fn(state.params, model, microbatch, jax.random.fold_in(rng, i), smoothing,
-                   tokens, length_weight)
+                   tokens, length_weight, loss_chunk_tokens)
     return (jax.tree.map(jnp.add, grads, g), jax.tree.map(jnp.add, sums, s)), None
 
   zeros = (jax.tree.map(jnp.zeros_like, state.params),
@@ -271,16 +290,17 @@ KEPT_PROGRAMS = 8
 
 
 def _jitted_step(model_config: ModelConfig, kind: state_lib.OptimizerKind, smoothing: bool,
-                 accum: int, task: str, mask_rate: float, mesh, optimizer):
+                 accum: int, task: str, mask_rate: float, mesh, optimizer,
+                 loss_chunk_tokens: int = 0):
   """The jitted step for one program structure, kept for the process's later runs (a sweep
   worker's next trial): the same function object, so JAX neither traces nor compiles it again
   when only hyperparameters change. `optimizer`: one of `kind`, for its state's shardings."""
-  key = (model_config, kind, smoothing, accum, task, mask_rate, mesh)
+  key = (model_config, kind, smoothing, accum, task, mask_rate, mesh, loss_chunk_tokens)
   if key not in _JITTED:
     step = functools.partial(train_step, model=make_model(model_config),
                              optimizer=functools.partial(state_lib.optimizer, kind),
                              smoothing=smoothing, accum_steps=accum, task=task,
-                             mask_rate=mask_rate)
+                             mask_rate=mask_rate, loss_chunk_tokens=loss_chunk_tokens)
     state_shardings = state_lib.state_shardings(model_config, optimizer, mesh)
     replicated = sharding.replicated(mesh)
     _JITTED[key] = sharding.jit(
@@ -309,5 +329,6 @@ def make_train_step(model_config: ModelConfig, config, mesh) -> TrainStep:
   jitted = _jitted_step(program_config(model_config), state_lib.OptimizerKind.of(t),
                         t.label_smoothing > 0,
                         accum, config.data.task, float(config.data.mask_rate), mesh,
-                        state_lib.make_optimizer(t, model_config.d_model))
+                        state_lib.make_optimizer(t, model_config.d_model),
+                        int(t.get("loss_chunk_tokens", 0)))
   return TrainStep(jitted, step_hyperparameters(model_config, config), mesh)
