@@ -62,10 +62,13 @@ def trial_startups(sweep: pathlib.Path) -> list[dict]:
 def sweep(out: pathlib.Path, checkout: pathlib.Path) -> dict:
   workdir = out / "sweep"
   shutil.rmtree(workdir, ignore_errors=True)
+  # A checkout from before the sweep's settings moved into the config takes --sweep_budget.
+  keyed = "c.sweep = " in (checkout / "transformer_jax" / "config.py").read_text()
+  budget = "--config.sweep.budget=40" if keyed else "--sweep_budget=40"
   start = time.perf_counter()
   done = subprocess.run(
       [sys.executable, "launch.py", "--config=experiments/tiny.py", f"--workdir={workdir}",
-       "--sweep", "--config.sweep.budget=40", "--sweep_parallel=3", "--config.train.steps=10"],
+       "--sweep", budget, "--sweep_parallel=3", "--config.train.steps=10"],
       cwd=checkout, env=_environment(checkout), capture_output=True, text=True)
   wall = time.perf_counter() - start
   if done.returncode:

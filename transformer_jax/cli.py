@@ -457,8 +457,6 @@ def _workdir_config_flags(argv: list) -> list:
 _WORKDIR_LOADER: dict = {}  # _workdir_config's answer, by workdir (argv is read twice)
 
 
-
-
 def _moved_flag(argv: list) -> Optional[str]:
   """The line refusing a sweep setting given as its old flag (MOVED_TO_CONFIG), else None."""
   for arg in argv[1:]:
@@ -535,9 +533,6 @@ def _parse_flags(argv):
   return remaining
 
 
-# Which modes use each of our flags, and the flags it needs beside it (any one of them): a flag
-
-
 def _check_flags(mode: str) -> None:
   """Flag values that no library call checks, and flags the mode does not take (MODES)."""
   for flag in (_WORKDIR, _TEXT, _SPLIT, _COORDINATOR):
@@ -569,7 +564,7 @@ def _chosen(name: str) -> Mode:
   return MODES[name]
 
 
-def _given_config(mode: Mode, workdir: Optional[str]):
+def _given_config(workdir: Optional[str]):
   """--config (with its overrides), or the one line saying why there is none."""
   config = _CONFIG.value
   if config is None:
@@ -597,8 +592,7 @@ def run(argv) -> None:
   mode, workdir = _chosen(name), _WORKDIR.value
   if mode.workdir in ("required", "trained") and workdir is None:
     raise UserError(f"--workdir is required for --mode={name}"
-                    + (" (the sweep's)" if "sweep_storage" in mode.flags and not mode.config
-                       else ""))
+                    + (" (the sweep's)" if name == "sweep_results" else ""))
   if not mode.config:  # a Hugging Face directory in or out, a sweep's study
     if "hf_dir" in mode.flags:
       from transformer_jax.core import platforms
@@ -608,7 +602,7 @@ def run(argv) -> None:
   if workdir is not None and (mode.workdir == "trained" or mode.workdir == "optional"
                               and _CONFIG.value is None):
     check_trained_workdir(workdir)  # before "--config is required": a typo says so
-  config = _given_config(mode, workdir)
+  config = _given_config(workdir)
   if mode.workdir in ("required", "trained") and mode is not SWEEP:
     from transformer_jax.train import checkpoint
     checkpoint.check_config_file(workdir)  # the checkpoint is the truth
