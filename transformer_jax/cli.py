@@ -465,7 +465,11 @@ def _moved_flag(argv: list) -> Optional[str]:
     name = arg.lstrip("-").split("=", 1)[0]
     flag = name[2:] if name.startswith("no") and name[2:] == "sweep_test_best" else name
     if flag in MOVED_TO_CONFIG:
-      key = MOVED_TO_CONFIG[flag]
+      key, mode = MOVED_TO_CONFIG[flag], _flag_value(argv, "mode")
+      if mode in MODES and not MODES[mode].config:
+        return (f"--{flag} is now a key of the experiment's config, sweep.{key}, which "
+                f"--mode={mode} does not take (a sweep's tables sort by its study's own "
+                "sweep.metric); leave it out")
       if flag == "sweep_test_best":  # a bool: --sweep_test_best, --nosweep_test_best, =false
         value = arg.split("=", 1)[1] if "=" in arg else str(name == flag)
       else:
