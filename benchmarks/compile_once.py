@@ -6,12 +6,13 @@
 `--checkout DIR` runs the same commands with another checkout of the project (e.g. the commit
 before compile-once, `git worktree add DIR COMMIT`), in the same environment, for the ratio.
 
-sweep: `experiments/tiny.py` swept with `--sweep --sweep_budget=40 --sweep_parallel=3`, 10 steps
-a trial (the learning rate and d_ff drawn: tiny's search space), in OUT/sweep (a journal study,
-one machine). A trial's start-up is measured the same way for both checkouts, from the files a
-trial writes: from trial.json (written as the trial starts) to its first train record, less
-that record's timed steps (interval_s): set-up and the first step's compile. The first trial of
-each shape in each worker process is counted apart ("first"); the others are "after".
+sweep: `experiments/tiny.py` swept with `--sweep --config.sweep.budget=40 --sweep_parallel=3`,
+10 steps a trial (the learning rate and d_ff drawn: tiny's search space), in OUT/sweep (a
+journal study, one machine). A trial's start-up is measured the same way for both checkouts,
+from the files a trial writes: from trial.json (written as the trial starts) to its first train
+record, less that record's timed steps (interval_s): set-up and the first step's compile. The
+first trial of each shape in each worker process is counted apart ("first"); the others are
+"after".
 
 second: `launch.py --config=experiments/base.py --mode=benchmark` twice, each a new process, with
 the compilation cache in OUT/xla (emptied first): each process's set-up and compile (the
@@ -61,10 +62,13 @@ def trial_startups(sweep: pathlib.Path) -> list[dict]:
 def sweep(out: pathlib.Path, checkout: pathlib.Path) -> dict:
   workdir = out / "sweep"
   shutil.rmtree(workdir, ignore_errors=True)
+  # A checkout from before the sweep's settings moved into the config takes --sweep_budget.
+  keyed = "c.sweep = " in (checkout / "transformer_jax" / "config.py").read_text()
+  budget = "--config.sweep.budget=40" if keyed else "--sweep_budget=40"
   start = time.perf_counter()
   done = subprocess.run(
       [sys.executable, "launch.py", "--config=experiments/tiny.py", f"--workdir={workdir}",
-       "--sweep", "--sweep_budget=40", "--sweep_parallel=3", "--config.train.steps=10"],
+       "--sweep", budget, "--sweep_parallel=3", "--config.train.steps=10"],
       cwd=checkout, env=_environment(checkout), capture_output=True, text=True)
   wall = time.perf_counter() - start
   if done.returncode:

@@ -115,8 +115,9 @@ def launched(directory, sampler, seed, budget, workers):
   flags = [f"--config.{k}={v}" for k, v in {**BASE, "train.eval_every": 0}.items()]
   start = time.time()
   subprocess.run([sys.executable, "launch.py", f"--config={path}", f"--workdir={workdir}",
-                  "--sweep", f"--sweep_sampler={sampler}", f"--sweep_seed={seed}",
-                  f"--sweep_budget={budget}", f"--sweep_parallel={workers}", *flags],
+                  "--sweep", f"--config.sweep.sampler={sampler}",
+                  f"--config.sweep.sampler_seed={seed}", f"--config.sweep.budget={budget}",
+                  f"--sweep_parallel={workers}", *flags],
                  cwd=ROOT, check=True, capture_output=True)
   wall = time.time() - start
   from transformer_jax.tools.sweep import results

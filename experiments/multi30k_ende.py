@@ -36,11 +36,14 @@ def get_config():
                  warmup_steps=WARMUP, label_smoothing=0.1, log_every=100, eval_every=1000,
                  checkpoint_every=1000, keep_checkpoints=10)
   c.eval.update(decode="beam", beam_size=5, length_penalty=0.6, batch_size=256)
+  # The sweep of docs/cloud.md's recipes (--sweep): 200 trials drawn from get_search_space(),
+  # the unpromising stopped at their evaluations by ASHA.
+  c.sweep.update(budget=200, pruner="asha")
   return c
 
 
 def get_search_space():
-  """What `--sweep --sweep_budget=N` draws (docs/cloud.md's sweep recipes): the recipe's peak
+  """What `--sweep` draws (docs/cloud.md's sweep recipes; sweep.budget trials): the recipe's peak
   learning rate within a factor of 3 either way, dropout and label smoothing around its own."""
   lr = get_config().train.learning_rate
   return {"train.learning_rate": sweep.log_uniform(lr / 3, lr * 3),

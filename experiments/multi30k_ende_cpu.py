@@ -38,6 +38,7 @@ def get_config():
                  label_smoothing=0.1, log_every=100, eval_every=0, checkpoint_every=700,
                  keep_checkpoints=7, keep_best=0)
   c.eval.update(decode="beam", beam_size=5, length_penalty=0.6, batch_size=256)
+  c.sweep.metric = "bleu"  # get_sweep()'s trials are ranked by greedy BLEU on val
   return c
 
 

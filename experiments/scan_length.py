@@ -12,7 +12,7 @@ times the longest trained on, as test's 24-48 are 1.09-2.2 times 22). It evaluat
 that dev reached 73-93% while test stayed under 10%, and the option best on dev was not the
 best on test; `--config.data.scan_dev_cutoff=21` reproduces it.
 
-Test is scored once per run, on the best dev checkpoint: in a sweep by --sweep_test_best (each
+Test is scored once per run, on the best dev checkpoint: in a sweep by sweep.test_best (each
 run trains without data.test_split, then its best checkpoint is evaluated on test; the test_*
 columns of results.md, never used to sort), or by hand for a single run trained with
 `--config.data.test_split=` (otherwise training scores test at its last step, which need not be
@@ -33,7 +33,7 @@ residual dropout 0.1: 9.13% median exact match on test over five seeds, against 
 paper's model, far from issue 29's aim of 50%):
 
   .venv/bin/python launch.py --config=experiments/scan_length.py --workdir=runs/scan_full \
-    --sweep --sweep_trials=TRIAL,0 --sweep_seeds=5 --sweep_metric=exact_match \
+    --sweep --config.sweep.trials=TRIAL,0 --config.sweep.seeds=5 \
     --config.data.train_split=train --config.data.eval_split=test --config.data.test_split= \
     --config.train.eval_every=3000
 
@@ -55,11 +55,11 @@ can teach are measured on Csordas et al.'s re-splits at other cutoffs: experimen
 paper's model (sinusoidal positions), T5's relative position bias (with the default buckets, and
 with 16 or 8 buckets up to distance 16 or 8, so that every distance of a longer test output falls
 in a bucket trained on), and a decoder-only model with relative bias, no positions (NoPE) or RoPE;
-each with SEEDS seeds (the trial's "seeds" entry; --sweep_seeds=N overrides it), reported as
+each with SEEDS seeds (the trial's "seeds" entry; --config.sweep.seeds=N overrides it), reported as
 median, min and max over seeds:
 
   .venv/bin/python launch.py --config=experiments/scan_length.py --workdir=runs/scan_sweep \
-    --sweep --sweep_metric=exact_match --sweep_test_best
+    --sweep --config.sweep.test_best=True
 """
 
 from transformer_jax.experiments import scan_simple
@@ -79,6 +79,7 @@ def get_config():
   # 3,000 steps: on the 2-core CPU a trial takes 5-10 minutes; dev exact match mostly peaks by then.
   c.train.update(steps=3000, eval_every=500, keep_best=1, best_metric="exact_match")
   c.eval.oracle_length = True  # the stopping error beside exact match (costs one more decode)
+  c.sweep.metric = "exact_match"  # get_sweep()'s options are ranked by dev exact match
   return c
 
 

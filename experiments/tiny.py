@@ -26,6 +26,6 @@ def get_sweep():
 
 
 def get_search_space():
-  """What `--sweep --sweep_budget=N` draws beyond get_sweep()'s trials (README: Sweeps)."""
+  """What `--sweep --config.sweep.budget=N` draws beyond get_sweep()'s trials (README: Sweeps)."""
   return {"train.learning_rate": sweep.log_uniform(3e-4, 1e-2),
           "model.d_ff": sweep.choice([32, 64])}

@@ -15,11 +15,13 @@ def get_config():
   c.data = data.data
   c.eval = data.eval
   c.train.update(eval_every=data.train.eval_every, log_every=data.train.log_every)
+  # docs/cloud.md's multi-host sweep (--sweep): 24 trials, stopped early by the median rule.
+  c.sweep.update(budget=24, pruner="median")
   return c
 
 
 def get_search_space():
-  """What `--sweep --sweep_budget=N` draws (docs/cloud.md's multi-host sweep): the learning rate
+  """What `--sweep` draws (docs/cloud.md's multi-host sweep; sweep.budget trials): the learning rate
   within a factor of 3 either way of the recipe's, and dropout around its 0.3."""
   lr = get_config().train.learning_rate
   return {"train.learning_rate": sweep.log_uniform(lr / 3, lr * 3),

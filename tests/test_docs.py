@@ -132,11 +132,9 @@ for line in json.loads(sys.argv[1]):
       mode = cli._MODE.value
       assert mode in cli.MODES, mode
       cli._check_flags(mode)
-      if mode == "sweep_results":  # no config: a sweep's study (test_sweep runs it)
-        assert cli._WORKDIR.value, "--workdir is required"
-        result = [line, "ok", mode, [None, None]]
-      elif mode in cli.HF_MODES:  # no config: a Hugging Face directory in or out (test_hf)
-        assert cli._HF_DIR.value and cli._WORKDIR.value, "--hf_dir and --workdir are required"
+      if not cli.MODES[mode].config:  # a sweep's study (test_sweep), a Hugging Face directory
+        assert cli._WORKDIR.value, "--workdir is required"  # in or out (test_hf)
+        assert cli._HF_DIR.value or "hf_dir" not in cli.MODES[mode].flags, "--hf_dir is required"
         result = [line, "ok", mode, [None, None]]
       else:
         if cli._CONFIG.value is None:

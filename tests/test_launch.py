@@ -47,6 +47,8 @@ def test_help_lists_the_modes_our_flags_and_the_config_keys_without_importing_ja
   for holder in cli._OUR_FLAGS:
     assert sum(line.split()[:1] == [f"--{holder.name}"] for line in lines) == 1, holder.name
   assert "--mode=config" in result.stdout and "transformer_jax/config.py" in result.stdout
+  # The sweep's settings are the config's (sweep.*); only the machine's are flags.
+  assert "--config.sweep.budget=N" in result.stdout and "--sweep_budget" not in result.stdout
   assert "Try --helpfull" not in result.stdout
   full = subprocess.run([sys.executable, "launch.py", "--helpfull"], cwd=REPO, env=env,
                         capture_output=True, text=True, timeout=120)

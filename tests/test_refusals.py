@@ -1,5 +1,5 @@
 """Refusals that name the right cause, and input text, in-process (the command line's one-line
-rows are in test_errors.py): every flag has its modes in cli.FLAG_USES; export_hf exports a
+rows are in test_errors.py): every flag is taken by some mode of cli.MODES; export_hf exports a
 decoder-only model whatever its unread encoder depth and names the options no class has; plot
 --text warns about bytes that are not UTF-8 and about a cut as translate does, and names
 eval.max_decode_len; a credentials file that is not there is one line at once; which failures
@@ -17,14 +17,19 @@ from transformer_jax.tools import plot
 
 
 def test_every_flag_says_which_modes_use_it():
-  assert {holder.name for holder in cli._OUR_FLAGS} - {"mode"} == set(cli.FLAG_USES)
-  for name, (modes, needs) in cli.FLAG_USES.items():
-    assert set(modes) <= set(cli.MODES) and set(needs) <= set(cli.FLAG_USES), name
+  # Every flag of ours is taken by some mode of the table (--sweep's own by --mode=train with it).
+  names = {holder.name for holder in cli._OUR_FLAGS} - {"mode"}
+  for name in names:
+    assert any(cli.takes(mode, name) for mode in (*cli.MODES.values(), cli.SWEEP)), name
+  for name, mode in cli.MODES.items():
+    assert set(mode.flags) <= names and mode.workdir in ("", "optional", "required", "trained")
+    assert set(mode.why_not) <= names, name
   # A flag the mode does not use, one without the flag it needs, one that is used.
   assert cli.refused_flag("text", "evaluate", ["text"]) == (
       "--text is for --mode=plot, not --mode=evaluate")
-  assert "only applies with --sweep" in cli.refused_flag("sweep_seeds", "train", ["sweep_seeds"])
-  assert cli.refused_flag("sweep_seeds", "train", ["sweep", "sweep_seeds"]) is None
+  assert "only applies with --sweep" in cli.refused_flag("sweep_parallel", "train",
+                                                         ["sweep_parallel"])
+  assert cli.refused_flag("sweep_parallel", "train", ["sweep", "sweep_parallel"]) is None
   assert cli.refused_flag("checkpoint_step", "export_hf", []) is None
   assert "compile    compiles for a TPU slice or GPUs on any machine" in cli._help()
 

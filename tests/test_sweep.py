@@ -57,12 +57,12 @@ def test_seeds_per_trial_by_entry_or_flag(tmp_path):
   queued = space.queued_trials(space.load(str(experiment)), {}, only=[1, 0])
   assert [(q.index, q.seed, q.overrides) for q in queued] == [
       (1, 0, {"train.steps": 3, "seed": 0}), (1, 1, {"train.steps": 3, "seed": 1}),
-      (0, None, {"seed": 7})]  # --sweep_trials' order; seeds from the trial's config seed
+      (0, None, {"seed": 7})]  # sweep.trials' order; seeds from the trial's config seed
   for bad, why in (([{"seeds": 0}], "positive"), ([{"seeds": "5"}], "positive"),
                    ([{"seeds": 2, "seed": 1}], "leave out one")):
     with pytest.raises(UserError, match=why):
       space.seed_counts(bad)
-  with pytest.raises(UserError, match="sweep_seeds"):
+  with pytest.raises(UserError, match="sweep.seeds must be >= 0"):
     space.seed_counts(trials, seeds=-1)
 
 
@@ -107,8 +107,8 @@ def test_search_space_draws_conditional_keys_and_dry_run_creates_nothing(tmp_pat
 
   workdir = tmp_path / "sweep"
   out = _run(f"--config={experiment.path}", f"--workdir={workdir}", "--sweep_dry_run",
-             "--sweep_budget=10", "--sweep_pruner=asha", "--sweep_sampler=random",
-             "--config.train.eval_every=5").stdout
+             "--config.sweep.budget=10", "--config.sweep.pruner=asha",
+             "--config.sweep.sampler=random", "--config.train.eval_every=5").stdout
   for part in ("budget: 10 trials (1 enqueued from get_sweep(), up to 9 drawn by the random "
                "sampler)", "pruner: asha", "study.journal",
                "model.position_base: float in [1000.0, 100000.0] (log scale), when "
@@ -141,9 +141,9 @@ def test_a_bad_search_space_is_one_error_before_anything_runs(tmp_path, text, fl
 
 
 @pytest.mark.parametrize("options, message", [
-    (worker.Options(sampler="bayes", budget=2), "--sweep_sampler must be one of"),
-    (worker.Options(pruner="early", budget=2), "--sweep_pruner must be one of"),
-    (worker.Options(budget=0, seeds=0, only=[3]), "--sweep_trials must name trials 0..0"),
+    (worker.Options(sampler="bayes", budget=2), "sweep.sampler must be one of"),
+    (worker.Options(pruner="early", budget=2), "sweep.pruner must be one of"),
+    (worker.Options(budget=0, seeds=0, only=[3]), "sweep.trials must name trials 0..0"),
 ])
 def test_unknown_sampler_pruner_or_trial_is_one_error(tmp_path, options, message):
   with pytest.raises(UserError, match=message):
@@ -174,9 +174,11 @@ def test_a_pruned_trial_and_a_failed_one_are_in_the_table_rebuilt_from_the_study
   experiment = tmp_path / "pruned.py"
   experiment.write_text(PRUNED)
   workdir = tmp_path / "sweep"
-  out = _run(f"--config={experiment}", f"--workdir={workdir}", "--sweep", "--sweep_pruner=median",
-             "--config.train.steps=10", "--config.train.eval_every=5",
-             "--config.train.learning_rate=3e-3", "--config.eval.max_examples=8").stdout
+  command = [f"--config={experiment}", f"--workdir={workdir}", "--sweep",
+             "--config.sweep.pruner=median", "--config.train.steps=10",
+             "--config.train.eval_every=5", "--config.train.learning_rate=3e-3",
+             "--config.eval.max_examples=8"]
+  out = _run(*command).stdout
   assert "trial_0002 pruned at step 5: loss" in out, out
   rows = _rows(workdir)
   assert rows["trial_0002"]["state"] == "pruned at step 5"
@@ -217,9 +219,7 @@ def test_a_pruned_trial_and_a_failed_one_are_in_the_table_rebuilt_from_the_study
   assert all(open(p, "rb").read(8) == b"\x89PNG\r\n\x1a\n" for p in drawn)
   assert list((workdir / "trial_0000" / "tensorboard").glob("events.out.tfevents.*"))
   # The same command again: nothing left to run, the study unchanged.
-  again = _run(f"--config={experiment}", f"--workdir={workdir}", "--sweep",
-               "--sweep_pruner=median", "--config.train.steps=10", "--config.train.eval_every=5",
-               "--config.train.learning_rate=3e-3", "--config.eval.max_examples=8").stdout
+  again = _run(*command).stdout
   assert " started" not in again and len(_study(workdir).get_trials()) == 4
 
 
@@ -291,14 +291,15 @@ LENGTH = ["--config.data.scan_split=length", "--config.data.train_split=train_wi
 
 def test_seeded_sweep_scores_test_once_per_run_and_grows_with_more_seeds(tmp_path):
   """Seeds of a tiny trial, each trained without the test split and its best dev checkpoint
-  scored on test once. First one seed (--sweep_seeds=1), then the trial's own two with two
-  workers: the study takes the new seed's trial only, once."""
+  scored on test once. First one seed (--config.sweep.seeds=1), then the trial's own two with
+  two workers: the study takes the new seed's trial only, once (the sweep section of the config
+  is no part of the sweep's identity)."""
   experiment = tmp_path / "seeded.py"
   experiment.write_text(SEEDED)
   workdir = tmp_path / "sweep"
   command = [f"--config={experiment}", f"--workdir={workdir}", "--sweep",
-             "--sweep_metric=exact_match", "--sweep_test_best"] + FAST + LENGTH
-  _run(*command, "--sweep_seeds=1")
+             "--config.sweep.metric=exact_match", "--config.sweep.test_best=True"] + FAST + LENGTH
+  _run(*command, "--config.sweep.seeds=1")
   # Two local workers on the journal file: the one new trial is taken by one of them, once.
   parallel = _run(*command, "--sweep_parallel=2")
   out = parallel.stdout
@@ -344,7 +345,7 @@ def test_a_worker_of_two_processes_trains_each_trial_with_both(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              XLA_FLAGS=f"--xla_force_host_platform_device_count=1 {QUICK_COMPILE}")
   pair = [subprocess.Popen([sys.executable, "launch.py", f"--config={experiment}",
-                            f"--workdir={workdir}", "--sweep", "--sweep_pruner=median",
+                            f"--workdir={workdir}", "--sweep", "--config.sweep.pruner=median",
                             "--config.train.eval_every=1", *FAST,
                             f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
                             f"--process_id={i}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
@@ -377,6 +378,9 @@ def test_a_study_of_another_sweep_is_refused_without_a_line_in_the_journal(tmp_p
   with pytest.raises(UserError, match="belongs to another sweep"):
     worker.join_study(other, str(workdir), st)
   assert (workdir / store.JOURNAL).read_bytes() == journal
+  # The config's sweep section (budget, seeds, ...) is how the same sweep goes on: it joins.
+  more = worker.plan(str(experiment), {"sweep.budget": 9, "sweep.seeds": 2}, worker.Options())
+  assert worker.join_study(more, str(workdir), st).study_name == store.study_name(str(workdir))
 
 
 def test_a_resumed_trial_does_not_report_again_what_its_lost_attempt_reported():

@@ -104,13 +104,13 @@ def get_search_space():
 
 
 def test_parallel_workers_never_draw_the_same_trial(tmp_path, db):
-  # Each worker once sampled with --sweep_seed itself: three workers drew the same rates.
+  # Each worker once sampled with sweep.sampler_seed itself: three workers drew the same rates.
   experiment = tmp_path / "rates.py"
   experiment.write_text(RATES)
   workdir = tmp_path / "sweep"
   out = subprocess.run([sys.executable, "launch.py", f"--config={experiment}",
                         f"--workdir={workdir}", "--sweep", f"--sweep_storage={db.url}",
-                        "--sweep_parallel=3", "--sweep_budget=24", *FAST], cwd=ROOT,
+                        "--sweep_parallel=3", "--config.sweep.budget=24", *FAST], cwd=ROOT,
                        capture_output=True, text=True, timeout=900)
   assert out.returncode == 0, out.stdout + out.stderr
   trials = [t for t in _study(db.url, workdir).get_trials()
@@ -134,7 +134,7 @@ def get_sweep():
 KILLED = ["--config.train.steps=40", "--config.train.checkpoint_every=10",
           "--config.train.eval_every=10", "--config.train.log_every=1",
           "--config.eval.max_examples=8", "--config.model.qkv_bias=False",
-          "--sweep_heartbeat_s=1", "--sweep_retries=1"]
+          "--sweep_heartbeat_s=1", "--config.sweep.retries=1"]
 
 
 def _params(workdir):

@@ -456,7 +456,7 @@ def test_a_sweep_with_mlflow_makes_its_trials_children_of_the_study(tmp_path, ml
   experiment.write_text(TWO_TRIALS)
   workdir = tmp_path / "sweep"
   subprocess.run([sys.executable, "launch.py", f"--config={experiment}", f"--workdir={workdir}",
-                  "--sweep", "--sweep_pruner=none", "--config.train.steps=3",
+                  "--sweep", "--config.sweep.pruner=none", "--config.train.steps=3",
                   "--config.train.eval_every=2",  # reported at step 2; the last step is 3
                   "--config.train.log_every=1", "--config.train.checkpoint_every=2",
                   "--config.eval.max_examples=8", "--config.eval.batch_size=8",

@@ -14,8 +14,10 @@ checkout's `launch.py`:
 (`experiments/NAME.py` of the checkout). Errors the user can fix are printed as one line
 `error: ...` with exit code 2.
 
-The library is imported only once the flags are parsed, so `--help` and flag errors answer
-without loading JAX.
+Every mode is one row of MODES: its function, what it does, whether it takes --config and
+--workdir, and the other flags it takes; a flag given to a mode that does not take it is refused
+in one line naming the modes that do. The library is imported only once the flags are parsed,
+so `--help` and flag errors answer without loading JAX.
 """
 
 import difflib
@@ -24,7 +26,7 @@ import logging
 import os
 import re
 import sys
-from typing import Optional
+from typing import Callable, NamedTuple, Optional
 
 import ml_collections
 from absl import app, flags
@@ -35,100 +37,34 @@ from transformer_jax import experiments
 from transformer_jax.core import secrets, storage
 from transformer_jax.core.errors import UserError, unknown_key_message
 
-# Each mode and what it does, in one line (README's mode table says more).
-MODE_HELP = {
-    "train": "trains in --workdir, resuming from its newest checkpoint, then evaluates",
-    "evaluate": "BLEU, chrF, loss, ... of a checkpoint on --split (one JSON line)",
-    "translate": "stdin sentences -> stdout translations, one per line, in order",
-    "generate": "stdin prompts -> stdout continuations (a decoder-only language model)",
-    "plot": "curves, positions and (with --text) attention maps into WORKDIR/plots/",
-    "describe": "the model and its parameter counts",
-    "config": "every config key with its value and what it does (overrides applied)",
-    "export": "a data split (--split) as source<TAB>target lines",
-    "benchmark": "times the train step and decoding on a synthetic batch",
-    "compile": "compiles for a TPU slice or GPUs on any machine: memory, FLOPs, step time",
-    "import_hf": "a Hugging Face model directory (--hf_dir) -> a workdir at step 0",
-    "export_hf": "a workdir -> a Hugging Face model directory (--hf_dir) for from_pretrained",
-    "sweep_results": "a sweep's results.md/.csv rebuilt from its study (--workdir), no training",
-}
-MODES = tuple(MODE_HELP)
-HF_MODES = ("import_hf", "export_hf")  # Hugging Face model directories in and out: no --config
-# Modes that read a workdir: without --config they load the config it was trained with.
-WORKDIR_MODES = ("train", "evaluate", "translate", "generate", "plot")
-# Modes that only read a trained workdir.
-READING_MODES = ("evaluate", "translate", "generate", "plot")
-# Modes that read a config alone: with --workdir and without --config, the workdir's.
-DESCRIBING_MODES = ("describe", "config", "export")
-# The modes --config is for: not the Hugging Face ones, nor sweep_results (it reads the study).
-CONFIG_MODES = tuple(m for m in MODES if m not in HF_MODES + ("sweep_results",))
-SWEEPS = ("sweep", "sweep_dry_run")  # the flags that start a sweep (--mode=train)
-# The modes that compile programs for this machine: the compilation cache serves them.
-CACHED_MODES = ("train", "evaluate", "translate", "generate", "plot", "benchmark")
-# The modes that read a sweep's study (plot: where --workdir is a sweep's): its storage and
-# metric flags need no --sweep there.
-SWEEP_READING_MODES = ("sweep_results", "plot")
-
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment config: a file (experiments/*.py) or an installed experiment's "
     "name (e.g. scan_simple).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None,
                                "Directory for checkpoints, logs and the tokenizer.")
-_MODE = flags.DEFINE_string("mode", "train", f"One of {', '.join(MODES)} (default train).")
 _SPLIT = flags.DEFINE_string("split", None, "Data split: for --mode=export (default train) and "
                              "--mode=evaluate (default data.eval_split).")
 _TEXT = flags.DEFINE_string("text", None, "--mode=plot: an input sentence whose attention maps "
                             "(encoder, decoder, cross) are drawn.")
-# --- sweeps (tools/sweep): --sweep and --sweep_dry_run (mode train); --sweep_storage also for
-# --mode=sweep_results and --mode=plot on a sweep's workdir.
+# --- sweeps (tools/sweep): what the sweep is (its metric, sampler, pruner, budget, seeds) is the
+# experiment's config (sweep.*); these flags are this machine's part in it.
 _SWEEP = flags.DEFINE_bool(
     "sweep", False, "Be a worker of the experiment's sweep (an Optuna study): take its trials "
-    "(get_sweep()'s, then get_search_space()'s draws) until --sweep_budget is spent, each trained "
+    "(get_sweep()'s, then get_search_space()'s draws) until sweep.budget is spent, each trained "
     "in WORKDIR/trial_NNNN. The same command on more machines adds workers (with --sweep_storage).")
-_SWEEP_PARALLEL = flags.DEFINE_integer("sweep_parallel", 1, "Worker processes to start on this "
-                                       "machine (each takes trials of the study).")
-_SWEEP_SEEDS = flags.DEFINE_integer(
-    "sweep_seeds", 0, "Runs of every get_sweep() trial, with seeds S, S+1, ... (S: the trial's "
-    "config seed), each a trial of its own; results.md adds the median, min and max over seeds. "
-    "0 = as get_sweep() says: a trial's 'seeds' entry, else one run.")
-_SWEEP_TRIALS = flags.DEFINE_list(
-    "sweep_trials", None, "Enqueue only these trials of get_sweep() (numbers from 0, "
-    "comma-separated), in this order; trials already in the study stay.")
-_SWEEP_TEST_BEST = flags.DEFINE_bool(
-    "sweep_test_best", False, "Train each trial without data.test_split, then score its "
-    "checkpoint with the best train.best_metric on data.test_split once (test_* columns; "
-    "never used to sort).")
 _SWEEP_DRY_RUN = flags.DEFINE_bool("sweep_dry_run", False, "Print the sweep's plan (enqueued "
                                    "trials, search space, sampler, pruner, storage, budget); "
                                    "create nothing.")
-_SWEEP_METRIC = flags.DEFINE_string("sweep_metric", "loss", "Eval metric the study optimises, "
-                                    "the pruner watches and the results table sorts by (loss "
-                                    "and perplexity: lower is better).")
-_SWEEP_SAMPLER = flags.DEFINE_string("sweep_sampler", "tpe", "Optuna sampler drawing "
-                                     "get_search_space()'s trials: tpe, gp, cmaes, random or grid.")
-_SWEEP_PRUNER = flags.DEFINE_string("sweep_pruner", "none", "Early stopping at every evaluation "
-                                    "(train.eval_every): median, asha, hyperband or none.")
-_SWEEP_BUDGET = flags.DEFINE_integer("sweep_budget", 0, "Trials of the study in all, "
-                                     "get_sweep()'s included (0: get_sweep()'s only; a grid: all "
-                                     "of it).")
+_SWEEP_PARALLEL = flags.DEFINE_integer("sweep_parallel", 1, "Worker processes to start on this "
+                                       "machine (each takes trials of the study).")
 _SWEEP_STORAGE = flags.DEFINE_string(
     "sweep_storage", None, "Database of the study, shared by workers on many machines: any "
     "SQLAlchemy URL, e.g. postgresql+psycopg://USER@HOST:5432/DB (its password from PGPASSWORD "
     "or ~/.pgpass, not the command line). Default: TRANSFORMER_JAX_SWEEP_STORAGE, else a journal "
     "file in --workdir (one machine).")
-_SWEEP_SEED = flags.DEFINE_integer(
-    "sweep_seed", 0, "Seed of the sampler of the study's first worker; the workers that join it "
-    "derive their own from it (--sweep_parallel's i-th worker: its i-th; others: with entropy).")
 _SWEEP_HEARTBEAT_S = flags.DEFINE_integer(
     "sweep_heartbeat_s", 60, "With --sweep_storage: seconds between a worker's heartbeats; a "
     "trial silent for 3 of them is lost and goes back to the queue.")
-_SWEEP_OUTAGE_S = flags.DEFINE_float(
-    "sweep_outage_s", 300.0, "With --sweep_storage: seconds a worker rides out a database that "
-    "stops answering mid-sweep before it stops, naming its trial's checkpoint.")
-_SWEEP_RETRIES = flags.DEFINE_integer("sweep_retries", 3, "Times a trial whose worker was lost "
-                                      "(or preempted) is taken up again.")
-_SWEEP_FLAGS = (_SWEEP, _SWEEP_PARALLEL, _SWEEP_SEEDS, _SWEEP_TRIALS, _SWEEP_TEST_BEST,
-                _SWEEP_DRY_RUN, _SWEEP_METRIC, _SWEEP_SAMPLER, _SWEEP_PRUNER, _SWEEP_BUDGET,
-                _SWEEP_STORAGE, _SWEEP_SEED, _SWEEP_HEARTBEAT_S, _SWEEP_OUTAGE_S, _SWEEP_RETRIES)
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "Multi-process runs: host:port of "
                                    "process 0 (auto-detected on Cloud TPU and SLURM).")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Multi-process runs: process count.")
@@ -156,9 +92,215 @@ _OUTPUT_FORMAT = flags.DEFINE_enum(
     "--mode=translate / generate: how each output is written as one line. text: line breaks "
     "inside an output (\\n, \\x0b, \\x1d, ...) as spaces, counted on stderr; escaped: "
     "Python string escapes (\\\\, \\n, \\xHH, \\uHHHH); jsonl: {\"output\": ...} per line.")
-_OUR_FLAGS = (_CONFIG, _WORKDIR, _MODE, _CHECKPOINT_STEP, _SPLIT, _TEXT, *_SWEEP_FLAGS,
-              _COORDINATOR, _NUM_PROCESSES, _PROCESS_ID, _KEEP_HOST_MEMORY, _COMPILE_CACHE,
-              _HF_DIR, _OUTPUT_FORMAT)
+# The sweep's settings that were flags until they moved into the experiment's config (sweep.*):
+# {old flag: its key}. Each is refused in one line naming --config.sweep.KEY=.
+MOVED_TO_CONFIG = {"sweep_metric": "metric", "sweep_sampler": "sampler",
+                   "sweep_pruner": "pruner", "sweep_budget": "budget",
+                   "sweep_seed": "sampler_seed", "sweep_seeds": "seeds", "sweep_trials": "trials",
+                   "sweep_test_best": "test_best", "sweep_retries": "retries",
+                   "sweep_outage_s": "outage_s"}
+
+
+class Mode(NamedTuple):
+  """A row of MODES: what --mode=NAME runs and which flags it takes.
+
+  run: run(config, workdir) (config None where the mode takes none). workdir: "" (takes none),
+  "optional", "required", or "trained" (required, and read as a trained run's). Without --config,
+  a mode that takes both loads the config.json of its --workdir. why_not: {flag: the end of the
+  line refusing it}, where the reason is not obvious.
+  """
+  run: Callable
+  help: str
+  config: bool
+  workdir: str
+  flags: tuple = ()
+  why_not: dict = {}
+
+
+# Flag groups that several modes take.
+_JOB = ("coordinator_address", "num_processes", "process_id")  # one job of several processes
+_CONFIGURED = ("keep_host_memory",)  # it decides by the config's step size
+_TRAINS = (*_JOB, "compile_cache", *_CONFIGURED)  # compiles for this machine, in a job
+_READS = ("checkpoint_step", *_TRAINS)  # reads a trained run's checkpoint
+SWEEPS = ("sweep", "sweep_dry_run")  # the flags that make --mode=train a sweep's worker
+
+
+def _train(config, workdir):
+  from transformer_jax import run as run_lib
+  run_lib.train_and_evaluate(config, workdir)
+
+
+def _evaluate(config, workdir):
+  from transformer_jax.eval import evaluate
+  evaluate.evaluate_from_workdir(config, workdir, step=_CHECKPOINT_STEP.value, split=_SPLIT.value)
+
+
+def _translate(config, workdir):  # stdin lines -> stdout translations, in order
+  from transformer_jax.eval import translate
+  # Bytes, decoded by translate: a line that is not UTF-8 must not lose its whole batch.
+  translate.translate_from_workdir(config, workdir, sys.stdin.buffer, sys.stdout,
+                                   step=_CHECKPOINT_STEP.value, output_format=_OUTPUT_FORMAT.value)
+
+
+def _generate(config, workdir):  # stdin prompts -> stdout continuations, in order
+  from transformer_jax.eval import generate
+  generate.generate_from_workdir(config, workdir, sys.stdin.buffer, sys.stdout,
+                                 step=_CHECKPOINT_STEP.value, output_format=_OUTPUT_FORMAT.value)
+
+
+def _plot(config, workdir):
+  from transformer_jax.tools import plot
+  for path in plot.plot_workdir(config, workdir, text=_TEXT.value, step=_CHECKPOINT_STEP.value):
+    print(path)
+
+
+def _describe(config, workdir):
+  from transformer_jax import config as config_lib
+  from transformer_jax import model as model_lib
+  print(model_lib.describe(config_lib.validate(config)))
+
+
+def _config(config, workdir):
+  from transformer_jax import config as config_lib
+  config_lib.validate(config)  # the config a run would take: a bad value says so here
+  print("# the config this command gives a run (--config and its overrides): key = value  "
+        "# what it does\n")
+  print(config_lib.describe(config))
+
+
+def _export(config, workdir):
+  from transformer_jax import config as config_lib
+  from transformer_jax import data
+  config_lib.validate(config)
+  data.export_split(config, _SPLIT.value or "train", sys.stdout)
+
+
+def _benchmark(config, workdir):
+  from transformer_jax.tools import benchmark
+  benchmark.run_benchmark(config)
+
+
+def _compile(config, workdir):
+  from transformer_jax.tools import compile as compile_lib
+  compile_lib.run_compile(config)
+
+
+def _import_hf(config, workdir):
+  from transformer_jax.tools import hf
+  print(hf.import_hf(_hf_dir(), workdir))
+
+
+def _export_hf(config, workdir):
+  from transformer_jax.tools import hf
+  print(hf.export_hf(workdir, _hf_dir(), step=_CHECKPOINT_STEP.value))
+
+
+def _sweep_results(config, workdir):
+  from transformer_jax.tools.sweep import results, store
+  print(results.sweep_results(workdir, store.given(_SWEEP_STORAGE.value)), end="")
+
+
+def _sweep_plot(config, workdir):
+  from transformer_jax.tools.sweep import results, store
+  for path in results.plot(workdir, store.given(_SWEEP_STORAGE.value)):
+    print(path)
+
+
+def _sweep(config, workdir):
+  """--sweep / --sweep_dry_run: this process is a worker of the experiment's study."""
+  from transformer_jax import config as config_lib
+  from transformer_jax import run as run_lib
+  from transformer_jax.tools.sweep import worker
+  config_lib.validate(config)
+  worker.run_sweep(config_flags.get_config_filename(flags.FLAGS["config"]), workdir,
+                   config_flags.get_override_values(flags.FLAGS["config"]),
+                   run_lib.train_and_evaluate, sweep_options(config), argv=sys.argv[1:])
+
+
+MODES = {
+    "train": Mode(
+        _train, "trains in --workdir, resuming from its newest checkpoint, then evaluates",
+        config=True, workdir="required", flags=(*_TRAINS, *SWEEPS),
+        why_not={"checkpoint_step": "; training always resumes from the newest checkpoint"}),
+    "evaluate": Mode(
+        _evaluate, "BLEU, chrF, loss, ... of a checkpoint on --split (one JSON line)",
+        config=True, workdir="trained", flags=("split", *_READS)),
+    "translate": Mode(
+        _translate, "stdin sentences -> stdout translations, one per line, in order",
+        config=True, workdir="trained", flags=("output_format", *_READS)),
+    "generate": Mode(
+        _generate, "stdin prompts -> stdout continuations (a decoder-only language model)",
+        config=True, workdir="trained", flags=("output_format", *_READS)),
+    "plot": Mode(  # on a sweep's workdir: SWEEP_PLOT
+        _plot, "curves, positions and (with --text) attention maps into WORKDIR/plots/",
+        config=True, workdir="trained", flags=("text", "sweep_storage", *_READS)),
+    "describe": Mode(
+        _describe, "the model and its parameter counts",
+        config=True, workdir="optional", flags=_CONFIGURED),
+    "config": Mode(
+        _config, "every config key with its value and what it does (overrides applied)",
+        config=True, workdir="optional", flags=_CONFIGURED),
+    "export": Mode(
+        _export, "a data split (--split) as source<TAB>target lines",
+        config=True, workdir="optional", flags=("split", *_CONFIGURED)),
+    "benchmark": Mode(
+        _benchmark, "times the train step and decoding on a synthetic batch",
+        config=True, workdir="", flags=("compile_cache", *_CONFIGURED)),
+    "compile": Mode(
+        _compile, "compiles for a TPU slice or GPUs on any machine: memory, FLOPs, step time",
+        config=True, workdir="", flags=_CONFIGURED),
+    "import_hf": Mode(
+        _import_hf, "a Hugging Face model directory (--hf_dir) -> a workdir at step 0",
+        config=False, workdir="required", flags=("hf_dir",),
+        why_not={"config": "; the model's config comes from --hf_dir (its config.json): leave "
+                 "--config out, then override keys (--config.KEY=VALUE) in the modes that read "
+                 "the new --workdir"}),
+    "export_hf": Mode(
+        _export_hf, "a workdir -> a Hugging Face model directory (--hf_dir) for from_pretrained",
+        config=False, workdir="required", flags=("hf_dir", "checkpoint_step"),
+        why_not={"config": "; the export writes the workdir's own config.json and checkpoint: "
+                 "leave --config out (to change the model, train it first)"}),
+    "sweep_results": Mode(
+        _sweep_results, "a sweep's results.md/.csv rebuilt from its study (--workdir), no training",
+        config=False, workdir="required", flags=("sweep_storage",),
+        why_not={"config": "; the tables are rebuilt from the study in --workdir (and "
+                 "--sweep_storage where it is a database)"}),
+}
+# Two modes change with what they are given: --mode=train with --sweep or --sweep_dry_run is a
+# worker of the experiment's sweep; --mode=plot on a sweep's workdir draws its study.
+SWEEP = MODES["train"]._replace(
+    run=_sweep, help="--sweep: a worker of the experiment's sweep (its study)",
+    flags=MODES["train"].flags + ("sweep_parallel", "sweep_storage", "sweep_heartbeat_s"))
+SWEEP_PLOT = Mode(_sweep_plot, "Optuna's plots of a sweep's study into WORKDIR/plots/",
+                  config=False, workdir="required", flags=("sweep_storage",))
+_MODE = flags.DEFINE_string("mode", "train", f"One of {', '.join(MODES)} (default train).")
+_OUR_FLAGS = (_CONFIG, _WORKDIR, _MODE, _CHECKPOINT_STEP, _SPLIT, _TEXT, _SWEEP, _SWEEP_DRY_RUN,
+              _SWEEP_PARALLEL, _SWEEP_STORAGE, _SWEEP_HEARTBEAT_S, _COORDINATOR, _NUM_PROCESSES,
+              _PROCESS_ID, _KEEP_HOST_MEMORY, _COMPILE_CACHE, _HF_DIR, _OUTPUT_FORMAT)
+
+
+def takes(mode: Mode, flag: str) -> bool:
+  return mode.config if flag == "config" else bool(mode.workdir) if flag == "workdir" else (
+      flag in mode.flags)
+
+
+def refused_flag(flag: str, mode: str, given) -> Optional[str]:
+  """The one line that refuses --flag for --mode=`mode` (its row of MODES does not take it), or
+  None; `given`: the names of the flags given (--sweep makes --mode=train take the sweep's)."""
+  row = SWEEP if mode == "train" and set(SWEEPS) & set(given) else MODES[mode]
+  if takes(row, flag):
+    return None
+  if mode == "train" and takes(SWEEP, flag):
+    return (f"--{flag} only applies with --sweep or --sweep_dry_run; add --sweep or leave "
+            f"--{flag} out")
+  if flag in SWEEPS:
+    return f"--{flag} trains every trial; it does not combine with --mode={mode}"
+  users = [name for name, other in MODES.items()
+           if takes(other, flag) or name == "train" and takes(SWEEP, flag)]
+  why = row.why_not.get(flag, "")
+  if len(users) > 5:  # most modes take it: name the mode that does not
+    return f"--mode={mode} does not use --{flag}" + (why or "; leave it out")
+  return f"--{flag} is for --mode={' or '.join(users)}, not --mode={mode}" + why
 
 
 def _help() -> str:
@@ -166,7 +308,7 @@ def _help() -> str:
   lines = ["usage: transformer-jax --config=EXPERIMENT [--config.KEY=VALUE ...] "
            "[--workdir=DIR] --mode=MODE",
            "       (python launch.py ... from a checkout)", "", "modes (--mode):"]
-  lines += [f"  {mode:<10} {text}" for mode, text in MODE_HELP.items()]
+  lines += [f"  {name:<10} {mode.help}" for name, mode in MODES.items()]
   lines += ["", "flags:"]
   for holder in _OUR_FLAGS:
     text = " ".join(flags.FLAGS[holder.name].help.split())
@@ -178,26 +320,46 @@ def _help() -> str:
             "  with their values and one line each (e.g. --config=scan_simple --mode=config); "
             "their defaults",
             "  and comments are in transformer_jax/config.py.",
-            "sweeps: --sweep makes this command a worker of the experiment's Optuna study; on "
-            "one machine",
-            "  its study is a file in --workdir (--sweep_parallel=N workers); on many, every "
-            "machine runs the",
-            "  same command with --sweep_storage=postgresql+psycopg://... (README: Sweeps; "
-            "docs/cloud.md).",
+            "sweeps: --sweep makes this command a worker of the experiment's Optuna study, as "
+            "its config's sweep.*",
+            "  keys say (metric, sampler, pruner, budget, seeds: --config.sweep.budget=N, ...); "
+            "on one machine its study",
+            "  is a file in --workdir (--sweep_parallel=N workers); on many, every machine runs "
+            "the same command",
+            "  with --sweep_storage=postgresql+psycopg://... (README: Sweeps; docs/cloud.md).",
             "installed experiments (--config=NAME): " + ", ".join(experiments.names()),
             "", "--helpfull adds the flags of the libraries (absl)."]
   return "\n".join(lines)
 
 
-def _sweep_trials():
-  """--sweep_trials as trial numbers (None when not given)."""
-  if _SWEEP_TRIALS.value is None:
+def _trial_numbers(trials: str) -> Optional[list]:
+  """sweep.trials ("5,3,0") as trial numbers; None when empty (all of get_sweep())."""
+  if not str(trials).strip():
     return None
   try:
-    return [int(t) for t in _SWEEP_TRIALS.value]
+    return [int(t) for t in str(trials).split(",")]
   except ValueError:
-    raise UserError("--sweep_trials takes trial numbers of get_sweep(), comma-separated (e.g. "
-                    f"--sweep_trials=5,3,0); got {','.join(_SWEEP_TRIALS.value)}") from None
+    raise UserError("sweep.trials takes trial numbers of get_sweep(), comma-separated (e.g. "
+                    f"--config.sweep.trials=5,3,0); got {trials}") from None
+
+
+def sweep_options(config):
+  """The worker's Options: the sweep's settings from the config (sweep.*), this machine's from
+  the flags."""
+  from transformer_jax.tools.sweep import store, worker
+  s = config.sweep
+  return worker.Options(
+      metric=s.metric, sampler=s.sampler, pruner=s.pruner, budget=s.budget, seed=s.sampler_seed,
+      retries=s.retries, seeds=s.seeds, only=_trial_numbers(s.trials), test_best=s.test_best,
+      outage_s=s.outage_s, storage=store.given(_SWEEP_STORAGE.value),
+      heartbeat_s=_SWEEP_HEARTBEAT_S.value, parallel=_SWEEP_PARALLEL.value,
+      dry_run=_SWEEP_DRY_RUN.value)
+
+
+def _hf_dir() -> str:
+  if not (_HF_DIR.value or "").strip():
+    raise UserError(f"--hf_dir is required for --mode={_MODE.value}")
+  return _HF_DIR.value
 
 
 def _fail(message: str) -> None:
@@ -283,7 +445,8 @@ def _workdir_config_flags(argv: list) -> list:
     return argv
   workdir = _flag_value(argv, "workdir")
   mode = _flag_value(argv, "mode") or "train"
-  if mode not in WORKDIR_MODES + DESCRIBING_MODES or not workdir or not workdir.strip():
+  if mode not in MODES or not MODES[mode].config or not MODES[mode].workdir or not (
+      workdir or "").strip():
     return argv
   if workdir not in _WORKDIR_LOADER:
     _WORKDIR_LOADER[workdir] = _workdir_config(workdir, mode)
@@ -292,6 +455,28 @@ def _workdir_config_flags(argv: list) -> list:
 
 
 _WORKDIR_LOADER: dict = {}  # _workdir_config's answer, by workdir (argv is read twice)
+
+
+def _moved_flag(argv: list) -> Optional[str]:
+  """The line refusing a sweep setting given as its old flag (MOVED_TO_CONFIG), else None."""
+  for arg in argv[1:]:
+    if not arg.startswith("-"):
+      continue
+    name = arg.lstrip("-").split("=", 1)[0]
+    flag = name[2:] if name.startswith("no") and name[2:] == "sweep_test_best" else name
+    if flag in MOVED_TO_CONFIG:
+      key, mode = MOVED_TO_CONFIG[flag], _flag_value(argv, "mode")
+      if mode in MODES and not MODES[mode].config:
+        return (f"--{flag} is now a key of the experiment's config, sweep.{key}, which "
+                f"--mode={mode} does not take (a sweep's tables sort by its study's own "
+                "sweep.metric); leave it out")
+      if flag == "sweep_test_best":  # a bool: --sweep_test_best, --nosweep_test_best, =false
+        value = arg.split("=", 1)[1] if "=" in arg else str(name == flag)
+      else:
+        value = _flag_value(argv, flag) or "VALUE"
+      return (f"--{flag} is now a key of the experiment's config, sweep.{key}: give "
+              f"--config.sweep.{key}={value} (or set it in the experiment's get_config())")
+  return None
 
 
 def _parse_flags(argv):
@@ -305,15 +490,19 @@ def _parse_flags(argv):
   if "--config=" in argv:
     _fail("--config is empty (an unset shell variable?); give an experiment file or name, e.g. "
           "--config=experiments/scan_simple.py")
+  moved = _moved_flag(argv)
+  if moved:
+    _fail(moved)
   mode = _flag_value(argv, "mode")
-  if mode in HF_MODES and any(a.split("=")[0].startswith("--config") for a in argv[1:]):
+  configless = mode in MODES and not MODES[mode].config
+  if configless and any(a.split("=")[0].startswith("--config") for a in argv[1:]):
     _fail(refused_flag("config", mode, ()))  # absl would call --config.KEY an unknown flag
   argv = _workdir_config_flags(_resolve_config_flags(argv))
   # ml_collections reads overrides from sys.argv
   sys.argv[:] = _workdir_config_flags(_resolve_config_flags(sys.argv))
   # ml_collections logs a warning when get_config() returns None; run() reports that as an error.
   logging.getLogger("absl").setLevel(logging.ERROR)
-  if any(arg.startswith("--config=") for arg in argv) or mode in HF_MODES:
+  if any(arg.startswith("--config=") for arg in argv) or configless:
     from transformer_jax.core import platforms
     if mode == "compile":
       platforms.quiet_compiler_logs()  # before the config file imports JAX
@@ -348,84 +537,17 @@ def _parse_flags(argv):
   return remaining
 
 
-# Which modes use each of our flags, and the flags it needs beside it (any one of them): a flag
-# given to another mode, or without what it needs, is refused in one line. A new flag is one
-# entry here.
-FLAG_USES = {
-    "config": (CONFIG_MODES, ()),
-    "workdir": (WORKDIR_MODES + DESCRIBING_MODES + HF_MODES + ("sweep_results",), ()),
-    "checkpoint_step": (READING_MODES + ("export_hf",), ()),
-    "split": (("export", "evaluate"), ()),
-    "text": (("plot",), ()),
-    "hf_dir": (HF_MODES, ()),
-    "output_format": (("translate", "generate"), ()),
-    "sweep": (("train",), ()),
-    "sweep_dry_run": (("train",), ()),
-    "sweep_parallel": (("train",), SWEEPS),
-    "sweep_seeds": (("train",), SWEEPS),
-    "sweep_trials": (("train",), SWEEPS),
-    "sweep_test_best": (("train",), SWEEPS),
-    "sweep_metric": (("train", "sweep_results"), SWEEPS),
-    "sweep_sampler": (("train",), SWEEPS),
-    "sweep_pruner": (("train",), SWEEPS),
-    "sweep_budget": (("train",), SWEEPS),
-    "sweep_storage": (("train",) + SWEEP_READING_MODES, SWEEPS),
-    "sweep_seed": (("train",), SWEEPS),
-    "sweep_heartbeat_s": (("train",), SWEEPS),
-    "sweep_outage_s": (("train",), SWEEPS),
-    "sweep_retries": (("train",), SWEEPS),
-    "coordinator_address": (WORKDIR_MODES, ()),
-    "num_processes": (WORKDIR_MODES, ()),
-    "process_id": (WORKDIR_MODES, ()),
-    "keep_host_memory": (CONFIG_MODES, ()),
-    "compile_cache": (CACHED_MODES, ()),
-}
-# What a refusal adds where the reason is not obvious: (flag, mode) -> the rest of the line.
-_WHY_NOT = {
-    ("checkpoint_step", "train"): "; training always resumes from the newest checkpoint",
-    ("config", "import_hf"): "; the model's config comes from --hf_dir (its config.json): leave "
-                             "--config out, then override keys (--config.KEY=VALUE) in the modes "
-                             "that read the new --workdir",
-    ("config", "sweep_results"): "; the tables are rebuilt from the study in --workdir (and "
-                                 "--sweep_storage where it is a database)",
-    ("config", "export_hf"): "; the export writes the workdir's own config.json and checkpoint: "
-                             "leave --config out (to change the model, train it first)",
-}
-
-
-def refused_flag(name: str, mode: str, given) -> Optional[str]:
-  """The one line that refuses --name (a key of FLAG_USES) for `mode` when the mode does not use
-  it or none of the flags it needs is among `given` (flag names); None when it is used."""
-  modes, needs = FLAG_USES[name]
-  if mode not in modes:
-    if name in SWEEPS:
-      return f"--{name} trains every trial; it does not combine with --mode={mode}"
-    why = _WHY_NOT.get((name, mode), "")
-    if len(modes) > 5:  # most modes take it: name the mode that does not
-      return f"--mode={mode} does not use --{name}" + (why or "; leave it out")
-    return f"--{name} is for --mode={' or '.join(modes)}, not --mode={mode}" + why
-  if needs and mode not in SWEEP_READING_MODES and not any(n in given for n in needs):
-    options = " or ".join(f"--{n}" for n in needs)
-    return f"--{name} only applies with {options}; add --{needs[0]} or leave --{name} out"
-  return None
-
-
 def _check_flags(mode: str) -> None:
-  """Flag values that no library call checks, and flags the mode does not use (FLAG_USES)."""
+  """Flag values that no library call checks, and flags the mode does not take (MODES)."""
   for flag in (_WORKDIR, _TEXT, _SPLIT, _COORDINATOR):
     if flag.value is not None and not flag.value.strip():
       raise UserError(f"--{flag.name} is empty (an unset shell variable?); give a value or "
                       "leave the flag out")
-  given = [name for name in FLAG_USES if flags.FLAGS[name].present]
+  given = [h.name for h in _OUR_FLAGS if h.name != "mode" and flags.FLAGS[h.name].present]
   for name in given:
     problem = refused_flag(name, mode, given)
     if problem:
       raise UserError(problem)
-  if _SWEEP.value or _SWEEP_DRY_RUN.value:
-    from transformer_jax.core import metric_names
-    if _SWEEP_METRIC.value not in metric_names.EVAL_METRICS:
-      raise UserError(f"--sweep_metric must be one of {', '.join(metric_names.EVAL_METRICS)}; "
-                      f"got {_SWEEP_METRIC.value!r}")
   count, index = _NUM_PROCESSES.value, _PROCESS_ID.value
   if count is not None and count < 1:
     raise UserError(f"--num_processes must be positive, got {count}")
@@ -433,6 +555,79 @@ def _check_flags(mode: str) -> None:
     raise UserError(f"--process_id must be in [0, --num_processes), got {index}")
   if _COORDINATOR.value and not re.fullmatch(r"\S+:\d+", _COORDINATOR.value):
     raise UserError(f"--coordinator_address must be host:port, got {_COORDINATOR.value!r}")
+
+
+def _chosen(name: str) -> Mode:
+  """The row that runs --mode=`name`: MODES', or SWEEP / SWEEP_PLOT (see there)."""
+  if name == "train" and (_SWEEP.value or _SWEEP_DRY_RUN.value):
+    return SWEEP
+  if name == "plot" and (_WORKDIR.value or "").strip():
+    from transformer_jax.tools.sweep import store
+    if store.is_sweep_workdir(_WORKDIR.value):
+      return SWEEP_PLOT
+  return MODES[name]
+
+
+def _given_config(workdir: Optional[str]):
+  """--config (with its overrides), or the one line saying why there is none."""
+  config = _CONFIG.value
+  if config is None:
+    if flags.FLAGS["config"].present:  # a file was given, and its get_config() returned None
+      raise UserError("the experiment's get_config() returned None; return a ConfigDict "
+                      "(see experiments/tiny.py)")
+    problem = _WORKDIR_PROBLEM.get(workdir)
+    if problem is not None:
+      raise problem  # the workdir's own problem, not the missing --config
+    raise UserError("--config is required, e.g. --config=experiments/scan_simple.py (a mode "
+                    "that reads a --workdir holding config.json may leave it out)")
+  if not isinstance(config, ml_collections.ConfigDict):
+    raise UserError(f"the experiment's get_config() returned {type(config).__name__}, not an "
+                    "ml_collections.ConfigDict (see experiments/tiny.py)")
+  return config
+
+
+def run(argv) -> None:
+  if len(argv) > 1:
+    raise UserError(f"unexpected arguments {' '.join(argv[1:])}; flags look like --name=value")
+  name = _MODE.value
+  if name not in MODES:
+    raise UserError(f"--mode must be one of {', '.join(MODES)}; got {name!r}")
+  _check_flags(name)
+  mode, workdir = _chosen(name), _WORKDIR.value
+  if mode.workdir in ("required", "trained") and workdir is None:
+    raise UserError(f"--workdir is required for --mode={name}"
+                    + (" (the sweep's)" if name == "sweep_results" else ""))
+  if not mode.config:  # a Hugging Face directory in or out, a sweep's study
+    if "hf_dir" in mode.flags:
+      from transformer_jax.core import platforms
+      platforms.cpu_only_unless_accelerated()
+    mode.run(None, workdir)
+    return
+  if workdir is not None and (mode.workdir == "trained" or mode.workdir == "optional"
+                              and _CONFIG.value is None):
+    check_trained_workdir(workdir)  # before "--config is required": a typo says so
+  config = _given_config(workdir)
+  if mode.workdir in ("required", "trained") and mode is not SWEEP:
+    from transformer_jax.train import checkpoint
+    checkpoint.check_config_file(workdir)  # the checkpoint is the truth
+    if mode.workdir == "trained":
+      _check_workdir_config(config, workdir)
+
+  from transformer_jax.core import hostmem, platforms
+  platforms.cpu_only_unless_accelerated()  # before JAX starts a backend
+  keep = _KEEP_HOST_MEMORY.value
+  try:
+    worth = keep == "true" or (keep == "auto" and hostmem.worth_keeping(config, name))
+  except (AttributeError, KeyError, TypeError):  # keys missing: config_lib.validate says which
+    worth = keep == "true"
+  if worth:
+    hostmem.keep_freed_memory()  # before the first JAX computation starts the CPU backend
+  if "compile_cache" in mode.flags and not _SWEEP_DRY_RUN.value:
+    _configure_compile_cache()
+  if "num_processes" in mode.flags and not _SWEEP_DRY_RUN.value:  # a job's processes: one run
+    from transformer_jax.train import sharding
+    sharding.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+  mode.run(config, workdir)
 
 
 def _check_workdir_config(config, workdir: str) -> None:
@@ -498,160 +693,6 @@ def _configure_compile_cache() -> None:
       and not os.environ.get(compilation.ENV) and not os.environ.get("JAX_COMPILATION_CACHE_DIR")):
     directory = storage.join(storage.check(_WORKDIR.value), "compile_cache")
   compilation.configure(directory)
-
-
-def run(argv) -> None:
-  if len(argv) > 1:
-    raise UserError(f"unexpected arguments {' '.join(argv[1:])}; flags look like --name=value")
-  mode = _MODE.value
-  if mode not in MODES:
-    raise UserError(f"--mode must be one of {', '.join(MODES)}; got {mode!r}")
-  _check_flags(mode)
-  if mode in HF_MODES:
-    _run_hf(mode)
-    return
-  if mode == "sweep_results" or (mode == "plot" and _is_sweep_workdir(_WORKDIR.value)):
-    _run_sweep_reading(mode)
-    return
-  if _WORKDIR.value is not None and (mode in READING_MODES or mode in DESCRIBING_MODES
-                                     and _CONFIG.value is None):
-    check_trained_workdir(_WORKDIR.value)  # before "--config is required": a typo says so
-  if _CONFIG.value is None:
-    if flags.FLAGS["config"].present:  # a file was given, and its get_config() returned None
-      raise UserError("the experiment's get_config() returned None; return a ConfigDict "
-                      "(see experiments/tiny.py)")
-    problem = _WORKDIR_PROBLEM.get(_WORKDIR.value)
-    if problem is not None:
-      raise problem  # the workdir's own problem, not the missing --config
-    raise UserError("--config is required, e.g. --config=experiments/scan_simple.py (a mode "
-                    "that reads a --workdir holding config.json may leave it out)")
-  config = _CONFIG.value
-  if not isinstance(config, ml_collections.ConfigDict):
-    raise UserError(f"the experiment's get_config() returned {type(config).__name__}, not an "
-                    "ml_collections.ConfigDict (see experiments/tiny.py)")
-  if mode in WORKDIR_MODES and _WORKDIR.value and not (_SWEEP.value or _SWEEP_DRY_RUN.value):
-    from transformer_jax.train import checkpoint
-    checkpoint.check_config_file(_WORKDIR.value)  # the checkpoint is the truth
-    if mode in READING_MODES:
-      _check_workdir_config(config, _WORKDIR.value)
-
-  from transformer_jax.core import hostmem, platforms
-  platforms.cpu_only_unless_accelerated()  # before JAX starts a backend
-  keep = _KEEP_HOST_MEMORY.value
-  try:
-    worth = keep == "true" or (keep == "auto" and hostmem.worth_keeping(config, mode))
-  except (AttributeError, KeyError, TypeError):  # keys missing: config_lib.validate says which
-    worth = keep == "true"
-  if worth:
-    hostmem.keep_freed_memory()  # before the first JAX computation starts the CPU backend
-  if mode in CACHED_MODES and not _SWEEP_DRY_RUN.value:
-    _configure_compile_cache()
-  from transformer_jax import config as config_lib
-  from transformer_jax import model as model_lib
-
-  if mode == "describe":
-    print(model_lib.describe(config_lib.validate(config)))
-    return
-  if mode == "config":
-    config_lib.validate(config)  # the config a run would take: a bad value says so here
-    print("# the config this command gives a run (--config and its overrides): key = value  "
-          "# what it does\n")
-    print(config_lib.describe(config))
-    return
-  if mode == "benchmark":
-    from transformer_jax.tools import benchmark
-    benchmark.run_benchmark(config)
-    return
-  if mode == "compile":
-    from transformer_jax.tools import compile as compile_lib
-    compile_lib.run_compile(config)
-    return
-  if mode == "export":
-    from transformer_jax import data
-    config_lib.validate(config)
-    data.export_split(config, _SPLIT.value or "train", sys.stdout)
-    return
-  if _WORKDIR.value is None:
-    raise UserError(f"--workdir is required for --mode={mode}")
-  from transformer_jax.train import sharding
-  if _SWEEP.value or _SWEEP_DRY_RUN.value:
-    config_lib.validate(config)
-    from transformer_jax import run as run_lib
-    from transformer_jax.tools.sweep import store, worker
-    options = worker.Options(
-        metric=_SWEEP_METRIC.value, sampler=_SWEEP_SAMPLER.value, pruner=_SWEEP_PRUNER.value,
-        budget=_SWEEP_BUDGET.value, storage=store.given(_SWEEP_STORAGE.value),
-        seed=_SWEEP_SEED.value,
-        heartbeat_s=_SWEEP_HEARTBEAT_S.value, outage_s=_SWEEP_OUTAGE_S.value,
-        retries=_SWEEP_RETRIES.value,
-        parallel=_SWEEP_PARALLEL.value, seeds=_SWEEP_SEEDS.value, only=_sweep_trials(),
-        test_best=_SWEEP_TEST_BEST.value, dry_run=_SWEEP_DRY_RUN.value)
-    if not _SWEEP_DRY_RUN.value:  # a job of several processes is one worker
-      sharding.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value,
-                                      _PROCESS_ID.value)
-    worker.run_sweep(config_flags.get_config_filename(flags.FLAGS["config"]), _WORKDIR.value,
-                     config_flags.get_override_values(flags.FLAGS["config"]),
-                     run_lib.train_and_evaluate, options, argv=sys.argv[1:])
-    return
-  sharding.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
-  if mode == "train":
-    from transformer_jax import run as run_lib
-    run_lib.train_and_evaluate(config, _WORKDIR.value)
-  elif mode == "plot":
-    from transformer_jax.tools import plot
-    for path in plot.plot_workdir(config, _WORKDIR.value, text=_TEXT.value,
-                                  step=_CHECKPOINT_STEP.value):
-      print(path)
-  elif mode == "evaluate":
-    from transformer_jax.eval import evaluate
-    evaluate.evaluate_from_workdir(config, _WORKDIR.value, step=_CHECKPOINT_STEP.value,
-                                   split=_SPLIT.value)
-  elif mode == "translate":  # stdin lines -> stdout translations, in order
-    from transformer_jax.eval import translate
-    # Bytes, decoded by translate: a line that is not UTF-8 must not lose its whole batch.
-    translate.translate_from_workdir(config, _WORKDIR.value, sys.stdin.buffer, sys.stdout,
-                                    step=_CHECKPOINT_STEP.value,
-                                    output_format=_OUTPUT_FORMAT.value)
-  elif mode == "generate":  # stdin prompts -> stdout continuations, in order
-    from transformer_jax.eval import generate
-    generate.generate_from_workdir(config, _WORKDIR.value, sys.stdin.buffer, sys.stdout,
-                                   step=_CHECKPOINT_STEP.value,
-                                   output_format=_OUTPUT_FORMAT.value)
-
-
-def _is_sweep_workdir(workdir) -> bool:
-  if not (workdir or "").strip():
-    return False
-  from transformer_jax.tools.sweep import store
-  return store.is_sweep_workdir(workdir)
-
-
-def _run_sweep_reading(mode: str) -> None:
-  """--mode=sweep_results, and --mode=plot on a sweep's workdir: read its study, train nothing."""
-  if not (_WORKDIR.value or "").strip():
-    raise UserError(f"--workdir is required for --mode={mode} (the sweep's)")
-  from transformer_jax.tools.sweep import results, store
-  url = store.given(_SWEEP_STORAGE.value)
-  if mode == "plot":
-    for path in results.plot(_WORKDIR.value, url):
-      print(path)
-    return
-  metric = _SWEEP_METRIC.value if flags.FLAGS["sweep_metric"].present else None
-  print(results.sweep_results(_WORKDIR.value, url, metric), end="")
-
-
-def _run_hf(mode: str) -> None:
-  """--mode=import_hf / export_hf: a workdir from a Hugging Face model directory, or back."""
-  for flag in (_HF_DIR, _WORKDIR):
-    if not (flag.value or "").strip():
-      raise UserError(f"--{flag.name} is required for --mode={mode}")
-  from transformer_jax.core import platforms
-  platforms.cpu_only_unless_accelerated()
-  from transformer_jax.tools import hf
-  if mode == "import_hf":
-    print(hf.import_hf(_HF_DIR.value, _WORKDIR.value))
-  else:
-    print(hf.export_hf(_WORKDIR.value, _HF_DIR.value, step=_CHECKPOINT_STEP.value))
 
 
 def _stdout_file():

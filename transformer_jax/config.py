@@ -175,6 +175,35 @@ def default_config() -> ml_collections.ConfigDict:
   c.mlflow.run_name = ""  # "" = the workdir's name
   c.mlflow.parent_run_id = ""  # a sweep's parent run (trackers.mlflow.start_study); "" = none
 
+  # The experiment's sweep (--sweep; tools/sweep): what the study optimises, how it draws and
+  # stops trials. What it varies is the experiment's get_sweep() and get_search_space(); the
+  # machine's own settings (its workers, the study's database) are flags. Read by --sweep only.
+  c.sweep = ml_collections.ConfigDict()
+  # The eval metric the study optimises, the pruner watches and the results table sorts by
+  # (loss and perplexity: lower is better; one that the evaluation of data.task reports).
+  c.sweep.metric = "loss"
+  c.sweep.sampler = "tpe"  # draws get_search_space()'s trials: tpe | gp | cmaes | random | grid
+  # Early stopping at every evaluation (train.eval_every > 0): median | asha | hyperband | none
+  c.sweep.pruner = "none"
+  # Trials of the study in all, get_sweep()'s included; 0 = get_sweep()'s alone (a grid: all of it)
+  c.sweep.budget = 0
+  # The sampler's seed: the study's first worker samples with it, the workers that join derive
+  # their own from it (the i-th of --sweep_parallel: its i-th; others: with entropy).
+  c.sweep.sampler_seed = 0
+  # Runs of every get_sweep() trial, with seeds S, S+1, ... (S: the trial's seed), each a trial of
+  # its own, the tables adding median, min and max; 0 = the trial's "seeds" entry, else one run.
+  c.sweep.seeds = 0
+  # get_sweep()'s trials to enqueue, by number from 0, comma-separated, in this order (e.g.
+  # 5,3,0); "" = all. Trials already in the study stay.
+  c.sweep.trials = ""
+  # Train each trial without data.test_split, then score its checkpoint with the best
+  # train.best_metric on data.test_split once (test_* columns, never used to sort).
+  c.sweep.test_best = False
+  c.sweep.retries = 3  # times a trial whose worker was lost (or preempted) is taken up again
+  # Seconds a worker rides out a database (--sweep_storage) that stops answering mid-sweep before
+  # it stops, naming its trial's checkpoint (as long as train.storage_outage_s).
+  c.sweep.outage_s = 300.0
+
   c.eval = ml_collections.ConfigDict()  # evaluation and decoding (eval/)
   c.eval.batch_size = 256  # sentences decoded together
   c.eval.max_decode_len = 0  # output tokens decoded at most; 0 = data.max_target_len

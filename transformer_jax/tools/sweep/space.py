@@ -3,8 +3,8 @@
 Two declarations, either or both:
   get_sweep()         a list of override dicts (dotted config keys -> values): each becomes a trial
                       enqueued in the study as it is ("seeds": N asks for N of them, seeds S..S+N-1)
-  get_search_space()  {dotted key: distribution}: trials the sampler draws (--sweep_sampler), up
-                      to --sweep_budget trials in all
+  get_search_space()  {dotted key: distribution}: trials the sampler draws (sweep.sampler), up
+                      to sweep.budget trials in all
 
   def get_search_space():
     return {"train.learning_rate": sweep.log_uniform(1e-4, 1e-2),
@@ -186,10 +186,10 @@ def trial_config(config_path: str, overrides: dict, base_overrides: dict):
 
 
 def seed_counts(trials: list, seeds: int = 0) -> list[Optional[int]]:
-  """How many seeds each trial runs: --sweep_seeds (`seeds`) if given, else its "seeds" entry,
+  """How many seeds each trial runs: sweep.seeds (`seeds`) if given, else its "seeds" entry,
   else None (one run with the config's seed)."""
   if seeds < 0:
-    raise UserError(f"--sweep_seeds must be >= 0 (0 = as get_sweep() says), got {seeds}")
+    raise UserError(f"sweep.seeds must be >= 0 (0 = as get_sweep() says), got {seeds}")
   counts = []
   for i, trial in enumerate(trials):
     count = seeds or trial.get(SEEDS)
@@ -220,10 +220,10 @@ class Queued(NamedTuple):
 def queued_trials(experiment: Experiment, base_overrides: dict, seeds: int = 0,
                   only: Optional[Sequence[int]] = None) -> list[Queued]:
   """get_sweep()'s trials to enqueue, every config checked first (the first bad one is a
-  UserError); --sweep_seeds is `seeds`, --sweep_trials `only` (their order kept)."""
+  UserError); sweep.seeds is `seeds`, sweep.trials `only` (their order kept)."""
   if experiment.trials is None:
     if only is not None or seeds:
-      raise UserError("--sweep_trials and --sweep_seeds choose trials of get_sweep(), which "
+      raise UserError("sweep.trials and sweep.seeds choose trials of get_sweep(), which "
                       f"{experiment.path} does not define")
     return []
   trials = experiment.trials
@@ -233,10 +233,10 @@ def queued_trials(experiment: Experiment, base_overrides: dict, seeds: int = 0,
     only = list(only)
     wrong = [t for t in only if not 0 <= t < len(trials)]
     if wrong or not only:
-      raise UserError(f"--sweep_trials must name trials 0..{len(trials) - 1} of get_sweep(); got "
+      raise UserError(f"sweep.trials must name trials 0..{len(trials) - 1} of get_sweep(); got "
                       f"{','.join(map(str, only)) or 'none'}")
     if len(set(only)) != len(only):
-      raise UserError(f"--sweep_trials names a trial twice: {','.join(map(str, only))}")
+      raise UserError(f"sweep.trials names a trial twice: {','.join(map(str, only))}")
     order = only
   configs = check_trials(experiment.path, trials, base_overrides)
   queued = []
@@ -336,7 +336,7 @@ def grid_of(space: dict) -> dict:
       count = int(round((d.high - d.low) / d.step)) + 1
       values[key] = [d.low + i * d.step for i in range(count)]
     else:
-      raise UserError(f"--sweep_sampler=grid needs a list of values for every key; {key} is a "
+      raise UserError(f"sweep.sampler=grid needs a list of values for every key; {key} is a "
                       "continuous range: give it a step (sweep.uniform(lo, hi, step=...)), make "
                       "it a sweep.choice, or pick another sampler")
   return values
@@ -347,7 +347,7 @@ def make_sampler(name: str, space: Optional[dict], seed: int, budget: int = 0):
   10): a quarter of the budget here, 3 to 10, so that a small budget still gets to model."""
   import optuna
   if name not in SAMPLERS:
-    raise UserError(f"--sweep_sampler must be one of {', '.join(SAMPLERS)}; got {name!r}")
+    raise UserError(f"sweep.sampler must be one of {', '.join(SAMPLERS)}; got {name!r}")
   if name == "grid":
     return optuna.samplers.GridSampler(grid_of(space or {}), seed=seed)
   if name == "random":
@@ -360,7 +360,7 @@ def make_sampler(name: str, space: Optional[dict], seed: int, budget: int = 0):
                                       constant_liar=True, n_startup_trials=startup)
   needs = {"gp": "torch", "cmaes": "cmaes"}[name]
   if importlib.util.find_spec(needs) is None:
-    raise UserError(f"--sweep_sampler={name} needs the {needs} package (pip install {needs}); "
+    raise UserError(f"sweep.sampler={name} needs the {needs} package (pip install {needs}); "
                     "or pick tpe or random")
   if name == "gp":
     return optuna.samplers.GPSampler(seed=seed)
@@ -372,7 +372,7 @@ def make_pruner(name: str, config):
   """The pruner by name. Resources are train steps: a trial reports at every evaluation."""
   import optuna
   if name not in PRUNERS:
-    raise UserError(f"--sweep_pruner must be one of {', '.join(PRUNERS)}; got {name!r}")
+    raise UserError(f"sweep.pruner must be one of {', '.join(PRUNERS)}; got {name!r}")
   t = config.train
   every = t.eval_every if t.eval_every > 0 else t.steps
   if name == "median":
@@ -387,6 +387,6 @@ def make_pruner(name: str, config):
 
 def direction(metric: str) -> str:
   if metric not in metric_names.EVAL_METRICS:
-    raise UserError(f"--sweep_metric must be one of {', '.join(metric_names.EVAL_METRICS)}; "
+    raise UserError(f"sweep.metric must be one of {', '.join(metric_names.EVAL_METRICS)}; "
                     f"got {metric!r}")
   return "minimize" if metric_names.lower_is_better(metric) else "maximize"

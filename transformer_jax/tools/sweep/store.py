@@ -148,10 +148,12 @@ def display_name(study: str) -> str:
 
 def fingerprint(base_config, experiment, metric: str) -> dict:
   """What makes two sweeps the same one: the base config, the declared trials and space, the
-  metric. Stored on the study; a worker of another sweep is refused."""
+  metric. Stored on the study; a worker of another sweep is refused. The config's sweep section
+  is left out but for its metric: a sweep goes on with a larger budget or more seeds."""
   from transformer_jax.train import checkpoint
   space = {k: [repr(p.distribution), p.when] for k, p in (experiment.space or {}).items()}
-  body = json.dumps({"config": checkpoint.config_json(base_config), "trials": experiment.trials,
+  config = {k: v for k, v in checkpoint.config_json(base_config).items() if k != "sweep"}
+  body = json.dumps({"config": config, "trials": experiment.trials,
                      "space": space, "metric": metric}, sort_keys=True, default=repr)
   return {"experiment": os.path.basename(experiment.path), "metric": metric,
           "split": base_config.data.eval_split,

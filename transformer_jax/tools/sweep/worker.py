@@ -3,13 +3,13 @@ first), then takes trials until the budget is spent, training each in WORKDIR/tr
 
 The same command on any number of machines makes them workers of one study. A trial is a
 training run in this process (train_fn, run.train_and_evaluate), whose every evaluation reports
---sweep_metric to Optuna and asks the pruner whether to stop. What befalls a trial:
+sweep.metric to Optuna and asks the pruner whether to stop. What befalls a trial:
 - it finishes: its final metric is the trial's value (state COMPLETE);
 - the pruner stops it: its checkpoint is saved, state PRUNED at that step;
 - it fails by its own fault (a bad override, a NaN loss, an error in training): state FAIL with
   its error, not retried;
 - its worker is lost (SIGKILL, a lost VM): heartbeats (a database) or its gone pid (the journal
-  file, one machine) mark it failed, and a copy is enqueued (up to --sweep_retries times) that
+  file, one machine) mark it failed, and a copy is enqueued (up to sweep.retries times) that
   trains in the same trial directory, resuming from its latest checkpoint;
 - its worker gets SIGTERM/SIGINT: training saves its step, the trial is handed back (failed, with
   a copy enqueued as for a lost worker) and the worker exits with code 0;
@@ -58,10 +58,11 @@ from transformer_jax.tools.sweep import store
 from transformer_jax.train import checkpoint, logger
 
 TRIAL_ENV = "TRANSFORMER_JAX_SWEEP_TRIAL"
-# The index of a worker that --sweep_parallel started (its sampler's stream is --sweep_seed's i-th).
+# The index of a worker that --sweep_parallel started (its sampler's stream: sweep.sampler_seed's
+# i-th).
 WORKER_ENV = "TRANSFORMER_JAX_SWEEP_WORKER"
 PARENT_ENV = "TRANSFORMER_JAX_SWEEP_PARENT"  # its pid: such a worker dies with it
-# What a run trains without under --sweep_test_best: the test split is read once, afterwards.
+# What a run trains without under sweep.test_best: the test split is read once, afterwards.
 TEST_LEFT_OUT = {"data.test_split": ""}
 TrainFn = Callable  # train_fn(config, workdir, on_eval=...) -> final metrics ({} if stopped)
 PARENT_ATTR = "mlflow_parent_run_id"  # the study's user attribute: its MLflow parent run
@@ -79,7 +80,7 @@ class Options(NamedTuple):
   retries: int = 3
   parallel: int = 1  # worker processes this command starts on this machine
   seeds: int = 0
-  only: Optional[list] = None  # --sweep_trials
+  only: Optional[list] = None  # sweep.trials
   test_best: bool = False
   dry_run: bool = False
   # How long a worker rides out its database not answering mid-sweep (reports, polls,
@@ -109,16 +110,16 @@ root_of = results_lib.root_of
 def _check_options(o: Options) -> None:
   space_lib.direction(o.metric)
   if o.sampler not in space_lib.SAMPLERS:
-    raise UserError(f"--sweep_sampler must be one of {', '.join(space_lib.SAMPLERS)}; got "
+    raise UserError(f"sweep.sampler must be one of {', '.join(space_lib.SAMPLERS)}; got "
                     f"{o.sampler!r}")
   if o.pruner not in space_lib.PRUNERS:
-    raise UserError(f"--sweep_pruner must be one of {', '.join(space_lib.PRUNERS)}; got "
+    raise UserError(f"sweep.pruner must be one of {', '.join(space_lib.PRUNERS)}; got "
                     f"{o.pruner!r}")
-  for name, value, least in (("sweep_parallel", o.parallel, 1), ("sweep_budget", o.budget, 0),
-                             ("sweep_heartbeat_s", o.heartbeat_s, 1),
-                             ("sweep_retries", o.retries, 0), ("sweep_outage_s", o.outage_s, 0)):
+  for name, value, least in (("--sweep_parallel", o.parallel, 1), ("sweep.budget", o.budget, 0),
+                             ("--sweep_heartbeat_s", o.heartbeat_s, 1),
+                             ("sweep.retries", o.retries, 0), ("sweep.outage_s", o.outage_s, 0)):
     if value < least:
-      raise UserError(f"--{name} must be >= {least}, got {value}")
+      raise UserError(f"{name} must be >= {least}, got {value}")
 
 
 class Plan(NamedTuple):
@@ -126,7 +127,7 @@ class Plan(NamedTuple):
 
   experiment: space_lib.Experiment
   base_overrides: dict  # the command's --config.KEY=VALUE
-  left_out: dict  # TEST_LEFT_OUT under --sweep_test_best
+  left_out: dict  # TEST_LEFT_OUT under sweep.test_best
   base_config: object
   queued: list  # space_lib.Queued
   budget: int
@@ -152,12 +153,13 @@ def plan(config_path: str, base_overrides: dict, options: Options) -> Plan:
       budget = len(queued) + _grid_size(space_lib.grid_of(experiment.space))
     elif experiment.space and not queued:
       raise UserError(f"get_search_space() in {experiment.path} needs a trial budget: give "
-                      "--sweep_budget=N (the trials of the study in all, get_sweep()'s included)")
+                      "--config.sweep.budget=N (the trials of the study in all, get_sweep()'s "
+                      "included)")
     else:
-      budget = len(queued)  # get_sweep()'s trials alone; --sweep_budget adds drawn ones
+      budget = len(queued)  # get_sweep()'s trials alone; sweep.budget adds drawn ones
   if budget < len(queued):
-    raise UserError(f"--sweep_budget={budget} is fewer than the {len(queued)} trials get_sweep() "
-                    "enqueues; raise it, or choose trials with --sweep_trials")
+    raise UserError(f"sweep.budget={budget} is fewer than the {len(queued)} trials get_sweep() "
+                    "enqueues; raise it, or choose trials with sweep.trials")
   space_lib.make_sampler(options.sampler, experiment.space, options.seed, budget)  # it can
   space_lib.make_pruner(options.pruner, base_config)
   return Plan(experiment, base_overrides, left_out, base_config, queued, budget, options)
@@ -168,12 +170,12 @@ def _check_reported(o: Options, config) -> None:
   task = config.data.task
   reported = metric_names.task_metrics(task, bool(config.eval.get("oracle_length", False)))
   if o.metric not in reported:
-    raise UserError(f"--sweep_metric={o.metric}: the evaluation of data.task={task} does not "
+    raise UserError(f"sweep.metric={o.metric}: the evaluation of data.task={task} does not "
                     f"report it; it reports {', '.join(reported)}")
   if o.pruner != "none" and not config.train.eval_every:
-    raise UserError(f"--sweep_pruner={o.pruner} prunes at evaluations, and train.eval_every is "
+    raise UserError(f"sweep.pruner={o.pruner} prunes at evaluations, and train.eval_every is "
                     "0 (none before the end): set --config.train.eval_every=N, or "
-                    "--sweep_pruner=none")
+                    "--config.sweep.pruner=none")
 
 
 def _grid_size(grid: dict) -> int:
@@ -244,13 +246,13 @@ def join_study(p: Plan, workdir: str, st: store.Storage):
     raise UserError(f"the study {name} in {st.url} belongs to another sweep ({theirs}; this "
                     f"one: {ours}): a changed experiment, config or metric; give another "
                     "--workdir (or --sweep_storage) for a changed sweep")
-  _enqueue(study, p)  # trials that --sweep_trials or --sweep_seeds add to an earlier sweep
+  _enqueue(study, p)  # trials that sweep.trials or sweep.seeds add to an earlier sweep
   return study
 
 
 def worker_seed(seed: int) -> int:
   """The sampler's seed of a worker that joins a study made by another: workers with one seed
-  would draw the same trials. The study's creator samples with --sweep_seed itself (a lone
+  would draw the same trials. The study's creator samples with sweep.sampler_seed itself (a lone
   worker is reproducible); the i-th worker of --sweep_parallel with the i-th seed of its stream;
   a worker started on its own (another machine) with entropy of its own, said in one line."""
   import numpy as np
@@ -416,7 +418,7 @@ def _retry(options: Options):
 
 def reclaim_dead_local_trials(study, options: Options) -> None:
   """The journal file's stand-in for heartbeats: a running trial of a worker on this machine
-  whose process is gone is failed and, within --sweep_retries, enqueued again."""
+  whose process is gone is failed and, within sweep.retries, enqueued again."""
   from optuna.trial import TrialState
   host = socket.gethostname()
   for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
@@ -476,7 +478,7 @@ class _Log:
 
 
 class _Reporter:
-  """on_eval for a trial's training: reports --sweep_metric at each evaluation, asks the pruner
+  """on_eval for a trial's training: reports sweep.metric at each evaluation, asks the pruner
   (process 0), and stops every process of the job alike."""
 
   def __init__(self, trial, metric: str, reported=()):
@@ -542,7 +544,7 @@ def _finish(trial, directory: str, overrides: dict, final: dict, config, p: Plan
   metric = p.options.metric
   if final.get(metric) is None:
     raise UserError(f"its final evaluation reported no {metric} (it reported "
-                    f"{', '.join(sorted(_numbers(final)))}); pick another --sweep_metric")
+                    f"{', '.join(sorted(_numbers(final)))}); pick another sweep.metric")
   records = logger.read_metrics(directory)
   best = metric_names.best_record(records, metric)
   selected = metric_names.best_record(records, config.train.best_metric)
@@ -714,7 +716,7 @@ def work(p: Plan, workdir: str, study, st: store.Storage, train_fn,
 
 
 def _lost(outage, ran: Optional[dict]) -> UserError:
-  """The one line of a worker whose database did not come back within --sweep_outage_s."""
+  """The one line of a worker whose database did not come back within sweep.outage_s."""
   where = ""
   if ran is not None:
     directory = ran["directory"]
@@ -724,7 +726,7 @@ def _lost(outage, ran: Optional[dict]) -> UserError:
              f"; {os.path.basename(directory)} stopped before its first checkpoint") + \
         (", from which it resumes when a worker takes it up again (its heartbeat lapses)")
   return UserError(f"the study's database at {outage.url} did not answer for "
-                   f"{outage.seconds:.0f} s (--sweep_outage_s){where}; run the same command "
+                   f"{outage.seconds:.0f} s (sweep.outage_s){where}; run the same command "
                    "once the database answers")
 
 
