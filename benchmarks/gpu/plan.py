@@ -166,11 +166,11 @@ def combine(case: Case, cases: list, rows: dict) -> Optional[Case]:
                    key=lambda pair: -pair[0])
   if not winners:
     return None
-  overrides, flags = {}, []
+  overrides, flags, defaults = {}, [], bench_overrides(model)
   for _, won in winners:
     command = won.commands[0]
     for key, value in command.overrides.items():
-      if key not in overrides or overrides[key] == bench_overrides(model).get(key):
+      if key not in overrides or overrides[key] == defaults.get(key):
         overrides[key] = value
     if command.env.get("XLA_FLAGS"):
       flags.append(command.env["XLA_FLAGS"])
