@@ -162,9 +162,11 @@ def main(argv=None) -> int:
   expected = reference()
   print("| store | moment | down | train.storage_outage_s | exit | final state | the run's lines "
         "| wall |\n| --- | --- | ---: | ---: | ---: | --- | --- | ---: |", flush=True)
-  # Processes, not threads: each row points os.environ at its own emulators.
+  # Processes, not threads: each row points os.environ at its own emulators. A process a row:
+  # TensorStore reads its GCS endpoint once per process.
   context = multiprocessing.get_context("spawn")
-  with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=context) as pool:
+  with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=context,
+                                              max_tasks_per_child=1) as pool:
     for line in pool.map(row, args.rows, [expected] * len(args.rows)):
       print(line, flush=True)
   return 0

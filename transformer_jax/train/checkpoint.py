@@ -685,6 +685,15 @@ class Manager:
 
   def close(self) -> None:
     self._manager.close()
+    if storage.is_url(self.directory) and outage.seen() and jax.process_index() == 0:
+      # Once every save and orbax's deletions of old steps are over: what an outage left
+      # unfinished (a deletion it cut takes the commit file first; a cut save's late writes)
+      # goes, so that a resume does not warn of a checkpoint the run stopped writing.
+      try:
+        for step in self.unfinished_steps():
+          storage.remove_tree(storage.join(self.directory, str(step)))
+      except Exception:  # noqa: BLE001 - a tidy-up: a store down again leaves them to the next run
+        pass
 
   # --- restoring
 
