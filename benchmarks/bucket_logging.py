@@ -25,7 +25,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from tests import emulators  # noqa: E402
-from transformer_jax.core import storage  # noqa: E402
+from transformer_jax.core import jsonlog, storage  # noqa: E402
 
 
 def run(workdir: str, steps: int, extra: list, env: dict) -> float:
@@ -35,7 +35,7 @@ def run(workdir: str, steps: int, extra: list, env: dict) -> float:
            "--config.eval.max_examples=8", *extra]
   subprocess.run([sys.executable, os.path.join(REPO, "launch.py"), *flags], env=env, check=True,
                  stdout=subprocess.DEVNULL)
-  records = storage.read_jsonl(storage.join(workdir, "metrics.jsonl"))
+  records = jsonlog.read_jsonl(storage.join(workdir, "metrics.jsonl"))
   rates = [r["steps_per_s"] for r in records if r.get("split") == "train" and r["step"] > 20]
   return statistics.median(rates)
 

@@ -14,7 +14,7 @@ from test_checkpoint import RUN, STEPS, assert_same_state, last_logged_step, ref
 import transformer_jax
 from tests import emulators
 from transformer_jax import config as config_lib
-from transformer_jax.core import storage
+from transformer_jax.core import lease, storage
 from transformer_jax.train import checkpoint
 from transformer_jax.train import state as state_lib
 from transformer_jax.train.logger import read_metrics
@@ -82,7 +82,7 @@ def test_train_then_evaluate_and_plot_in_a_gs_workdir(launcher, gs_run):
 
 def test_a_second_trainer_is_refused_while_a_lease_is_live(launcher):
   workdir = "gs://bucket/leased"
-  holder = storage.Lease(workdir)  # another run, alive: this test process
+  holder = lease.Lease(workdir)  # another run, alive: this test process
   holder.acquire()
   try:
     code, out, err = launcher.run(*TINY, f"--workdir={workdir}", "--mode=train")
@@ -214,7 +214,7 @@ def test_a_sweep_into_a_gs_workdir_ranks_its_trials_and_resumes(launcher, tmp_pa
     names = storage.listdir(storage.join(workdir, trial))
     assert {"trial.json", "train.log", "config.json"} <= set(names), names
     assert storage.listdir(storage.join(workdir, trial, "checkpoints")) == ["2"]
-    storage.lock(storage.join(workdir, trial)).check()  # no run holds it any more
+    lease.lock(storage.join(workdir, trial)).check()  # no run holds it any more
   table = storage.read_text(storage.join(workdir, "results.md"))
   assert table.count("| trial_") == 2 and table.count("| finished |") == 2 and table in out
   rows = storage.read_text(storage.join(workdir, "results.csv")).splitlines()

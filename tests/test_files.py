@@ -1,6 +1,6 @@
-"""Files that survive faults (core/files.py, core/lock.py), with the faults injected in-process:
-a full disk in the middle of a write, a cut-off or damaged log line, a second writer, a writer
-killed with its lock held."""
+"""Files that survive faults (core/files.py, core/jsonlog.py, core/lock.py), with the faults
+injected in-process: a full disk in the middle of a write, a cut-off or damaged log line, a second
+writer, a writer killed with its lock held."""
 
 import errno
 import json
@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from transformer_jax.core import files, lock
+from transformer_jax.core import files, jsonlog, lock
 from transformer_jax.core.errors import UserError
 from transformer_jax.train import logger
 
@@ -34,7 +34,7 @@ def full_disk_after(monkeypatch, allowed: int):
 
 def test_a_full_disk_in_the_middle_of_a_record_takes_the_part_back(tmp_path, monkeypatch):
   path = str(tmp_path / "metrics.jsonl")
-  log = files.JsonLog(path)
+  log = jsonlog.JsonLog(path)
   log.append({"step": 1, "loss": 2.5})
   before = open(path, "rb").read()
   full_disk_after(monkeypatch, 7)  # 7 bytes of the next line reach the file, then ENOSPC
@@ -45,7 +45,7 @@ def test_a_full_disk_in_the_middle_of_a_record_takes_the_part_back(tmp_path, mon
   assert open(path, "rb").read() == before  # the partial line was taken back
   log.append({"step": 2, "loss": 2.25})  # the disk has room again: nothing glued
   log.close()
-  assert [r["step"] for r in files.read_jsonl(path)] == [1, 2]
+  assert [r["step"] for r in jsonlog.read_jsonl(path)] == [1, 2]
 
 
 def test_a_cut_off_last_line_is_set_aside_by_the_next_writer_and_skipped_by_readers(
@@ -62,7 +62,7 @@ def test_a_cut_off_last_line_is_set_aside_by_the_next_writer_and_skipped_by_read
   assert len(warning) == 1 and "skipped 2 unreadable line(s)" in warning[0]
   assert "(line 2, 4)" in warning[0]
 
-  log = files.JsonLog(str(path))  # the next writer
+  log = jsonlog.JsonLog(str(path))  # the next writer
   log.append({"split": "train", "step": 4, "loss": 0.25})
   log.close()
   err = capsys.readouterr().err.strip().splitlines()

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from tests import emulators
-from transformer_jax.core import files, storage
+from transformer_jax.core import jsonlog, lease, storage
 from transformer_jax.core.errors import UserError
 
 
@@ -94,7 +94,7 @@ def test_create_is_exclusive_among_racing_writers(root):
 
   def racer(n):
     start.wait()
-    if storage.create(path, f"writer {n}"):
+    if lease.create(path, f"writer {n}"):
       won.append(n)
 
   threads = [threading.Thread(target=racer, args=(n,)) for n in range(8)]
@@ -104,52 +104,55 @@ def test_create_is_exclusive_among_racing_writers(root):
     t.join()
   assert len(won) == 1
   assert storage.read_text(path) == f"writer {won[0]}"
-  assert not storage.create(path, "late")
+  assert not lease.create(path, "late")
 
 
 def test_a_log_keeps_every_record_of_successive_writers_in_order(root):
   storage.makedirs(root)
   path = storage.join(root, "metrics.jsonl")
-  assert storage.read_jsonl(path) == [] if storage.is_url(root) else True
+  assert jsonlog.read_jsonl(path) == [] if storage.is_url(root) else True
   for writer in range(2):  # a run, then its resume
-    log = storage.JsonLog(path)
+    log = jsonlog.JsonLog(path)
     for step in range(3):
       log.append({"writer": writer, "step": step})
     log.close()
-  records = storage.read_jsonl(path)
+  records = jsonlog.read_jsonl(path)
   assert [(r["writer"], r["step"]) for r in records] == [(w, s) for w in range(2) for s in range(3)]
-  assert storage.log_exists(path)
-  assert storage.rewrite_jsonl(path, keep=lambda r: r["step"] != 1) == 2
-  assert [(r["writer"], r["step"]) for r in storage.read_jsonl(path)] == [
+  assert jsonlog.log_exists(path)
+  assert jsonlog.rewrite_jsonl(path, keep=lambda r: r["step"] != 1) == 2
+  assert [(r["writer"], r["step"]) for r in jsonlog.read_jsonl(path)] == [
       (0, 0), (0, 2), (1, 0), (1, 2)]
-  storage.append_jsonl(path, {"writer": 2, "step": 0})
-  assert storage.read_jsonl(path)[-1] == {"writer": 2, "step": 0}
+  log = jsonlog.JsonLog(path)  # a writer after the rewrite: its records come last
+  log.append({"writer": 2, "step": 0})
+  log.close()
+  assert jsonlog.read_jsonl(path)[-1] == {"writer": 2, "step": 0}
 
 
-def test_local_logs_are_files_py_logs(tmp_path):
-  """Locally the log is one file, readable by core/files.py as before."""
+def test_a_local_log_is_one_file(tmp_path):
+  """Locally the log is one file of JSON lines, no chunks."""
   path = str(tmp_path / "metrics.jsonl")
-  log = storage.JsonLog(path)
+  log = jsonlog.JsonLog(path)
   log.append({"step": 1})
   log.close()
-  assert files.read_jsonl(path) == [{"step": 1}]
+  assert jsonlog.read_jsonl(path) == [{"step": 1}]
+  assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n'
   assert os.listdir(tmp_path) == ["metrics.jsonl"]
 
 
 def test_a_killed_writer_leaves_only_whole_chunks(stores):
   """Each record is its own object: whatever a writer did before it died reads back whole."""
   path = "s3://bucket/killed/metrics.jsonl"
-  log = storage.JsonLog(path)
+  log = jsonlog.JsonLog(path)
   log.append({"step": 1})
   deadline = time.time() + 10  # no close(): the writer dies once its upload is done
-  while not storage.listdir(path + storage.PARTS_SUFFIX):
+  while not storage.listdir(path + jsonlog.PARTS_SUFFIX):
     assert time.time() < deadline
     time.sleep(0.05)
-  later = storage.JsonLog(path)
+  later = jsonlog.JsonLog(path)
   later.append({"step": 2})
   later.close()
-  assert storage.read_jsonl(path) == [{"step": 1}, {"step": 2}]
-  assert storage.listdir(path + storage.PARTS_SUFFIX) == ["000000001.jsonl", "000000002.jsonl"]
+  assert jsonlog.read_jsonl(path) == [{"step": 1}, {"step": 2}]
+  assert storage.listdir(path + jsonlog.PARTS_SUFFIX) == ["000000001.jsonl", "000000002.jsonl"]
 
 
 # ------------------------------------------------------------------------------------ the lease
@@ -160,22 +163,22 @@ def bucket_dir(request, stores):
 
 
 def test_a_second_writer_is_refused_in_one_line_naming_the_holder(bucket_dir):
-  first = storage.lock(bucket_dir)
-  assert isinstance(first, storage.Lease)
+  first = lease.lock(bucket_dir)
+  assert isinstance(first, lease.Lease)
   first.acquire()
   try:
-    for attempt in (storage.Lease(bucket_dir).acquire, storage.Lease(bucket_dir).check):
+    for attempt in (lease.Lease(bucket_dir).acquire, lease.Lease(bucket_dir).check):
       with pytest.raises(UserError) as error:
         attempt()
       text = one_line(error)
       assert f"pid {os.getpid()} on host {socket.gethostname()}" in text
       assert "is in use by" in text and bucket_dir in text
     holder = json.loads(storage.read_text(storage.join(bucket_dir, "lock")))
-    assert holder["command"] and holder["seconds"] == storage.LEASE_SECONDS
+    assert holder["command"] and holder["seconds"] == lease.LEASE_SECONDS
   finally:
     first.release()
   assert not storage.exists(storage.join(bucket_dir, "lock"))  # a clean end frees it
-  second = storage.Lease(bucket_dir)
+  second = lease.Lease(bucket_dir)
   second.check()
   second.acquire()
   second.release()
@@ -190,10 +193,10 @@ def _foreign_lease(directory: str, renewed: float, seconds: float = 3.0) -> None
 def test_a_lease_that_is_not_renewed_is_taken_over_after_it_runs_out(bucket_dir, capfd):
   _foreign_lease(bucket_dir, renewed=time.time(), seconds=1.5)
   with pytest.raises(UserError) as error:
-    storage.Lease(bucket_dir).acquire()
+    lease.Lease(bucket_dir).acquire()
   assert "pid 1 on host another-host" in one_line(error) and "runs out in" in one_line(error)
   time.sleep(1.6)
-  taker = storage.Lease(bucket_dir)
+  taker = lease.Lease(bucket_dir)
   taker.acquire()
   try:
     assert "did not end cleanly; taking over its lease" in capfd.readouterr().err
@@ -205,26 +208,26 @@ def test_a_lease_that_is_not_renewed_is_taken_over_after_it_runs_out(bucket_dir,
 def test_a_conditional_delete_removes_only_the_version_it_read(bucket_dir):
   path = storage.join(bucket_dir, "object")
   storage.write(path, "one")
-  first = storage.version(path)
+  first = lease.version(path)
   storage.write(path, "two")
-  assert storage.version(path) not in (None, first)
-  assert not storage.remove_if(path, first)  # rewritten since: kept
+  assert lease.version(path) not in (None, first)
+  assert not lease.remove_if(path, first)  # rewritten since: kept
   assert storage.read_text(path) == "two"
-  assert storage.remove_if(path, storage.version(path))
-  assert not storage.exists(path) and storage.version(path) is None
-  assert not storage.remove_if(path, first)  # gone already
+  assert lease.remove_if(path, lease.version(path))
+  assert not storage.exists(path) and lease.version(path) is None
+  assert not lease.remove_if(path, first)  # gone already
 
 
 def test_a_conditional_write_replaces_only_the_version_it_names(bucket_dir):
   path = storage.join(bucket_dir, "object")
-  assert storage.write_if(path, "none yet", "1") is None  # nothing there: nothing written
+  assert lease.write_if(path, "none yet", "1") is None  # nothing there: nothing written
   assert not storage.exists(path)
   storage.write(path, "one")
-  first = storage.version(path)
-  second = storage.write_if(path, "two", first)
-  assert second not in (None, first) and second == storage.version(path)
+  first = lease.version(path)
+  second = lease.write_if(path, "two", first)
+  assert second not in (None, first) and second == lease.version(path)
   assert storage.read_text(path) == "two"
-  assert storage.write_if(path, "three", first) is None  # a stale version: kept as it is
+  assert lease.write_if(path, "three", first) is None  # a stale version: kept as it is
   assert storage.read_text(path) == "two"
 
 
@@ -236,25 +239,25 @@ def test_of_runs_taking_over_a_stale_lease_at_once_exactly_one_wins(bucket_dir, 
   _foreign_lease(bucket_dir, renewed=time.time() - 100, seconds=1.0)
   takers = 6
   all_judged, first = threading.Barrier(takers, timeout=30), threading.Lock()
-  remove_if = storage.remove_if
+  remove_if = lease.remove_if
 
   def in_the_worst_order(path, at_version):
     all_judged.wait()  # every taker has read the stale lease
     if not first.acquire(blocking=False):
       deadline = time.time() + 20
-      while storage.version(path) in (None, at_version):  # until the first holds a new lease
+      while lease.version(path) in (None, at_version):  # until the first holds a new lease
         assert time.time() < deadline
         time.sleep(0.02)
     return remove_if(path, at_version)
 
-  monkeypatch.setattr(storage, "remove_if", in_the_worst_order)
+  monkeypatch.setattr(lease, "remove_if", in_the_worst_order)
   won, refused = [], []
 
   def taker():
-    lease = storage.Lease(bucket_dir)
+    held = lease.Lease(bucket_dir)
     try:
-      lease.acquire()
-      won.append(lease)
+      held.acquire()
+      won.append(held)
     except UserError as e:
       refused.append(str(e))
 
@@ -268,9 +271,9 @@ def test_of_runs_taking_over_a_stale_lease_at_once_exactly_one_wins(bucket_dir, 
     assert json.loads(storage.read_text(won[0].path))["token"] == won[0]._token
     assert all("is in use by" in text for text in refused)
   finally:
-    monkeypatch.setattr(storage, "remove_if", remove_if)  # release's own delete, unordered
-    for lease in won:
-      lease.release()
+    monkeypatch.setattr(lease, "remove_if", remove_if)  # release's own delete, unordered
+    for held in won:
+      held.release()
 
 
 def test_a_dead_process_of_this_host_is_taken_over_at_once(bucket_dir):
@@ -278,29 +281,29 @@ def test_a_dead_process_of_this_host_is_taken_over_at_once(bucket_dir):
   storage.write(storage.join(bucket_dir, "lock"), json.dumps({
       "host": socket.gethostname(), "pid": dead, "since": "x", "command": "train",
       "token": "old", "renewed": time.time(), "seconds": 600}))
-  lease = storage.Lease(bucket_dir)
-  lease.acquire()
-  lease.release()
+  held = lease.Lease(bucket_dir)
+  held.acquire()
+  held.release()
 
 
 def test_a_live_run_renews_its_lease_and_notices_a_takeover(bucket_dir, capfd):
-  lease = storage.Lease(bucket_dir, seconds=5, renew_every=0.2)
-  lease.acquire()
+  held = lease.Lease(bucket_dir, seconds=5, renew_every=0.2)
+  held.acquire()
   try:
-    first = json.loads(storage.read_text(lease.path))["renewed"]
+    first = json.loads(storage.read_text(held.path))["renewed"]
     deadline = time.time() + 10
-    while json.loads(storage.read_text(lease.path))["renewed"] == first:
+    while json.loads(storage.read_text(held.path))["renewed"] == first:
       assert time.time() < deadline, "the lease was not renewed"
       time.sleep(0.1)
     _foreign_lease(bucket_dir, renewed=time.time(), seconds=5)  # taken from under it
-    while not lease.lost:
+    while not held.lost:
       assert time.time() < deadline, "the takeover went unnoticed"
       time.sleep(0.1)
-    assert json.loads(storage.read_text(lease.path))["token"] == "theirs"  # not overwritten
+    assert json.loads(storage.read_text(held.path))["token"] == "theirs"  # not overwritten
     assert "was taken over by another run" in capfd.readouterr().err
   finally:
-    lease.release()
-  assert json.loads(storage.read_text(lease.path))["token"] == "theirs"  # not deleted either
+    held.release()
+  assert json.loads(storage.read_text(held.path))["token"] == "theirs"  # not deleted either
 
 
 # ------------------------------------------------------------------------------------ bad inputs
@@ -445,7 +448,7 @@ def test_gcs_without_permission_is_one_error(stores, monkeypatch, tmp_path):
 
 def test_a_log_upload_that_fails_is_raised_by_the_writer_not_lost(stores):
   """Uploads run off the caller's thread; a failure comes back as the usual one-line error."""
-  log = storage.JsonLog("gs://no-such-bucket/run/metrics.jsonl")
+  log = jsonlog.JsonLog("gs://no-such-bucket/run/metrics.jsonl")
   log.append({"step": 1})
   with pytest.raises(UserError) as error:
     log.close()
@@ -456,11 +459,11 @@ def test_records_appended_faster_than_uploads_share_objects_in_order(stores):
   """A log appended every few ms (a tiny model logging each step) does not make one request a
   record: each upload takes every record appended while the previous one ran."""
   path = "gs://bucket/fast/metrics.jsonl"
-  log = storage.JsonLog(path)
+  log = jsonlog.JsonLog(path)
   for step in range(200):
     log.append({"step": step})
   log.close()
-  assert [r["step"] for r in storage.read_jsonl(path)] == list(range(200))
-  parts = storage.listdir(path + storage.PARTS_SUFFIX)
+  assert [r["step"] for r in jsonlog.read_jsonl(path)] == list(range(200))
+  parts = storage.listdir(path + jsonlog.PARTS_SUFFIX)
   assert 1 < len(parts) < 50, parts  # the first upload took one record, later ones many
   assert parts == [f"{n:09d}.jsonl" for n in range(1, len(parts) + 1)]

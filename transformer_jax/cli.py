@@ -424,9 +424,9 @@ def _workdir_config(workdir: str, mode: str) -> Optional[str]:
     if storage.isfile(storage.join(path, "config.json")):
       return f"{os.path.join(experiments.DIRECTORY, '_workdir.py')}:{path}"
     if mode != "train":
-      problem = ("does not exist" if not storage.is_url(path) and not os.path.lexists(path)
-                 else "is a file, not a directory" if not storage.is_url(path)
-                 and not os.path.isdir(path) else "holds no config.json")
+      problem = ("holds no config.json" if storage.is_url(path) or os.path.isdir(path)
+                 else "is a file, not a directory" if os.path.lexists(path)
+                 else "does not exist")
       _WORKDIR_PROBLEM[workdir] = UserError(
           f"--workdir {workdir} {problem} to take the run's config from; give the workdir of a "
           "trained run, or --config=EXPERIMENT (the one it was trained with)")

@@ -1,9 +1,8 @@
-"""Files that survive a crash, a full disk or a read-only file system.
+"""Local files that survive a crash, a full disk or a read-only file system (append-safe logs:
+core/jsonlog.py).
 
 - `atomic_write`: a reader sees the old file or the new one, never a half-written one.
-- `JsonLog` / `read_jsonl`: append-only logs of one JSON object per line (metrics.jsonl). A write
-  that was cut off (the process killed, the disk full) leaves at most a partial last line; the
-  next writer sets it aside instead of gluing the next record to it, and readers skip it.
+- `check_readable`: a one-line UserError for a path that is not a readable regular file.
 - `write_error`: the one-line UserError for a write that failed (the path, why, and for a full
   disk the free space left), so that every writer reports a full disk the same way.
 """
@@ -11,13 +10,11 @@
 from __future__ import annotations
 
 import errno
-import json
 import os
 import shutil
 import stat
-import sys
 import tempfile
-from typing import Callable, Optional
+from typing import Optional
 
 from transformer_jax.core.errors import UserError
 
@@ -114,157 +111,3 @@ def atomic_write(path: str, content: bytes | str, what: str = "") -> str:
       os.remove(temporary)
     raise write_error(path, e, what) from None
   return path
-
-
-# ----------------------------------------------------------------------------- JSON-lines logs
-
-PARTIAL_SUFFIX = ".partial"  # where a cut-off last line is set aside: metrics.jsonl.partial
-
-
-def _cut_off_tail(path: str) -> int:
-  """The byte offset after the last newline of `path` (its size if it ends in one)."""
-  with open(path, "rb") as f:
-    size = f.seek(0, os.SEEK_END)
-    end = size
-    while end > 0:
-      start = max(0, end - 65536)
-      f.seek(start)
-      chunk = f.read(end - start)
-      newline = chunk.rfind(b"\n")
-      if newline >= 0:
-        return start + newline + 1
-      end = start
-  return 0
-
-
-def set_aside_partial_line(path: str, err=None) -> int:
-  """Moves a cut-off last line of `path` (no newline at its end) to `path.partial`.
-
-  Returns the bytes set aside (0 if the file ends cleanly or does not exist). One `warning:` line
-  goes to `err` (stderr) when something was set aside.
-  """
-  if not os.path.isfile(path):
-    return 0
-  keep = _cut_off_tail(path)
-  size = os.path.getsize(path)
-  if keep == size:
-    return 0
-  with open(path, "rb") as f:
-    f.seek(keep)
-    partial = f.read()
-  try:
-    with open(path + PARTIAL_SUFFIX, "ab") as f:
-      f.write(partial + b"\n")
-    os.truncate(path, keep)
-  except OSError as e:
-    raise write_error(path, e) from None
-  print(f"warning: {path} ended in a cut-off record ({len(partial)} bytes of a write that did "
-        f"not finish); set it aside in {os.path.basename(path)}{PARTIAL_SUFFIX}",
-        file=err or sys.stderr, flush=True)
-  return len(partial)
-
-
-def read_jsonl(path: str, err=None) -> list[dict]:
-  """The JSON objects of a JSON-lines file, skipping lines that do not parse (a cut-off last
-  line, damaged bytes) with one `warning:` line on `err` (stderr) naming them."""
-  records, bad = [], []
-  with open(path, "rb") as f:
-    for number, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        record = json.loads(line.decode("utf-8"))
-      except (UnicodeDecodeError, ValueError):
-        bad.append(number)
-        continue
-      if isinstance(record, dict):
-        records.append(record)
-      else:
-        bad.append(number)
-  if bad:
-    shown = ", ".join(map(str, bad[:10])) + (", ..." if len(bad) > 10 else "")
-    print(f"warning: skipped {len(bad)} unreadable line(s) of {path} (line {shown}): cut off "
-          "or damaged records", file=err or sys.stderr, flush=True)
-  return records
-
-
-def rewrite_jsonl(path: str, keep: Callable[[dict], bool]) -> int:
-  """Atomically drops the records of `path` for which `keep` is False; returns how many.
-
-  Lines that do not parse are kept as they are (a reader skips them; they are not ours to drop).
-  """
-  if not os.path.isfile(path):
-    return 0
-  kept, dropped = [], 0
-  with open(path, "rb") as f:
-    for line in f:
-      try:
-        record = json.loads(line.decode("utf-8"))
-      except (UnicodeDecodeError, ValueError):
-        record = None
-      if isinstance(record, dict) and not keep(record):
-        dropped += 1
-      else:
-        kept.append(line)
-  if dropped:
-    atomic_write(path, b"".join(kept))
-  return dropped
-
-
-class AppendFile:
-  """Appends records (bytes) to `path`, each in one write. A write that fails (disk full) takes
-  back whatever part of its record reached the file, so the file always ends with a whole
-  record, and raises `write_error`'s UserError."""
-
-  def __init__(self, path: str):
-    self.path = path
-    try:
-      self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
-    except OSError as e:
-      raise write_error(path, e) from None
-
-  def append(self, data: bytes) -> None:
-    size = os.fstat(self._fd).st_size
-    try:
-      written = 0
-      while written < len(data):
-        written += os.write(self._fd, data[written:])
-    except OSError as e:
-      try:
-        os.ftruncate(self._fd, size)
-      except OSError:
-        pass  # a JsonLog's next writer sets the partial line aside
-      raise write_error(self.path, e) from None
-
-  def close(self) -> None:
-    if self._fd is not None:
-      os.close(self._fd)
-      self._fd = None
-
-
-class JsonLog:
-  """Appends one JSON object per line to `path` (an AppendFile).
-
-  On opening, a cut-off last line left by an earlier writer (killed in the middle of a write) is
-  set aside, so that the next record does not continue it.
-  """
-
-  def __init__(self, path: str, err=None):
-    set_aside_partial_line(path, err)
-    self._file = AppendFile(path)
-    self.path = path
-
-  def append(self, record: dict) -> None:
-    self._file.append((json.dumps(record) + "\n").encode("utf-8"))
-
-  def close(self) -> None:
-    self._file.close()
-
-
-def append_jsonl(path: str, record: dict) -> None:
-  """One record appended to `path` (see JsonLog), for logs written now and then."""
-  log = JsonLog(path)
-  try:
-    log.append(record)
-  finally:
-    log.close()

@@ -2,44 +2,31 @@
 
 A path is a local path or `gs://BUCKET/KEY` (Google Cloud Storage, through gcsfs) or
 `s3://BUCKET/KEY` (Amazon S3 or an S3-compatible store, through s3fs). Local paths behave exactly
-as `core/files.py` and `core/lock.py` make them behave; each guarantee those give is redone here
-for object stores, one implementation per kind of storage behind one set of functions:
-
-- whole-or-nothing writes (`write`): local, a temporary file and a rename; an object store, one
-  upload, which the store publishes whole or not at all;
-- append-safe JSON-lines logs (`JsonLog`, `read_jsonl`, `rewrite_jsonl`): local, appends to one
-  file; an object store has no append, so each record is one numbered chunk object under
-  `PATH.parts/` and readers concatenate the chunks in order;
-- one writer per workdir (`lock`): local, flock; an object store, a lease object (`Lease`).
+as `core/files.py` makes them behave; its guarantee of whole-or-nothing writes (`write`) is kept
+on an object store by one upload, which the store publishes whole or not at all. The same
+functions serve both kinds of path. Built on them: `core/jsonlog.py` (append-safe logs) and
+`core/lease.py` (conditional writes, one writer per workdir).
 
 Endpoints: gcsfs reads STORAGE_EMULATOR_HOST (and `check` passes it on to TensorStore, which
 writes orbax's checkpoints, as TENSORSTORE_GCS_HTTP_URL) and botocore AWS_ENDPOINT_URL_S3 (or
 AWS_ENDPOINT_URL), so an emulator or another S3-compatible store needs no flag. Every failure a
 user fixes (a scheme typo, a missing bucket, no permission, no credentials, an endpoint that does
-not answer) is one UserError naming it.
+not answer) is one UserError naming it; in a training run a store that does not answer is
+waited for (`core/outage.py`), for our requests and for those orbax makes through fsspec.
 """
 
 from __future__ import annotations
 
-import atexit
-import datetime
-import errno
 import hashlib
-import json
 import os
 import re
 import shutil
 import socket
-import sys
 import threading
-import time
-import uuid
-import weakref
 from concurrent import futures
 from typing import Callable, Optional
 
 from transformer_jax.core import files, outage
-from transformer_jax.core import lock as lock_lib
 from transformer_jax.core.errors import UserError
 
 SCHEMES = {"gs": "Google Cloud Storage", "s3": "Amazon S3 or an S3-compatible store"}
@@ -48,7 +35,6 @@ SCHEMES = {"gs": "Google Cloud Storage", "s3": "Amazon S3 or an S3-compatible st
 TIMEOUT_ENV = "TRANSFORMER_JAX_STORAGE_TIMEOUT"
 DEFAULT_TIMEOUT_S = 60.0
 RETRIES = 3  # tries of a request (the first included) while the store fails or answers 5xx
-PARTS_SUFFIX = ".parts"  # metrics.jsonl on an object store: metrics.jsonl.parts/000000001.jsonl
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):(/+)(.*)$")
 
 
@@ -385,37 +371,34 @@ def dirname(path: str) -> str:
   return path.rstrip("/").rsplit("/", 1)[0] if is_url(path) else os.path.dirname(path)
 
 
-def exists(path: str) -> bool:
-  if not is_url(path):
-    return os.path.exists(path)
+def _on_store(path: str, doing: str, method: str, *args, **kwargs):
+  """The filesystem's `method` called on the object key of the URL `path`, through `_call`."""
   scheme, key = _split(path)
-  return bool(_call(path, "read", filesystem(scheme).exists, key))
+  return _call(path, doing, getattr(filesystem(scheme), method), key, *args, **kwargs)
+
+
+def exists(path: str) -> bool:
+  return os.path.exists(path) if not is_url(path) else bool(_on_store(path, "read", "exists"))
 
 
 def isfile(path: str) -> bool:
-  if not is_url(path):
-    return os.path.isfile(path)
-  scheme, key = _split(path)
-  return bool(_call(path, "read", filesystem(scheme).isfile, key))
+  return os.path.isfile(path) if not is_url(path) else bool(_on_store(path, "read", "isfile"))
 
 
 def isdir(path: str) -> bool:
   """On an object store: some object's name starts with `path/`."""
-  if not is_url(path):
-    return os.path.isdir(path)
-  scheme, key = _split(path)
-  return bool(_call(path, "read", filesystem(scheme).isdir, key))
+  return os.path.isdir(path) if not is_url(path) else bool(_on_store(path, "read", "isdir"))
 
 
 def listdir(path: str) -> list[str]:
   """The names directly under `path` (sorted); [] if there is nothing."""
   if not is_url(path):
     return sorted(os.listdir(path)) if os.path.isdir(path) else []
-  scheme, key = _split(path)
   try:
-    found = _call(path, "list", filesystem(scheme).ls, key, detail=False)
+    found = _on_store(path, "list", "ls", detail=False)
   except FileNotFoundError:
     return []
+  key = _split(path)[1]
   return sorted({name.rstrip("/").rsplit("/", 1)[-1] for name in found
                  if name.rstrip("/") != key})
 
@@ -425,8 +408,7 @@ def read_bytes(path: str) -> bytes:
   if not is_url(path):
     with open(path, "rb") as f:
       return f.read()
-  scheme, key = _split(path)
-  return _call(path, "read", filesystem(scheme).cat_file, key)
+  return _on_store(path, "read", "cat_file")
 
 
 def read_text(path: str) -> str:
@@ -442,9 +424,8 @@ def write(path: str, content: bytes | str, what: str = "") -> str:
   if not is_url(path):
     return files.atomic_write(path, content, what)
   data = content.encode("utf-8") if isinstance(content, str) else content
-  scheme, key = _split(path)
   try:
-    _call(path, "write", filesystem(scheme).pipe_file, key, data)
+    _on_store(path, "write", "pipe_file", data)
   except FileNotFoundError:  # an upload finds no object missing: its bucket is
     raise _no_bucket(path, "write") from None
   return path
@@ -455,101 +436,13 @@ def _no_bucket(path: str, doing: str) -> UserError:
                    "it first or fix the name")
 
 
-def create(path: str, content: bytes | str) -> bool:
-  """Writes `content` to `path` only if nothing is there; True if it did.
-
-  The precondition is the store's own (GCS `ifGenerationMatch=0`, S3 `If-None-Match: *`), so of
-  two processes creating one object at once exactly one succeeds.
-  """
-  data = content.encode("utf-8") if isinstance(content, str) else content
-  if not is_url(path):
-    try:
-      fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    except FileExistsError:
-      return False
-    with os.fdopen(fd, "wb") as f:
-      f.write(data)
-    return True
-  scheme, key = _split(path)
-  try:
-    _call(path, "write", filesystem(scheme).pipe_file, key, data, mode="create")
-  except FileExistsError:
-    return False
-  except FileNotFoundError:
-    raise _no_bucket(path, "write") from None
-  return True
-
-
-def version(path: str) -> Optional[str]:
-  """The store's version of the object `path` (GCS generation, S3 ETag), None if there is none."""
-  scheme, key = _split(path)
-  try:
-    info = _call(path, "read", filesystem(scheme).info, key)
-  except FileNotFoundError:
-    return None
-  found = info.get("generation") if scheme == "gs" else info.get("ETag")
-  return None if found is None else str(found)
-
-
-def remove_if(path: str, at_version: str) -> bool:
-  """Deletes the object `path` only if it is still at `at_version` (see `version`); True if it
-  did. The store's precondition decides (GCS `ifGenerationMatch`, S3 `If-Match`), so of several
-  processes deleting one object they all read at that version, exactly one succeeds, and none
-  deletes a newer object written meanwhile."""
-  scheme, key = _split(path)
-  fs = filesystem(scheme)
-  bucket, _, name = key.partition("/")
-  try:
-    if scheme == "gs":
-      _ride(path, "delete", fs.call, "DELETE", "b/{}/o/{}", bucket, name,
-            ifGenerationMatch=at_version)
-    else:
-      _ride(path, "delete", fs.call_s3, "delete_object", Bucket=bucket, Key=name,
-            IfMatch=at_version)
-  except (FileNotFoundError, FileExistsError):  # gone already, or (gcsfs: 412) changed
-    return False
-  except OSError as e:
-    if scheme == "s3" and e.errno == errno.EINVAL:  # s3fs: 412 Precondition Failed
-      return False
-    raise _failure(path, e, "delete") or e from None
-  return True
-
-
-def write_if(path: str, content: bytes | str, at_version: str) -> Optional[str]:
-  """Replaces the object `path` with `content` only if it is still at `at_version` (see
-  `version`); its new version, or None if it changed or is gone meanwhile (GCS
-  `ifGenerationMatch`, S3 `If-Match`: the store decides, in the same request)."""
-  data = content.encode("utf-8") if isinstance(content, str) else content
-  scheme, key = _split(path)
-  fs = filesystem(scheme)
-  bucket, _, name = key.partition("/")
-  try:
-    if scheme == "gs":
-      answer = _ride(path, "write", fs.call, "POST",
-                     fs._location + "/upload/storage/v1/b/{}/o", bucket, uploadType="media",
-                     name=name, ifGenerationMatch=at_version, data=data, json_out=True)
-      return str(answer["generation"])
-    return _ride(path, "write", fs.call_s3, "put_object", Bucket=bucket, Key=name, Body=data,
-                 IfMatch=at_version)["ETag"]
-  except (FileNotFoundError, FileExistsError):  # gone, or (gcsfs: 412) changed
-    return None
-  except OSError as e:
-    if scheme == "s3" and e.errno == errno.EINVAL:  # s3fs: 412 Precondition Failed
-      return None
-    raise _failure(path, e, "write") or e from None
-
-
 def remove(path: str) -> None:
   """Deletes the file or object `path` if it exists."""
-  if not is_url(path):
-    try:
-      os.remove(path)
-    except FileNotFoundError:
-      pass
-    return
-  scheme, key = _split(path)
   try:
-    _call(path, "delete", filesystem(scheme).rm_file, key)
+    if is_url(path):
+      _on_store(path, "delete", "rm_file")
+    else:
+      os.remove(path)
   except FileNotFoundError:
     pass
 
@@ -560,9 +453,8 @@ def remove_tree(path: str) -> None:
   if not is_url(path):
     shutil.rmtree(path, ignore_errors=True)
     return
-  scheme, key = _split(path)
   try:
-    _call(path, "delete", filesystem(scheme).rm, key, recursive=True)
+    _on_store(path, "delete", "rm", recursive=True)
   except FileNotFoundError:
     pass
 
@@ -570,10 +462,7 @@ def remove_tree(path: str) -> None:
 def open_read(path: str):
   """`path` opened for reading in binary, read as it is used (a stream for large files); the
   caller closes it. FileNotFoundError if there is none."""
-  if not is_url(path):
-    return open(path, "rb")
-  scheme, key = _split(path)
-  return _call(path, "read", filesystem(scheme).open, key, "rb")
+  return open(path, "rb") if not is_url(path) else _on_store(path, "read", "open", "rb")
 
 
 def sha256(path: str, block: int = 1 << 24) -> str:
@@ -593,415 +482,15 @@ def move(source: str, destination: str) -> None:
     os.makedirs(os.path.dirname(destination), exist_ok=True)
     os.replace(source, destination)
     return
-  scheme, key = _split(source)
-  _call(source, "move", filesystem(scheme).mv, key, _split(destination)[1], recursive=True)
+  _on_store(source, "move", "mv", _split(destination)[1], recursive=True)
 
 
-def makedirs(path: str) -> None:
-  """Local: creates the directory (a failure is `files.write_error`'s UserError). An object store
-  has no directories: nothing to do."""
+def makedirs(path: str, what: str = "") -> None:
+  """Local: creates the directory (a failure is `files.write_error`'s UserError; `what`: see
+  there). An object store has no directories: nothing to do."""
   if is_url(path):
     return
   try:
     os.makedirs(path, exist_ok=True)
   except OSError as e:
-    raise files.write_error(path, e) from None
-
-
-# ------------------------------------------------------------------------- JSON-lines logs
-
-def _parts(path: str) -> list[str]:
-  """The chunk objects of an object-store log, in order."""
-  directory = path + PARTS_SUFFIX
-  return [join(directory, name) for name in listdir(directory) if name.endswith(".jsonl")]
-
-
-def _parse_lines(data: bytes, where: str, bad: list) -> list[dict]:
-  records = []
-  for number, line in enumerate(data.splitlines(), 1):
-    if not line.strip():
-      continue
-    try:
-      record = json.loads(line.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
-      record = None
-    if isinstance(record, dict):
-      records.append(record)
-    else:
-      bad.append(f"{where}:{number}")
-  return records
-
-
-def read_jsonl(path: str, err=None) -> list[dict]:
-  """The records of a JSON-lines log (see `JsonLog`): local, `files.read_jsonl`; an object store,
-  the object `path` if any, then its chunks in order."""
-  if not is_url(path):
-    return files.read_jsonl(path, err)
-  records, bad = [], []
-  for part in ([path] if isfile(path) else []) + _parts(path):
-    records += _parse_lines(read_bytes(part), basename(part), bad)
-  if bad:
-    print(f"warning: skipped {len(bad)} unreadable line(s) of {path} ({', '.join(bad[:10])}): "
-          "damaged records", file=err or sys.stderr, flush=True)
-  return records
-
-
-def log_exists(path: str) -> bool:
-  """True if the JSON-lines log `path` has any record file (local: the file)."""
-  if not is_url(path):
-    return os.path.isfile(path)
-  return isfile(path) or bool(_parts(path))
-
-
-def rewrite_jsonl(path: str, keep: Callable[[dict], bool]) -> int:
-  """Drops the records for which `keep` is False, each file or chunk rewritten whole; returns
-  how many were dropped."""
-  if not is_url(path):
-    return files.rewrite_jsonl(path, keep)
-  dropped = 0
-  for part in ([path] if isfile(path) else []) + _parts(path):
-    lines = read_bytes(part).splitlines(keepends=True)
-    kept = []
-    for line in lines:
-      try:
-        record = json.loads(line.decode("utf-8"))
-      except (UnicodeDecodeError, ValueError):
-        record = None
-      if not (isinstance(record, dict) and not keep(record)):
-        kept.append(line)
-    if len(kept) < len(lines):
-      dropped += len(lines) - len(kept)
-      if kept:
-        write(part, b"".join(kept))
-      else:
-        remove(part)
-  return dropped
-
-
-def set_aside_partial_line(path: str, err=None) -> int:
-  """Local: `files.set_aside_partial_line`. An object store has no cut-off records (every chunk
-  is uploaded whole): 0."""
-  return 0 if is_url(path) else files.set_aside_partial_line(path, err)
-
-
-class _Uploads:
-  """Runs uploads in order on one background thread, so that the caller (the training loop)
-  never waits for a request. A failed upload is raised by the next `submit` or by `close`; the
-  uploads queued after it are dropped unrun (a log with a chunk missing is not continued, and a
-  run on its way out after an outage does not wait out each one's tries)."""
-
-  def __init__(self):
-    self._pool = futures.ThreadPoolExecutor(1, thread_name_prefix="storage-upload")
-    self._pending: list = []
-    self._failed = False
-
-  def _run(self, upload: Callable[[], object]) -> None:
-    if self._failed:
-      return
-    try:
-      upload()
-    except BaseException:
-      self._failed = True
-      raise
-
-  def _raise_failures(self, wait: bool) -> None:
-    keep = []
-    for future in self._pending:
-      if wait or future.done():
-        future.result()  # raises the upload's UserError
-      else:
-        keep.append(future)
-    self._pending = keep
-
-  def submit(self, upload: Callable[[], object]) -> None:
-    self._raise_failures(wait=False)
-    self._pending.append(self._pool.submit(self._run, upload))
-
-  def close(self) -> None:
-    try:
-      self._raise_failures(wait=True)
-    finally:
-      self._pool.shutdown(wait=True)
-
-
-class _Chunks:
-  """Appends on an object store: objects `name(n)`, n = start, start + 1, ..., uploaded in order
-  on `_Uploads`' background thread (`close` waits for them).
-
-  Each upload takes everything appended since the previous one began: one record an object
-  while the uploads keep up (a run logging every few seconds), several when records come
-  faster than requests (a logged step of a few ms), so that the requests, and the background
-  thread's hold on the GIL, never grow with the rate of the caller's appends.
-  """
-
-  def __init__(self, name, start: int = 0):
-    self._name, self._next, self._uploads = name, start, _Uploads()
-    self._waiting: list = []  # appended, not yet taken by an upload
-    self._queued = False  # an upload that will take them is queued
-    self._lock = threading.Lock()
-
-  def append(self, data: bytes) -> None:
-    with self._lock:
-      self._waiting.append(data)
-      if self._queued:
-        return
-      self._queued = True
-    try:
-      self._uploads.submit(self._upload)
-    except BaseException:  # an earlier upload failed: raised here, nothing new queued
-      with self._lock:
-        self._queued = False
-      raise
-
-  def _upload(self) -> None:
-    with self._lock:
-      data, self._waiting, self._queued = b"".join(self._waiting), [], False
-      number, self._next = self._next, self._next + 1
-    write(self._name(number), data)
-
-  def close(self) -> None:
-    self._uploads.close()
-
-
-class JsonLog:
-  """Appends one JSON object per line to the log `path`.
-
-  Local: `files.JsonLog` (appends to the file). An object store: the records go to chunk
-  objects PATH.parts/NNNNNNNNN.jsonl (one record each, or several appended while the previous
-  upload ran: `_Chunks`), numbered after the chunks already there, so a writer killed at any
-  moment leaves only whole records and a later writer never overwrites an earlier one. The
-  uploads run on a background thread in order (`close` waits for them); a process killed within
-  a request's time of an `append` may lose that record.
-  """
-
-  def __init__(self, path: str, err=None):
-    self.path = path
-    if not is_url(path):
-      self._local, self._chunks = files.JsonLog(path, err), None
-      return
-    names = [basename(p) for p in _parts(path)]
-    after = max((int(n.split(".")[0]) for n in names if n.split(".")[0].isdigit()), default=0)
-    self._local = None
-    self._chunks = _Chunks(lambda n: join(path + PARTS_SUFFIX, f"{n:09d}.jsonl"), after + 1)
-
-  def append(self, record: dict) -> None:
-    if self._local is not None:
-      self._local.append(record)
-    else:
-      self._chunks.append((json.dumps(record) + "\n").encode("utf-8"))
-
-  def close(self) -> None:
-    (self._chunks if self._local is None else self._local).close()
-
-
-class AppendFile:
-  """Appends binary records to `path`. Local: `files.AppendFile` (one file). An object store:
-  objects PATH.NNNNNN of one or more appends each (TensorBoard reads every event file of a
-  directory in name order, so event files stay readable as a sequence), uploaded as `JsonLog`'s
-  chunks are."""
-
-  def __init__(self, path: str):
-    self.path = path
-    self._file = (_Chunks(lambda n: f"{path}.{n:06d}") if is_url(path)
-                  else files.AppendFile(path))
-
-  def append(self, data: bytes) -> None:
-    self._file.append(data)
-
-  def close(self) -> None:
-    self._file.close()
-
-
-def append_jsonl(path: str, record: dict) -> None:
-  """One record appended to the log `path` (see JsonLog), for logs written now and then."""
-  log = JsonLog(path)
-  try:
-    log.append(record)
-  finally:
-    log.close()
-
-
-# ------------------------------------------------------------------------- one writer: a lease
-
-LEASE_SECONDS = 60.0  # a lease not renewed for this long is taken over
-RENEW_EVERY_S = 20.0  # how often a live run renews its lease (one conditional write each)
-
-
-def _now() -> float:
-  return time.time()
-
-
-def _pid_alive(pid: int) -> bool:
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  except (PermissionError, OSError):
-    return True
-  return True
-
-
-class Lease:
-  """One writer per object-store directory: the object DIR/lock, created with the store's
-  precondition (see `create`), renewed by a background thread, deleted at a clean end.
-
-  A lease that has not been renewed for `seconds` (its run was killed, or its machine lost) is
-  taken over by the next run; so is one left by a dead process of this same host, at once. The
-  interface is `core.lock.DirectoryLock`'s: `check`, `acquire`, `release`, `held`.
-
-  Costs: one conditional write every `renew_every` seconds while a run lives (180 an hour at
-  the defaults), plus a few requests at start and end. A run killed without a clean end
-  blocks a run on another machine for at most `seconds` after its last renewal.
-  """
-
-  def __init__(self, directory: str, what: str = "--workdir", seconds: float = LEASE_SECONDS,
-               renew_every: float = RENEW_EVERY_S):
-    self.directory = directory
-    self.path = join(directory, lock_lib.FILENAME)
-    self.what = what
-    self.seconds = seconds
-    self.renew_every = renew_every
-    self.lost = False  # set when another run took the lease over from under this one
-    self._token = None
-    self._version = None  # the store's version of this run's lease object, while it holds it
-    self._stop = threading.Event()
-    self._thread = None
-
-  def _read(self) -> Optional[dict]:
-    try:
-      return self._parse(read_bytes(self.path))
-    except FileNotFoundError:
-      return None
-
-  def _read_versioned(self) -> tuple[Optional[dict], Optional[str]]:
-    """(the holder's record, the object's version): the version is asked first, so that the
-    record read is of that version or a newer one (a delete conditioned on it then fails)."""
-    at_version = version(self.path)
-    try:
-      raw = read_bytes(self.path)
-    except FileNotFoundError:
-      return None, None
-    return self._parse(raw), at_version
-
-  @staticmethod
-  def _parse(raw: bytes) -> dict:
-    try:
-      holder = json.loads(raw.decode("utf-8"))
-      return holder if isinstance(holder, dict) else {}
-    except (UnicodeDecodeError, ValueError):
-      return {}  # damaged: treated as expired
-
-  def _expired(self, holder: dict) -> bool:
-    renewed = holder.get("renewed")
-    if not isinstance(renewed, (int, float)):
-      return True
-    if holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int):
-      if holder["pid"] != os.getpid() and not _pid_alive(holder["pid"]):
-        return True  # its process is gone: no need to wait for the lease to run out
-    return _now() > renewed + float(holder.get("seconds", self.seconds))
-
-  def _refusal(self, holder: dict) -> UserError:
-    left = float(holder.get("renewed", 0)) + float(holder.get("seconds", self.seconds)) - _now()
-    text = lock_lib._holder_text(json.dumps(holder).encode("utf-8"))
-    return UserError(f"{self.what} {self.directory} is in use by {text}; only one run may write "
-                     "it: wait for that run to end (or stop it), or use another directory (if it "
-                     f"was killed, its lease runs out in {max(left, 0):.0f} s)")
-
-  def check(self) -> None:
-    """Raises the refusal if another run holds a live lease now; writes nothing."""
-    holder = self._read()
-    if holder is not None and holder.get("token") != self._token and not self._expired(holder):
-      raise self._refusal(holder)
-
-  def _record(self, since: str) -> bytes:
-    return json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": since,
-                       "command": " ".join(sys.argv)[:300], "token": self._token,
-                       "renewed": _now(), "seconds": self.seconds}).encode("utf-8")
-
-  def acquire(self) -> None:
-    """Takes the lease or raises a UserError naming its holder."""
-    token = uuid.uuid4().hex
-    since = datetime.datetime.now().isoformat(timespec="seconds")
-    for _ in range(3):
-      holder, at_version = self._read_versioned()
-      if holder is not None:
-        if not self._expired(holder):
-          raise self._refusal(holder)
-        text = lock_lib._holder_text(json.dumps(holder).encode("utf-8"))
-        print(f"warning: the previous run in {self.directory} ({text}) did not end cleanly; "
-              "taking over its lease", file=sys.stderr, flush=True)
-        # Only the stale version: of two runs taking over at once one deletes it, the other's
-        # delete fails (it never deletes the lease the first then creates), and a renewal
-        # meanwhile keeps its lease.
-        if at_version is not None:
-          remove_if(self.path, at_version)
-      self._token = token
-      if create(self.path, self._record(since)):
-        self._version = version(self.path)  # each renewal replaces exactly this version
-        break
-      self._token = None  # another run created it between our read and our write
-    else:
-      raise self._refusal(self._read() or {})
-    self._since = since
-    self._stop.clear()
-    self._thread = threading.Thread(target=self._renew, name="storage-lease", daemon=True)
-    self._thread.start()
-    atexit.register(_release, weakref.ref(self))
-
-  def _renew(self) -> None:
-    while not self._stop.wait(self.renew_every):
-      try:
-        # One conditional write: it replaces this run's own last version or nothing, so a run
-        # that stalled past its lease never overwrites the lease another run took meanwhile.
-        renewed = write_if(self.path, self._record(self._since), self._version)
-        if renewed is None:
-          self.lost = True
-          holder = self._read()
-          print(f"warning: the lease on {self.directory} was taken over by another run "
-                f"({lock_lib._holder_text(json.dumps(holder or {}).encode())}); this run no "
-                "longer holds it", file=sys.stderr, flush=True)
-          return
-        self._version = renewed
-      except Exception as e:  # a failed renewal is retried at the next one
-        if outage.ongoing() or outage.unreachable(e):
-          continue  # an outage, said once by core/outage.py (and the run's writes end it)
-        print(f"warning: could not renew the lease on {self.directory}: "
-              f"{' '.join(str(e).split())}", file=sys.stderr, flush=True)
-
-  def release(self) -> None:
-    """Stops renewing and deletes the lease if it is still this run's."""
-    if self._token is None:
-      return
-    self._stop.set()
-    if self._thread is not None and self._thread is not threading.current_thread():
-      self._thread.join(timeout=5)
-    try:
-      if self._version is not None:
-        remove_if(self.path, self._version)  # this run's own version, never a taker's lease
-    except Exception:
-      pass  # the lease then runs out by itself
-    self._token = self._version = None
-
-  @property
-  def held(self) -> bool:
-    return self._token is not None
-
-  def __enter__(self) -> "Lease":
-    return self
-
-  def __exit__(self, *exc) -> None:
-    self.release()
-
-
-def _release(reference: weakref.ref) -> None:
-  held = reference()
-  if held is not None:
-    held.release()
-
-
-def lock(directory: str, what: str = "--workdir"):
-  """The one-writer lock of `directory`: a `core.lock.DirectoryLock` (flock) for a local
-  directory, a `Lease` for an object-store one."""
-  if is_url(directory):
-    return Lease(directory, what)
-  return lock_lib.DirectoryLock(directory, what)
+    raise files.write_error(path, e, what) from None

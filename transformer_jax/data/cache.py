@@ -56,7 +56,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from transformer_jax.core import storage
+from transformer_jax.core import lease, storage
 from transformer_jax.core.errors import UserError
 
 VERSION = 1  # bump when what an entry holds changes meaning
@@ -297,7 +297,7 @@ def _fetch_remote(cache_dir: str, kind: str, key: dict, build: Callable[[], dict
 def _meta(entry: str) -> tuple[Optional[dict], Optional[str]]:
   """(the entry's meta.json, its version) in the bucket; (None, None) if it has none."""
   path = storage.join(entry, META)
-  at_version = storage.version(path)
+  at_version = lease.version(path)
   try:
     raw = storage.read_bytes(path)
   except FileNotFoundError:
@@ -363,7 +363,7 @@ def _upload(entry: str, key: dict, arrays: dict) -> None:
     storage.write(storage.join(entry, writer, f"{name}.npy"), buffer.getvalue())
     meta["arrays"][name] = {"dtype": str(array.dtype), "shape": list(array.shape),
                             "crc32": checksum(array)}
-  if not storage.create(storage.join(entry, META), json.dumps(meta)):
+  if not lease.create(storage.join(entry, META), json.dumps(meta)):
     storage.remove_tree(storage.join(entry, writer))
 
 
@@ -372,7 +372,7 @@ def _discard(entry: str) -> None:
   process has published meanwhile), then the arrays it named."""
   meta, at_version = _meta(entry)
   if at_version is not None:
-    storage.remove_if(storage.join(entry, META), at_version)
+    lease.remove_if(storage.join(entry, META), at_version)
   if meta and meta.get("writer"):
     storage.remove_tree(storage.join(entry, meta["writer"]))
 

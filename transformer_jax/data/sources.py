@@ -214,11 +214,7 @@ class _Lines:
   def __init__(self, path: str):
     self.path = path
     try:
-      if storage.is_url(path):
-        self.data = storage.read_bytes(path)
-      else:
-        with open(path, "rb") as f:
-          self.data = f.read()
+      self.data = storage.read_bytes(path)
     except OSError as e:
       raise UserError(f"cannot read {path}: {e.strerror or e}; fix data.path or the "
                       "file") from None

@@ -13,7 +13,7 @@ import os
 import jax.numpy as jnp
 import numpy as np
 
-from transformer_jax.core import files, progress, storage
+from transformer_jax.core import progress, storage
 from transformer_jax.core.errors import UserError
 from transformer_jax.data import pipeline, sources, tasks
 from transformer_jax.data import tokenizer as tokenizer_lib
@@ -226,11 +226,7 @@ def write_results(workdir: str, result: dict, config, what: str = "") -> str:
   """
   averaged = len(result["checkpoints"]) if len(result["checkpoints"]) > 1 else 0
   path = result_path(workdir, result["step"], result["split"], config, averaged)
-  if not storage.is_url(path):
-    try:
-      os.makedirs(os.path.dirname(path), exist_ok=True)
-    except OSError as e:
-      raise files.write_error(os.path.dirname(path), e, what) from None
+  storage.makedirs(storage.dirname(path), what)
   return storage.write(path, json.dumps(result, indent=2), what)
 
 

@@ -36,7 +36,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from transformer_jax.core import files, lock, metric_names, outage, signals, storage, trees
+from transformer_jax.core import files, lease, lock, metric_names, outage, signals, storage, trees
 from transformer_jax.core.errors import UserError
 from transformer_jax.train import sharding
 
@@ -120,7 +120,7 @@ def claim_workdir(workdir: str, seen_steps: list) -> lock.DirectoryLock:
   (UserError, on every process) when another run holds the lock, or when the checkpoints are no
   longer `seen_steps`, those this run read before: another run saved one in the meantime.
   """
-  held = storage.lock(workdir)  # flock locally, a lease in a bucket
+  held = lease.lock(workdir)  # flock locally, a lease in a bucket
   refusal = None
   if jax.process_index() == 0:
     try:

@@ -7,7 +7,7 @@ import os
 import time
 
 from transformer_jax import config as config_lib
-from transformer_jax.core import progress, storage
+from transformer_jax.core import jsonlog, progress, storage
 from transformer_jax.core.errors import UserError
 from transformer_jax.train import trackers
 from transformer_jax.train.trackers.base import numbers  # noqa: F401 - a record's numbers
@@ -24,12 +24,12 @@ def read_metrics(workdir: str, required: bool = False) -> list[dict]:
   skipped with a warning. Without the file: [] or, if `required`, a UserError saying to train.
   """
   path = storage.join(workdir, METRICS_FILE)
-  if not storage.log_exists(path):
+  if not jsonlog.log_exists(path):
     if required:
       raise UserError(f"{workdir} has no {METRICS_FILE}; train first with --mode=train")
     return []
   latest = {}
-  for record in storage.read_jsonl(path):
+  for record in jsonlog.read_jsonl(path):
     if isinstance(record.get("step"), int):
       key = (record.get("split"), record["step"])
       latest.pop(key, None)  # the last record of a step wins, in its place
@@ -50,10 +50,10 @@ class Jsonl(trackers.Writer):
     """Records of steps after `start_step` were written by a run that stopped before its next
     checkpoint: they are dropped, as this run logs those steps again."""
     path = storage.join(workdir, METRICS_FILE)
-    storage.set_aside_partial_line(path)
-    storage.rewrite_jsonl(path, keep=lambda r: not isinstance(r.get("step"), int)
+    jsonlog.set_aside_partial_line(path)
+    jsonlog.rewrite_jsonl(path, keep=lambda r: not isinstance(r.get("step"), int)
                           or r["step"] <= start_step)
-    self._log = storage.JsonLog(path)
+    self._log = jsonlog.JsonLog(path)
 
   def write(self, records: list) -> None:
     for record in records:

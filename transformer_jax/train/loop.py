@@ -19,7 +19,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from transformer_jax import config as config_lib
-from transformer_jax.core import compilation, outage, progress, storage
+from transformer_jax.core import compilation, lease, outage, progress, storage
 from transformer_jax.core.errors import UserError
 from transformer_jax.data import cache, pipeline, prepare, sources, tasks
 from transformer_jax.data import tokenizer as tokenizer_lib
@@ -155,7 +155,7 @@ def train(config, workdir: str, evaluate_fn: EvaluateFn, on_eval: Optional[OnEva
   t = config.train
   workdir = checkpoint.check_workdir(workdir)
   if jax.process_count() == 1:  # a second run in this workdir is refused before any work
-    storage.lock(workdir).check()
+    lease.lock(workdir).check()
   if t.init_from:
     pretrained.source_config(t.init_from)  # there is a run to start from
   tasks.fix_labels(config.data, _saved_labels(workdir))

@@ -254,8 +254,7 @@ def plot(workdir: str, url: Optional[str]) -> list[str]:
   import optuna.visualization.matplotlib as vis
   study = open_study(workdir, url)
   directory = storage.join(workdir, "plots")
-  if not storage.is_url(directory):
-    os.makedirs(directory, exist_ok=True)
+  storage.makedirs(directory)
   written = []
   for name, draw in (("sweep_history", vis.plot_optimization_history),
                      ("sweep_importances", vis.plot_param_importances),

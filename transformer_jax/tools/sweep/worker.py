@@ -49,7 +49,7 @@ import tempfile
 import time
 from typing import Callable, NamedTuple, Optional
 
-from transformer_jax.core import metric_names, multihost, storage
+from transformer_jax.core import lease, metric_names, multihost, storage
 from transformer_jax.core import signals as signals_lib
 from transformer_jax.core.errors import UserError
 from transformer_jax.tools.sweep import results as results_lib
@@ -668,15 +668,15 @@ def _objective(p: Plan, workdir: str, train_fn, study_name: str, state: dict,
 
 def _wait_for_the_lost_run(directory: str, name: str) -> None:
   """A trial taken up again trains where its lost run trained. Locally that run's lock went with
-  its process; in a bucket its lease runs out (storage.LEASE_SECONDS) unless renewed: wait for
+  its process; in a bucket its lease runs out (lease.LEASE_SECONDS) unless renewed: wait for
   that rather than fail the trial for a lease nobody holds any more."""
   import jax
   if jax.process_count() > 1:
     return  # a job of several processes holds no lock of its own (train.loop)
-  deadline, said = time.time() + storage.LEASE_SECONDS + 30, False
+  deadline, said = time.time() + lease.LEASE_SECONDS + 30, False
   while True:
     try:
-      storage.lock(directory).check()
+      lease.lock(directory).check()
       return
     except UserError as e:
       if time.time() > deadline:
@@ -861,7 +861,7 @@ def run_sweep(config_path: str, workdir: str, base_overrides: dict, train_fn: Tr
     out.write(describe_plan(p, workdir) + "\n")
     return
   if not storage.is_url(workdir) and os.path.isdir(workdir):
-    storage.lock(workdir).check()  # a training run's workdir in use is no sweep's
+    lease.lock(workdir).check()  # a training run's workdir in use is no sweep's
   main = jax.process_index() == 0
   if not main:
     follow(workdir, p, train_fn)

@@ -17,7 +17,7 @@ import json
 import uuid
 
 from transformer_jax import config as config_lib
-from transformer_jax.core import storage
+from transformer_jax.core import lease, storage
 from transformer_jax.core.errors import UserError
 from transformer_jax.train.trackers.base import Background, Tracker, Writer  # noqa: F401
 
@@ -89,7 +89,7 @@ def claim_run_id(workdir: str) -> str:
   found = read_run_id(workdir)
   if found:
     return found
-  storage.create(storage.join(workdir, ID_FILE),
+  lease.create(storage.join(workdir, ID_FILE),
                  json.dumps({"run_id": uuid.uuid4().hex[:16]}) + "\n")
   return read_run_id(workdir)
 

@@ -9,7 +9,7 @@ import struct
 import sys
 import time
 
-from transformer_jax.core import storage
+from transformer_jax.core import jsonlog, storage
 from transformer_jax.train.trackers.base import BOOKKEEPING, Writer, numbers, sample_rows, scalars
 
 # What tensorboardX's package imports if it can and Events never uses: torch (for its
@@ -39,7 +39,7 @@ def _tensorboardx():
 
 class Events:
   """TensorBoard scalars and text: tensorboardX's summaries and event protos, framed as TFRecords
-  (with tensorboardX's CRC) and appended in the caller's thread by `storage.AppendFile`.
+  (with tensorboardX's CRC) and appended in the caller's thread by `jsonlog.AppendFile`.
 
   Not tensorboardX's SummaryWriter: its writer thread dies on a full disk without a word, and the
   training loop then blocks forever on the thread's full queue; and its buffered file would
@@ -53,7 +53,7 @@ class Events:
     # The pid in the name: two runs started within the same second (a resume right after a
     # kill) must not share a file.
     name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}"
-    self._file = storage.AppendFile(storage.join(directory, name))
+    self._file = jsonlog.AppendFile(storage.join(directory, name))
     self._append([self._event(wall_time=time.time(), file_version="brain.Event:2")])
 
   def _record(self, data: bytes) -> bytes:
