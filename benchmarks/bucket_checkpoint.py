@@ -1,6 +1,6 @@
 """Save and restore time of a model's train-state checkpoint: local disk against gs:// and s3://.
 
-  python benchmarks/bucket_checkpoint.py [CONFIG [STORES]]   (default: base local,gs,s3)
+  python -m benchmarks.bucket_checkpoint [CONFIG [STORES]]   (default: base local,gs,s3)
 
 The buckets are the emulators of the tests (tests/emulators.py: gcp-storage-emulator, moto's S3
 server) on 127.0.0.1, so the numbers measure this program's path through TensorStore's gcs and
@@ -13,23 +13,20 @@ store.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
 import os
-import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+import jax
+import numpy as np
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-
-from tests import emulators  # noqa: E402
-from transformer_jax import config as config_lib  # noqa: E402
-from transformer_jax.train import checkpoint, sharding  # noqa: E402
-from transformer_jax.train import state as state_lib  # noqa: E402
+from tests import emulators
+from transformer_jax import config as config_lib
+from transformer_jax.train import checkpoint, sharding
+from transformer_jax.train import state as state_lib
 
 
 def measure(config, workdir: str, state, target) -> dict:
@@ -75,4 +72,8 @@ def main(name: str = "base", stores: str = "local,gs,s3") -> None:
 
 
 if __name__ == "__main__":
-  main(*sys.argv[1:3])
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("name", metavar="config", nargs="?", default="base",
+                      help="an experiment's name (default: base)")
+  parser.add_argument("stores", nargs="?", default="local,gs,s3", help="of local, gs, s3")
+  main(**vars(parser.parse_args()))

@@ -1,6 +1,6 @@
 """Training throughput with the metrics going to a gs:// bucket against a local workdir.
 
-  python benchmarks/bucket_logging.py [STEPS] [--rounds=N] [launch.py flags ...]
+  python -m benchmarks.bucket_logging [STEPS] [--rounds=N] [launch.py flags ...]
   (default: 300 steps, 1 round)
 
 Trains the tiny config with a record logged every step (`train.log_every=1`: the most requests a
@@ -14,18 +14,15 @@ background thread, so the ratio should be 1 within the machine's noise.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-
-from tests import emulators  # noqa: E402
-from transformer_jax.core import jsonlog, storage  # noqa: E402
+from benchmarks.common import launch
+from tests import emulators
+from transformer_jax.train.logger import read_metrics
 
 
 def run(workdir: str, steps: int, extra: list, env: dict) -> float:
@@ -33,26 +30,23 @@ def run(workdir: str, steps: int, extra: list, env: dict) -> float:
            f"--config.train.steps={steps}", "--config.train.log_every=1",
            f"--config.train.checkpoint_every={steps}", f"--config.train.eval_every={steps}",
            "--config.eval.max_examples=8", *extra]
-  subprocess.run([sys.executable, os.path.join(REPO, "launch.py"), *flags], env=env, check=True,
-                 stdout=subprocess.DEVNULL)
-  records = jsonlog.read_jsonl(storage.join(workdir, "metrics.jsonl"))
+  launch(*flags, env=env)
+  records = read_metrics(workdir)
   rates = [r["steps_per_s"] for r in records if r.get("split") == "train" and r["step"] > 20]
   return statistics.median(rates)
 
 
-def main(steps: int = 300, *extra) -> None:
-  rounds = [int(flag.split("=", 1)[1]) for flag in extra if flag.startswith("--rounds=")]
-  extra = [flag for flag in extra if not flag.startswith("--rounds=")]
+def main(steps: int = 300, rounds: int = 1, extra: list = ()) -> None:
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   rates = {"local disk": [], "gs://": []}
   with emulators.gcs() as url, tempfile.TemporaryDirectory() as local:
     os.environ.update(emulators.environment(url))
     env.update(emulators.environment(url))
     emulators.make_bucket("gs://bench")
-    for n in range(rounds[-1] if rounds else 1):
+    for n in range(rounds):
       for name, workdir in (("local disk", os.path.join(local, f"run{n}")),
                             ("gs://", f"gs://bench/run{n}")):
-        rates[name].append(run(workdir, int(steps), extra, env))
+        rates[name].append(run(workdir, steps, list(extra), env))
         print(json.dumps({"round": n, "workdir": name,
                           "median_steps_per_s": round(rates[name][-1], 2)}), flush=True)
   ratios = [g / loc for loc, g in zip(rates["local disk"], rates["gs://"])]
@@ -64,4 +58,8 @@ def main(steps: int = 300, *extra) -> None:
 
 
 if __name__ == "__main__":
-  main(*sys.argv[1:])
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+  parser.add_argument("steps", nargs="?", type=int, default=300)
+  parser.add_argument("--rounds", type=int, default=1)
+  args, extra = parser.parse_known_args()  # the rest: launch.py flags
+  main(args.steps, args.rounds, extra)

@@ -1,7 +1,7 @@
 """Compile once: the start-up of sweep trials and of a second process, against today's code.
 
-  python benchmarks/compile_once.py sweep OUT [--checkout DIR]   # 40 trials, 3 workers
-  python benchmarks/compile_once.py second OUT [--checkout DIR]  # base benchmark, two processes
+  python -m benchmarks.compile_once sweep OUT [--checkout DIR]   # 40 trials, 3 workers
+  python -m benchmarks.compile_once second OUT [--checkout DIR]  # base benchmark, two processes
 
 `--checkout DIR` runs the same commands with another checkout of the project (e.g. the commit
 before compile-once, `git worktree add DIR COMMIT`), in the same environment, for the ratio.
@@ -28,16 +28,15 @@ import os
 import pathlib
 import shutil
 import statistics
-import subprocess
-import sys
 import time
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+from benchmarks.common import ROOT, last_json, launch
+from transformer_jax.train.logger import read_metrics
 
 
 def _environment(checkout: pathlib.Path, **extra) -> dict:
   env = dict(os.environ, **extra)
-  if checkout != REPO:  # that checkout's package first
+  if checkout != ROOT:  # that checkout's package first
     env["PYTHONPATH"] = str(checkout)
   return env
 
@@ -48,8 +47,7 @@ def trial_startups(sweep: pathlib.Path) -> list[dict]:
   for trial in sorted(sweep.glob("trial_*")):
     started = (trial / "trial.json").stat().st_mtime
     overrides = json.loads((trial / "trial.json").read_text()).get("overrides", {})
-    records = [json.loads(line) for line in (trial / "metrics.jsonl").read_text().splitlines()
-               if line.strip()]
+    records = read_metrics(str(trial))
     first = next(r for r in records if r.get("split") == "train")
     steps_s = first.get("interval_s", 0.0)
     rows.append({"trial": trial.name, "shape": overrides.get("model.d_ff"), "start": started,
@@ -66,13 +64,10 @@ def sweep(out: pathlib.Path, checkout: pathlib.Path) -> dict:
   keyed = "c.sweep = " in (checkout / "transformer_jax" / "config.py").read_text()
   budget = "--config.sweep.budget=40" if keyed else "--sweep_budget=40"
   start = time.perf_counter()
-  done = subprocess.run(
-      [sys.executable, "launch.py", "--config=experiments/tiny.py", f"--workdir={workdir}",
-       "--sweep", budget, "--sweep_parallel=3", "--config.train.steps=10"],
-      cwd=checkout, env=_environment(checkout), capture_output=True, text=True)
+  launch("--config=experiments/tiny.py", f"--workdir={workdir}", "--sweep", budget,
+         "--sweep_parallel=3", "--config.train.steps=10", cwd=checkout,
+         env=_environment(checkout))
   wall = time.perf_counter() - start
-  if done.returncode:
-    sys.exit(done.stdout[-3000:] + done.stderr[-3000:])
   rows = trial_startups(workdir)
   # A worker's first trial of a shape: which worker ran a trial is not recorded by today's code,
   # so the first three trials of each shape (3 workers) count as firsts.
@@ -95,15 +90,10 @@ def second(out: pathlib.Path, checkout: pathlib.Path) -> dict:
   shutil.rmtree(cache, ignore_errors=True)
   results = []
   for _ in range(2):
-    done = subprocess.run(
-        [sys.executable, "launch.py", "--config=experiments/base.py", "--mode=benchmark",
-         "--config.benchmark.steps=2", "--config.benchmark.warmup=1",
-         "--config.benchmark.decode_steps=0"],
-        cwd=checkout, capture_output=True, text=True,
-        env=_environment(checkout, TRANSFORMER_JAX_COMPILE_CACHE=str(cache)))
-    if done.returncode:
-      sys.exit(done.stdout[-3000:] + done.stderr[-3000:])
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = last_json(launch(
+        "--config=experiments/base.py", "--mode=benchmark", "--config.benchmark.steps=2",
+        "--config.benchmark.warmup=1", "--config.benchmark.decode_steps=0", cwd=checkout,
+        env=_environment(checkout, TRANSFORMER_JAX_COMPILE_CACHE=str(cache))))
     result["startup_s"] = result.get("setup_s", 0.0) + result["compile_s"]
     results.append({k: result.get(k) for k in ("startup_s", "setup_s", "compile_s", "trace_s",
                                                "lower_s", "backend_compile_s", "compile_cache",
@@ -116,12 +106,12 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("what", choices=("sweep", "second"))
   parser.add_argument("out", type=pathlib.Path)
-  parser.add_argument("--checkout", type=pathlib.Path, default=REPO)
+  parser.add_argument("--checkout", type=pathlib.Path, default=ROOT)
   args = parser.parse_args()
   args.out.mkdir(parents=True, exist_ok=True)
   result = (sweep if args.what == "sweep" else second)(args.out.resolve(),
                                                        args.checkout.resolve())
-  print(json.dumps({"what": args.what, "checkout": "this" if args.checkout.resolve() == REPO
+  print(json.dumps({"what": args.what, "checkout": "this" if args.checkout.resolve() == ROOT
                     else "other", **result}, indent=2))
 
 

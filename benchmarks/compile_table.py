@@ -1,9 +1,9 @@
 """The `--mode=compile` tables of docs/benchmarks.md: models x TPU slices or GPUs x meshes x
 batches.
 
-  python benchmarks/compile_table.py OUT_DIR [--models base,big,xl] [--topologies v5e:2x4,...]
-  python benchmarks/compile_table.py OUT_DIR --topologies h100,h100-8   # NVIDIA GPUs
-  python benchmarks/compile_table.py OUT_DIR --models xl --topologies h100-8 --meshes fsdp
+  python -m benchmarks.compile_table OUT_DIR [--models base,big,xl] [--topologies v5e:2x4,...]
+  python -m benchmarks.compile_table OUT_DIR --topologies h100,h100-8   # NVIDIA GPUs
+  python -m benchmarks.compile_table OUT_DIR --models xl --topologies h100-8 --meshes fsdp
 
 Each row is one `transformer-jax --mode=compile` run in its own process (a compile of `big` takes
 minutes on two cores, `xl` longer). Rows are appended to OUT_DIR/rows.jsonl as they finish and a

@@ -1,7 +1,7 @@
 """Our greedy and beam decoding against CTranslate2's (float32 and int8, CPU) on one Llama model,
 side by side in one run.
 
-  python benchmarks/ct2_decode.py [DATA_DIR] [--prompts N] [--new_tokens T] [--batch B]
+  python -m benchmarks.ct2_decode [DATA_DIR] [--prompts N] [--new_tokens T] [--batch B]
 
 A LlamaForCausalLM is built by `transformers` (random weights drawn so that each layer keeps
 its activations' scale and greedy choices are not near-ties; nothing is downloaded) with a
@@ -32,17 +32,11 @@ import sentencepiece as spm
 import torch
 import transformers
 
+from benchmarks.common import MULTI30K, cut, lines
 from transformer_jax import config as config_lib
 from transformer_jax.eval import decode
 from transformer_jax.eval.load import load_trained
 from transformer_jax.tools import hf
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def lines(path, count):
-  with open(path, encoding="utf-8") as f:
-    return [line.strip() for line, _ in zip(f, range(count)) if line.strip()]
 
 
 def build(data, root, args):
@@ -88,15 +82,9 @@ def timed(fn, repeats):
   return statistics.median(times), result
 
 
-def cut(row, eos):
-  row = list(row)
-  return row[:row.index(eos)] if eos in row else row
-
-
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("data", nargs="?", default=os.path.join(ROOT, "..", "shared", "data",
-                                                              "multi30k"))
+  parser.add_argument("data", nargs="?", default=str(MULTI30K))
   parser.add_argument("--prompts", type=int, default=64)
   parser.add_argument("--new_tokens", type=int, default=32)
   parser.add_argument("--batch", type=int, default=16)

@@ -1,7 +1,7 @@
 """Fine-tuning imported Hugging Face models on Multi30k: a GPT-2 continued on the English side,
 a BERT classifier trained to tell English from German captions.
 
-  python benchmarks/hf_finetune.py [DATA_DIR] [STEPS]
+  python -m benchmarks.hf_finetune [DATA_DIR] [STEPS]
 
 Both models are built by `transformers` at random initialisation (small configs; nothing is
 downloaded) with tokenizers trained here by the `tokenizers` library (byte-level BPE, WordPiece),
@@ -12,11 +12,10 @@ to ours.
 DATA_DIR (default ../shared/data/multi30k) holds train.en/de and val.en/de.
 """
 
+import argparse
 import glob
 import json
 import os
-import subprocess
-import sys
 import tempfile
 
 import numpy as np
@@ -32,25 +31,13 @@ from tokenizers import (
   trainers,
 )
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def lines(path, count=None):
-  with open(path, encoding="utf-8") as f:
-    return [line.strip() for line in f if line.strip()][:count]
-
-
-def launch(*flags):
-  done = subprocess.run([sys.executable, os.path.join(ROOT, "launch.py"), *flags],
-                        capture_output=True, text=True, cwd=ROOT)
-  if done.returncode:
-    raise SystemExit(f"launch.py {' '.join(flags)} failed:\n{done.stderr[-3000:]}")
-  return done.stdout
+from benchmarks.common import MULTI30K, launch, lines
+from transformer_jax.train.logger import read_metrics
 
 
 def losses(workdir):
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    records = [json.loads(line) for line in f]
+  """(step, train loss) and (step, eval loss) of a workdir's metrics."""
+  records = read_metrics(workdir)
   return [(r["step"], round(r["loss"], 3)) for r in records if r["split"] == "train"], \
       [(r["step"], round(r["loss"], 3)) for r in records if r["split"] == "eval"]
 
@@ -154,9 +141,12 @@ def transformers_accuracy(hf_dir, tsv):
 
 
 def main():
-  data = sys.argv[1] if len(sys.argv) > 1 else os.path.join(ROOT, "..", "shared", "data",
-                                                             "multi30k")
-  steps = int(sys.argv[2]) if len(sys.argv) > 2 else 300
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("data", nargs="?", default=str(MULTI30K),
+                      help="Multi30k's train and val .en/.de")
+  parser.add_argument("steps", nargs="?", type=int, default=300, help="training steps of each")
+  args = parser.parse_args()
+  data, steps = args.data, args.steps
   with tempfile.TemporaryDirectory() as root:
     for name, run in (("gpt2 on Multi30k English", gpt2), ("bert en/de classifier", bert)):
       workdir = run(os.path.abspath(data), root, steps)

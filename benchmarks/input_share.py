@@ -1,6 +1,6 @@
 """The input share of a loop whose step leaves the host idle, as on an accelerator.
 
-  python benchmarks/input_share.py [STEP_MS] [CONFIG]
+  python -m benchmarks.input_share [STEP_MS] [CONFIG]
 
 On this CPU the train step itself keeps the cores busy, so the log's `input` share mixes batch
 making with the step's own threads. Here the step is a sleep of STEP_MS (default 3, about the

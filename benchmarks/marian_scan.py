@@ -1,7 +1,7 @@
 """The SCAN demo model exported as Marian: our greedy against transformers' and CTranslate2's on
 every SCAN test command, then the decoding speed of the three side by side.
 
-  python benchmarks/marian_scan.py WORKDIR [COUNT]
+  python -m benchmarks.marian_scan WORKDIR [COUNT]
 
 WORKDIR is a trained encoder-decoder workdir whose options Marian expresses: the `make demo`
 recipe with Marian's LayerNorm epsilon and zero start embedding (CTranslate2 starts every Marian
@@ -19,9 +19,9 @@ the references and the seconds taken (greedy, and beam 4 for ours and CTranslate
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 
@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.common import cut
 from transformer_jax import config as config_lib
 from transformer_jax.data import scan
 from transformer_jax.eval import decode
@@ -36,15 +37,7 @@ from transformer_jax.eval.load import load_trained
 from transformer_jax.eval.translate import encode_sources
 from transformer_jax.tools import hf
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 BATCH = 512
-
-
-def _cut(ids, eos):
-  """ids up to (without) the first EOS."""
-  ids = list(ids)
-  return ids[:ids.index(eos)] if eos in ids else ids
 
 
 def _search(params, cfg, inputs, length: int, beam: int):
@@ -69,7 +62,7 @@ def ours(trained, config, commands, beam: int = 0):
     tokens = np.asarray(jax.block_until_ready(_search(trained.params, cfg, inputs, length, beam)))
     seconds += time.perf_counter() - begin
     n = min(BATCH, len(commands) - start)
-    outputs += [_cut(row, 2) for row in tokens[:n].tolist()]
+    outputs += [cut(row, 2) for row in tokens[:n].tolist()]
   return outputs, seconds
 
 
@@ -85,7 +78,7 @@ def transformers_greedy(hf_dir, commands, length):
     with torch.no_grad():
       out = model.generate(**batch, max_new_tokens=length, do_sample=False, num_beams=1,
                            forced_eos_token_id=None)  # ours forces no EOS at the limit
-    outputs += [_cut(row[1:], model.config.eos_token_id) for row in out.tolist()]
+    outputs += [cut(row[1:], model.config.eos_token_id) for row in out.tolist()]
   return outputs, time.perf_counter() - begin
 
 
@@ -163,10 +156,12 @@ def compare(workdir: str, out_dir: str, count=None, timing: bool = True) -> dict
 
 
 def main():
-  workdir = sys.argv[1]
-  count = int(sys.argv[2]) if len(sys.argv) > 2 else None
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("workdir", help="a trained workdir of the recipe above")
+  parser.add_argument("count", nargs="?", type=int, help="the first COUNT test commands (all)")
+  args = parser.parse_args()
   with tempfile.TemporaryDirectory() as out_dir:
-    print(json.dumps(compare(workdir, out_dir, count), indent=2))
+    print(json.dumps(compare(args.workdir, out_dir, args.count), indent=2))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """How soon a training run reaches its first step: a first start against a second one.
 
-  python benchmarks/second_start.py DATA_DIR OUT_DIR [launch.py flags ...]
+  python -m benchmarks.second_start DATA_DIR OUT_DIR [launch.py flags ...]
 
 Runs `launch.py --mode=train` twice on `data.source=files` in DATA_DIR (e.g. the corpus of
 `benchmarks/synthetic_wmt.py`), each time in a new workdir under OUT_DIR, with the cache in
@@ -14,6 +14,7 @@ compile time, which the cache does not change, stays small beside the input path
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import pathlib
@@ -22,7 +23,8 @@ import subprocess
 import sys
 import time
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+from benchmarks.common import ROOT
+
 FLAGS = [
     "--config=experiments/wmt14_ende_base.py", "--mode=train",
     "--config.data.source=files", "--config.data.format=parallel",
@@ -40,7 +42,7 @@ def first_step(workdir: pathlib.Path, flags: list[str]) -> tuple[float, list[str
   """(seconds to the first `step` line, the lines printed before it)."""
   start = time.perf_counter()
   process = subprocess.Popen(
-      [sys.executable, "launch.py", *flags, f"--workdir={workdir}"], cwd=REPO,
+      [sys.executable, "launch.py", *flags, f"--workdir={workdir}"], cwd=ROOT,
       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   lines, seconds = [], None
   for line in process.stdout:
@@ -54,11 +56,14 @@ def first_step(workdir: pathlib.Path, flags: list[str]) -> tuple[float, list[str
 
 
 def main():
-  data_dir, out_dir = (pathlib.Path(p).resolve() for p in sys.argv[1:3])
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+  parser.add_argument("data_dir", type=pathlib.Path, help="train/valid/test files")
+  parser.add_argument("out_dir", type=pathlib.Path)
+  args, extra = parser.parse_known_args()  # the rest: launch.py flags for both runs
+  data_dir, out_dir = args.data_dir.resolve(), args.out_dir.resolve()
   cache = out_dir / "cache"
   shutil.rmtree(cache, ignore_errors=True)
-  flags = FLAGS + [f"--config.data.path={data_dir}", f"--config.data.cache_dir={cache}",
-                   *sys.argv[3:]]
+  flags = FLAGS + [f"--config.data.path={data_dir}", f"--config.data.cache_dir={cache}", *extra]
   results = {}
   for name in ("first", "second"):
     workdir = out_dir / f"run_{name}"

@@ -1,7 +1,7 @@
 """Long outages of a bucket's store at chosen moments of a run (issue 55): the rows of
 docs/storage.md.
 
-  python benchmarks/storage_outage.py STORE:MOMENT:DOWN_S[:BOUND_S] ... [--jobs=N]
+  python -m benchmarks.storage_outage STORE:MOMENT:DOWN_S[:BOUND_S] ... [--jobs=N]
 
 Each row trains the tests' small run (tests/test_checkpoint.py's RUN: 8 steps, every step
 checkpointed) into gs://bucket/... or s3://bucket/... on the tests' emulators (tests/emulators.py,
@@ -27,7 +27,7 @@ cores.
 
 The issue's long outages (at least 10 moments per store, up to 200 s, the bound 300 s, and past
 it), as docs/storage.md ran them:
-  python benchmarks/storage_outage.py gs:step-2:200 gs:arrays-1:70 ... --jobs=4
+  python -m benchmarks.storage_outage gs:step-2:200 gs:arrays-1:70 ... --jobs=4
 """
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.join(REPO, "tests"))
+# tests/ is not a package: test_checkpoint.py imports launcher.py by its own name.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "tests"))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402

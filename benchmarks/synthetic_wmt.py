@@ -1,6 +1,6 @@
 """A synthetic parallel corpus the size and shape of WMT14 En-De, for timing the input path.
 
-  python benchmarks/synthetic_wmt.py OUTDIR [--pairs 4500000] [--seed 0]
+  python -m benchmarks.synthetic_wmt OUTDIR [--pairs 4500000] [--seed 0]
 
 Writes OUTDIR/train.en + train.de (4.5M pairs by default), valid.* and test.* (3,000 pairs each):
 `data.source=files`, `data.format=parallel`, `data.path=OUTDIR`. About 1.3 GB; generated in

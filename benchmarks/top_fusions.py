@@ -1,6 +1,6 @@
 """What moves the bytes: the top kernels of a compiled train step by HBM bytes (and their FLOPs).
 
-  python benchmarks/top_fusions.py --config=base --topology=v5e:2x4 [--batch_size=256] \
+  python -m benchmarks.top_fusions --config=base --topology=v5e:2x4 [--batch_size=256] \
       [--mesh=data=8] [--top=15]
 
 The train step is compiled for the target as `--mode=compile` compiles it (same batch rules, a

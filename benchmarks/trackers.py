@@ -1,6 +1,6 @@
 """Training throughput of the tiny model with each experiment tracker on and off, in one run.
 
-  python benchmarks/trackers.py [BLOCKS [LOG_EVERY [INTERVAL_S]]]   (default: 40 100, the config's)
+  python -m benchmarks.trackers [BLOCKS [LOG_EVERY [INTERVAL_S]]]   (default: 40 100, the config's)
 
 One process trains experiments/tiny.py (its train step and batches, as train/loop.py runs them)
 through four MetricLoggers at once, each with its own workdir: TensorBoard alone (today's
@@ -18,6 +18,7 @@ INTERVAL_S: train.tracker_interval_s, the least time between two sends of scalar
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -29,7 +30,6 @@ import tempfile
 import time
 import urllib.request
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
@@ -138,4 +138,8 @@ def main(blocks: int = 40, log_every: int = 100, interval_s: float | None = None
 
 
 if __name__ == "__main__":
-  main(*map(int, sys.argv[1:3]), *map(float, sys.argv[3:4]))
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("blocks", nargs="?", type=int, default=40)
+  parser.add_argument("log_every", nargs="?", type=int, default=100)
+  parser.add_argument("interval_s", nargs="?", type=float, help="(default: the config's)")
+  main(**vars(parser.parse_args()))

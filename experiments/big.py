@@ -1,14 +1,12 @@
 """Transformer big (Vaswani et al., 2017, Table 3): 6+6 layers, d_model 1024, 16 heads, 214M
 parameters."""
 
-from transformer_jax.config import default_config
+from transformer_jax.experiments import base
 
 
 def get_config():
-  c = default_config()
-  c.model.update(d_model=1024, num_heads=16, d_ff=4096, num_encoder_layers=6, num_decoder_layers=6,
-                 dropout_rate=0.3, vocab_size=37000, share_embeddings=True, tie_output=True,
-                 max_len=256)
-  c.train.update(steps=300_000, schedule="rsqrt", learning_rate=1.0, warmup_steps=4000,
-                 label_smoothing=0.1, checkpoint_every=5000)
+  """base with the paper's big sizes: wider, more heads, more dropout, three times the steps."""
+  c = base.get_config()
+  c.model.update(d_model=1024, num_heads=16, d_ff=4096, dropout_rate=0.3)
+  c.train.steps = 300_000
   return c

@@ -38,10 +38,10 @@ GEOMETRIC_HEAD):
 
   .venv/bin/python launch.py --config=experiments/scan_cutoff.py --workdir=runs/scan_cutoff \
     --sweep --config.sweep.trials=6,7,8
-  .venv/bin/python benchmarks/scan_cutoff_table.py runs/scan_cutoff
+  .venv/bin/python -m benchmarks.analysis.scan_cutoff_table runs/scan_cutoff
 
 The sweep's results.md lists dev (the fit); the table of test, cutoff x option with median, min
-and max over seeds and the oracle length beside, is benchmarks/scan_cutoff_table.py's.
+and max over seeds and the oracle length beside, is benchmarks/analysis/scan_cutoff_table.py's.
 
 One run by hand (cutoff 26, the chosen option, seed 0; --config.seed=1 for another seed):
 

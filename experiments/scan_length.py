@@ -40,8 +40,8 @@ paper's model, far from issue 29's aim of 50%):
 Why every option stays far below 50%: 3,144 of the 3,920 test commands (80.2%) repeat an
 8-action chunk ("jump around left") three times, which no train command does (the longest
 repetition trained is that chunk twice); of those, the runs of docs/benchmarks.md got one right
-in all. `benchmarks/scan_structure.py` prints what each part holds and, given runs, their exact
-match by kind of command.
+in all. `benchmarks/analysis/scan_structure.py` prints what each part holds and, given runs, their
+exact match by kind of command.
 
 Every evaluation of this recipe also reports exact match with the oracle length (EOS masked out,
 decoding stopped at the reference's length: the gap to exact match is the error in stopping),

@@ -1,6 +1,7 @@
 """A tiny model on SCAN for tests and smoke runs: seconds per run on a CPU."""
 
 from transformer_jax.config import default_config
+from transformer_jax.experiments import scan_simple
 from transformer_jax.tools import sweep
 
 
@@ -11,9 +12,7 @@ def get_config():
   # One length bucket (64 >= max_target_len): every batch has the same shape, so a run traces
   # and compiles its train step once, not once per bucket (a warm run: about a third less CPU,
   # which the tests' many tiny runs add up).
-  c.data.update(source="scan", scan_split="simple", max_source_len=12, max_target_len=50,
-                batching="tokens", tokens_per_batch=256, bucket_width=64)
-  c.data.tokenizer.model_type = "word"
+  scan_simple.scan_data(c.data, tokens_per_batch=256, bucket_width=64)
   c.train.update(steps=20, schedule="constant", learning_rate=1e-3, warmup_steps=0,
                  log_every=10, checkpoint_every=10)
   c.eval.update(batch_size=64, max_examples=64)

@@ -47,6 +47,13 @@ def launch(*flags):
   return types.SimpleNamespace(returncode=code, stdout=out, stderr=err)
 
 
+def report_of(result):
+  """The JSON report of a --mode=compile run that succeeded, and the text printed before it."""
+  assert result.returncode == 0, result.stderr
+  lines = result.stdout.strip().splitlines()
+  return json.loads(lines[-1]), "\n".join(lines[:-1])
+
+
 def test_estimate_takes_the_cost_model_or_else_a_roofline():
   v5e = dict(CHIPS)["TPU v5 lite"]
   assert compile_lib.estimate_seconds({"optimal_seconds": 0.25}, v5e)[0] == 0.25
@@ -64,16 +71,17 @@ def test_every_chip_has_its_spec():
     assert isinstance(chip, Chip) and chip.peak_flops > 1e14 and chip.hbm_bytes > 1e10
 
 
-def test_compile_mode_reports_memory_flops_and_estimates_for_a_slice():
+def tpu_launch(*flags):
+  """--mode=compile for a v5e 2x2 slice, batch 16 (skipped without libtpu)."""
   pytest.importorskip("libtpu")
-  result = launch(*TINY, "--config.compile.topology=v5e:2x2", "--config.mesh.data=1",
-                  "--config.mesh.fsdp=2", "--config.mesh.tensor=2",
-                  "--config.compile.batch_size=16")
-  assert result.returncode == 0, result.stderr
+  return launch(*TINY, "--config.compile.topology=v5e:2x2", "--config.compile.batch_size=16",
+                *flags)
+
+
+def test_compile_mode_reports_memory_flops_and_estimates_for_a_slice():
+  result = tpu_launch("--config.mesh.data=1", "--config.mesh.fsdp=2", "--config.mesh.tensor=2")
+  report, text = report_of(result)
   assert result.stderr == ""  # no TPU runtime warnings reach the user
-  lines = result.stdout.strip().splitlines()
-  report = json.loads(lines[-1])
-  text = "\n".join(lines[:-1])
   assert "not measurements" in text and "fits" in text
   assert report["chips"] == 4 and report["chip"] == "TPU v5e"
   assert report["mesh"] == {"data": 1, "fsdp": 2, "tensor": 2}
@@ -89,12 +97,9 @@ def test_compile_mode_reports_memory_flops_and_estimates_for_a_slice():
 
 
 def test_compile_mode_compiles_a_decoder_only_model_with_its_prompt_cache():
-  pytest.importorskip("libtpu")
-  result = launch(*TINY, "--config.compile.topology=v5e:2x2", "--config.compile.batch_size=16",
-                  "--config.model.arch=decoder_only", "--config.model.num_kv_heads=2",
-                  "--config.model.positional=relative_bias")
-  assert result.returncode == 0, result.stderr
-  report = json.loads(result.stdout.strip().splitlines()[-1])
+  report, _ = report_of(tpu_launch("--config.model.arch=decoder_only",
+                                   "--config.model.num_kv_heads=2",
+                                   "--config.model.positional=relative_bias"))
   train = report["train"]
   assert train["batch"] == "16 rows x (source 12 + target 50)"  # one sequence of both
   assert 0.9 < train["compiled_flops"] / train["model_flops"] < 1.6
@@ -183,10 +188,8 @@ def gpu_launch(*flags):
 
 def test_compile_mode_reports_for_one_h100():
   result = gpu_launch("--config.compile.topology=h100")
-  assert result.returncode == 0, result.stderr
+  report, text = report_of(result)
   assert result.stderr == ""  # no CUDA driver warnings on a machine without a GPU
-  lines = result.stdout.strip().splitlines()
-  report, text = json.loads(lines[-1]), "\n".join(lines[:-1])
   assert "not autotuned" in text and "NVLink and network transfers not counted" in text
   assert "memory per GPU" in text and "fits" in text and "989 TFLOP/s" in text
   assert report["platform"] == "gpu" and report["chips"] == 1 and report["chip"] == "H100"
@@ -215,10 +218,8 @@ def test_the_measured_models_say_how_far_their_estimate_was():
 
 
 def test_compile_mode_splits_a_step_over_eight_h100s():
-  result = gpu_launch("--config.compile.topology=h100-8", "--config.mesh.data=2",
-                      "--config.mesh.fsdp=2", "--config.mesh.tensor=2")
-  assert result.returncode == 0, result.stderr
-  report = json.loads(result.stdout.strip().splitlines()[-1])
+  report, _ = report_of(gpu_launch("--config.compile.topology=h100-8", "--config.mesh.data=2",
+                                   "--config.mesh.fsdp=2", "--config.mesh.tensor=2"))
   assert report["chips"] == 8 and report["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2}
   train = report["train"]
   assert 22_400 * 4 / 4 <= train["params_bytes"] < 22_400 * 4 / 2

@@ -35,17 +35,17 @@ OTHERS = {
     "python3 -m pip download": "the same",
     "setsid nohup bash benchmarks/gpu.sh": "the same GPU run, detached",
     "sleep": "waiting on the GPU machine",
-    ".venv/bin/python benchmarks/compile_table.py": "test_compile (its --mode=compile rows)",
-    ".venv/bin/python benchmarks/top_fusions.py": "test_top_fusions (its kernel accounting)",
+    ".venv/bin/python -m benchmarks.compile_table": "test_compile (its --mode=compile rows)",
+    ".venv/bin/python -m benchmarks.top_fusions": "test_top_fusions (its kernel accounting)",
     # Timings of the input path (minutes on a 1.3 GB corpus); the code they time is tested.
-    ".venv/bin/python benchmarks/synthetic_wmt.py": "writes the timing corpus, never committed",
-    ".venv/bin/python benchmarks/second_start.py": "test_cache (a second start from the cache)",
-    ".venv/bin/python benchmarks/input_share.py": "test_benchmark (benchmark.input's path)",
+    ".venv/bin/python -m benchmarks.synthetic_wmt": "writes the timing corpus, never committed",
+    ".venv/bin/python -m benchmarks.second_start": "test_cache (a second start from the cache)",
+    ".venv/bin/python -m benchmarks.input_share": "test_benchmark (benchmark.input's path)",
     # Timings of a workdir in a bucket (the GCS emulator); the code they time is tested.
-    ".venv/bin/python benchmarks/bucket_checkpoint.py": "test_bucket_workdir (its checkpoints)",
-    ".venv/bin/python benchmarks/bucket_logging.py": "test_bucket_workdir (its metrics)",
+    ".venv/bin/python -m benchmarks.bucket_checkpoint": "test_bucket_workdir (its checkpoints)",
+    ".venv/bin/python -m benchmarks.bucket_logging": "test_bucket_workdir (its metrics)",
     # Minutes of waiting on a store that is down; test_bucket_outage rides out short outages.
-    ".venv/bin/python benchmarks/storage_outage.py": "test_bucket_outage (the same runs, short)",
+    ".venv/bin/python -m benchmarks.storage_outage": "test_bucket_outage (the same runs, short)",
     "printf ": "writes the input of the next command (a launch.py command, checked)",
     ".venv/bin/python -m transformer_jax.tools.profile": "test_profile (the same command)",
     "cd \"$SLURM_SUBMIT_DIR\"": "a SLURM job script (its launch.py line is checked)",
@@ -54,28 +54,30 @@ OTHERS = {
     "make install && .venv/bin/pip install -e": "the Cloud TPU set-up (inside gcloud ... ssh)",
     "hf download": "the hub's own tool, on a machine with network; test_hf imports what "
                    "transformers' save_pretrained writes",
-    ".venv/bin/python benchmarks/hf_finetune.py": "test_hf (import, train further, export)",
-    "JAX_PLATFORMS=cpu .venv/bin/python benchmarks/ct2_decode.py": "test_hf_llama (the Llama "
+    ".venv/bin/python -m benchmarks.hf_finetune": "test_hf (import, train further, export)",
+    "JAX_PLATFORMS=cpu .venv/bin/python -m benchmarks.ct2_decode": "test_hf_llama (the Llama "
     "export that CTranslate2 converts and decodes as ours)",
-    ".venv/bin/python benchmarks/marian_scan.py": "test_hf_marian (a sample of the same check)",
-    ".venv/bin/python benchmarks/scan_structure.py": "test_scan runs it and checks its table",
+    ".venv/bin/python -m benchmarks.marian_scan": "test_hf_marian (a sample of the same check)",
+    ".venv/bin/python -m benchmarks.analysis.scan_structure": "test_scan runs it and checks its "
+    "table",
     ".venv/bin/python -m pytest -q -s tests/test_hf_scores.py": "the test itself (its printed "
     "figures)",
     ".venv/bin/wandb sync": "W&B's own upload (needs its service); test_trackers reads the "
                             "offline run files with W&B's own reader",
     ".venv/bin/mlflow ui": "MLflow's own UI; test_trackers reads the runs through its server",
-    ".venv/bin/python benchmarks/trackers.py": "test_trackers (the same trackers, shorter runs)",
+    ".venv/bin/python -m benchmarks.trackers": "test_trackers (the same trackers, shorter runs)",
     ".venv/bin/optuna-dashboard": "Optuna's viewer of the study test_sweep_postgres fills",
     "export TRANSFORMER_JAX_SWEEP_STORAGE=": "test_sweep_postgres reads its study by this "
                                              "variable, the password from PGPASSWORD",
     "kubectl": "GKE (its launch.py lines are checked)",
     "sudo -u postgres psql": "tests/postgres.py makes the sweep tests' user and database so",
     "for vm in": "gcloud in a loop (its launch.py lines are checked)",
-    "nice -n 19 .venv/bin/python benchmarks/sweep_search.py": "test_sweep (the same sweeps, "
+    "nice -n 19 .venv/bin/python -m benchmarks.sweep_search": "test_sweep (the same sweeps, "
     "smaller)",
-    ".venv/bin/python benchmarks/scan_cutoff_table.py": "test_scan runs it on runs it writes",
+    ".venv/bin/python -m benchmarks.analysis.scan_cutoff_table": "test_scan runs it on runs it "
+    "writes",
     "git worktree add": "a second checkout of an earlier commit, for a side-by-side timing",
-    ".venv/bin/python benchmarks/compile_once.py": "test_compile_once and test_sweep (the same "
+    ".venv/bin/python -m benchmarks.compile_once": "test_compile_once and test_sweep (the same "
     "start-ups, from JAX's own events)",
     'S="tests/': "the suite's own files (a shell variable for the two lines below)",
     "time .venv/bin/python -m pytest": "the suite itself, timed",

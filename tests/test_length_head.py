@@ -299,9 +299,7 @@ def test_on_the_length_split_the_heads_figures_come_by_group_too():
 def test_impossible_settings_are_refused_in_one_line(changes, message):
   c = tiny.get_config()
   c.model.length_head = True
-  for key, value in changes.items():
-    section, name = key.split(".")
-    c[section][name] = value
+  c.update_from_flattened_dict(changes)
   with pytest.raises(UserError, match=message):
     config_lib.validate(c)
 

@@ -372,9 +372,7 @@ def test_the_chunked_step_holds_no_tokens_by_vocabulary_array():
 ])
 def test_a_bad_loss_chunk_is_one_line(overrides, message):
   c = tiny.get_config()
-  for key, value in overrides.items():
-    section, name = key.split(".")
-    c[section][name] = value
+  c.update_from_flattened_dict(overrides)
   with pytest.raises(UserError, match=message):
     config_lib.validate(c)
 

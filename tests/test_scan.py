@@ -1,6 +1,5 @@
 """The SCAN generator against the grammar's published counts and semantics."""
 
-import importlib.util
 import json
 import re
 import subprocess
@@ -11,6 +10,10 @@ import pytest
 from transformer_jax import config as config_lib
 from transformer_jax.core.errors import UserError
 from transformer_jax.data import scan, sources
+
+# The result-table scripts run as the docs run them: python -m benchmarks.analysis.NAME.
+STRUCTURE = [sys.executable, "-m", "benchmarks.analysis.scan_structure"]
+CUTOFF_TABLE = [sys.executable, "-m", "benchmarks.analysis.scan_cutoff_table"]
 
 
 def test_grammar_yields_exactly_20910_distinct_commands():
@@ -71,9 +74,9 @@ def test_the_length_test_falls_into_776_trained_and_3144_unseen_repetition_count
 
 
 def test_structure_table_prints_the_counts_of_each_part():
-  """benchmarks/scan_structure.py, as docs/benchmarks.md runs it: one row per (chunk, times),
-  one column per part, the counts of `repetition_counts`."""
-  out = subprocess.run([sys.executable, "benchmarks/scan_structure.py", "--dev_cutoff=16"],
+  """benchmarks/analysis/scan_structure.py, as docs/benchmarks.md runs it: one row per
+  (chunk, times), one column per part, the counts of `repetition_counts`."""
+  out = subprocess.run([*STRUCTURE, "--dev_cutoff=16"],
                        check=True, capture_output=True, text=True).stdout
   rows = {line.split(" | ")[0].strip("| "): line for line in out.splitlines()
           if line.startswith("| ") and " x " in line.split(" | ")[0]}
@@ -87,10 +90,9 @@ def test_structure_table_prints_the_counts_of_each_part():
 
 
 def test_kinds_of_command_name_the_repeated_8_action_chunks():
-  """benchmarks/scan_structure.py's rows of exact match by kind: each command gets one kind."""
-  spec = importlib.util.spec_from_file_location("scan_structure", "benchmarks/scan_structure.py")
-  structure = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(structure)
+  """benchmarks/analysis/scan_structure.py's rows of exact match by kind: each command gets one
+  kind."""
+  from benchmarks.analysis import scan_structure as structure
   assert structure.kind("jump around left thrice") == "8x3"
   assert structure.kind("jump twice after look around right thrice") == "8x3 + short"
   assert structure.kind("walk around left and run around right twice") == "8x2 + 8x1"
@@ -246,8 +248,9 @@ def test_export_mode_writes_tab_separated_pairs():
 
 
 def test_cutoff_table_gives_median_min_max_over_seeds_of_each_cutoff_and_option(tmp_path):
-  """benchmarks/scan_cutoff_table.py over run directories as training leaves them (config.json,
-  eval/STEPS.test.greedy.json): one row per (cutoff, option), unscored runs counted apart."""
+  """benchmarks/analysis/scan_cutoff_table.py over run directories as training leaves them
+  (config.json, eval/STEPS.test.greedy.json): one row per (cutoff, option), unscored runs
+  counted apart."""
   def run(name, split, arch, positional, seed, exact=None, oracle=None, more="sweep", **model):
     c = config_lib.default_config()
     c.data.scan_split, c.model.arch, c.model.positional, c.seed = split, arch, positional, seed
@@ -265,7 +268,7 @@ def test_cutoff_table_gives_median_min_max_over_seeds_of_each_cutoff_and_option(
   run("b0", "length_cutoff_24", "encoder_decoder", "sinusoidal", 0, 0.125, 0.25)
   run("b1", "length_cutoff_24", "encoder_decoder", "sinusoidal", 1)  # not finished
   run("c0", "length", "encoder_decoder", "sinusoidal", 0, 0.5, 0.5)  # not a re-split
-  out = subprocess.run([sys.executable, "benchmarks/scan_cutoff_table.py", str(tmp_path / "sweep")],
+  out = subprocess.run([*CUTOFF_TABLE, str(tmp_path / "sweep")],
                        check=True, capture_output=True, text=True).stdout.splitlines()
   rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in out[2:]]
   assert rows == [
@@ -288,7 +291,7 @@ def test_cutoff_table_gives_median_min_max_over_seeds_of_each_cutoff_and_option(
   c.data.batching, c.data.batch_size, c.model.embed_scale = "fixed", 256, False
   (tmp_path / "more" / "f0").mkdir()
   (tmp_path / "more" / "f0" / "config.json").write_text(c.to_json_best_effort())
-  out = subprocess.run([sys.executable, "benchmarks/scan_cutoff_table.py", str(tmp_path / "sweep"),
+  out = subprocess.run([*CUTOFF_TABLE, str(tmp_path / "sweep"),
                         str(tmp_path / "more")], check=True, capture_output=True,
                        text=True).stdout.splitlines()
   assert [[cell.strip() for cell in line.strip("|").split("|")][:3] for line in out[2:]] == [
@@ -305,13 +308,13 @@ def test_cutoff_table_gives_median_min_max_over_seeds_of_each_cutoff_and_option(
   e.data.scan_split, e.train.steps = "length_cutoff_24", 2000
   (tmp_path / "more" / "g1").mkdir()
   (tmp_path / "more" / "g1" / "config.json").write_text(e.to_json_best_effort())
-  out = subprocess.run([sys.executable, "benchmarks/scan_cutoff_table.py", str(tmp_path / "sweep"),
+  out = subprocess.run([*CUTOFF_TABLE, str(tmp_path / "sweep"),
                         str(tmp_path / "more")], check=True, capture_output=True,
                        text=True).stdout.splitlines()
   assert [[cell.strip() for cell in line.strip("|").split("|")][1] for line in out[2:]][:2] == [
       "encoder-decoder, sinusoidal (the paper's), 1,000 steps",
       "encoder-decoder, sinusoidal (the paper's), dropout 0.1, 2,000 steps"]
-  empty = subprocess.run([sys.executable, "benchmarks/scan_cutoff_table.py", str(tmp_path / "no")],
+  empty = subprocess.run([*CUTOFF_TABLE, str(tmp_path / "no")],
                          capture_output=True, text=True)
   assert empty.returncode == 2 and empty.stderr.startswith("error: no run")
 
@@ -342,7 +345,7 @@ def test_cutoff_table_gives_a_length_head_run_a_row_for_each_decoding(tmp_path):
   (tmp_path / "h2" / "config.json").write_text(c.to_json_best_effort())
   (tmp_path / "h2" / "eval" / f"{c.train.steps}.test.greedy-lengthhead.json").write_text(
       json.dumps({"exact_match": 1.0, "oracle_exact_match": 1.0, "length_head_accuracy": 1.0}))
-  out = subprocess.run([sys.executable, "benchmarks/scan_cutoff_table.py", str(tmp_path)],
+  out = subprocess.run([*CUTOFF_TABLE, str(tmp_path)],
                        check=True, capture_output=True, text=True).stdout.splitlines()
   assert out[0].endswith("| length head: exact lengths, median [min, max] |")
   rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in out[2:]]

@@ -315,18 +315,28 @@ def test_a_missing_bucket_is_one_error(scheme, stores):
   assert f"the bucket {scheme}://no-such-bucket does not exist" in one_line(error)
 
 
-@pytest.mark.parametrize("scheme, variable", [("gs", "STORAGE_EMULATOR_HOST"),
-                                              ("s3", "AWS_ENDPOINT_URL_S3")])
-def test_an_endpoint_that_does_not_answer_is_one_error_within_the_timeout(scheme, variable,
-                                                                          stores, monkeypatch):
-  silent = f"http://127.0.0.1:{emulators.free_port()}"  # nothing listens there
-  monkeypatch.setenv(variable, silent)
+# Each store's variable for its endpoint.
+ENDPOINTS = pytest.mark.parametrize("scheme, variable", [("gs", "STORAGE_EMULATOR_HOST"),
+                                                         ("s3", "AWS_ENDPOINT_URL_S3")])
+
+
+def _bucket_check_error(scheme, variable, endpoint, monkeypatch, within_s):
+  """check_bucket's one-line error at a store reached at `endpoint`, with a 2 s timeout; it must
+  come within `within_s` seconds."""
+  monkeypatch.setenv(variable, endpoint)
   monkeypatch.setenv(storage.TIMEOUT_ENV, "2")
   start = time.time()
   with pytest.raises(UserError) as error:
     storage.check_bucket(f"{scheme}://bucket/run")
-  assert time.time() - start < 15
-  text = one_line(error)
+  assert time.time() - start < within_s
+  return one_line(error)
+
+
+@ENDPOINTS
+def test_an_endpoint_that_does_not_answer_is_one_error_within_the_timeout(scheme, variable,
+                                                                          stores, monkeypatch):
+  silent = f"http://127.0.0.1:{emulators.free_port()}"  # nothing listens there
+  text = _bucket_check_error(scheme, variable, silent, monkeypatch, within_s=15)
   assert silent in text and ("does not answer" in text or "no answer" in text)
 
 
@@ -356,8 +366,7 @@ def _unavailable():
     server.server_close()
 
 
-@pytest.mark.parametrize("scheme, variable", [("gs", "STORAGE_EMULATOR_HOST"),
-                                              ("s3", "AWS_ENDPOINT_URL_S3")])
+@ENDPOINTS
 def test_a_request_is_tried_retries_times_on_either_store(scheme, variable, stores, monkeypatch):
   """One read at a store that answers 503 is sent storage.RETRIES times, on gcsfs (which binds
   its own six tries, with 31 s of sleep, when its class is defined) as on s3fs (botocore's own
@@ -388,8 +397,7 @@ def test_orbaxs_requests_through_etils_are_tried_as_many_times(stores):
   assert max(tries.values()) == storage.RETRIES, sent
 
 
-@pytest.mark.parametrize("scheme, variable", [("gs", "STORAGE_EMULATOR_HOST"),
-                                              ("s3", "AWS_ENDPOINT_URL_S3")])
+@ENDPOINTS
 def test_an_endpoint_that_accepts_but_never_answers_is_one_error_after_the_timeout(
     scheme, variable, stores, monkeypatch):
   """A server that takes the connection and then says nothing (a firewall or a hung proxy): the
@@ -398,13 +406,7 @@ def test_an_endpoint_that_accepts_but_never_answers_is_one_error_after_the_timeo
     silent.bind(("127.0.0.1", 0))
     silent.listen(16)  # connections are accepted by the kernel; nothing ever reads them
     endpoint = f"http://127.0.0.1:{silent.getsockname()[1]}"
-    monkeypatch.setenv(variable, endpoint)
-    monkeypatch.setenv(storage.TIMEOUT_ENV, "2")
-    start = time.time()
-    with pytest.raises(UserError) as error:
-      storage.check_bucket(f"{scheme}://bucket/run")
-    assert time.time() - start < 10
-  text = one_line(error)
+    text = _bucket_check_error(scheme, variable, endpoint, monkeypatch, within_s=10)
   # Our own deadline or the library's (set from the same variable), whichever comes first.
   assert f"no answer from {endpoint} within 2 s" in text and "list" in text, text
   assert storage.TIMEOUT_ENV in text

@@ -100,9 +100,7 @@ def test_tasks_that_do_not_fit_the_architecture_or_data_are_user_errors(tmp_path
                                                                        changes, message):
   c = text_config(tmp_path, task, arch)
   c.model.num_labels = 2 if task == "classify" else 0
-  for key, value in changes.items():
-    section, name = key.split(".")
-    c[section][name] = value
+  c.update_from_flattened_dict(changes)
   with pytest.raises(UserError, match=message):
     config_lib.validate(c)
 

@@ -61,15 +61,21 @@ def _bfloat16_values(x):
   return np.asarray(jnp.asarray(x, jnp.bfloat16), np.float64)
 
 
+def _logits_and_targets(seed, shape, vocab, bf16):
+  """Normal logits [*shape, vocab] in float64 (rounded to bfloat16 values where bf16), integer
+  targets [*shape], and the generator that drew them, for further draws."""
+  rng = np.random.default_rng(seed)
+  logits = rng.normal(size=(*shape, vocab))
+  logits = _bfloat16_values(logits) if bf16 else logits
+  return rng, logits, rng.integers(0, vocab, size=shape)
+
+
 # bf16: the loss as the train step calls it under model.dtype=bfloat16 (bfloat16 values read in
 # one pass); the float64 references see the same rounded logits.
 @pytest.mark.parametrize("bf16", [False, True])
 def test_label_smoothing_equals_its_closed_form(bf16):
-  rng = np.random.default_rng(0)
   vocab, eps = 7, 0.1
-  logits = rng.normal(size=(2, 5, vocab))
-  logits = _bfloat16_values(logits) if bf16 else logits
-  targets = rng.integers(0, vocab, size=(2, 5))
+  _, logits, targets = _logits_and_targets(0, (2, 5), vocab, bf16)
   loss, nll, _ = losses.label_smoothed_cross_entropy(jnp.asarray(logits, jnp.float32),
                                                     jnp.asarray(targets), eps, bf16)
   log_p = logits - np.log(np.exp(logits).sum(-1, keepdims=True))  # float64
@@ -82,12 +88,9 @@ def test_label_smoothing_equals_its_closed_form(bf16):
 
 @pytest.mark.parametrize("bf16", [False, True])
 def test_label_smoothing_gradient_and_correct_match_float64(bf16):
-  rng = np.random.default_rng(1)
   vocab, eps = 11, 0.2
-  logits = rng.normal(size=(3, 4, vocab))
-  logits = _bfloat16_values(logits) if bf16 else logits
+  rng, logits, targets = _logits_and_targets(1, (3, 4), vocab, bf16)
   logits[0, 0, 5] = logits[0, 0].max() + 1.0  # a sure argmax (1.0 apart: exact in bfloat16)
-  targets = rng.integers(0, vocab, size=(3, 4))
   targets[0, 0] = 5
   w_loss, w_nll = rng.normal(size=(3, 4)), rng.normal(size=(3, 4))
 

@@ -11,10 +11,10 @@ the rest "short"; median [min, max] over the runs, and each run's figure; and ea
 commands in the two parts of data/scan.py `repetition_groups` (the length test's 776 whose
 repetition counts training shows, and 3,144 with a count it never shows).
 
-  .venv/bin/python benchmarks/scan_structure.py
-  .venv/bin/python benchmarks/scan_structure.py --dev_cutoff=16   # the dev of scan_length.py
-  .venv/bin/python benchmarks/scan_structure.py --workdirs runs/scan_full/trial_003_seed*
-  .venv/bin/python benchmarks/scan_structure.py --dev_cutoff=16 --split=dev \
+  .venv/bin/python -m benchmarks.analysis.scan_structure
+  .venv/bin/python -m benchmarks.analysis.scan_structure --dev_cutoff=16  # scan_length.py's dev
+  .venv/bin/python -m benchmarks.analysis.scan_structure --workdirs runs/scan_full/trial_003_seed*
+  .venv/bin/python -m benchmarks.analysis.scan_structure --dev_cutoff=16 --split=dev \
     --workdirs runs/scan_seeds/trial_014_seed*
 """
 

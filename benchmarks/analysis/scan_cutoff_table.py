@@ -15,7 +15,7 @@ A run whose sizes or training settings (layers, heads, batches, steps, learning 
 smoothing, optimizer, embeddings) differ from those most runs of its architecture have, the
 recipe's, has a row of its own that names them.
 
-  .venv/bin/python benchmarks/scan_cutoff_table.py runs/scan_cutoff
+  .venv/bin/python -m benchmarks.analysis.scan_cutoff_table runs/scan_cutoff
 """
 
 import argparse
