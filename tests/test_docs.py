@@ -59,7 +59,7 @@ OTHERS = {
     "export that CTranslate2 converts and decodes as ours)",
     ".venv/bin/python benchmarks/marian_scan.py": "test_hf_marian (a sample of the same check)",
     ".venv/bin/python benchmarks/scan_structure.py": "test_scan runs it and checks its table",
-    ".venv/bin/python -m pytest -q -s tests/test_hf_scores.py": "the test itself (its printed "
+    ".venv/bin/python -m pytest -q -s tests/hf/test_hf_scores.py": "the test itself (its printed "
     "figures)",
     ".venv/bin/wandb sync": "W&B's own upload (needs its service); test_trackers reads the "
                             "offline run files with W&B's own reader",
