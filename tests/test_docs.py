@@ -60,7 +60,7 @@ OTHERS = {
     ".venv/bin/python -m benchmarks.marian_scan": "test_hf_marian (a sample of the same check)",
     ".venv/bin/python -m benchmarks.analysis.scan_structure": "test_scan runs it and checks its "
     "table",
-    ".venv/bin/python -m pytest -q -s tests/test_hf_scores.py": "the test itself (its printed "
+    ".venv/bin/python -m pytest -q -s tests/hf/test_hf_scores.py": "the test itself (its printed "
     "figures)",
     ".venv/bin/wandb sync": "W&B's own upload (needs its service); test_trackers reads the "
                             "offline run files with W&B's own reader",

@@ -18,7 +18,7 @@ import tempfile
 
 import jax.numpy as jnp
 import pytest
-from hf_files import gpt2_files
+from hf.files import gpt2_files
 from launcher import ROOT, Launcher, environment
 
 import transformer_jax
@@ -695,7 +695,7 @@ HF_ROWS = [
 COUNTS.update(_mode(row[1]) for row in HF_ROWS)
 
 
-_gpt2_files = gpt2_files  # tests/hf_files.py
+_gpt2_files = gpt2_files  # tests/hf/files.py
 
 
 @pytest.fixture(scope="module")

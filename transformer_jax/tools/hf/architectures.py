@@ -246,6 +246,27 @@ class Architecture:
   # transformers 5 saves a freshly built T5 with its lm_head tied to shared.weight and writes
   # that table once; the head is then the embedding, untied from here on.
   aliases: tuple = ()
+  # Export: the names of our special tokens in a tokenizer.json model's tokenizer_config.json
+  # (BERT's [CLS] and [SEP] are its cls_token and sep_token; T5 has no BOS token: ours is its
+  # decoder start, its <pad>), and whether its unk_token is the EOS token (GPT-2's is).
+  token_names: dict = dataclasses.field(default_factory=lambda: dict(TOKEN_NAMES))
+  eos_as_unk: bool = False
+  # Export of an imported tokenizer: the id written as their BOS. "eos": their EOS (GPT-2's
+  # <|endoftext|> is both); "always": the row our BOS came from (Marian's and T5's decoder
+  # start); "if_any": that row when the tokenizer has one (Llama's <s>); None: no BOS id.
+  export_bos: Optional[str] = None
+  # The decoder starts from our BOS, and no BOS comes before a source: export writes our BOS as
+  # decoder_start_token_id, not bos_token_id (Marian, T5).
+  bos_is_decoder_start: bool = False
+  forced_eos: bool = False  # export writes forced_eos_token_id: the EOS (Marian's config does)
+  # A model trained here exports with its padding in the last row, where Marian keeps <pad>
+  # (CTranslate2's converter drops that row): ours 0 -> theirs V-1, ours i -> i - 1.
+  pad_last: bool = False
+
+
+# tokenizer_config.json's names of our special tokens (Architecture.token_names).
+TOKEN_NAMES = {"pad": "pad_token", "unk": "unk_token", "mask": "mask_token", "bos": "bos_token",
+               "eos": "eos_token"}
 
 
 # HF activation names <-> ours. GPT-2's "gelu_new" and "gelu_pytorch_tanh" are the tanh
@@ -291,6 +312,9 @@ GPT2 = Architecture(
     slots=DECODER_SLOTS,
     add_bos=False,
     ignored=(r"\.attn\.(masked_)?bias$", r"^lm_head\.weight$"),
+    derived=(("embd_pdrop", lambda m: m.dropout_rate),),
+    eos_as_unk=True,
+    export_bos="eos",
 )
 
 
@@ -346,6 +370,7 @@ BERT = Architecture(
     add_bos=True,
     ignored=(r"position_ids$", r"^cls\.predictions\.decoder\.(weight|bias)$",
              r"^cls\.seq_relationship\.", r"^bert\.pooler\."),
+    token_names={**TOKEN_NAMES, "bos": "cls_token", "eos": "sep_token"},
 )
 
 
@@ -422,6 +447,7 @@ LLAMA = Architecture(
                                             "rope_theta": m.position_base}),
              ("rope_theta", lambda m: m.position_base), ("pretraining_tp", lambda m: 1)),
     imported=dict(dropout_rate=0.0),  # Llama has no residual dropout
+    export_bos="if_any",
 )
 
 def _marian_attention(hf: str, ours: str) -> tuple:
@@ -489,6 +515,10 @@ MARIAN = Architecture(
     imported=dict(logits_bias=True),
     sinusoid_halves=True,
     tokenizer="sentencepiece",
+    export_bos="always",
+    bos_is_decoder_start=True,
+    forced_eos=True,
+    pad_last=True,
 )
 
 
@@ -592,6 +622,9 @@ T5 = Architecture(
     imported=dict(max_len=512),  # relative positions have no table; T5's tokenizer's length
     tokenizer="t5",
     aliases=(("lm_head.weight", "shared.weight"),),
+    token_names={k: v for k, v in TOKEN_NAMES.items() if k != "bos"},
+    export_bos="always",
+    bos_is_decoder_start=True,
 )
 
 # Export picks the first architecture (in this order) whose fixed options all equal the model's:

@@ -1,5 +1,6 @@
 """Hugging Face model directories in and out: `import_hf` (theirs -> a workdir) and `export_hf`
-(a workdir -> theirs), one function per direction, driven by the tables of `architectures.py`.
+(a workdir -> theirs), one function per direction, driven by the tables of `architectures.py`
+(their tokenizers: `tokenizer_files.py`).
 
 An imported workdir is a normal one: config.json (the mapped model and a fine-tuning recipe),
 the tokenizer (`data.tokenizer.HF_FILENAME`: their tokenizer.json and the id map) and an orbax
@@ -9,7 +10,6 @@ Everything is read and checked before anything is written.
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import re
@@ -22,10 +22,10 @@ import numpy as np
 from transformer_jax import config as config_lib
 from transformer_jax.core import files
 from transformer_jax.core.errors import UserError
-from transformer_jax.core.tokens import BOS_ID, EOS_ID, PAD_ID
+from transformer_jax.core.tokens import BOS_ID, PAD_ID
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.model import ModelConfig, init_boxed_params, param_shapes
-from transformer_jax.tools.hf import checks, weights
+from transformer_jax.tools.hf import checks, tokenizer_files, weights
 from transformer_jax.tools.hf.architectures import (
   ARCHITECTURES,
   COUNT,
@@ -36,12 +36,7 @@ from transformer_jax.tools.hf.architectures import (
 from transformer_jax.train import checkpoint
 from transformer_jax.train import state as state_lib
 
-CONFIG = "config.json"
-TOKENIZER = "tokenizer.json"
-TOKENIZER_CONFIG = "tokenizer_config.json"
-# Marian's tokenizer: a SentencePiece model for each side and the vocabulary of both.
-SOURCE_SPM, TARGET_SPM, VOCAB_JSON = "source.spm", "target.spm", "vocab.json"
-SPIECE = "spiece.model"  # T5's SentencePiece model
+CONFIG = tokenizer_files.CONFIG
 
 # Our training recipe for an imported model: fine-tuning rates (AdamW, a short warmup, cosine
 # decay), no label smoothing. Any of it can be changed with --config.train.KEY=VALUE.
@@ -177,166 +172,6 @@ def _model_options(arch, head, hf_config: dict, path: str) -> dict:
   return {**arch.imported, **options, **arch.fixed, **head.fixed}
 
 
-def _special_tokens(arch, hf_dir: str) -> dict:
-  """{our special: their token}: the architecture's defaults, then tokenizer_config.json's."""
-  tokens = dict(arch.special_tokens)
-  path = os.path.join(hf_dir, TOKENIZER_CONFIG)
-  if os.path.isfile(path):
-    saved = _read_json(path, "the tokenizer")
-    names = {"pad": ("pad_token",), "bos": ("cls_token", "bos_token"),
-             "eos": ("sep_token", "eos_token"), "unk": ("unk_token",), "mask": ("mask_token",)}
-    for ours, theirs in names.items():
-      for name in theirs:
-        value = saved.get(name)
-        value = value.get("content") if isinstance(value, dict) else value
-        if isinstance(value, str) and ours in tokens:
-          tokens[ours] = value
-          break
-  return tokens
-
-
-def _configured_ids(ids: dict, tokens: dict, hf_config: dict, hf_vocab_size: int, id_to_token):
-  """The specials that the tokenizer lacks, from config.json's pad/bos/eos_token_id."""
-  for name in ("pad", "bos", "eos"):
-    configured = hf_config.get(f"{name}_token_id")
-    if ids.get(name) is None and isinstance(configured, int) and 0 <= configured < hf_vocab_size:
-      ids[name] = configured
-      tokens[name] = id_to_token(configured)
-  return {k: v for k, v in tokens.items() if ids.get(k) is not None and v}, ids
-
-
-def _marian_tokenizer(arch, hf_dir: str, hf_vocab_size: int, hf_config: dict):
-  """({"sentencepiece": ...}, {our special: their token}, {our special: their id}) of Marian's
-  source.spm, target.spm and vocab.json. Our BOS is their decoder_start_token_id (their pad)."""
-  missing = [name for name in (SOURCE_SPM, TARGET_SPM, VOCAB_JSON)
-             if not os.path.isfile(os.path.join(hf_dir, name))]
-  if missing:
-    raise UserError(f"{hf_dir} holds no {missing[0]}; save the model's tokenizer there too "
-                    "(MarianTokenizer.from_pretrained(...).save_pretrained(DIR), or download "
-                    f"{SOURCE_SPM}, {TARGET_SPM} and {VOCAB_JSON})")
-  saved = {}
-  if os.path.isfile(os.path.join(hf_dir, TOKENIZER_CONFIG)):
-    saved = _read_json(os.path.join(hf_dir, TOKENIZER_CONFIG), "the tokenizer")
-  if saved.get("separate_vocabs"):
-    raise UserError(f"{hf_dir} is a Marian model with separate source and target vocabularies "
-                    "(separate_vocabs), which this project's one vocabulary cannot express; "
-                    "import a model with one vocab.json")
-  vocab_path = os.path.join(hf_dir, VOCAB_JSON)
-  vocab = _read_json(vocab_path, "the tokenizer")
-  if not all(isinstance(v, int) and 0 <= v < hf_vocab_size for v in vocab.values()):
-    raise UserError(f"{vocab_path} maps a piece to an id outside the model's vocab_size "
-                    f"{hf_vocab_size}; the tokenizer belongs to another model")
-  models = {}
-  for name in (SOURCE_SPM, TARGET_SPM):
-    models[name] = checks.read_bytes(os.path.join(hf_dir, name), "the tokenizer")
-    try:
-      tokenizer_lib.spm_processor(models[name])
-    except ValueError:
-      raise UserError(f"{os.path.join(hf_dir, name)} is not a SentencePiece model; download the "
-                      "tokenizer again") from None
-  tokens = dict(arch.special_tokens)
-  for name in tokens:
-    value = saved.get(f"{name}_token")
-    value = value.get("content") if isinstance(value, dict) else value
-    if isinstance(value, str):
-      tokens[name] = value
-  if tokens["unk"] not in vocab:
-    raise UserError(f"{vocab_path} lacks the unknown token {tokens['unk']!r}; download the "
-                    "tokenizer again")
-  ids = {name: vocab.get(token) for name, token in tokens.items()}
-  start = hf_config.get("decoder_start_token_id", ids.get("pad"))
-  if isinstance(start, int) and 0 <= start < hf_vocab_size:
-    ids["bos"] = start
-  pieces = {v: k for k, v in vocab.items()}
-  tokens, ids = _configured_ids(ids, tokens, hf_config, hf_vocab_size, pieces.get)
-  tokens.setdefault("bos", pieces.get(ids.get("bos")))
-  record = {"source": base64.b64encode(models[SOURCE_SPM]).decode(),
-            "target": base64.b64encode(models[TARGET_SPM]).decode(), "vocab": vocab,
-            "unk": tokens["unk"], "specials": sorted({v for v in ids.values() if v is not None})}
-  return {"sentencepiece": record}, tokens, ids
-
-
-def _t5_tokenizer(arch, hf_dir: str, hf_vocab_size: int, hf_config: dict):
-  """T5's tokenizer: spiece.model (its pieces' ids are T5's) and the sentinels <extra_id_0>, ...
-  after them, the last id being <extra_id_0> (tokenizer_config.json's extra_ids, 100 by default),
-  read through our SentencePiece wrapper; without spiece.model, tokenizer.json (what
-  transformers 5 saves). Our BOS is their decoder_start_token_id (their <pad>)."""
-  path = os.path.join(hf_dir, SPIECE)
-  if not os.path.isfile(path):
-    if not os.path.isfile(os.path.join(hf_dir, TOKENIZER)):
-      raise UserError(f"{hf_dir} holds no {SPIECE} (nor {TOKENIZER}); save the model's tokenizer "
-                      "there too (AutoTokenizer.from_pretrained(...).save_pretrained(DIR), or "
-                      f"download {SPIECE})")
-    record, tokens, ids = _tokenizer(arch, hf_dir, hf_vocab_size, hf_config, generic=True)
-  else:
-    proto = checks.read_bytes(path, "the tokenizer")
-    try:
-      processor = tokenizer_lib.spm_processor(proto)
-    except ValueError:
-      raise UserError(f"{path} is not a SentencePiece model; download the tokenizer again") \
-          from None
-    saved = {}
-    if os.path.isfile(os.path.join(hf_dir, TOKENIZER_CONFIG)):
-      saved = _read_json(os.path.join(hf_dir, TOKENIZER_CONFIG), "the tokenizer")
-    size = processor.get_piece_size()
-    extra = saved.get("extra_ids", 100)
-    if not isinstance(extra, int) or extra < 0 or size + extra > hf_vocab_size:
-      raise UserError(f"{path} has {size} pieces, which with extra_ids={extra!r} sentinels "
-                      f"exceed the model's vocab_size {hf_vocab_size}; the tokenizer belongs to "
-                      "another model")
-    vocab = {processor.id_to_piece(i): i for i in range(size)}
-    vocab.update({f"<extra_id_{i}>": size + extra - 1 - i for i in range(extra)})
-    tokens = _special_tokens(arch, hf_dir)
-    missing = [token for token in tokens.values() if token not in vocab]
-    if missing:
-      raise UserError(f"{path} lacks the special token {missing[0]!r}; download the tokenizer "
-                      "again")
-    ids = {name: vocab[token] for name, token in tokens.items()}
-    record = {"sentencepiece": {
-        "source": base64.b64encode(proto).decode(), "target": base64.b64encode(proto).decode(),
-        "vocab": vocab, "unk": tokens["unk"], "language_codes": False,
-        "specials": sorted(set(ids.values()) | set(range(size, size + extra)))}}
-  start = hf_config.get("decoder_start_token_id", ids.get("pad"))
-  if not isinstance(start, int) or not 0 <= start < hf_vocab_size:
-    raise UserError(f"{os.path.join(hf_dir, CONFIG)} has decoder_start_token_id={start!r}, not "
-                    "a token of the model; set it to the pad token's id (0), as T5's")
-  ids["bos"] = start
-  tokens["bos"] = tokens.get("pad") if start == ids.get("pad") else f"<id {start}>"
-  return record, tokens, ids
-
-
-def _tokenizer(arch, hf_dir: str, hf_vocab_size: int, hf_config: dict, generic: bool = False):
-  """({"tokenizer": their tokenizer.json text}, {our special: their token}, {our special: their
-  id}): the ids of the special tokens in the tokenizer, else config.json's pad/bos/eos_token_id.
-  generic: tokenizer.json whatever the architecture's own files."""
-  if arch.tokenizer == "sentencepiece" and not generic:
-    return _marian_tokenizer(arch, hf_dir, hf_vocab_size, hf_config)
-  if arch.tokenizer == "t5" and not generic:
-    return _t5_tokenizer(arch, hf_dir, hf_vocab_size, hf_config)
-  path = os.path.join(hf_dir, TOKENIZER)
-  if not os.path.isfile(path):
-    raise UserError(f"{hf_dir} holds no {TOKENIZER}; save the model's tokenizer there too "
-                    "(AutoTokenizer.from_pretrained(...).save_pretrained(DIR), or download it)")
-  try:
-    from tokenizers import Tokenizer
-  except ImportError:
-    raise UserError("importing a Hugging Face model needs its libraries; install the hf extra "
-                    "(pip install 'transformer_jax[hf]')") from None
-  text = checks.read_text(path, "the tokenizer")
-  try:
-    tokenizer = Tokenizer.from_str(text)
-  except Exception as e:  # the tokenizers library's own exception type
-    raise UserError(f"{path} does not load with the tokenizers library ({e}); download the "
-                    "tokenizer again") from None
-  if tokenizer.get_vocab_size() > hf_vocab_size:
-    raise UserError(f"{path} has {tokenizer.get_vocab_size()} tokens, more than the model's "
-                    f"vocab_size {hf_vocab_size}; the tokenizer belongs to another model")
-  tokens = _special_tokens(arch, hf_dir)
-  ids = {name: tokenizer.token_to_id(token) for name, token in tokens.items()}
-  tokens, ids = _configured_ids(ids, tokens, hf_config, hf_vocab_size, tokenizer.id_to_token)
-  return {"tokenizer": text}, tokens, ids
-
-
 def _shape_error(name: str, shape, expected, path: str) -> UserError:
   return UserError(f"the weights' {name} has shape {tuple(shape)}, but {path} gives "
                    f"{tuple(expected)}; the weights and config.json must come from the same model")
@@ -465,6 +300,74 @@ _GENERATION_IGNORED = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_
                        "output_scores", "output_logits", "return_dict_in_generate")
 
 
+def _setting(settings: dict, key: str):
+  """Their value of a generation option: the one given, else transformers' default."""
+  return settings.get(key, _GENERATION_DEFAULTS.get(key))
+
+
+def _lengths(e, settings: dict, model: ModelConfig, vocab: Vocab, special_ids: dict) -> list:
+  # Their max_length counts the decoder's start token, or a decoder-only model's prompt too.
+  longest = model.max_len - (model.arch == "decoder_only")  # a prompt of one token at least
+  if "max_new_tokens" in settings:
+    e.max_decode_len = min(int(settings["max_new_tokens"]), longest)
+  elif "max_length" in settings and model.arch == "encoder_decoder":
+    e.max_decode_len = min(int(settings["max_length"]) - 1, longest)
+  elif "max_length" in settings:
+    return [f"max_length={settings['max_length']} (prompt and output together; "
+            "eval.max_decode_len counts the output only)"]
+  return []
+
+
+def _search(e, settings: dict, model: ModelConfig, vocab: Vocab, special_ids: dict) -> list:
+  value = lambda key: _setting(settings, key)  # noqa: E731
+  if value("do_sample"):
+    e.decode, e.temperature, e.top_k = "sample", float(value("temperature")), int(value("top_k"))
+  elif value("num_beams") > 1:
+    e.decode, e.beam_size = "beam", int(value("num_beams"))
+    e.length_penalty, e.length_penalty_form = float(value("length_penalty")), "length"
+    if value("early_stopping") is not True and e.length_penalty > 0:
+      return [f"early_stopping={value('early_stopping')!r} (transformers may stop a beam "
+              "search that a longer hypothesis would still win; ours does not)"]
+  else:
+    e.decode = "greedy"
+  return []
+
+
+def _suppressed(e, settings: dict, model: ModelConfig, vocab: Vocab, special_ids: dict) -> list:
+  suppressed, unmapped = list(settings.get("suppress_tokens") or []), []
+  for words in settings.get("bad_words_ids") or []:
+    if len(words) == 1:
+      suppressed += words
+    else:
+      unmapped.append(f"bad_words_ids {words} (a sequence of tokens; only single tokens here)")
+  ours = sorted({int(vocab.our_ids[t]) for t in suppressed if 0 <= t < len(vocab.our_ids)}
+                - {PAD_ID, BOS_ID})  # never generated anyway
+  e.suppress_tokens = tuple(ours)
+  return unmapped
+
+
+def _forced_eos(e, settings: dict, model: ModelConfig, vocab: Vocab, special_ids: dict) -> list:
+  forced = settings.get("forced_eos_token_id")
+  if forced is None:
+    return []
+  if forced in (special_ids.get("eos"), [special_ids.get("eos")]):
+    e.force_eos = True
+    return []
+  return [f"forced_eos_token_id={forced} (not the EOS token)"]
+
+
+# Their generation options that map to config.eval, and the function that maps each group: it
+# sets config.eval and returns what it could not express. Any other option left at a value
+# other than transformers' default is named in the import's note.
+_GENERATION_MAPS = (
+    (("max_length", "max_new_tokens"), _lengths),
+    (("do_sample", "num_beams", "temperature", "top_k", "length_penalty", "early_stopping"),
+     _search),
+    (("suppress_tokens", "bad_words_ids"), _suppressed),
+    (("forced_eos_token_id",), _forced_eos),
+)
+
+
 def _generation_settings(config, hf_dir: str, hf_config: dict, model: ModelConfig,
                          vocab: Vocab, special_ids: dict) -> str:
   """config.eval from the model's generation settings: generation_config.json, else those that
@@ -479,7 +382,7 @@ def _generation_settings(config, hf_dir: str, hf_config: dict, model: ModelConfi
     settings = {k: v for k, v in hf_config.items() if k in _GENERATION_DEFAULTS or k in (
         "max_new_tokens", "bad_words_ids", "suppress_tokens", "forced_eos_token_id",
         "forced_bos_token_id", "begin_suppress_tokens")}
-  e, unmapped = config.eval, []
+  unmapped = []
   # transformers stops generating at any of a list of EOS ids; ours at the tokenizer's EOS.
   eos = settings.get("eos_token_id")
   if isinstance(eos, list) and len(set(eos)) > 1:
@@ -487,46 +390,11 @@ def _generation_settings(config, hf_dir: str, hf_config: dict, model: ModelConfi
     unmapped.append(f"eos_token_id={eos} (transformers stops at any of them; generation here "
                     f"stops at the EOS token{f' {ours}' if ours is not None else ''} alone)")
   settings = {k: v for k, v in settings.items() if v is not None and k not in _GENERATION_IGNORED}
-  value = lambda key: settings.get(key, _GENERATION_DEFAULTS.get(key))  # noqa: E731
-  # Their max_length counts the decoder's start token, or a decoder-only model's prompt too.
-  longest = model.max_len - (model.arch == "decoder_only")  # a prompt of one token at least
-  if "max_new_tokens" in settings:
-    e.max_decode_len = min(int(settings["max_new_tokens"]), longest)
-  elif "max_length" in settings and model.arch == "encoder_decoder":
-    e.max_decode_len = min(int(settings["max_length"]) - 1, longest)
-  elif "max_length" in settings:
-    unmapped.append(f"max_length={settings['max_length']} (prompt and output together; "
-                    "eval.max_decode_len counts the output only)")
-  if value("do_sample"):
-    e.decode, e.temperature, e.top_k = "sample", float(value("temperature")), int(value("top_k"))
-  elif value("num_beams") > 1:
-    e.decode, e.beam_size = "beam", int(value("num_beams"))
-    e.length_penalty, e.length_penalty_form = float(value("length_penalty")), "length"
-    if value("early_stopping") is not True and e.length_penalty > 0:
-      unmapped.append(f"early_stopping={value('early_stopping')!r} (transformers may stop a "
-                      "beam search that a longer hypothesis would still win; ours does not)")
-  else:
-    e.decode = "greedy"
-  suppressed = list(settings.get("suppress_tokens") or [])
-  for words in settings.get("bad_words_ids") or []:
-    if len(words) == 1:
-      suppressed += words
-    else:
-      unmapped.append(f"bad_words_ids {words} (a sequence of tokens; only single tokens here)")
-  ours = sorted({int(vocab.our_ids[t]) for t in suppressed if 0 <= t < len(vocab.our_ids)}
-                - {PAD_ID, BOS_ID})  # never generated anyway
-  e.suppress_tokens = tuple(ours)
-  forced = settings.get("forced_eos_token_id")
-  if forced is not None:
-    if forced in (special_ids.get("eos"), [special_ids.get("eos")]):
-      e.force_eos = True
-    else:
-      unmapped.append(f"forced_eos_token_id={forced} (not the EOS token)")
+  for _, mapper in _GENERATION_MAPS:
+    unmapped += mapper(config.eval, settings, model, vocab, special_ids)
+  handled = {key for keys, _ in _GENERATION_MAPS for key in keys}
   for key in sorted(settings):
-    handled = key in ("max_length", "max_new_tokens", "do_sample", "num_beams", "temperature",
-                      "top_k", "length_penalty", "early_stopping", "suppress_tokens",
-                      "bad_words_ids", "forced_eos_token_id")
-    if not handled and settings[key] != _GENERATION_DEFAULTS.get(key, object()):
+    if key not in handled and settings[key] != _GENERATION_DEFAULTS.get(key, object()):
       unmapped.append(f"{key}={settings[key]!r}")
   if not unmapped:
     return ""
@@ -567,8 +435,8 @@ def import_hf(hf_dir: str, workdir: str) -> str:
   options = _model_options(arch, head, hf_config, config_path)
   weights.check_present(hf_dir)
   hf_vocab_size = _field_value(Field("vocab_size", "vocab_size"), hf_config, config_path)
-  tokenizer_record, special_tokens, special_ids = _tokenizer(arch, hf_dir, hf_vocab_size,
-                                                            hf_config)
+  tokenizer_record, special_tokens, special_ids = tokenizer_files.read(arch, hf_dir,
+                                                                      hf_vocab_size, hf_config)
   vocab = vocab_layout(hf_vocab_size, special_ids, arch.slots)
   try:
     model = ModelConfig(vocab_size=len(vocab.hf_ids), excluded_rows=vocab.extra_rows(),
@@ -681,73 +549,25 @@ def _hf_config(arch, head, model: ModelConfig, vocab: Vocab, special_ids: dict,
     hf[field.hf] = value
   for first, second in arch.same:
     hf[second] = hf[first]
-  if arch.model_type == "gpt2":
-    hf["embd_pdrop"] = model.dropout_rate
   for name, value in arch.derived:
     hf[name] = value(model)
   for name in ("pad", "bos", "eos"):
     if special_ids.get(name) is not None:
       hf[f"{name}_token_id"] = int(special_ids[name])
-  if arch.model_type in ("marian", "t5"):  # the decoder starts from our BOS; none before a source
+  if arch.bos_is_decoder_start:
     hf["decoder_start_token_id"] = hf.pop("bos_token_id")
-  if arch.model_type == "marian":
+  if arch.forced_eos:
     hf["forced_eos_token_id"] = hf["eos_token_id"]
   return hf
 
 
 def _own_vocab(arch, vocab_size: int) -> Vocab:
   """The ids of a model trained here (our SentencePiece vocabulary) in their model: the same,
-  pad 0, BOS 1, EOS 2; for Marian our padding moves to the last row, where Marian keeps its
-  <pad> (CTranslate2's converter drops that row)."""
+  pad 0, BOS 1, EOS 2; or with our padding in the last row (Architecture.pad_last)."""
   ids = np.arange(vocab_size)
-  if arch.model_type != "marian":
+  if not arch.pad_last:
     return Vocab(ids, ids)
   return Vocab(np.roll(ids, 1), np.roll(ids, -1))  # ours 0 -> theirs V-1, ours i -> i - 1
-
-
-def _write_marian_tokenizer(hf_dir: str, tokenizer, vocab: Vocab, special_ids: dict,
-                            max_len: int) -> list:
-  """source.spm, target.spm, vocab.json and tokenizer_config.json, as MarianTokenizer saves
-  them: the imported model's own, or our SentencePiece model for both sides."""
-  if isinstance(tokenizer, tokenizer_lib.HFTokenizer):
-    record = json.loads(tokenizer.model_proto)["sentencepiece"]
-    source, target = base64.b64decode(record["source"]), base64.b64decode(record["target"])
-    pieces = record["vocab"]
-    tokens = {name: tokenizer.special_tokens.get(name) for name in ("pad", "eos", "unk")}
-  else:
-    source = target = tokenizer.model_proto
-    pieces = {piece: int(vocab.hf_ids[i]) for i, piece in
-              enumerate(tokenizer.pieces(range(tokenizer.vocab_size)))}
-    # Rows of the model beyond the tokenizer's pieces get names of their own, so that every id
-    # has a token (CTranslate2 reads the vocabulary as the list of tokens by id).
-    pieces.update({f"<unused{i}>": int(vocab.hf_ids[i])
-                   for i in range(tokenizer.vocab_size, len(vocab.hf_ids))})
-    tokens = {name: tokenizer.pieces([i])[0] for name, i in
-              (("pad", PAD_ID), ("eos", EOS_ID), ("unk", 3))}
-  files.atomic_write(os.path.join(hf_dir, SOURCE_SPM), source)
-  files.atomic_write(os.path.join(hf_dir, TARGET_SPM), target)
-  files.atomic_write(os.path.join(hf_dir, VOCAB_JSON), json.dumps(pieces, ensure_ascii=False))
-  tokenizer_config = {f"{k}_token": v for k, v in tokens.items() if v}
-  tokenizer_config.update(tokenizer_class="MarianTokenizer", model_max_length=max_len,
-                          separate_vocabs=False)
-  files.atomic_write(os.path.join(hf_dir, TOKENIZER_CONFIG),
-                     json.dumps(tokenizer_config, indent=2))
-  return [SOURCE_SPM, TARGET_SPM, VOCAB_JSON, TOKENIZER_CONFIG]
-
-
-def _write_t5_tokenizer(hf_dir: str, tokenizer, max_len: int) -> list:
-  """spiece.model and tokenizer_config.json (T5Tokenizer with its sentinels) of an imported T5
-  whose tokenizer came from its spiece.model."""
-  record = json.loads(tokenizer.model_proto)["sentencepiece"]
-  files.atomic_write(os.path.join(hf_dir, SPIECE), base64.b64decode(record["source"]))
-  tokenizer_config = {f"{name}_token": tokenizer.special_tokens[name]
-                      for name in ("pad", "eos", "unk") if name in tokenizer.special_tokens}
-  tokenizer_config.update(
-      tokenizer_class="T5Tokenizer", model_max_length=max_len,
-      extra_ids=sum(piece.startswith("<extra_id_") for piece in record["vocab"]))
-  files.atomic_write(os.path.join(hf_dir, TOKENIZER_CONFIG),
-                     json.dumps(tokenizer_config, indent=2))
-  return [SPIECE, TOKENIZER_CONFIG]
 
 
 def export_hf(workdir: str, hf_dir: str, step=None) -> str:
@@ -770,7 +590,7 @@ def export_hf(workdir: str, hf_dir: str, step=None) -> str:
   tokenizer = trained.tokenizer
   if isinstance(tokenizer, tokenizer_lib.HFTokenizer):
     vocab = Vocab(tokenizer.hf_ids, tokenizer.our_ids)
-  else:  # our own SentencePiece vocabulary: pad 0, BOS 1, EOS 2 (Marian: pad last)
+  else:  # our own SentencePiece vocabulary: pad 0, BOS 1, EOS 2 (or pad last)
     vocab = _own_vocab(arch, model.vocab_size)
   flat = {k: np.array(v, np.float32) for k, v in _flat(jax.device_get(trained.params)).items()}
   if model.zero_bos_embedding:  # the rows as the model reads them
@@ -785,17 +605,7 @@ def export_hf(workdir: str, hf_dir: str, step=None) -> str:
       tensors[rule.hf] = np.zeros(rule.transform.hf_shape(None, vocab), np.float32)
       continue
     tensors[rule.hf] = rule.transform.to_hf([flat[p] for p in rule.ours], vocab)
-  if isinstance(tokenizer, tokenizer_lib.HFTokenizer):
-    special_ids = {name: int(tokenizer.hf_ids[slot]) for slot, name in
-                   ((PAD_ID, "pad"), (EOS_ID, "eos")) if tokenizer.hf_ids[slot] >= 0}
-    if arch.model_type == "gpt2":
-      special_ids["bos"] = special_ids["eos"]
-    elif arch.model_type in ("marian", "t5") or (arch.model_type == "llama"
-                                                 and tokenizer.hf_ids[BOS_ID] >= 0):
-      special_ids["bos"] = int(tokenizer.hf_ids[BOS_ID])
-  else:
-    special_ids = {name: int(vocab.hf_ids[i])
-                   for name, i in (("pad", PAD_ID), ("bos", BOS_ID), ("eos", EOS_ID))}
+  special_ids = tokenizer_files.special_ids(arch, tokenizer, vocab)
   labels = _label_names(config, model.num_labels) if model.num_labels else []
   hf_config = _hf_config(arch, head, model, vocab, special_ids, labels)
   try:
@@ -805,25 +615,6 @@ def export_hf(workdir: str, hf_dir: str, step=None) -> str:
   files.atomic_write(os.path.join(hf_dir, CONFIG), json.dumps(hf_config, indent=2))
   weights.write(hf_dir, tensors)
   wrote = [CONFIG, weights.SAFETENSORS]
-  if arch.tokenizer == "sentencepiece":
-    wrote += _write_marian_tokenizer(hf_dir, tokenizer, vocab, special_ids, model.max_len)
-  elif arch.tokenizer == "t5" and isinstance(tokenizer, tokenizer_lib.HFTokenizer) and (
-      "sentencepiece" in json.loads(tokenizer.model_proto)):
-    wrote += _write_t5_tokenizer(hf_dir, tokenizer, model.max_len)
-  elif isinstance(tokenizer, tokenizer_lib.HFTokenizer):
-    record = json.loads(tokenizer.model_proto)
-    files.atomic_write(os.path.join(hf_dir, TOKENIZER), record["tokenizer"])
-    names = {"pad": "pad_token", "unk": "unk_token", "mask": "mask_token"}
-    names.update({"bos": "cls_token", "eos": "sep_token"} if arch.model_type == "bert" else
-                 {"bos": "bos_token", "eos": "eos_token"})
-    if arch.model_type == "t5":  # our BOS is T5's decoder start, its <pad>: no BOS token
-      del names["bos"]
-    tokenizer_config = {names[k]: v for k, v in tokenizer.special_tokens.items() if k in names}
-    tokenizer_config["model_max_length"] = model.max_len
-    if arch.model_type == "gpt2":
-      tokenizer_config["unk_token"] = tokenizer.special_tokens.get("eos")
-    files.atomic_write(os.path.join(hf_dir, TOKENIZER_CONFIG),
-                       json.dumps(tokenizer_config, indent=2))
-    wrote += [TOKENIZER, TOKENIZER_CONFIG]
+  wrote += tokenizer_files.write(hf_dir, arch, tokenizer, vocab, special_ids, model.max_len)
   return (f"exported {workdir} (step {trained.step}) as {head.hf_class} to {hf_dir}: "
           f"{', '.join(wrote)}")

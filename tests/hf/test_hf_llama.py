@@ -6,7 +6,6 @@ padding (float32, max |diff| <= 1e-4), greedy continuations of 32 tokens, the sa
 from_pretrained, and CTranslate2's greedy decoding of the export.
 """
 
-import io
 import json
 import os
 import shutil
@@ -16,49 +15,32 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("tokenizers")
-spm = pytest.importorskip("sentencepiece")
+from transformer_jax.core.errors import UserError
+from transformer_jax.core.tokens import BOS_ID, EOS_ID
+from transformer_jax.data import tokenizer as tokenizer_lib
+from transformer_jax.eval import decode
+from transformer_jax.eval.generate import encode_prompts
+from transformer_jax.model import ModelConfig, describe, param_shapes
+from transformer_jax.tools import hf
 
-from test_hf import (  # noqa: E402
+from .common import (
   MULTI30K,
   TEXTS,
   TOLERANCE,
+  assert_logits_match,
+  bert_dir,
   ct2_greedy_equals_ours,
+  llama_tokenizer,
   multi30k,
   our_logits,
   our_workdir,
   random_batch,
   randomize,
   their_logits,
+  torch,
   trained_from,
+  transformers,
 )
-
-from transformer_jax.core.errors import UserError  # noqa: E402
-from transformer_jax.core.tokens import BOS_ID, EOS_ID  # noqa: E402
-from transformer_jax.data import tokenizer as tokenizer_lib  # noqa: E402
-from transformer_jax.eval import decode  # noqa: E402
-from transformer_jax.eval.generate import encode_prompts  # noqa: E402
-from transformer_jax.model import ModelConfig, describe, param_shapes  # noqa: E402
-from transformer_jax.tools import hf  # noqa: E402
-
-
-def llama_tokenizer(texts, directory, vocab_size):
-  """A Llama tokenizer as transformers makes one: a SentencePiece BPE model (byte fallback,
-  <unk> 0, <s> 1, </s> 2) that LlamaTokenizer converts to its tokenizer.json, BOS added to every
-  text (Llama 2's setting)."""
-  model = io.BytesIO()
-  spm.SentencePieceTrainer.train(
-      sentence_iterator=iter(texts), model_writer=model, vocab_size=vocab_size,
-      model_type="bpe", byte_fallback=True, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
-      character_coverage=1.0, hard_vocab_limit=False, minloglevel=2)
-  source = directory / "sentencepiece"
-  source.mkdir(parents=True)
-  (source / "tokenizer.model").write_bytes(model.getvalue())
-  tokenizer = transformers.LlamaTokenizer.from_pretrained(source, add_bos_token=True)
-  shutil.rmtree(source)
-  return tokenizer
 
 
 def llama_dir(directory, tie=False, seed=0):
@@ -103,10 +85,7 @@ def test_llama_import_matches_transformers_logits_and_greedy(llama):
           model.qkv_bias) == (2, 500.0, False, False, False)
   reference = transformers.LlamaForCausalLM.from_pretrained(hf_dir).eval()
   vocab = reference.config.vocab_size
-  ids, mask = random_batch(vocab)
-  expected = their_logits(reference, ids, mask)
-  assert np.abs(our_logits(trained, ids, mask) - expected)[mask].max() <= TOLERANCE
-  assert np.abs(expected).max() > 1.0  # the comparison has something to compare
+  assert_logits_match(trained, reference, *random_batch(vocab))
 
   # generate's prompts are their tokenizer's ids (<s> first); an empty one is <s> alone.
   prompts, _ = encode_prompts(trained.tokenizer, [TEXTS[0], ""], 24, 2)
@@ -313,7 +292,6 @@ def test_imported_llama_tokenizer_reads_text_as_transformers_does(tmp_path):
 def test_bert_rows_of_two_segments_read_as_transformers_does(head, tmp_path_factory):
   """Token types other than 0: "[CLS] A [SEP] B [SEP]" with B's tokens of type 1 (and padding),
   our EncoderOnly given the same token_types, equals transformers given token_type_ids."""
-  from test_hf import bert_dir
 
   from transformer_jax.model import make_model
   hf_dir = bert_dir(tmp_path_factory, getattr(transformers, head), f"bert_types_{head}")

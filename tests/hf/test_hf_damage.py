@@ -16,10 +16,11 @@ import sys
 
 import numpy as np
 import pytest
-from hf_files import gpt2_files
 from launcher import ROOT
 
 from transformer_jax.core.errors import UserError
+
+from .files import gpt2_files
 
 pytest.importorskip("safetensors")
 pytest.importorskip("tokenizers")

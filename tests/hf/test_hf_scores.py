@@ -19,37 +19,37 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("tokenizers")
-spm = pytest.importorskip("sentencepiece")
+import transformer_jax
+from transformer_jax import config as config_lib
+from transformer_jax.core.errors import UserError
+from transformer_jax.data import sources as sources_lib
+from transformer_jax.data import tasks
+from transformer_jax.data import tokenizer as tokenizer_lib
+from transformer_jax.eval import evaluate as evaluate_lib
+from transformer_jax.eval import search
+from transformer_jax.tools import hf
 
-from test_hf import (  # noqa: E402
+from .common import (
+  EXTRA_IDS,
   MULTI30K,
+  ROOT,
   TEXTS,
+  TOLERANCE,
   byte_level_bpe,
+  llama_tokenizer,
+  marian_config,
+  marian_tokenizer,
   multi30k,
   randomize,
   save,
+  t5_config,
+  t5_tokenizer_files,
+  torch,
   trained_from,
+  transformers,
   wordpiece,
 )
-from test_hf_llama import llama_tokenizer  # noqa: E402
-from test_hf_marian import marian_config, marian_tokenizer  # noqa: E402
-from test_hf_t5 import EXTRA_IDS, t5_config, t5_tokenizer_files  # noqa: E402
 
-import transformer_jax  # noqa: E402
-from transformer_jax import config as config_lib  # noqa: E402
-from transformer_jax.core.errors import UserError  # noqa: E402
-from transformer_jax.data import sources as sources_lib  # noqa: E402
-from transformer_jax.data import tasks  # noqa: E402
-from transformer_jax.data import tokenizer as tokenizer_lib  # noqa: E402
-from transformer_jax.eval import evaluate as evaluate_lib  # noqa: E402
-from transformer_jax.eval import search  # noqa: E402
-from transformer_jax.tools import hf  # noqa: E402
-
-TOLERANCE = 1e-4
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENGLISH = ["a small dog runs in the park", "two men are playing football on the grass",
            "a woman in a red coat waits for the bus while it rains", "a man sleeps",
            "children play"]

@@ -7,7 +7,6 @@ logits on padded batches (float32, max |diff| <= 1e-4), 32 greedy tokens, and th
 export -> from_pretrained; the tokenizer against MarianTokenizer on Multi30k.
 """
 
-import io
 import json
 import os
 
@@ -15,72 +14,30 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-spm = pytest.importorskip("sentencepiece")
+from transformer_jax import config as config_lib
+from transformer_jax.core.errors import UserError
+from transformer_jax.core.tokens import BOS_ID, EOS_ID
+from transformer_jax.data import tokenizer as tokenizer_lib
+from transformer_jax.eval import decode
+from transformer_jax.model import make_model
+from transformer_jax.model.positions import sinusoidal_positions
+from transformer_jax.tools import hf
+from transformer_jax.tools.hf.convert import sinusoid_halves_order
 
-from test_hf import (  # noqa: E402
+from .common import (
   MULTI30K,
+  ROOT,
   TEXTS,
   TOLERANCE,
+  marian_config,
+  marian_tokenizer,
   multi30k,
   randomize,
+  seq2seq_greedy_pairs,
+  torch,
   trained_from,
+  transformers,
 )
-
-from transformer_jax import config as config_lib  # noqa: E402
-from transformer_jax.core.errors import UserError  # noqa: E402
-from transformer_jax.core.tokens import BOS_ID, EOS_ID  # noqa: E402
-from transformer_jax.data import tokenizer as tokenizer_lib  # noqa: E402
-from transformer_jax.eval import decode  # noqa: E402
-from transformer_jax.model import make_model  # noqa: E402
-from transformer_jax.model.positions import sinusoidal_positions  # noqa: E402
-from transformer_jax.tools import hf  # noqa: E402
-from transformer_jax.tools.hf.convert import sinusoid_halves_order  # noqa: E402
-
-
-def sentencepiece_model(texts, vocab_size):
-  """A unigram SentencePiece model as Marian's are: <unk>, <s>, </s>, no padding piece."""
-  proto = io.BytesIO()
-  spm.SentencePieceTrainer.train(sentence_iterator=iter(texts), model_writer=proto,
-                                 vocab_size=vocab_size, model_type="unigram", minloglevel=2,
-                                 character_coverage=1.0, hard_vocab_limit=False)
-  return proto.getvalue()
-
-
-def marian_tokenizer(directory, source_texts, target_texts, vocab_size):
-  """source.spm and target.spm trained on each side, vocab.json of both as Marian's converter
-  writes it (</s> 0, <unk> 1, the pieces, <pad> last); returns the MarianTokenizer."""
-  os.makedirs(directory, exist_ok=True)
-  vocab = {"</s>": 0, "<unk>": 1}
-  for name, texts in (("source.spm", source_texts), ("target.spm", target_texts)):
-    proto = sentencepiece_model(texts, vocab_size)
-    with open(os.path.join(directory, name), "wb") as f:
-      f.write(proto)
-    processor = spm.SentencePieceProcessor(model_proto=proto)
-    for i in range(processor.get_piece_size()):
-      vocab.setdefault(processor.id_to_piece(i), len(vocab))
-  for special in ("<s>",):
-    vocab.pop(special, None)
-  vocab = {piece: i for i, piece in enumerate(vocab)}
-  vocab["<pad>"] = len(vocab)
-  with open(os.path.join(directory, "vocab.json"), "w", encoding="utf-8") as f:
-    json.dump(vocab, f, ensure_ascii=False)
-  return transformers.MarianTokenizer(
-      source_spm=os.path.join(directory, "source.spm"),
-      target_spm=os.path.join(directory, "target.spm"),
-      vocab=os.path.join(directory, "vocab.json"))
-
-
-def marian_config(vocab_size, **changes):
-  options = dict(vocab_size=vocab_size, decoder_vocab_size=vocab_size, d_model=32,
-                 encoder_layers=2, decoder_layers=3, encoder_attention_heads=4,
-                 decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
-                 max_position_embeddings=64, activation_function="swish", scale_embedding=True,
-                 pad_token_id=vocab_size - 1, eos_token_id=0,
-                 decoder_start_token_id=vocab_size - 1, forced_eos_token_id=0)
-  options.update(changes)
-  return transformers.MarianConfig(**options)
 
 
 @pytest.fixture(scope="module")
@@ -150,19 +107,8 @@ def greedy_pairs(trained, reference, source, source_mask, length=32):
       trained.params, trained.model_config.replace(deterministic=True),
       jnp.asarray(np.where(source_mask, trained.tokenizer.our_ids[source], 0), jnp.int32),
       length))
-  eos = reference.config.eos_token_id
-  pairs = []
-  for row, n in enumerate(source_mask.sum(1)):
-    out = reference.generate(torch.tensor(source[row:row + 1, :n]),
-                             attention_mask=torch.ones(1, n, dtype=torch.long),
-                             max_new_tokens=length, do_sample=False, num_beams=1,
-                             forced_eos_token_id=None)
-    theirs = out[0, 1:].numpy()  # after the decoder start token
-    theirs = theirs[:list(theirs).index(eos) + 1] if eos in theirs else theirs
-    mine = trained.tokenizer.hf_ids[ours[row]]
-    mine = mine[:list(mine).index(eos) + 1] if eos in mine else mine
-    pairs.append((mine, theirs))
-  return pairs
+  return seq2seq_greedy_pairs(ours, trained.tokenizer.hf_ids, reference, source, source_mask,
+                              length, forced_eos_token_id=None)
 
 
 # ----------------------------------------------------------------------------- the model
@@ -313,7 +259,7 @@ def test_a_scan_model_exported_as_marian_decodes_alike_in_transformers_and_ctran
   import importlib.util
   import shutil
   spec = importlib.util.spec_from_file_location(
-      "marian_scan", os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks",
+      "marian_scan", os.path.join(ROOT, "benchmarks",
                                   "marian_scan.py"))
   marian_scan = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(marian_scan)

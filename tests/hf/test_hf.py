@@ -18,77 +18,37 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-tokenizers = pytest.importorskip("tokenizers")
+from transformer_jax import config as config_lib
+from transformer_jax.core.errors import UserError
+from transformer_jax.core.tokens import EOS_ID
+from transformer_jax.data import tokenizer as tokenizer_lib
+from transformer_jax.eval import decode
+from transformer_jax.eval.load import load_trained
+from transformer_jax.model import make_model
+from transformer_jax.tools import hf
+from transformer_jax.tools.hf.architectures import vocab_layout
 
-from transformer_jax import config as config_lib  # noqa: E402
-from transformer_jax.core.errors import UserError  # noqa: E402
-from transformer_jax.core.tokens import EOS_ID  # noqa: E402
-from transformer_jax.data import tokenizer as tokenizer_lib  # noqa: E402
-from transformer_jax.eval import decode  # noqa: E402
-from transformer_jax.eval.load import load_trained  # noqa: E402
-from transformer_jax.model import make_model  # noqa: E402
-from transformer_jax.tools import hf  # noqa: E402
-from transformer_jax.tools.hf.architectures import vocab_layout  # noqa: E402
-
-TEXTS = ["a small dog runs in the park", "two men are playing football on the grass",
-         "ein kleiner Hund rennt im Park", "zwei Männer spielen Fußball auf dem Rasen",
-         "a woman in a red coat waits for the bus while it rains"] * 20
-TOLERANCE = 1e-4
-
-
-def byte_level_bpe(texts, vocab_size=300):
-  """GPT-2's kind of tokenizer: byte-level BPE with <|endoftext|>."""
-  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-  tokenizer = Tokenizer(models.BPE())
-  tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  tokenizer.decoder = decoders.ByteLevel()
-  tokenizer.train_from_iterator(texts, trainers.BpeTrainer(
-      vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
-      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-  return tokenizer
-
-
-def wordpiece(texts, vocab_size=200):
-  """BERT's kind of tokenizer: WordPiece, lower-cased, [CLS] text [SEP]."""
-  from tokenizers import (
-    Tokenizer,
-    decoders,
-    models,
-    normalizers,
-    pre_tokenizers,
-    processors,
-    trainers,
-  )
-  tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-  tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
-  tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-  tokenizer.decoder = decoders.WordPiece()
-  tokenizer.train_from_iterator(texts, trainers.WordPieceTrainer(
-      vocab_size=vocab_size, special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]))
-  cls, sep = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
-  tokenizer.post_processor = processors.TemplateProcessing(
-      single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
-      special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
-  return tokenizer
-
-
-def randomize(model, seed=0, scale=0.3):
-  """Every parameter drawn anew (norm scales and biases too, which init leaves at 1 and 0), so
-  that a scale swapped with a bias or a transposed matrix cannot go unnoticed."""
-  generator = torch.Generator().manual_seed(seed)
-  with torch.no_grad():
-    for parameter in model.parameters():
-      parameter.copy_(torch.randn(parameter.shape, generator=generator) * scale)
-  return model.eval()
-
-
-def save(model, tokenizer, directory, **special_tokens):
-  model.save_pretrained(directory)
-  transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer,
-                                       **special_tokens).save_pretrained(directory)
-  return str(directory)
+from .common import (
+  MULTI30K,
+  ROOT,
+  TEXTS,
+  TOLERANCE,
+  assert_logits_match,
+  bert_dir,
+  byte_level_bpe,
+  ct2_greedy_equals_ours,
+  multi30k,
+  our_logits,
+  our_workdir,
+  random_batch,
+  randomize,
+  save,
+  their_logits,
+  torch,
+  trained_from,
+  transformers,
+  wordpiece,
+)
 
 
 @pytest.fixture(scope="module")
@@ -102,18 +62,6 @@ def gpt2_dir(tmp_path_factory):
   model = randomize(transformers.GPT2LMHeadModel(config))
   return save(model, tokenizer, tmp_path_factory.mktemp("gpt2"), bos_token="<|endoftext|>",
               eos_token="<|endoftext|>")
-
-
-def bert_dir(tmp_path_factory, head, name):
-  tokenizer = wordpiece(TEXTS)
-  config = transformers.BertConfig(vocab_size=tokenizer.get_vocab_size(), hidden_size=32,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   intermediate_size=64, max_position_embeddings=48,
-                                   num_labels=3)
-  torch.manual_seed(0)
-  model = randomize(head(config), scale=0.2)
-  return save(model, tokenizer, tmp_path_factory.mktemp(name), pad_token="[PAD]",
-              unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]")
 
 
 @pytest.fixture(scope="module")
@@ -141,41 +89,10 @@ def gpt2_export(gpt2_workdir, tmp_path_factory):
   return out
 
 
-def trained_from(workdir):
-  return load_trained(config_lib.from_workdir(str(workdir)), str(workdir))
-
-
 def imported(hf_dir, workdir):
   hf.import_hf(hf_dir, str(workdir))
   config = config_lib.from_workdir(str(workdir))
   return load_trained(config, str(workdir))
-
-
-def random_batch(vocab_size, seed=0, lengths=(12, 7, 3), low=0):
-  """Their ids `[3, 12]` (random, right-padded with 0) and the bool mask of real tokens."""
-  rng = np.random.default_rng(seed)
-  ids = rng.integers(low, vocab_size, (len(lengths), max(lengths)))
-  mask = np.arange(max(lengths))[None] < np.asarray(lengths)[:, None]
-  return np.where(mask, ids, 0), mask
-
-
-def their_logits(model, ids, mask):
-  with torch.no_grad():
-    out = model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask.astype(np.int64)))
-  return out.logits.numpy()
-
-
-def our_logits(trained, ids, mask):
-  """Our logits in their vocabulary's order: `[batch, length, their vocab]` (or the classes)."""
-  tokenizer = trained.tokenizer
-  tokens = jnp.asarray(np.where(mask, tokenizer.our_ids[ids], 0), jnp.int32)
-  model = make_model(trained.model_config.replace(deterministic=True))
-  if trained.model_config.arch == "decoder_only":
-    logits = model.apply({"params": trained.params}, tokens[:, :0], tokens)
-  else:
-    logits = model.apply({"params": trained.params}, tokens)
-  logits = np.asarray(logits)
-  return logits[:, 0] if trained.model_config.num_labels else logits[..., tokenizer.our_ids]
 
 
 # ----------------------------------------------------------------------------- the vocabulary
@@ -207,10 +124,7 @@ def test_gpt2_import_matches_transformers_logits_and_greedy(gpt2_dir, gpt2_workd
   trained = trained_from(gpt2_workdir)
   reference = transformers.GPT2LMHeadModel.from_pretrained(gpt2_dir).eval()
   vocab = reference.config.vocab_size
-  ids, mask = random_batch(vocab)
-  expected = their_logits(reference, ids, mask)
-  assert np.abs(our_logits(trained, ids, mask) - expected)[mask].max() <= TOLERANCE
-  assert np.abs(expected).max() > 1.0  # the comparison has something to compare
+  assert_logits_match(trained, reference, *random_batch(vocab))
 
   # Greedy continuations of 32 tokens from prompts of different lengths (ours in one batch).
   prompts, prompt_mask = random_batch(vocab, seed=1, lengths=(6, 3, 1), low=1)
@@ -290,15 +204,6 @@ def test_export_refuses_a_model_no_architecture_expresses(gpt2_workdir, tmp_path
 
 # ----------------------------------------------------------------------------- tokenizers
 
-MULTI30K = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..",
-                        "shared", "data", "multi30k")
-
-
-def multi30k(split, language, count):
-  with open(os.path.join(MULTI30K, f"{split}.{language}"), encoding="utf-8") as f:
-    return [line.rstrip("\n") for _, line in zip(range(count), f)]
-
-
 @pytest.mark.skipif(not os.path.isdir(MULTI30K), reason="../shared/data/multi30k not present")
 @pytest.mark.parametrize("kind", ["gpt2", "bert"])
 def test_imported_tokenizer_reads_text_as_transformers_does(kind, tmp_path):
@@ -339,9 +244,8 @@ def test_imported_tokenizer_reads_text_as_transformers_does(kind, tmp_path):
 
 
 def launch(*flags):
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  return subprocess.run([sys.executable, os.path.join(root, "launch.py"), *flags],
-                        capture_output=True, text=True, timeout=300, cwd=root,
+  return subprocess.run([sys.executable, os.path.join(ROOT, "launch.py"), *flags],
+                        capture_output=True, text=True, timeout=300, cwd=ROOT,
                         input="a small dog\nzwei Männer spielen\n\n")
 
 
@@ -413,28 +317,6 @@ def test_pytorch_and_sharded_weights_import_as_safetensors_do(form, gpt2_dir, gp
     np.testing.assert_array_equal(a, np.asarray(b))
 
 
-def our_workdir(config, tokenizer, workdir):
-  """A workdir of our own at step 5 (config.json, the SentencePiece tokenizer, a checkpoint) whose
-  parameters are a fresh init moved by random noise (norms and biases away from 1 and 0 too).
-  Returns (the model config, the saved state)."""
-  from transformer_jax.train import checkpoint
-  from transformer_jax.train import state as state_lib
-  model_config = config_lib.validate(config)
-  optimizer = state_lib.make_optimizer(config.train, model_config.d_model)
-  state = state_lib.create_state(model_config, optimizer, seed=3)
-  state = state.replace(params=jax.tree.map(
-      lambda x: x + 0.3 * jax.random.normal(jax.random.PRNGKey(x.size), x.shape), state.params))
-  workdir.mkdir()
-  (workdir / tokenizer_lib.FILENAME).write_bytes(tokenizer.model_proto)
-  (workdir / "config.json").write_text(config.to_json_best_effort())
-  manager = checkpoint.Manager(str(workdir), config, checkpoint.sha256(tokenizer.model_proto),
-                               writable=True)
-  manager.save(5, state)
-  manager.wait()
-  manager.close()
-  return model_config, state
-
-
 def test_a_model_trained_here_exports_as_gpt2_with_its_own_ids(tmp_path):
   """A workdir of our own (a SentencePiece vocabulary) whose options GPT-2 expresses exports with
   the ids unchanged (pad 0, BOS 1, EOS 2) and no tokenizer; transformers' logits are ours."""
@@ -455,25 +337,6 @@ def test_a_model_trained_here_exports_as_gpt2_with_its_own_ids(tmp_path):
   ours = np.asarray(model.apply({"params": state.params}, jnp.zeros((3, 0), jnp.int32),
                                 jnp.asarray(ids, jnp.int32)))
   assert np.abs(ours - their_logits(exported, ids, mask))[mask].max() <= TOLERANCE
-
-
-def ct2_greedy_equals_ours(generator, tokenizer, prompts, mask, ours, hf_ids, **options):
-  """Asserts that CTranslate2's greedy continuation of each prompt (HF ids `prompts[row,
-  :length]`) is ours (`ours`: our ids, read through `hf_ids`) up to our EOS, which CTranslate2
-  drops. `options`: more generate_batch arguments. Returns how many tokens were compared."""
-  compared = 0
-  for row, length in enumerate(mask.sum(1)):
-    tokens = tokenizer.convert_ids_to_tokens(prompts[row, :length].tolist())
-    result = generator.generate_batch([tokens], max_length=32, sampling_topk=1,
-                                      include_prompt_in_result=False, **options)[0]
-    theirs = np.asarray(result.sequences_ids[0])
-    mine = hf_ids[ours[row]]
-    eos = tokenizer.eos_token_id
-    mine = mine[:list(mine).index(eos) if eos in mine else len(mine)]
-    np.testing.assert_array_equal(mine, theirs[:len(mine)])
-    assert len(theirs) == len(mine)
-    compared += len(mine)
-  return compared
 
 
 def test_an_exported_gpt2_converts_with_ctranslate2_and_decodes_as_ours(gpt2_workdir, gpt2_export,

@@ -9,7 +9,6 @@ tokenizer against transformers' T5Tokenizer on Multi30k; the new model option (m
 in the KV-cache decoding and the FLOP formula.
 """
 
-import io
 import json
 import os
 import shutil
@@ -19,11 +18,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-spm = pytest.importorskip("sentencepiece")
+from transformer_jax import config as config_lib
+from transformer_jax.core.errors import UserError
+from transformer_jax.core.tokens import BOS_ID, EOS_ID
+from transformer_jax.data import tokenizer as tokenizer_lib
+from transformer_jax.eval import decode
+from transformer_jax.model import ModelConfig, init_params, make_model
+from transformer_jax.model.transformer import shift_right
+from transformer_jax.tools import hf
 
-from test_hf import (  # noqa: E402
+from .common import (
+  EXTRA_IDS,
   MULTI30K,
   TEXTS,
   TOLERANCE,
@@ -31,51 +36,13 @@ from test_hf import (  # noqa: E402
   our_workdir,
   random_batch,
   randomize,
+  seq2seq_greedy_pairs,
+  t5_config,
+  t5_tokenizer_files,
+  torch,
   trained_from,
+  transformers,
 )
-
-from transformer_jax import config as config_lib  # noqa: E402
-from transformer_jax.core.errors import UserError  # noqa: E402
-from transformer_jax.core.tokens import BOS_ID, EOS_ID  # noqa: E402
-from transformer_jax.data import tokenizer as tokenizer_lib  # noqa: E402
-from transformer_jax.eval import decode  # noqa: E402
-from transformer_jax.model import ModelConfig, init_params, make_model  # noqa: E402
-from transformer_jax.model.transformer import shift_right  # noqa: E402
-from transformer_jax.tools import hf  # noqa: E402
-
-EXTRA_IDS = 3  # sentinels <extra_id_0..2> after the SentencePiece pieces
-
-
-def t5_sentencepiece(texts, vocab_size):
-  """A unigram SentencePiece model in T5's layout: <pad> 0, </s> 1, <unk> 2, no BOS."""
-  proto = io.BytesIO()
-  spm.SentencePieceTrainer.train(sentence_iterator=iter(texts), model_writer=proto,
-                                 vocab_size=vocab_size, model_type="unigram", minloglevel=2,
-                                 character_coverage=1.0, hard_vocab_limit=False, pad_id=0,
-                                 eos_id=1, unk_id=2, bos_id=-1)
-  return proto.getvalue()
-
-
-def t5_tokenizer_files(directory, texts, vocab_size):
-  """spiece.model and tokenizer_config.json, as a T5 checkpoint ships them; returns the number
-  of pieces."""
-  os.makedirs(directory, exist_ok=True)
-  proto = t5_sentencepiece(texts, vocab_size)
-  with open(os.path.join(directory, "spiece.model"), "wb") as f:
-    f.write(proto)
-  with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
-    json.dump({"tokenizer_class": "T5Tokenizer", "extra_ids": EXTRA_IDS}, f)
-  return spm.SentencePieceProcessor(model_proto=proto).get_piece_size()
-
-
-def t5_config(vocab_size, **changes):
-  options = dict(vocab_size=vocab_size, d_model=32, d_kv=16, num_heads=3, d_ff=40, num_layers=2,
-                 num_decoder_layers=3, relative_attention_num_buckets=8,
-                 relative_attention_max_distance=16, feed_forward_proj="gated-gelu",
-                 tie_word_embeddings=False, decoder_start_token_id=0, pad_token_id=0,
-                 eos_token_id=1, dropout_rate=0.0)
-  options.update(changes)
-  return transformers.T5Config(**options)
 
 
 @pytest.fixture(scope="module")
@@ -143,20 +110,9 @@ def greedy_pairs(params, model_config, hf_ids, our_ids, reference, length=32):
   ours = np.asarray(decode.greedy_decode(
       params, model_config.replace(deterministic=True),
       jnp.asarray(np.where(source_mask, our_ids[source], 0), jnp.int32), length))
-  eos = reference.config.eos_token_id
-  pairs = []
-  for row, n in enumerate(source_mask.sum(1)):
-    out = reference.generate(torch.tensor(source[row:row + 1, :n]),
-                             attention_mask=torch.ones(1, n, dtype=torch.long),
-                             max_new_tokens=length, do_sample=False, num_beams=1,
-                             use_cache=False,
-                             suppress_tokens=sorted({int(hf_ids[0]), int(hf_ids[BOS_ID])}))
-    theirs = out[0, 1:].numpy()  # after the decoder start token
-    theirs = theirs[:list(theirs).index(eos) + 1] if eos in theirs else theirs
-    mine = hf_ids[ours[row]]
-    mine = mine[:list(mine).index(eos) + 1] if eos in mine else mine
-    pairs.append((mine, theirs))
-  return pairs
+  return seq2seq_greedy_pairs(ours, hf_ids, reference, source, source_mask, length,
+                              use_cache=False,
+                              suppress_tokens=sorted({int(hf_ids[0]), int(hf_ids[BOS_ID])}))
 
 
 def assert_greedy_equal(pairs):

@@ -1,0 +1,1 @@
+"""The Hugging Face interop tests (tools/hf); common.py holds what they share."""
