@@ -3,6 +3,10 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 WORKDIR ?= runs/scan_simple
+# pytest-xdist workers: one more than the CI machine's 2 cores, since many tests wait (on a
+# store's outage, a database, a subprocess's start-up) while the others compile
+# (docs/benchmarks.md: the suite's time).
+TEST_JOBS ?= 3
 
 .PHONY: install lint test quick file-costs demo clean
 
@@ -27,17 +31,17 @@ lint: $(VENV)/.installed-test
 test: lint
 	# Whole files per worker: a module's expensive fixture (the 8-device sharding run, the trained
 	# workdirs) is then built once, not once on each worker.
-	$(PY) -m pytest -q -n 2 --dist loadfile tests
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile tests
 
 # The everyday loop: the suite without the files marked slow (tests/conftest.py: SLOW_FILE_S,
 # of the measured tests/file_costs.json).
 quick: lint
-	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow" tests
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile -m "not slow" tests
 
 # The suite as `make test` runs it, writing the seconds each file took to tests/file_costs.json
 # (the order in which the workers take the files, and which are slow): after tests change.
 file-costs: lint
-	$(PY) -m pytest -q -n 2 --dist loadfile --record-file-costs tests
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --record-file-costs tests
 
 demo: $(VENV)/.installed
 	$(PY) launch.py --config=experiments/scan_simple.py --workdir=$(WORKDIR) --mode=train
