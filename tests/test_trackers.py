@@ -211,6 +211,26 @@ def _alive(pid) -> bool:
   return True
 
 
+def test_mlflow_system_metrics_are_on_the_run_when_asked_for(tmp_path, launcher, mlflow_server):
+  """mlflow.system_metrics=True: MLflow's own system/... metrics (CPU, memory) on the run,
+  however short; without it, none."""
+  runs = {}
+  for asked in (True, False):
+    workdir = tmp_path / f"run_{asked}"
+    code, out, err = launcher.run(
+        *TINY, f"--workdir={workdir}", "--config.train.steps=20", "--config.train.trackers=mlflow",
+        f"--config.mlflow.system_metrics={asked}", "--config.mlflow.system_metrics_every_s=1",
+        *_mlflow_flags(mlflow_server, "system"))
+    assert code == 0, out + err
+    assert "warning" not in err, err
+    [runs[asked]] = _runs(mlflow_server, "system", _run_id(workdir))
+  shown = {k for k in runs[True].data.metrics if k.startswith("system/")}
+  assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= shown
+  assert runs[True].data.metrics["system/system_memory_usage_megabytes"] > 0
+  assert not [k for k in runs[False].data.metrics if k.startswith("system/")]
+  assert runs[True].info.status == runs[False].info.status == "FINISHED"
+
+
 def test_a_run_killed_and_resumed_shows_every_step_once(tmp_path, launcher, mlflow_server):
   """SIGKILL once MLflow shows steps past the newest checkpoint; the resumed run logs those
   steps again to metrics.jsonl but not to the trackers (MLflow, and W&B offline): one MLflow

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 import urllib.parse
@@ -145,12 +146,13 @@ class MlflowTracker(base.Tracker):
       self.tags["mlflow.parentRunId"] = config.mlflow.parent_run_id
     if config.train.tracker_group:
       self.tags[STUDY_TAG] = config.train.tracker_group
-    self.client = self.run_id = None
+    self.client = self.run_id = self.monitor = None
 
   def open(self, run_id: str, config: dict) -> dict:
     client, experiment_id = open_store(self.config)
     run = find_run(client, experiment_id, RUN_ID_TAG, run_id)
     tags = {RUN_ID_TAG: run_id, **self.tags, **context_tags()}
+    resumed = run is not None
     if run is None:
       run = client.create_run(experiment_id, run_name=self.run_name, tags=tags)
       shown = {}
@@ -166,7 +168,25 @@ class MlflowTracker(base.Tracker):
     if changed:
       tags["config_changed_on_resume"] = ", ".join(changed)[:5000]
     log_to(client, run, config, tags)
+    if self.config.mlflow.system_metrics and self.monitor is None:
+      self._start_monitor(resumed)
     return shown
+
+  def _start_monitor(self, resumed: bool) -> None:
+    """MLflow's SystemMetricsMonitor on this run (system/... metrics, steps after a resumed
+    run's); a monitor that cannot start (no psutil) costs one warning, never the run."""
+    try:
+      from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+      self.monitor = SystemMetricsMonitor(
+          self.run_id, sampling_interval=self.config.mlflow.system_metrics_every_s,
+          resume_logging=resumed,
+          tracking_uri=_credentials_apart(settings(self.config)[0]) or None)
+    except Exception as e:  # noqa: BLE001 - system metrics are never worth a run
+      print(f"warning: MLflow's system metrics could not start ({type(e).__name__}: "
+            f"{' '.join(str(e).split())[:200]}); the run goes on without them",
+            file=sys.stderr, flush=True)
+      return
+    self.monitor.start()
 
   @staticmethod
   def _last_steps(client, run) -> dict:
@@ -212,6 +232,11 @@ class MlflowTracker(base.Tracker):
                          "checkpoints.json")
 
   def close(self, state: str) -> None:
+    if self.monitor is not None:  # its last samples too, however short the run
+      self.monitor.finish()
+      self.monitor.publish_metrics(self.monitor.aggregate_metrics())
+      self.monitor.mlflow_logger.flush()
+      self.monitor = None
     if self.client is not None:
       self.client.set_terminated(self.run_id, {"finished": "FINISHED", "stopped": "KILLED"}.get(
           state, "FAILED"))
