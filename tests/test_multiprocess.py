@@ -88,6 +88,19 @@ def test_data_that_process_0_refuses_stops_every_process_of_the_job(tmp_path):
   assert not (tmp_path / "w").exists()
 
 
+def test_a_job_of_two_processes_on_the_cpu_prints_no_gloo_lines(tmp_path):
+  """Gloo, the CPU's collectives between processes, prints "[Gloo] Rank N is connected to ..."
+  on stdout each time it connects: a job of two processes shows none of them, and all of its own
+  output (process 0's summary at the end)."""
+  codes, outputs = job_outputs(start_job(
+      [sys.executable, "launch.py", *ARGS, f"--workdir={tmp_path / 'w'}"],
+      cpu_environment(2, TRANSFORMER_JAX_CACHE=str(tmp_path / "cache"))))
+  assert codes == [0, 0], outputs
+  assert "Run summary" in outputs[0] and "Run summary" not in outputs[1]
+  for output in outputs:
+    assert [line for line in output.splitlines() if "[Gloo]" in line] == [], output
+
+
 # ----------------------------------------------------------------------------- a TPU VM pod
 
 

@@ -19,6 +19,7 @@ from launcher import Launcher, environment
 
 from transformer_jax import config as config_lib
 from transformer_jax.core.errors import UserError
+from transformer_jax.tools.sweep import tracking
 from transformer_jax.train import trackers
 from transformer_jax.train.trackers import mlflow as mlflow_tracker
 
@@ -135,9 +136,9 @@ def test_a_run_in_mlflow_equals_metrics_jsonl_and_joins_its_sweep(tmp_path, laun
   study; the run, started with its id, is its child, and record_trial marks it."""
   config = config_lib.default_config()
   config.mlflow.tracking_uri, config.mlflow.experiment = mlflow_server, "tiny"
-  parent = mlflow_tracker.start_study(config, "study-a", storage="sqlite:///study.db",
-                                      params={"space": "train.learning_rate in [1e-4, 1e-2]"})
-  assert mlflow_tracker.start_study(config, "study-a") == parent  # a resumed sweep: the same
+  parent = tracking.start_study(config, "study-a", storage="sqlite:///study.db",
+                                params={"space": "train.learning_rate in [1e-4, 1e-2]"})
+  assert tracking.start_study(config, "study-a") == parent  # a resumed sweep: the same
 
   workdir = tmp_path / "run"
   code, out, err = launcher.run(
@@ -185,12 +186,12 @@ def test_a_run_in_mlflow_equals_metrics_jsonl_and_joins_its_sweep(tmp_path, laun
   assert plots == set(os.listdir(workdir / "plots")) and "curves.png" in plots
 
   # The hook of the sweep engine, with the trial's config (as its workdir holds it).
-  trackers.record_trial(config_lib.from_workdir(str(workdir)), str(workdir), 0, "PRUNED",
+  tracking.record_trial(config_lib.from_workdir(str(workdir)), str(workdir), 0, "PRUNED",
                         params={"lr": 0.01}, value=2.5, step=10)
-  other = mlflow_tracker.record_trial(config, parent, 1, "COMPLETE", params={"lr": 0.001},
-                                      value=1.5, step=20)
-  mlflow_tracker.end_study(config, parent, best={"trial": 1, "value": 1.5,
-                                                 "params": {"lr": 0.001}})
+  other = tracking.record_mlflow_trial(config, parent, 1, "COMPLETE", params={"lr": 0.001},
+                                       value=1.5, step=20)
+  tracking.end_study(config, parent, best={"trial": 1, "value": 1.5,
+                                           "params": {"lr": 0.001}})
   runs = {r.info.run_id: r for r in _runs(mlflow_server, "tiny")}
   pruned, complete, study = runs[run.info.run_id], runs[other], runs[parent]
   assert (pruned.info.status, pruned.data.tags["trial_state"],
@@ -208,6 +209,26 @@ def _alive(pid) -> bool:
   except ProcessLookupError:  # ended (and reaped by the launcher's server)
     return False
   return True
+
+
+def test_mlflow_system_metrics_are_on_the_run_when_asked_for(tmp_path, launcher, mlflow_server):
+  """mlflow.system_metrics=True: MLflow's own system/... metrics (CPU, memory) on the run,
+  however short; without it, none."""
+  runs = {}
+  for asked in (True, False):
+    workdir = tmp_path / f"run_{asked}"
+    code, out, err = launcher.run(
+        *TINY, f"--workdir={workdir}", "--config.train.steps=20", "--config.train.trackers=mlflow",
+        f"--config.mlflow.system_metrics={asked}", "--config.mlflow.system_metrics_every_s=1",
+        *_mlflow_flags(mlflow_server, "system"))
+    assert code == 0, out + err
+    assert "warning" not in err, err
+    [runs[asked]] = _runs(mlflow_server, "system", _run_id(workdir))
+  shown = {k for k in runs[True].data.metrics if k.startswith("system/")}
+  assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= shown
+  assert runs[True].data.metrics["system/system_memory_usage_megabytes"] > 0
+  assert not [k for k in runs[False].data.metrics if k.startswith("system/")]
+  assert runs[True].info.status == runs[False].info.status == "FINISHED"
 
 
 def test_a_run_killed_and_resumed_shows_every_step_once(tmp_path, launcher, mlflow_server):
@@ -467,7 +488,7 @@ def test_a_sweep_with_mlflow_makes_its_trials_children_of_the_study(tmp_path, ml
   study = results.open_study(str(workdir), None)
   trials = study.get_trials()
   assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE"]
-  parent_id = study.user_attrs[worker.PARENT_ATTR]
+  parent_id = study.user_attrs[tracking.PARENT_ATTR]
   runs = {r.info.run_id: r for r in _runs(mlflow_server, "sweep")}
   parent = runs.pop(parent_id)
   # Named by the study's folder, not the machine's absolute path (one MLflow server for many).
@@ -494,13 +515,13 @@ def test_a_sweep_with_mlflow_makes_its_trials_children_of_the_study(tmp_path, ml
 
 
 def test_a_sweep_trial_in_its_wandb_group_with_its_state(tmp_path):
-  """trackers.record_trial, the sweep's hook: the trial's W&B run (resumed by the id of its
+  """tracking.record_trial, the sweep's hook: the trial's W&B run (resumed by the id of its
   workdir) gets its state, pruning step, value and parameters, in the study's group."""
   config = config_lib.default_config()
   config.train.update(trackers="tensorboard,wandb", tracker_group="study-b")
   config.wandb.update(mode="offline", project="sweep")
   run_id = trackers.claim_run_id(str(tmp_path))
-  trackers.record_trial(config, str(tmp_path), 3, "PRUNED", params={"train.learning_rate": 0.01},
+  tracking.record_trial(config, str(tmp_path), 3, "PRUNED", params={"train.learning_rate": 0.01},
                         value=2.5, step=10)
   [run_dir] = (tmp_path / "wandb").glob(f"offline-run-*-{run_id}")
   summary = json.loads(_wandb_inspect(run_dir, "--summary"))

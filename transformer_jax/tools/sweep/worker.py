@@ -26,12 +26,9 @@ its overrides to the others (multihost_utils), all train it, process 0 alone rep
 Each trial's identity is in the environment of its training run, TRIAL_ENV (JSON: study, trial
 number, directory, overrides), and in WORKDIR/trial_NNNN/trial.json.
 
-Trackers (train.trackers with wandb or mlflow): each trial's run is in the study's group
-(train.tracker_group = the study's name) and, for MLflow, a child of the study's parent run
-(trackers.mlflow.start_study, made once by the study's creator, its id a user attribute of the
-study that every worker reads); each trial's state, parameters and last or pruning step go to
-its run when it ends (trackers.record_trial), and the best trial to the parent run when the
-budget is spent. A tracker that fails costs a warning, never a trial.
+Trackers (train.trackers with wandb or mlflow): tracking.StudyTracking, optimize()'s callback,
+puts each trial's run in the study's group (and MLflow's under the study's parent run) and
+reports each ended trial to it.
 """
 
 from __future__ import annotations
@@ -55,6 +52,7 @@ from transformer_jax.core.errors import UserError
 from transformer_jax.tools.sweep import results as results_lib
 from transformer_jax.tools.sweep import space as space_lib
 from transformer_jax.tools.sweep import store
+from transformer_jax.tools.sweep.tracking import StudyTracking
 from transformer_jax.train import checkpoint, logger
 
 TRIAL_ENV = "TRANSFORMER_JAX_SWEEP_TRIAL"
@@ -65,8 +63,6 @@ PARENT_ENV = "TRANSFORMER_JAX_SWEEP_PARENT"  # its pid: such a worker dies with 
 # What a run trains without under sweep.test_best: the test split is read once, afterwards.
 TEST_LEFT_OUT = {"data.test_split": ""}
 TrainFn = Callable  # train_fn(config, workdir, on_eval=...) -> final metrics ({} if stopped)
-PARENT_ATTR = "mlflow_parent_run_id"  # the study's user attribute: its MLflow parent run
-ENDED_ATTR = "mlflow_parent_ended"  # how many trials the study had when its parent run ended
 
 
 class Options(NamedTuple):
@@ -228,7 +224,7 @@ def join_study(p: Plan, workdir: str, st: store.Storage):
                                   pruner=pruner, direction=space_lib.direction(o.metric))
       study.set_user_attr(store.STUDY_ATTR, ours)
       _enqueue(study, p)
-      study_parent(study, p, st)  # before "ready": every other worker finds its id
+      StudyTracking(p).start(study, st.url)  # before "ready": every other worker finds its id
       study.set_user_attr("ready", True)  # the others wait for this: no trial enqueued twice
       return study
     except optuna.exceptions.DuplicatedStudyError:
@@ -268,130 +264,6 @@ def _enqueue(study, p: Plan) -> None:
       params = {k: v for k, v in q.overrides.items() if k in (p.experiment.space or {})}
       study.enqueue_trial(params, user_attrs={"sweep_key": q.key, "sweep_index": q.index,
                                               "sweep_seed": q.seed, "sweep_overrides": q.overrides})
-
-
-# ------------------------------------------------------------------ trackers
-
-
-class _TrackerWarning:
-  """The first tracker failure of this worker is a warning; the rest go unsaid."""
-
-  said = False
-
-  @classmethod
-  def warn(cls, what: str, e: Exception) -> None:
-    if not cls.said:
-      cls.said = True
-      text = store.redact(" ".join(str(e).split()))[:200]
-      print(f"warning: {what} failed ({type(e).__name__}: {text}); "
-            "the sweep goes on without it (further tracker failures are not repeated)",
-            file=sys.stderr, flush=True)
-
-
-def _tracked(config) -> list:
-  from transformer_jax import config as config_lib
-  try:
-    return [n for n in config_lib.tracker_names(config) if n != "tensorboard"]
-  except UserError:
-    return []  # the trial's own error, said where it is checked
-
-
-def study_parent(study, p: Plan, st: store.Storage) -> str:
-  """The study's MLflow parent run ("" without MLflow among train.trackers, or if MLflow could
-  not be reached): the id kept in the study, else made (or found again) by start_study."""
-  if "mlflow" not in _tracked(p.base_config):
-    return ""
-  known = study.user_attrs.get(PARENT_ATTR)
-  if known:
-    return known
-  from transformer_jax.train.trackers import mlflow
-  o = p.options
-  params = {"experiment": os.path.basename(p.experiment.path), "metric": o.metric,
-            "sampler": o.sampler, "pruner": o.pruner, "budget": p.budget, "seed": o.seed}
-  if p.experiment.space:
-    params["space"] = "; ".join(s.strip() for s in space_lib.describe(p.experiment.space))
-  try:
-    parent = mlflow.start_study(p.base_config, study.study_name, storage=store.redact(st.url),
-                                params=params, display=store.display_name(study.study_name))
-  except Exception as e:  # noqa: BLE001 - a tracker never stops the sweep
-    _TrackerWarning.warn("MLflow's parent run of the study", e)
-    return ""
-  study.set_user_attr(PARENT_ATTR, parent)
-  return parent
-
-
-def with_tracker_group(config, study_name: str, parent: str):
-  """The trial's config in the study's group (unless the command set train.tracker_group) and,
-  for MLflow, under its parent run; unchanged without a tracker beside TensorBoard."""
-  chosen = _tracked(config)
-  if chosen:
-    if not config.train.tracker_group:
-      config.train.tracker_group = store.display_name(study_name)
-    if "mlflow" in chosen and parent:
-      config.mlflow.parent_run_id = parent
-  return config
-
-
-def _record(p: Plan, study_name: str, parent: str, state: dict):
-  """optimize()'s callback: the ended trial's state on its tracker runs (trackers.record_trial)."""
-
-  def callback(study, trial) -> None:
-    ran = state.pop("ran", None)
-    if state.get("handed_back") == trial.number or trial.user_attrs.get("sweep_surplus"):
-      return  # back to the queue, or never a trial of the budget
-    if trial.state.name not in ("COMPLETE", "PRUNED", "FAIL"):
-      return
-    if ran is not None and ran["trial"] == trial.number:
-      config, directory = ran["config"], ran["directory"]
-    else:  # failed before its config was built: a run of its own under the parent
-      config = with_tracker_group(p.base_config.copy_and_resolve_references(), study_name,
-                                  parent)
-      directory = ""  # no training run
-    if not _tracked(config):
-      return
-    step = trial.user_attrs.get("sweep_pruned_step")
-    if step is None and trial.state.name == "COMPLETE" and ran is not None:
-      step = ran.get("step")  # its final step: the last evaluation may come before it
-    if step is None and trial.intermediate_values:
-      step = max(trial.intermediate_values)
-    if step is None and ran is not None:
-      step = ran.get("step")  # its final step (a run without evaluations reports none before)
-    value = trial.value if trial.state.name == "COMPLETE" else (
-        trial.intermediate_values.get(step) if step is not None else None)
-    params = {**trial.params, **(trial.user_attrs.get("sweep_overrides") or {})}
-    from transformer_jax.train import trackers
-    try:
-      trackers.record_trial(config, directory, trial.number, trial.state.name, params=params,
-                            value=value, step=step)
-    except Exception as e:  # noqa: BLE001 - a tracker never fails the trial or the sweep
-      _TrackerWarning.warn(f"recording {trial_name(root_of(trial))} in its tracker", e)
-
-  return callback
-
-
-def end_study_parent(study, p: Plan, parent: str) -> None:
-  """The parent run ended with the best trial, once per state of the study (a second worker
-  that finds it ended with as many trials does nothing; a later sweep adding trials ends it
-  again)."""
-  if not parent:
-    return
-  count = len(study.get_trials(deepcopy=False))
-  if study.user_attrs.get(ENDED_ATTR) == count:
-    return
-  best = {}
-  try:
-    trial = study.best_trial
-    best = {"trial": trial.number, "directory": trial_name(root_of(trial)), "value": trial.value,
-            "params": {**trial.params, **(trial.user_attrs.get("sweep_overrides") or {})}}
-  except ValueError:  # no trial finished
-    pass
-  from transformer_jax.train.trackers import mlflow
-  try:
-    mlflow.end_study(p.base_config, parent, best=best)
-  except Exception as e:  # noqa: BLE001 - a tracker never fails the sweep
-    _TrackerWarning.warn("ending MLflow's parent run of the study", e)
-    return
-  study.set_user_attr(ENDED_ATTR, count)
 
 
 def _census(study) -> dict:
@@ -589,7 +461,7 @@ def _test_best(directory: str, overrides: dict, config, records: list, p: Plan) 
 
 
 def _objective(p: Plan, workdir: str, train_fn, study_name: str, state: dict,
-               parent: str = ""):
+               tracking: StudyTracking):
   import optuna
   space = p.experiment.space or {}
 
@@ -621,7 +493,7 @@ def _objective(p: Plan, workdir: str, train_fn, study_name: str, state: dict,
     except UserError as e:
       return _fail(trial, name, str(e))
     state["ran"] = {"trial": trial.number, "directory": directory,
-                    "config": with_tracker_group(config, study_name, parent)}
+                    "config": tracking.trial_config(config, study_name)}
     if history:
       try:
         _wait_for_the_lost_run(directory, name)
@@ -698,12 +570,15 @@ def _fail(trial, name: str, error: str):
 
 
 def work(p: Plan, workdir: str, study, st: store.Storage, train_fn,
-         parent: str = "") -> Optional[str]:
+         tracking: Optional[StudyTracking] = None) -> Optional[str]:
   """Takes trials until none is left to take; returns the signal that stopped it, if any.
-  parent: the study's MLflow parent run (study_parent)."""
-  state = {}
+  tracking: the study in the trackers (StudyTracking, started); None: made here."""
+  if tracking is None:
+    tracking = StudyTracking(p)
+    tracking.start(study, st.url)
+  state = tracking.state
   try:
-    return _work(p, workdir, study, st, train_fn, parent, state)
+    return _work(p, workdir, study, st, train_fn, tracking)
   except BaseException:
     outage = getattr(st.storage, "outage", None)
     if outage is None or not outage.lost:
@@ -730,11 +605,12 @@ def _lost(outage, ran: Optional[dict]) -> UserError:
                    "once the database answers")
 
 
-def _work(p: Plan, workdir: str, study, st: store.Storage, train_fn, parent: str,
-          state: dict) -> Optional[str]:
+def _work(p: Plan, workdir: str, study, st: store.Storage, train_fn,
+          tracking: StudyTracking) -> Optional[str]:
   import optuna
-  objective = _objective(p, workdir, train_fn, study.study_name, state, parent)
-  callbacks = [_record(p, study.study_name, parent, state)]
+  state = tracking.state
+  objective = _objective(p, workdir, train_fn, study.study_name, state, tracking)
+  callbacks = [tracking]
   waiting_said = False
   with signals_lib.Signals() as signals:
     while not signals.signal:
@@ -882,7 +758,8 @@ def run_sweep(config_path: str, workdir: str, base_overrides: dict, train_fn: Tr
 
 def _sweep(p: Plan, workdir: str, st: store.Storage, train_fn, options: Options, argv, out):
   study = join_study(p, workdir, st)
-  parent = study_parent(study, p, st)
+  tracking = StudyTracking(p)
+  tracking.start(study, st.url)
   checkpoint.create_workdir(workdir)
   store.write_record(workdir, study.study_name, st.url)
   c = _census(study)
@@ -892,9 +769,9 @@ def _sweep(p: Plan, workdir: str, st: store.Storage, train_fn, options: Options,
     code = _spawn_workers(argv or [], options.parallel, options.storage)
     stopped = None if code == 0 else f"exit code {code}"
   else:
-    stopped = work(p, workdir, study, st, train_fn, parent)
+    stopped = work(p, workdir, study, st, train_fn, tracking)
   if not stopped:
-    end_study_parent(study, p, parent)
+    tracking.end(study)
   table, best = results_lib.write(study, workdir, options.metric,
                                   p.base_config.data.eval_split)
   out.write(f"\n{table}\nresults: {storage.join(workdir, 'results.md')} and "

@@ -130,22 +130,3 @@ def open_writers(config, workdir: str, run_id: str | None, backlog: list = (),
       getattr(importlib.import_module(f"{__name__}.{name}"), RUNS[name][0])(config, workdir),
       run_id, flat_config(config), retry_s=config.train.tracker_retry_s, backlog=backlog,
       interval_s=config.train.tracker_interval_s) for name in names]
-
-
-def record_trial(config, workdir: str, trial: int, state: str, params: dict | None = None,
-                 value: float | None = None, step: int | None = None) -> None:
-  """For the sweep engine: a trial's outcome (Optuna's state: COMPLETE, PRUNED, FAIL; its
-  parameters; objective value; last reported step, the pruning step of a pruned trial) on the
-  tracker run of its training workdir, in each tracker of `config` (the trial's config: its
-  train.tracker_group, and for MLflow its mlflow.parent_run_id from mlflow.start_study).
-  Nothing where the workdir has no tracker run yet or no tracker is chosen; workdir "": the
-  trial has no training run (it failed before one), so MLflow gets a child run of its own."""
-  run_id = read_run_id(workdir) if workdir else None
-  chosen = with_runs(config)
-  if "mlflow" in chosen and config.mlflow.parent_run_id:
-    from transformer_jax.train.trackers import mlflow
-    mlflow.record_trial(config, config.mlflow.parent_run_id, trial, state, params, value, step,
-                        run_id=run_id or "")
-  if "wandb" in chosen and run_id:
-    from transformer_jax.train.trackers import wandb
-    wandb.record_trial(config, workdir, run_id, trial, state, params, value, step)

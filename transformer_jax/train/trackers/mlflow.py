@@ -1,5 +1,5 @@
-"""MLflow: one MLflow run per workdir, found again by its tag `transformer_jax.run_id`; and a
-sweep's parent run (`start_study`, `record_trial`, `end_study`) for the sweep engine to call.
+"""MLflow: one MLflow run per workdir, found again by its tag `transformer_jax.run_id` (a sweep's
+parent run and its trials' states: tools/sweep/tracking.py, with this module's helpers).
 
 The tracking URI is mlflow.tracking_uri, else MLflow's own MLFLOW_TRACKING_URI, else MLflow's
 default (a local store). A server, a file store (file:/path) and a SQLite database
@@ -8,9 +8,9 @@ default (a local store). A server, a file store (file:/path) and a SQLite databa
 
 from __future__ import annotations
 
-import json
 import logging
 import os
+import sys
 import threading
 import time
 import urllib.parse
@@ -26,7 +26,7 @@ DEFAULT_EXPERIMENT = "transformer_jax"
 # instead (base.Background); a user's own setting of these variables wins.
 _HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
                   "MLFLOW_HTTP_REQUEST_TIMEOUT": "20"}
-_BATCH = 100  # params and tags per log_batch call (MLflow's limit); metrics go 1,000 at a time
+BATCH = 100  # params and tags per log_batch call (MLflow's limit); metrics go 1,000 at a time
 _PARAM_CHARS = 6000  # MLflow's longest param value
 
 
@@ -48,7 +48,7 @@ def _credentials_apart(tracking_uri: str) -> str:
   return urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
 
 
-def _client(tracking_uri: str):
+def connect(tracking_uri: str):
   for name, value in _HTTP_DEFAULTS.items():
     os.environ.setdefault(name, value)
   tracking_uri = _credentials_apart(tracking_uri)
@@ -83,28 +83,28 @@ def _experiment_id(client, name: str, tracking_uri: str = "") -> str:
     return found.experiment_id
 
 
-def _find_run(client, experiment_id: str, tag: str, value: str):
+def find_run(client, experiment_id: str, tag: str, value: str):
   runs = client.search_runs([experiment_id], filter_string=f"tags.`{tag}` = '{value}'",
                             max_results=1, order_by=["attributes.start_time ASC"])
   return runs[0] if runs else None
 
 
-def _store(config) -> tuple:
+def open_store(config) -> tuple:
   """(an MlflowClient of `config`'s tracking URI, the id of its experiment)."""
   tracking_uri, experiment = settings(config)
-  client = _client(tracking_uri)
+  client = connect(tracking_uri)
   return client, _experiment_id(client, experiment, tracking_uri)
 
 
-def _log(client, run, params: dict = None, tags: dict = None, metrics: list = ()) -> None:
+def log_to(client, run, params: dict = None, tags: dict = None, metrics: list = ()) -> None:
   """The params `run` lacks (MLflow's are immutable), tags and metrics, in MLflow's batches."""
   from mlflow.entities import Param, RunTag
   params = [Param(k, str(v)[:_PARAM_CHARS]) for k, v in (params or {}).items()
             if k not in run.data.params]
   tags = [RunTag(k, str(v)) for k, v in (tags or {}).items()]
-  for i in range(0, max(len(params), len(tags), len(metrics) and 1), _BATCH):
+  for i in range(0, max(len(params), len(tags), len(metrics) and 1), BATCH):
     client.log_batch(run.info.run_id, metrics=[] if i else list(metrics),
-                     params=params[i:i + _BATCH], tags=tags[i:i + _BATCH])
+                     params=params[i:i + BATCH], tags=tags[i:i + BATCH])
 
 
 def settings(config) -> tuple[str, str]:
@@ -126,7 +126,7 @@ def context_tags() -> dict:
   return tags
 
 
-def _metric(key, value, step, wall=None):
+def as_metric(key, value, step, wall=None):
   """wall: when the value was logged (time.time()); None: now."""
   from mlflow.entities import Metric
   return Metric(key, float(value), int((time.time() if wall is None else wall) * 1000), int(step))
@@ -146,12 +146,13 @@ class MlflowTracker(base.Tracker):
       self.tags["mlflow.parentRunId"] = config.mlflow.parent_run_id
     if config.train.tracker_group:
       self.tags[STUDY_TAG] = config.train.tracker_group
-    self.client = self.run_id = None
+    self.client = self.run_id = self.monitor = None
 
   def open(self, run_id: str, config: dict) -> dict:
-    client, experiment_id = _store(self.config)
-    run = _find_run(client, experiment_id, RUN_ID_TAG, run_id)
+    client, experiment_id = open_store(self.config)
+    run = find_run(client, experiment_id, RUN_ID_TAG, run_id)
     tags = {RUN_ID_TAG: run_id, **self.tags, **context_tags()}
+    resumed = run is not None
     if run is None:
       run = client.create_run(experiment_id, run_name=self.run_name, tags=tags)
       shown = {}
@@ -166,8 +167,26 @@ class MlflowTracker(base.Tracker):
                      and known[k] != str(v)[:_PARAM_CHARS])
     if changed:
       tags["config_changed_on_resume"] = ", ".join(changed)[:5000]
-    _log(client, run, config, tags)
+    log_to(client, run, config, tags)
+    if self.config.mlflow.system_metrics and self.monitor is None:
+      self._start_monitor(resumed)
     return shown
+
+  def _start_monitor(self, resumed: bool) -> None:
+    """MLflow's SystemMetricsMonitor on this run (system/... metrics, steps after a resumed
+    run's); a monitor that cannot start (no psutil) costs one warning, never the run."""
+    try:
+      from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+      self.monitor = SystemMetricsMonitor(
+          self.run_id, sampling_interval=self.config.mlflow.system_metrics_every_s,
+          resume_logging=resumed,
+          tracking_uri=_credentials_apart(settings(self.config)[0]) or None)
+    except Exception as e:  # noqa: BLE001 - system metrics are never worth a run
+      print(f"warning: MLflow's system metrics could not start ({type(e).__name__}: "
+            f"{' '.join(str(e).split())[:200]}); the run goes on without them",
+            file=sys.stderr, flush=True)
+      return
+    self.monitor.start()
 
   @staticmethod
   def _last_steps(client, run) -> dict:
@@ -179,7 +198,7 @@ class MlflowTracker(base.Tracker):
             for split in splits}
 
   def write(self, records: list) -> None:
-    metrics = [_metric(k, v, r["step"], r.get("time")) for r in records
+    metrics = [as_metric(k, v, r["step"], r.get("time")) for r in records
                for k, v in base.scalars(r).items()]
     for i in range(0, len(metrics), base.MAX_VALUES):
       self.client.log_batch(self.run_id, metrics=metrics[i:i + base.MAX_VALUES])
@@ -191,7 +210,7 @@ class MlflowTracker(base.Tracker):
 
   def summary(self, values: dict) -> None:
     step = int(values.get("step", 0))
-    self.client.log_batch(self.run_id, metrics=[_metric(f"summary/{k}", v, step)
+    self.client.log_batch(self.run_id, metrics=[as_metric(f"summary/{k}", v, step)
                                                 for k, v in base.numbers(values).items()])
 
   def images(self, paths: dict, step: int) -> None:
@@ -213,71 +232,11 @@ class MlflowTracker(base.Tracker):
                          "checkpoints.json")
 
   def close(self, state: str) -> None:
+    if self.monitor is not None:  # its last samples too, however short the run
+      self.monitor.finish()
+      self.monitor.publish_metrics(self.monitor.aggregate_metrics())
+      self.monitor.mlflow_logger.flush()
+      self.monitor = None
     if self.client is not None:
       self.client.set_terminated(self.run_id, {"finished": "FINISHED", "stopped": "KILLED"}.get(
           state, "FAILED"))
-
-
-# ------------------------------------------------------------------- a sweep's parent run
-# For the sweep engine (tools/sweep): a study's trials are child runs of one parent run, tagged
-# with the study's name. Each trial's training run reaches it through its config:
-#   train.tracker_group = STUDY (also the W&B group) and mlflow.parent_run_id = start_study(...)
-
-
-def start_study(config, study: str, storage: str = "", params: dict | None = None,
-                display: str = "") -> str:
-  """The parent run of the sweep `study` in `config`'s MLflow experiment, created if it does not
-  exist (a resumed sweep finds its own); its id. storage: where the study lives (Optuna's
-  storage URL), kept as a tag; params: the sweep's settings (its space, sampler, pruner);
-  display: the study's name as the run and its study tag show it ("" = `study`)."""
-  client, experiment_id = _store(config)
-  run = _find_run(client, experiment_id, STUDY_TAG + ".parent", study)
-  if run is None:
-    run = client.create_run(experiment_id, run_name=display or study, tags={
-        STUDY_TAG + ".parent": study, STUDY_TAG: display or study, "study_storage": storage})
-  else:
-    client.update_run(run.info.run_id, status="RUNNING")
-  _log(client, run, params)
-  return run.info.run_id
-
-
-def record_trial(config, parent_run_id: str, trial: int, state: str, params: dict | None = None,
-                 value: float | None = None, step: int | None = None,
-                 run_id: str = "") -> str:
-  """A trial of the study under `parent_run_id`: its state (Optuna's: RUNNING, COMPLETE, PRUNED,
-  FAIL), its parameters, its objective value and its last reported step (the pruning step of
-  a pruned trial). run_id: the trial's training run (WORKDIR/tracker.json's id); without one,
-  or before its training run exists, a child run of its own is made for the trial.
-  Returns the MLflow id of the run that holds the trial."""
-  client, experiment_id = _store(config)
-  key = f"{parent_run_id}/{trial}"
-  run = ((_find_run(client, experiment_id, RUN_ID_TAG, run_id) if run_id else None)
-         or _find_run(client, experiment_id, "trial_key", key))
-  if run is None:
-    run = client.create_run(experiment_id, run_name=f"trial {trial}", tags={
-        "mlflow.parentRunId": parent_run_id, "trial_key": key,
-        **({RUN_ID_TAG: run_id} if run_id else {})})
-  tags = {"mlflow.parentRunId": parent_run_id, "trial": trial, "trial_key": key,
-          "trial_state": state}
-  if step is not None:
-    tags["pruned_at_step" if state == "PRUNED" else "last_step"] = step
-  _log(client, run, params, tags, [] if value is None else [_metric("trial/value", value,
-                                                                      step or 0)])
-  status = {"COMPLETE": "FINISHED", "PRUNED": "KILLED", "FAIL": "FAILED"}.get(state)
-  if status:
-    client.set_terminated(run.info.run_id, status)
-  return run.info.run_id
-
-
-def end_study(config, parent_run_id: str, best: dict | None = None,
-              state: str = "FINISHED") -> None:
-  """Ends the parent run: the best trial's number, value and parameters (as best/...)."""
-  from mlflow.entities import RunTag
-  client = _client(settings(config)[0])
-  best = best or {}
-  tags = [RunTag(f"best/{k}", json.dumps(v) if not isinstance(v, str) else v)
-          for k, v in best.items()]
-  metrics = ([_metric("best/value", best["value"], 0)]
-             if isinstance(best.get("value"), (int, float)) else [])
-  client.log_batch(parent_run_id, metrics=metrics, tags=tags[:_BATCH])
-  client.set_terminated(parent_run_id, state)

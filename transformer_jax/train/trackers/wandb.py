@@ -116,25 +116,3 @@ class WandbTracker(base.Tracker):
       if state == "stopped":
         self.run.mark_preempting()
       self.run.finish(exit_code=0 if state != "failed" else 1)
-
-
-def record_trial(config, workdir: str, run_id: str, trial: int, state: str,
-                 params: dict | None = None, value: float | None = None,
-                 step: int | None = None) -> None:
-  """A sweep trial's outcome on its W&B run (resumed for it; in the group train.tracker_group):
-  its state (Optuna's: COMPLETE, PRUNED, FAIL), parameters, objective value and last reported
-  step (the pruning step of a pruned trial), in the run's summary and config."""
-  import wandb
-  tracker = WandbTracker(config, workdir)
-  settings = {k: v for k, v in tracker.settings.items() if k != "name"}
-  run = wandb.init(id=run_id, resume="allow", reinit="create_new",
-                   settings=wandb.Settings(silent=True, console="off"), **settings)
-  try:
-    run.config.update({f"trial/{k}": v for k, v in (params or {}).items()},
-                      allow_val_change=True)
-    run.summary.update({"trial/number": trial, "trial/state": state,
-                        **({"trial/value": value} if value is not None else {}),
-                        **({"trial/pruned_at_step" if state == "PRUNED" else "trial/last_step":
-                            step} if step is not None else {})})
-  finally:
-    run.finish(exit_code=1 if state == "FAIL" else 0)
