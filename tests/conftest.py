@@ -32,12 +32,13 @@ os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {QUICK_COMPILE}".s
 
 # The order in which pytest-xdist's workers take the files (`-n 3 --dist loadfile`: Makefile's
 # TEST_JOBS): the most expensive first, so that the run does not end with one worker busy on a
-# long file while the others wait. The seconds of each file (setup, call and teardown of its tests, summed) are
-# measured, not written by hand: file_costs.json beside this file holds what the last run with
-# `--record-file-costs` measured (`make file-costs`: the whole suite as `make test` runs it,
-# on the 2-core machine). A file it does not list yet goes last, in pytest's order. A
-# scheduling hint only: a missing or stale entry changes which worker runs what, never a result.
-# Files are named by their path under tests/ (hf/test_x.py for tests/hf/test_x.py).
+# long file while the others wait. The seconds of each file (setup, call and teardown of its
+# tests, summed) are measured, not written by hand: file_costs.json beside this file holds
+# what the last run with `--record-file-costs` measured (`make file-costs`: the whole suite as
+# `make test` runs it, on the 2-core machine). A file it does not list yet goes last, in
+# pytest's order. A scheduling hint only: a missing or stale entry changes which worker runs
+# what, never a result. Files are named by their path under tests/ (hf/test_x.py for
+# tests/hf/test_x.py).
 COSTS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "file_costs.json")
 
 
