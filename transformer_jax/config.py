@@ -175,9 +175,9 @@ def default_config() -> ml_collections.ConfigDict:
   c.mlflow.run_name = ""  # "" = the workdir's name
   c.mlflow.parent_run_id = ""  # a sweep's parent run (sweep.tracking.start_study); "" = none
   # CPU, memory, disk, network (and GPU where MLflow can read it) as system/... metrics of the
-  # run, sampled every system_metrics_every_s seconds by MLflow's SystemMetricsMonitor (psutil)
+  # run, by MLflow's SystemMetricsMonitor (psutil)
   c.mlflow.system_metrics = False
-  c.mlflow.system_metrics_every_s = 10.0
+  c.mlflow.system_metrics_every_s = 10.0  # seconds between two samples of the system metrics
 
   # The experiment's sweep (--sweep; tools/sweep): what the study optimises, how it draws and
   # stops trials. What it varies is the experiment's get_sweep() and get_search_space(); the
