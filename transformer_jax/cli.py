@@ -733,6 +733,14 @@ def _main(argv) -> None:
       target = _stdout_file()
       error = files.write_error(f"standard output ({target or 'not a file'})", e, where=target)
     _fail(" ".join(str(error).splitlines()))
+  except Exception as e:
+    # In a job of several processes, another process killed (or its host lost) fails this one's
+    # next collective: one line, not a traceback (core/job_output.py).
+    if "jax" in sys.modules:
+      from transformer_jax.core import job_output
+      if job_output.is_peer_lost(e):
+        job_output.stop_for_lost_peer(str(e).splitlines()[0])
+    raise
 
 
 def main() -> None:

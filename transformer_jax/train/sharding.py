@@ -30,6 +30,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from transformer_jax.core import job_output
 from transformer_jax.core.errors import UserError
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -62,69 +63,17 @@ def initialize_distributed(coordinator_address=None, num_processes=None, process
     raise UserError("multi-process runs need all of --coordinator_address, --num_processes and "
                     "--process_id (or none of them on Cloud TPU / SLURM)")
   if explicit:
-    jax.distributed.initialize(coordinator_address=coordinator_address,
-                               num_processes=num_processes, process_id=process_id)
+    kwargs = dict(coordinator_address=coordinator_address, num_processes=num_processes,
+                  process_id=process_id)
   elif detected_process_count() > 1:
-    jax.distributed.initialize()  # JAX detects the same cluster again and takes its parameters
+    kwargs = {}  # JAX detects the same cluster again and takes its parameters
   else:
     return
+  # Another process of the job lost: one line on stderr, not the runtime's C++ stack dump.
+  job_output.lost_peer_in_one_line()
+  jax.distributed.initialize(**kwargs)
   if jax.devices()[0].platform == "cpu":
-    _drop_gloo_lines()
-
-
-GLOO_LINE = b"[Gloo] "
-
-
-def _drop_gloo_lines() -> None:
-  """Gloo, the CPU's collectives between processes, prints "[Gloo] Rank N is connected to M peer
-  ranks..." on stdout (C++'s std::cout, no setting quiets it) each time it connects. Here this
-  process's stdout (file descriptor 1) goes through a pipe to a thread that forwards every other
-  line to the real one as it comes; at exit the pipe is drained."""
-  import atexit
-  import sys
-  import threading
-  sys.stdout.flush()
-  real = os.dup(1)
-  read, write = os.pipe()
-  os.dup2(write, 1)
-  os.close(write)
-
-  def forward() -> None:
-    held, at_start = b"", True  # held: the start of a line that may be Gloo's
-    while True:
-      chunk = os.read(read, 65536)
-      if not chunk:
-        break
-      out = []
-      for line in (held + chunk).splitlines(keepends=True):
-        held = b""
-        ends = line.endswith(b"\n")
-        if at_start and (line.startswith(GLOO_LINE) or (
-            not ends and GLOO_LINE.startswith(line))):
-          if not ends:
-            held = line  # decided when its end comes
-          continue  # Gloo's line, dropped (also when cut short)
-        out.append(line)
-        at_start = ends
-      _write_all(real, b"".join(out))
-    if not held.startswith(GLOO_LINE):
-      _write_all(real, held)
-    os.close(read)
-
-  thread = threading.Thread(target=forward, name="stdout-without-gloo", daemon=True)
-  thread.start()
-
-  def drain() -> None:
-    sys.stdout.flush()
-    os.dup2(real, 1)  # the pipe's last writer in this process closed: the thread ends
-    thread.join(timeout=5)
-
-  atexit.register(drain)
-
-
-def _write_all(fd: int, data: bytes) -> None:
-  while data:
-    data = data[os.write(fd, data):]
+    job_output.drop_gloo_lines()
 
 
 def detected_process_count() -> int:

@@ -11,6 +11,8 @@ sweep.metric to Optuna and asks the pruner whether to stop. What befalls a trial
 - its worker is lost (SIGKILL, a lost VM): heartbeats (a database) or its gone pid (the journal
   file, one machine) mark it failed, and a copy is enqueued (up to sweep.retries times) that
   trains in the same trial directory, resuming from its latest checkpoint;
+- another process of its job (jax.distributed) is gone: the trial is handed back, and the process
+  stops in one line (core/job_output.py);
 - its worker gets SIGTERM/SIGINT: training saves its step, the trial is handed back (failed, with
   a copy enqueued as for a lost worker) and the worker exits with code 0;
 - its database goes away: every call of the worker waits for it (store.ride_out), up to
@@ -46,7 +48,7 @@ import tempfile
 import time
 from typing import Callable, NamedTuple, Optional
 
-from transformer_jax.core import lease, metric_names, multihost, storage
+from transformer_jax.core import job_output, lease, metric_names, multihost, storage
 from transformer_jax.core import signals as signals_lib
 from transformer_jax.core.errors import UserError
 from transformer_jax.tools.sweep import results as results_lib
@@ -509,6 +511,10 @@ def _objective(p: Plan, workdir: str, train_fn, study_name: str, state: dict,
     except UserError as e:
       return _fail(trial, name, str(e))
     except Exception as e:  # noqa: BLE001 - the trial's own fault, recorded in the study
+      if job_output.is_peer_lost(e):  # not the trial's fault: it goes back to the queue
+        state["handed_back"], state["peer_lost"] = trial.number, str(e).splitlines()[0]
+        progress_line(f"{name} goes back to the queue: {job_output.LOST}")
+        raise _HandedBack() from None
       return _fail(trial, name, f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")
     wall = time.time() - start
     if reporter.lost:
@@ -626,6 +632,8 @@ def _work(p: Plan, workdir: str, study, st: store.Storage, train_fn,
         if "handed_back" in state:
           number = state.pop("handed_back")
           _retry(p.options)(study, study.get_trials(deepcopy=False)[number])
+          if "peer_lost" in state:  # the job cannot go on: this process ends in one line
+            job_output.stop_for_lost_peer(state.pop("peer_lost"))
           return signals.signal or "a signal"
       elif census["running"]:
         if not waiting_said:
