@@ -26,7 +26,6 @@ from typing import Optional
 from transformer_jax.core import lock as lock_lib
 from transformer_jax.core import outage, storage
 from transformer_jax.core.errors import UserError
-from transformer_jax.core.storage import _failure, _no_bucket, _on_store, _ride, _split
 
 
 def create(path: str, content: bytes | str) -> bool:
@@ -45,19 +44,19 @@ def create(path: str, content: bytes | str) -> bool:
       f.write(data)
     return True
   try:
-    _on_store(path, "write", "pipe_file", data, mode="create")
+    storage.on_store(path, "write", "pipe_file", data, mode="create")
   except FileExistsError:
     return False
   except FileNotFoundError:
-    raise _no_bucket(path, "write") from None
+    raise storage.no_bucket_error(path, "write") from None
   return True
 
 
 def version(path: str) -> Optional[str]:
   """The store's version of the object `path` (GCS generation, S3 ETag), None if there is none."""
-  scheme, key = _split(path)
+  scheme, key = storage.split_url(path)
   try:
-    info = _on_store(path, "read", "info")
+    info = storage.on_store(path, "read", "info")
   except FileNotFoundError:
     return None
   found = info.get("generation") if scheme == "gs" else info.get("ETag")
@@ -69,22 +68,22 @@ def remove_if(path: str, at_version: str) -> bool:
   did. The store's precondition decides (GCS `ifGenerationMatch`, S3 `If-Match`), so of several
   processes deleting one object they all read at that version, exactly one succeeds, and none
   deletes a newer object written meanwhile."""
-  scheme, key = _split(path)
+  scheme, key = storage.split_url(path)
   fs = storage.filesystem(scheme)
   bucket, _, name = key.partition("/")
   try:
     if scheme == "gs":
-      _ride(path, "delete", fs.call, "DELETE", "b/{}/o/{}", bucket, name,
+      storage.ride(path, "delete", fs.call, "DELETE", "b/{}/o/{}", bucket, name,
             ifGenerationMatch=at_version)
     else:
-      _ride(path, "delete", fs.call_s3, "delete_object", Bucket=bucket, Key=name,
+      storage.ride(path, "delete", fs.call_s3, "delete_object", Bucket=bucket, Key=name,
             IfMatch=at_version)
   except (FileNotFoundError, FileExistsError):  # gone already, or (gcsfs: 412) changed
     return False
   except OSError as e:
     if scheme == "s3" and e.errno == errno.EINVAL:  # s3fs: 412 Precondition Failed
       return False
-    raise _failure(path, e, "delete") or e from None
+    raise storage.request_failure(path, e, "delete") or e from None
   return True
 
 
@@ -93,23 +92,23 @@ def write_if(path: str, content: bytes | str, at_version: str) -> Optional[str]:
   `version`); its new version, or None if it changed or is gone meanwhile (GCS
   `ifGenerationMatch`, S3 `If-Match`: the store decides, in the same request)."""
   data = content.encode("utf-8") if isinstance(content, str) else content
-  scheme, key = _split(path)
+  scheme, key = storage.split_url(path)
   fs = storage.filesystem(scheme)
   bucket, _, name = key.partition("/")
   try:
     if scheme == "gs":
-      answer = _ride(path, "write", fs.call, "POST",
+      answer = storage.ride(path, "write", fs.call, "POST",
                      fs._location + "/upload/storage/v1/b/{}/o", bucket, uploadType="media",
                      name=name, ifGenerationMatch=at_version, data=data, json_out=True)
       return str(answer["generation"])
-    return _ride(path, "write", fs.call_s3, "put_object", Bucket=bucket, Key=name, Body=data,
+    return storage.ride(path, "write", fs.call_s3, "put_object", Bucket=bucket, Key=name, Body=data,
                  IfMatch=at_version)["ETag"]
   except (FileNotFoundError, FileExistsError):  # gone, or (gcsfs: 412) changed
     return None
   except OSError as e:
     if scheme == "s3" and e.errno == errno.EINVAL:  # s3fs: 412 Precondition Failed
       return None
-    raise _failure(path, e, "write") or e from None
+    raise storage.request_failure(path, e, "write") or e from None
 
 
 

@@ -76,7 +76,7 @@ def check(path: str, what: str = "--workdir") -> str:
   return f"{scheme}://{rest.rstrip('/')}"
 
 
-def _split(url: str) -> tuple[str, str]:
+def split_url(url: str) -> tuple[str, str]:
   """('gs', 'bucket/key') of a URL; one of another scheme is refused as `check` refuses it."""
   scheme, rest = url.split("://", 1) if "://" in url else (None, url)
   if scheme not in SCHEMES:
@@ -85,7 +85,7 @@ def _split(url: str) -> tuple[str, str]:
 
 
 def bucket_of(url: str) -> str:
-  scheme, rest = _split(url)
+  scheme, rest = split_url(url)
   return f"{scheme}://{rest.split('/')[0]}"
 
 
@@ -193,7 +193,7 @@ def _gcs_class():
 
 def _riding(base: type, method: str, scheme: str) -> type:
   """`base`, an fsspec filesystem class, whose requests (its coroutine method `method`) ride out
-  an outage in a training run as the workdir's own requests do (`_ride`: on the same bound and
+  an outage in a training run as the workdir's own requests do (`ride`: on the same bound and
   clock, said in the same lines), for the filesystems fsspec makes: orbax's, through
   etils.epath, which write a checkpoint's folders, metadata and commit files. A save in flight
   then waits for the store as TensorStore waits with its arrays (train/checkpoint.py), instead
@@ -242,9 +242,9 @@ def _check_credentials_file(scheme: str) -> None:
                       f"credentials file of {SCHEMES[scheme]} (or unset it)")
 
 
-def _failure(url: str, e: BaseException, doing: str) -> Optional[UserError]:
+def request_failure(url: str, e: BaseException, doing: str) -> Optional[UserError]:
   """The UserError for a failed request about `url`, or None if it is not one a user fixes."""
-  scheme, _ = _split(url)
+  scheme, _ = split_url(url)
   bucket = bucket_of(url)
   name = type(e).__name__
   text = str(e).splitlines()[0] if str(e) else name
@@ -281,19 +281,19 @@ def _failure(url: str, e: BaseException, doing: str) -> Optional[UserError]:
   return None
 
 
-def _ride(url: str, doing: str, fn: Callable, *args, **kwargs):
+def ride(url: str, doing: str, fn: Callable, *args, **kwargs):
   """fn(*args, **kwargs), a request about `url`: in a training run (`outage.arm`) retried while
   the store does not answer, up to train.storage_outage_s (`core/outage.py`)."""
   if not outage.armed():
     return fn(*args, **kwargs)
-  return outage.retry(lambda: fn(*args, **kwargs), endpoint(_split(url)[0]),
+  return outage.retry(lambda: fn(*args, **kwargs), endpoint(split_url(url)[0]),
                       f"to {doing} {url}")
 
 
 def user_failure(url: str, e: BaseException, doing: str) -> Optional[UserError]:
-  """The UserError of `_failure` for a failure met elsewhere (orbax's writes), or None."""
+  """The UserError of `request_failure` for a failure met elsewhere (orbax's writes), or None."""
   try:
-    return _failure(url, e, doing)
+    return request_failure(url, e, doing)
   except UserError as error:  # a URL of no known scheme
     return error
 
@@ -301,13 +301,13 @@ def user_failure(url: str, e: BaseException, doing: str) -> Optional[UserError]:
 def _call(url: str, doing: str, fn: Callable, *args, **kwargs):
   """fn(*args, **kwargs), a request about `url`; user-fixable failures become one UserError."""
   try:
-    return _ride(url, doing, fn, *args, **kwargs)
+    return ride(url, doing, fn, *args, **kwargs)
   except UserError:
     raise
   except FileNotFoundError:
     raise
-  except Exception as e:  # the libraries raise many types; _failure sorts them
-    error = _failure(url, e, doing)
+  except Exception as e:  # the libraries raise many types; request_failure sorts them
+    error = request_failure(url, e, doing)
     if error is None:
       raise
     raise error from None
@@ -317,7 +317,7 @@ def check_bucket(url: str, what: str = "--workdir") -> None:
   """Raises the UserError for a bucket that is missing, forbidden or unreachable, after at most
   TRANSFORMER_JAX_STORAGE_TIMEOUT seconds (the first request of a run, made before anything is
   written)."""
-  scheme, rest = _split(url)
+  scheme, rest = split_url(url)
   bucket = rest.split("/")[0]
   fs = filesystem(scheme)
   seconds = _timeout()
@@ -348,7 +348,7 @@ def check_bucket(url: str, what: str = "--workdir") -> None:
 def probe(url: str, seconds: float = 5.0) -> None:
   """Whether the store of `url` answers at all, quickly (a connection to its endpoint, without
   the libraries' retries of a request): raises ConnectionError (or TimeoutError) if not."""
-  scheme, _ = _split(url)
+  scheme, _ = split_url(url)
   address = endpoint(scheme)
   if address in ("storage.googleapis.com", "Amazon S3"):
     address = "https://" + ("storage.googleapis.com" if scheme == "gs" else "s3.amazonaws.com")
@@ -371,23 +371,23 @@ def dirname(path: str) -> str:
   return path.rstrip("/").rsplit("/", 1)[0] if is_url(path) else os.path.dirname(path)
 
 
-def _on_store(path: str, doing: str, method: str, *args, **kwargs):
+def on_store(path: str, doing: str, method: str, *args, **kwargs):
   """The filesystem's `method` called on the object key of the URL `path`, through `_call`."""
-  scheme, key = _split(path)
+  scheme, key = split_url(path)
   return _call(path, doing, getattr(filesystem(scheme), method), key, *args, **kwargs)
 
 
 def exists(path: str) -> bool:
-  return os.path.exists(path) if not is_url(path) else bool(_on_store(path, "read", "exists"))
+  return os.path.exists(path) if not is_url(path) else bool(on_store(path, "read", "exists"))
 
 
 def isfile(path: str) -> bool:
-  return os.path.isfile(path) if not is_url(path) else bool(_on_store(path, "read", "isfile"))
+  return os.path.isfile(path) if not is_url(path) else bool(on_store(path, "read", "isfile"))
 
 
 def isdir(path: str) -> bool:
   """On an object store: some object's name starts with `path/`."""
-  return os.path.isdir(path) if not is_url(path) else bool(_on_store(path, "read", "isdir"))
+  return os.path.isdir(path) if not is_url(path) else bool(on_store(path, "read", "isdir"))
 
 
 def listdir(path: str) -> list[str]:
@@ -395,10 +395,10 @@ def listdir(path: str) -> list[str]:
   if not is_url(path):
     return sorted(os.listdir(path)) if os.path.isdir(path) else []
   try:
-    found = _on_store(path, "list", "ls", detail=False)
+    found = on_store(path, "list", "ls", detail=False)
   except FileNotFoundError:
     return []
-  key = _split(path)[1]
+  key = split_url(path)[1]
   return sorted({name.rstrip("/").rsplit("/", 1)[-1] for name in found
                  if name.rstrip("/") != key})
 
@@ -408,7 +408,7 @@ def read_bytes(path: str) -> bytes:
   if not is_url(path):
     with open(path, "rb") as f:
       return f.read()
-  return _on_store(path, "read", "cat_file")
+  return on_store(path, "read", "cat_file")
 
 
 def read_text(path: str) -> str:
@@ -425,13 +425,13 @@ def write(path: str, content: bytes | str, what: str = "") -> str:
     return files.atomic_write(path, content, what)
   data = content.encode("utf-8") if isinstance(content, str) else content
   try:
-    _on_store(path, "write", "pipe_file", data)
+    on_store(path, "write", "pipe_file", data)
   except FileNotFoundError:  # an upload finds no object missing: its bucket is
-    raise _no_bucket(path, "write") from None
+    raise no_bucket_error(path, "write") from None
   return path
 
 
-def _no_bucket(path: str, doing: str) -> UserError:
+def no_bucket_error(path: str, doing: str) -> UserError:
   return UserError(f"cannot {doing} {path}: the bucket {bucket_of(path)} does not exist; create "
                    "it first or fix the name")
 
@@ -440,7 +440,7 @@ def remove(path: str) -> None:
   """Deletes the file or object `path` if it exists."""
   try:
     if is_url(path):
-      _on_store(path, "delete", "rm_file")
+      on_store(path, "delete", "rm_file")
     else:
       os.remove(path)
   except FileNotFoundError:
@@ -454,7 +454,7 @@ def remove_tree(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
     return
   try:
-    _on_store(path, "delete", "rm", recursive=True)
+    on_store(path, "delete", "rm", recursive=True)
   except FileNotFoundError:
     pass
 
@@ -462,7 +462,7 @@ def remove_tree(path: str) -> None:
 def open_read(path: str):
   """`path` opened for reading in binary, read as it is used (a stream for large files); the
   caller closes it. FileNotFoundError if there is none."""
-  return open(path, "rb") if not is_url(path) else _on_store(path, "read", "open", "rb")
+  return open(path, "rb") if not is_url(path) else on_store(path, "read", "open", "rb")
 
 
 def sha256(path: str, block: int = 1 << 24) -> str:
@@ -482,7 +482,7 @@ def move(source: str, destination: str) -> None:
     os.makedirs(os.path.dirname(destination), exist_ok=True)
     os.replace(source, destination)
     return
-  _on_store(source, "move", "mv", _split(destination)[1], recursive=True)
+  on_store(source, "move", "mv", split_url(destination)[1], recursive=True)
 
 
 def makedirs(path: str, what: str = "") -> None:

@@ -610,13 +610,17 @@ class Manager:
     if not cut:
       return
     if jax.process_index() == 0:  # one process deletes; the others wait for it below
-      for step in cut:
-        path = storage.join(self.directory, str(step))
-        if not storage.exists(storage.join(path, COMMIT_FILE)):
-          storage.remove_tree(path)
+      self._remove_unfinished(cut)
     if jax.process_count() > 1:
       multihost_utils.sync_global_devices("cut checkpoint saves forgotten")
     self._manager.reload()
+
+  def _remove_unfinished(self, steps) -> None:
+    """Deletes the steps of `steps` that have no commit file in the bucket (never read)."""
+    for step in steps:
+      path = storage.join(self.directory, str(step))
+      if not storage.exists(storage.join(path, COMMIT_FILE)):
+        storage.remove_tree(path)
 
   def _refused(self, error: Exception) -> UserError:
     """One line for a checkpoint write that the bucket's store refused (no permission, a
@@ -690,8 +694,7 @@ class Manager:
       # unfinished (a deletion it cut takes the commit file first; a cut save's late writes)
       # goes, so that a resume does not warn of a checkpoint the run stopped writing.
       try:
-        for step in self.unfinished_steps():
-          storage.remove_tree(storage.join(self.directory, str(step)))
+        self._remove_unfinished(self.unfinished_steps())
       except Exception:  # noqa: BLE001 - a tidy-up: a store down again leaves them to the next run
         pass
 
