@@ -162,8 +162,8 @@ class Launcher:
     self.directory = directory
     prefix = NAMESPACE if namespace else []
     self._server = subprocess.Popen([*prefix, sys.executable, "-c", SERVER, *preload], cwd=ROOT,
-                                    env=env,
-                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                    env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    text=True)
     self.namespace = namespace
     self._count = 0
     self.pid = None
