@@ -17,14 +17,16 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SERVER = r"""
-import gc, json, os, subprocess, sys
+import gc, importlib, json, os, subprocess, sys
 gc.disable()  # with gc.freeze() before each fork: the children's collections leave the parent's
               # objects alone, so they neither copy its memory nor spend seconds exiting
-sys.argv = ["transformer-jax"]
+preload, sys.argv = sys.argv[1:], ["transformer-jax"]  # (Launcher's preload)
 from absl import app
 from transformer_jax import cli, run  # the heavy imports, done once
 from transformer_jax.tools import sweep
 from transformer_jax.eval import evaluate, translate
+for name in preload:  # more modules the runs import
+  importlib.import_module(name)
 
 def child(command):
   null = os.open(os.devnull, os.O_RDONLY)
@@ -151,13 +153,17 @@ class Launcher:
 
   namespace=True: the server and its runs live in a mount namespace of their own (NAMESPACE),
   where `shell()` mounts file systems; the test sees their files at `outside(path)`.
+  preload: modules the server imports too (a tracker's client: every run would import it anew);
+  none that starts a thread (the server forks) or makes files at import that a run's exit removes
+  (W&B's temporary folders: the first run to end would take them from the others).
   """
 
-  def __init__(self, env: dict, directory, namespace: bool = False):
+  def __init__(self, env: dict, directory, namespace: bool = False, preload=()):
     self.directory = directory
     prefix = NAMESPACE if namespace else []
-    self._server = subprocess.Popen([*prefix, sys.executable, "-c", SERVER], cwd=ROOT, env=env,
-                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    self._server = subprocess.Popen([*prefix, sys.executable, "-c", SERVER, *preload], cwd=ROOT,
+                                    env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    text=True)
     self.namespace = namespace
     self._count = 0
     self.pid = None

@@ -10,6 +10,7 @@ record the loop writes from them, never from timings.
 import functools
 import json
 import os
+import shutil
 import zlib
 
 import jax
@@ -33,7 +34,8 @@ from transformer_jax.train import step as step_lib
 from transformer_jax.train.logger import read_metrics
 
 TINY = ["--config=experiments/tiny.py", "--config.train.steps=3", "--config.train.log_every=1",
-        "--config.train.checkpoint_every=3", "--config.eval.max_examples=8"]
+        "--config.train.checkpoint_every=3", "--config.eval.max_examples=8",
+        "--config.eval.batch_size=8"]
 
 
 def stock_optimizer(t, d_model: int):
@@ -202,19 +204,33 @@ def startup(workdir) -> dict:
 
 @pytest.fixture(scope="module")
 def launcher(tmp_path_factory):
+  """The runs of this file; gcsfs and s3fs imported once (each run with a cache in a bucket
+  would import them: a second)."""
   server = Launcher(environment(tmp_path_factory.mktemp("unused_cache")),
-                    str(tmp_path_factory.mktemp("launches")))
+                    str(tmp_path_factory.mktemp("launches")), preload=["gcsfs", "s3fs"])
   yield server
   server.close()
 
 
-def test_a_second_process_with_another_rate_loads_the_step_from_the_cache(launcher, tmp_path):
+@pytest.fixture(scope="module")
+def first_run(launcher, tmp_path_factory):
+  """The workdir of a tiny run (train.learning_rate 1e-3) that filled an empty cache, the
+  cache its sibling "xla": the first process of the tests below, run once (a test that changes
+  the cache puts it back as it was)."""
+  workdir = tmp_path_factory.mktemp("first_run") / "first"
+  code, _, err = launcher.run(*TINY, f"--workdir={workdir}", "--config.train.learning_rate=1e-3",
+                              f"--compile_cache={workdir.parent / 'xla'}")
+  assert code == 0, err
+  return workdir
+
+
+def test_a_second_process_with_another_rate_loads_the_step_from_the_cache(launcher, tmp_path,
+                                                                          first_run):
   """A new process that differs only in train.learning_rate finds the train step in the cache
   (JAX's cache-hit event), and trains to parameters bitwise those of a run without the cache."""
-  cache = tmp_path / "xla"
-  runs = {}
-  for name, rate, where in (("first", "1e-3", cache), ("second", "3e-3", cache),
-                            ("uncached", "3e-3", "off")):
+  cache = first_run.parent / "xla"
+  runs = {"first": startup(first_run)}
+  for name, rate, where in (("second", "3e-3", cache), ("uncached", "3e-3", "off")):
     code, out, err = launcher.run(*TINY, f"--workdir={tmp_path / name}",
                                   f"--config.train.learning_rate={rate}",
                                   f"--compile_cache={where}")
@@ -241,25 +257,30 @@ def _entries(cache) -> list:
   return sorted(p for p in cache.iterdir() if p.name.endswith("-cache"))
 
 
-def test_damaged_entries_compile_anew_with_one_warning(launcher, tmp_path):
+def test_damaged_entries_compile_anew_with_one_warning(launcher, tmp_path, first_run):
   """Every entry damaged, half of them cut short, half replaced by data that decompresses but is
   no program (another build's): the run compiles them anew with one warning line, and a third
   run reads them from the cache again."""
-  cache = tmp_path / "xla"
-  code, _, err = launcher.run(*TINY, f"--workdir={tmp_path / 'first'}",
-                              f"--compile_cache={cache}")
-  assert code == 0, err
-  for i, path in enumerate(_entries(cache)):
-    data = path.read_bytes()
-    path.write_bytes(data[: len(data) // 2] if i % 2 else zlib.compress(os.urandom(4096))
-                     + data[-4:])
-  assert one_warning(launcher, tmp_path / "second", cache, "has an entry that cannot be read")
-  assert startup(tmp_path / "second")["cache"] == "miss"
-  # Stored again: a third run reads them.
-  code, _, err = launcher.run(*TINY, f"--workdir={tmp_path / 'third'}",
-                              f"--compile_cache={cache}")
-  assert code == 0 and "warning" not in err.lower(), err
-  assert startup(tmp_path / "third")["cache"] == "hit"
+  # The first process's cache, where it is (its folder is part of each entry's key), put back
+  # as it was afterwards.
+  cache = first_run.parent / "xla"
+  shutil.copytree(cache, tmp_path / "as_it_was")
+  try:
+    assert _entries(cache)
+    for i, path in enumerate(_entries(cache)):
+      data = path.read_bytes()
+      path.write_bytes(data[: len(data) // 2] if i % 2 else zlib.compress(os.urandom(4096))
+                       + data[-4:])
+    assert one_warning(launcher, tmp_path / "second", cache, "has an entry that cannot be read")
+    assert startup(tmp_path / "second")["cache"] == "miss"
+    # Stored again: a third run reads them.
+    code, _, err = launcher.run(*TINY, f"--workdir={tmp_path / 'third'}",
+                                f"--compile_cache={cache}")
+    assert code == 0 and "warning" not in err.lower(), err
+    assert startup(tmp_path / "third")["cache"] == "hit"
+  finally:
+    shutil.rmtree(cache)
+    shutil.copytree(tmp_path / "as_it_was", cache)
 
 
 def test_an_unwritable_cache_folder_warns_once_and_the_run_goes_on(launcher, tmp_path):
@@ -332,6 +353,7 @@ def test_a_sweep_keeps_its_cache_in_its_workdir(launcher, tmp_path):
   workdir = tmp_path / "sweep"
   code, out, err = launcher.run(f"--config={experiment}", f"--workdir={workdir}", "--sweep",
                                 "--config.train.steps=2", "--config.eval.max_examples=8",
+                                "--config.eval.batch_size=8",
                                 env={"JAX_COMPILATION_CACHE_DIR": "",
                                      "TRANSFORMER_JAX_COMPILE_CACHE": ""})
   assert code == 0, out + err

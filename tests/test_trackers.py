@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 import urllib.request
 
 import emulators
@@ -67,7 +68,11 @@ def mlflow_server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def launcher(tmp_path_factory):
-  server = Launcher(environment(), str(tmp_path_factory.mktemp("launches")))
+  """The runs of this file, MLflow's client imported once (a run that logs to MLflow imports
+  it: a second and a half each time). Not W&B: its import makes temporary folders that the first
+  run to exit would remove for all the others."""
+  preload = [*trackers.RUNS["mlflow"][1], f"{trackers.__name__}.mlflow"]
+  server = Launcher(environment(), str(tmp_path_factory.mktemp("launches")), preload=preload)
   yield server
   server.close()
 
@@ -128,27 +133,39 @@ def _run_id(workdir) -> str:
 # --------------------------------------------------------------------------------- MLflow
 
 
+@pytest.fixture(scope="module")
+def mlflow_run(tmp_path_factory, launcher, mlflow_server):
+  """A tiny run logged to MLflow beside TensorBoard as the child of a study, made once: the
+  first test below checks it and goes on with it (a plot, the sweep's hooks); the test of system
+  metrics reads it as a run that does not ask for them. Its config (the sweep hook's: this
+  file's server, experiment "tiny"), parent (the study's run id), workdir, err (its stderr) and
+  run (its MLflow run as the server showed it when the run ended)."""
+  tiny = types.SimpleNamespace(config=config_lib.default_config())
+  tiny.config.mlflow.tracking_uri, tiny.config.mlflow.experiment = mlflow_server, "tiny"
+  tiny.parent = tracking.start_study(tiny.config, "study-a", storage="sqlite:///study.db",
+                                     params={"space": "train.learning_rate in [1e-4, 1e-2]"})
+  tiny.workdir = tmp_path_factory.mktemp("mlflow_run") / "run"
+  code, out, tiny.err = launcher.run(
+      *TINY, f"--workdir={tiny.workdir}", "--config.train.log_every=5",
+      "--config.train.eval_every=10", "--config.train.trackers=tensorboard,mlflow",
+      "--config.train.tracker_group=study-a", f"--config.mlflow.parent_run_id={tiny.parent}",
+      *_mlflow_flags(mlflow_server, "tiny"))
+  assert code == 0, out + tiny.err
+  [tiny.run] = _runs(mlflow_server, "tiny", _run_id(tiny.workdir))
+  return tiny
+
+
 def test_a_run_in_mlflow_equals_metrics_jsonl_and_joins_its_sweep(tmp_path, launcher,
-                                                                  mlflow_server):
+                                                                  mlflow_server, mlflow_run):
   """A tiny run with MLflow beside TensorBoard: the flattened config as params, each scalar of
   metrics.jsonl at its step, the sample translations as a table, the checkpoints kept, the
   summary; --mode=plot adds its plots to the same run. The sweep hook makes a parent run for a
   study; the run, started with its id, is its child, and record_trial marks it."""
-  config = config_lib.default_config()
-  config.mlflow.tracking_uri, config.mlflow.experiment = mlflow_server, "tiny"
-  parent = tracking.start_study(config, "study-a", storage="sqlite:///study.db",
-                                params={"space": "train.learning_rate in [1e-4, 1e-2]"})
+  config, parent, workdir = mlflow_run.config, mlflow_run.parent, mlflow_run.workdir
   assert tracking.start_study(config, "study-a") == parent  # a resumed sweep: the same
-
-  workdir = tmp_path / "run"
-  code, out, err = launcher.run(
-      *TINY, f"--workdir={workdir}", "--config.train.log_every=5", "--config.train.eval_every=10",
-      "--config.train.trackers=tensorboard,mlflow", "--config.train.tracker_group=study-a",
-      f"--config.mlflow.parent_run_id={parent}", *_mlflow_flags(mlflow_server, "tiny"))
-  assert code == 0, out + err
+  err, run = mlflow_run.err, mlflow_run.run
   assert "warning" not in err, err
   assert os.listdir(workdir / "tensorboard")  # TensorBoard as before
-  [run] = _runs(mlflow_server, "tiny", _run_id(workdir))
   assert run.info.status == "FINISHED"
   _assert_shows_metrics_jsonl(mlflow_server, run, workdir, ("train", "eval", "checkpoint"))
   saved = json.loads((workdir / "config.json").read_text())
@@ -211,19 +228,20 @@ def _alive(pid) -> bool:
   return True
 
 
-def test_mlflow_system_metrics_are_on_the_run_when_asked_for(tmp_path, launcher, mlflow_server):
+def test_mlflow_system_metrics_are_on_the_run_when_asked_for(tmp_path, launcher, mlflow_server,
+                                                             mlflow_run):
   """mlflow.system_metrics=True: MLflow's own system/... metrics (CPU, memory) on the run,
-  however short; without it, none."""
-  runs = {}
-  for asked in (True, False):
-    workdir = tmp_path / f"run_{asked}"
-    code, out, err = launcher.run(
-        *TINY, f"--workdir={workdir}", "--config.train.steps=20", "--config.train.trackers=mlflow",
-        f"--config.mlflow.system_metrics={asked}", "--config.mlflow.system_metrics_every_s=1",
-        *_mlflow_flags(mlflow_server, "system"))
-    assert code == 0, out + err
-    assert "warning" not in err, err
-    [runs[asked]] = _runs(mlflow_server, "system", _run_id(workdir))
+  however short; without it (mlflow_run's, which leaves the default, False), none."""
+  workdir = tmp_path / "run"
+  code, out, err = launcher.run(
+      *TINY, f"--workdir={workdir}", "--config.train.steps=20", "--config.train.trackers=mlflow",
+      "--config.mlflow.system_metrics=True", "--config.mlflow.system_metrics_every_s=1",
+      *_mlflow_flags(mlflow_server, "system"))
+  assert code == 0, out + err
+  assert "warning" not in err, err
+  assert not config_lib.from_workdir(str(mlflow_run.workdir)).mlflow.system_metrics
+  runs = {False: mlflow_run.run}
+  [runs[True]] = _runs(mlflow_server, "system", _run_id(workdir))
   shown = {k for k in runs[True].data.metrics if k.startswith("system/")}
   assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= shown
   assert runs[True].data.metrics["system/system_memory_usage_megabytes"] > 0
@@ -308,7 +326,10 @@ def test_a_tracker_away_mid_run_costs_one_warning_and_catches_up(tmp_path, launc
   for good: the run still finishes, saying what was not sent."""
   proxy = emulators.Outage(mlflow_server)  # a relay the test takes down, back up, stalls
   workdir = tmp_path / "run"
+  # Saves at 100 and 200 only (the run's time goes to its steps); tracker_interval_s=0.2 sends
+  # soon after the server goes (the default's 2 s would end the run first).
   flags = [*TINY, f"--workdir={workdir}", "--config.train.log_every=2",
+           "--config.train.checkpoint_every=100", "--config.train.tracker_interval_s=0.2",
            "--config.train.trackers=tensorboard,mlflow", "--config.train.tracker_retry_s=0.5",
            *_mlflow_flags(f"http://127.0.0.1:{proxy.port}", "away")]
   # MLflow's own variable, honoured: no retry of a refused request (a warning at once).
@@ -330,7 +351,7 @@ def test_a_tracker_away_mid_run_costs_one_warning_and_catches_up(tmp_path, launc
 
   proxy.stall()  # for good: requests hang (until MLflow's own timeout, set by its variable)
   code, out, err = launcher.run(*flags, "--config.train.steps=220",
-                                env=dict(env, MLFLOW_HTTP_REQUEST_TIMEOUT="2"))
+                                env=dict(env, MLFLOW_HTTP_REQUEST_TIMEOUT="1"))
   assert code == 0, out + err
   assert [s["step"] for s in _records(workdir, "train")] == list(range(2, 221, 2))
   assert err.count("warning: mlflow") == 1, err
@@ -466,7 +487,8 @@ def get_sweep():
 """
 
 
-def test_a_sweep_with_mlflow_makes_its_trials_children_of_the_study(tmp_path, mlflow_server):
+def test_a_sweep_with_mlflow_makes_its_trials_children_of_the_study(tmp_path, launcher,
+                                                                    mlflow_server):
   """A two-trial sweep with train.trackers=mlflow: one parent run tagged with the study (its id
   kept in the study for every worker), each trial's training run its child with its parameters,
   state and last step, FINISHED; the parent ends with the best trial."""
@@ -476,14 +498,13 @@ def test_a_sweep_with_mlflow_makes_its_trials_children_of_the_study(tmp_path, ml
   experiment = tmp_path / "two.py"
   experiment.write_text(TWO_TRIALS)
   workdir = tmp_path / "sweep"
-  subprocess.run([sys.executable, "launch.py", f"--config={experiment}", f"--workdir={workdir}",
-                  "--sweep", "--config.sweep.pruner=none", "--config.train.steps=3",
-                  "--config.train.eval_every=2",  # reported at step 2; the last step is 3
-                  "--config.train.log_every=1", "--config.train.checkpoint_every=2",
-                  "--config.eval.max_examples=8", "--config.eval.batch_size=8",
-                  "--config.train.trackers=mlflow",
-                  *_mlflow_flags(mlflow_server, "sweep")], cwd=ROOT, check=True,
-                 capture_output=True, text=True, env=environment())
+  code, out, err = launcher.run(
+      f"--config={experiment}", f"--workdir={workdir}", "--sweep", "--config.sweep.pruner=none",
+      "--config.train.steps=3", "--config.train.eval_every=2",  # reported at 2; the last step, 3
+      "--config.train.log_every=1", "--config.train.checkpoint_every=2",
+      "--config.eval.max_examples=8", "--config.eval.batch_size=8",
+      "--config.train.trackers=mlflow", *_mlflow_flags(mlflow_server, "sweep"))
+  assert code == 0, out + err
   optuna.logging.set_verbosity(optuna.logging.ERROR)
   study = results.open_study(str(workdir), None)
   trials = study.get_trials()
@@ -683,7 +704,7 @@ def test_the_trackers_are_imported_before_their_threads_start(tmp_path, mlflow_s
   assert done.stdout.strip().splitlines()[-1] == "[True, True]", done.stdout
 
 
-def test_rerunning_a_finished_workdir_sends_its_tracker_what_it_lacks(tmp_path, tiny_run,
+def test_rerunning_a_finished_workdir_sends_its_tracker_what_it_lacks(tmp_path, tiny_run, launcher,
                                                                        mlflow_server):
   """A workdir whose tracker runs lack points (their service away at the end, a kill, or
   chosen only now): the same command on the finished workdir sends every record of
@@ -693,14 +714,13 @@ def test_rerunning_a_finished_workdir_sends_its_tracker_what_it_lacks(tmp_path, 
   import shutil
   workdir = tmp_path / "run"
   shutil.copytree(tiny_run, workdir)
-  done = subprocess.run([sys.executable, "launch.py", "--config=experiments/tiny.py",
-                         f"--workdir={workdir}", "--mode=train", "--config.train.eval_every=10",
-                         "--config.train.trackers=tensorboard,mlflow,wandb",
-                         "--config.wandb.mode=offline", "--config.wandb.project=synced",
-                         *_mlflow_flags(mlflow_server, "synced")], cwd=ROOT, capture_output=True,
-                        text=True, env=environment(), timeout=300)
-  assert done.returncode == 0, done.stderr[-2000:]
-  assert "already trained" in done.stdout and "got what it lacked" in done.stdout
+  code, out, err = launcher.run("--config=experiments/tiny.py", f"--workdir={workdir}",
+                                "--mode=train", "--config.train.eval_every=10",
+                                "--config.train.trackers=tensorboard,mlflow,wandb",
+                                "--config.wandb.mode=offline", "--config.wandb.project=synced",
+                                *_mlflow_flags(mlflow_server, "synced"))
+  assert code == 0, err[-2000:]
+  assert "already trained" in out and "got what it lacked" in out
   [run] = _runs(mlflow_server, "synced", _run_id(workdir))
   assert run.info.status == "FINISHED"
   for split, key in (("train", "loss"), ("eval", "bleu")):
