@@ -371,24 +371,32 @@ def test_beam_of_one_is_greedy(searched):
 # ----------------------------------------------------------------------------- early stop
 
 
+# The decoding length of the tests that count steps: one no other test compiles, so that the
+# searches they run are traced with the counting step (and those that others run are not).
+COUNTED_LENGTH = 13
+_STEPS: list = []  # one entry per counted step executed
+_DECODE_STEP = decode.decode_step
+
+
+def _counted_step(*args):
+  jax.debug.callback(lambda: _STEPS.append(1))
+  return _DECODE_STEP(*args)
+
+
 def count_steps(monkeypatch):
-  """Counts `decode_step` executions inside compiled loops (via a host callback)."""
-  calls = []
-  step = decode.decode_step
-
-  def counted(*args):
-    jax.debug.callback(lambda: calls.append(1))
-    return step(*args)
-
-  monkeypatch.setattr(decode, "decode_step", counted)
-  return calls
+  """Counts `decode_step` executions inside compiled loops (via a host callback): the returned
+  list, emptied. One counting step and one list for every test, so that a search compiled by
+  one (at COUNTED_LENGTH, with the same shapes) counts for the next too."""
+  _STEPS.clear()
+  monkeypatch.setattr(decode, "decode_step", _counted_step)
+  return _STEPS
 
 
 def test_loops_stop_when_every_row_has_ended(monkeypatch):
   config = make_config()
   params = random_params(config, 13, 4.0)
   source = random_sources(seed=8, batch=8, length=6)
-  max_length = 13  # a length no other test compiles, so the patched step is traced
+  max_length = COUNTED_LENGTH
   calls = count_steps(monkeypatch)
   tokens = np.asarray(decode.greedy_decode(params, config, source, max_length))
   jax.effects_barrier()
@@ -445,7 +453,7 @@ def test_padding_only_rows_are_not_decoded(monkeypatch):
   params = random_params(config, 13, 4.0)
   source = random_sources(seed=8, batch=4, length=6)
   padded = jnp.concatenate([source, jnp.zeros_like(source)])  # as callers fill a last batch
-  max_length = 11  # a length no other test compiles, so the patched step is traced
+  max_length = COUNTED_LENGTH  # the padded searches: test_loops_stop_when_every_row_has_ended's
   calls = count_steps(monkeypatch)
   for search in (decode.greedy_decode, lambda *a: decode.beam_search(*a, beam_size=3)[0]):
     calls.clear()

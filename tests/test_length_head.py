@@ -108,11 +108,27 @@ def test_exp_shares_multiply_and_stay_finite_where_a_score_is_huge():
   assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def loss_sums_and_grads(model_config, params, batch, normalizer, weight):
+  """The train step's loss (length weight `weight`), its sums and its gradients: one compiled
+  program per model, whatever the weight."""
+  model = make_model(model_config)
+  (loss, sums), grads = jax.value_and_grad(
+      lambda p: step_lib._loss_and_metrics(p, model, batch, jax.random.key(0), 0.0, normalizer,
+                                           weight), has_aux=True)(params)
+  return loss, sums, grads
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def forward_without_head(model_config, params, batch):
+  """The logits, labels and weights of the model without its length head."""
+  return step_lib.forward(make_model(model_config.replace(length_head=False)), params, batch)
+
+
 @pytest.mark.parametrize("weight", [0.0, 0.5])
 def test_the_loss_adds_the_weighted_squared_length_error(weight):
   cfg = config()
   params = random_params(cfg, seed=1)
-  model = make_model(cfg)
   source = sources(seed=2)
   rng = np.random.default_rng(3)
   targets = np.zeros((5, 12), np.int32)
@@ -122,10 +138,8 @@ def test_the_loss_adds_the_weighted_squared_length_error(weight):
       targets[r, n] = EOS_ID
   batch = {"inputs": source, "targets": jnp.asarray(targets)}
   normalizer = float((targets > 0).sum())
-  loss, sums = step_lib._loss_and_metrics(params, model, batch, jax.random.key(0), 0.0,
-                                          normalizer, weight)
-  logits, labels, weights = step_lib.forward(make_model(cfg.replace(length_head=False)), params,
-                                             batch)
+  loss, sums, grads = loss_sums_and_grads(cfg, params, batch, normalizer, weight)
+  logits, labels, weights = forward_without_head(cfg, params, batch)
   log_p = np.asarray(jax.nn.log_softmax(np.asarray(logits, np.float64)))
   nll = -np.take_along_axis(log_p, np.asarray(labels)[..., None], -1)[..., 0]
   token_loss = float(np.sum(nll * np.asarray(weights)))
@@ -134,8 +148,6 @@ def test_the_loss_adds_the_weighted_squared_length_error(weight):
   squared = np.sum(np.where(lengths > 0, (predicted - lengths) ** 2, 0.0))
   assert float(sums["length_squared_error"]) == pytest.approx(squared, rel=1e-4)
   assert float(loss) == pytest.approx((token_loss + weight * squared) / normalizer, rel=1e-4)
-  grads = jax.grad(lambda p: step_lib._loss_and_metrics(p, model, batch, jax.random.key(0), 0.0,
-                                                        normalizer, weight)[0])(params)
   head = float(jnp.abs(grads["length_head"]["kernel"]).sum())
   assert (head > 0) == (weight > 0)
 
@@ -144,16 +156,14 @@ def test_with_a_stop_gradient_the_length_loss_trains_the_head_alone():
   cfg = config()
   params = random_params(cfg, seed=4)
   source = sources(seed=5)
-  targets = np.zeros((5, 10), np.int32)
+  targets = np.zeros((5, 12), np.int32)  # the loss test's shape: its compiled program
   for r, n in enumerate([9, 4, 6, 1, 2]):
     targets[r, :n] = np.arange(3, 3 + n)
     targets[r, n] = EOS_ID
   batch = {"inputs": source, "targets": jnp.asarray(targets)}
 
   def grads(model_config, weight):
-    model = make_model(model_config)
-    return jax.grad(lambda p: step_lib._loss_and_metrics(p, model, batch, jax.random.key(0), 0.0,
-                                                         40.0, weight)[0])(params)
+    return loss_sums_and_grads(model_config, params, batch, 40.0, weight)[2]
 
   stopped = cfg.replace(length_head_stop_gradient=True)
   tokens_only, full, cut = grads(cfg, 0.0), grads(cfg, 0.5), grads(stopped, 0.5)

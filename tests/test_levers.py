@@ -127,14 +127,17 @@ def test_an_unknown_generator_is_one_line():
     config_lib.validate(c)
 
 
-def _step_metrics(c):
+def _step_metrics(c, init=None):
   """One train step of config `c` on a synthetic batch: (its metrics as floats, the seconds
-  spent tracing and compiling)."""
+  spent tracing and compiling). The initial state is that of config `init` (default `c`) with
+  c's seed: one whose model differs from c's in its dropout alone has the very same state."""
   model_config = config_lib.validate(c)
   mesh = sharding.make_mesh(c.mesh.to_dict())
   step = step_lib.make_train_step(model_config, c, mesh)
-  state = state_lib.init_state(model_config, state_lib.make_optimizer(
-      c.train, model_config.d_model), c.seed, mesh)
+  init = c if init is None else init
+  init_config = config_lib.validate(init)
+  state = state_lib.init_state(init_config, state_lib.make_optimizer(
+      init.train, init_config.d_model), c.seed, mesh)
   batch = sharding.shard_batch(benchmark.synthetic_batch(model_config, 8, 12, 10), mesh)
   clock = compilation.Clock()
   _, metrics = jax.block_until_ready(step(state, batch, jax.random.PRNGKey(c.seed)))
@@ -142,7 +145,9 @@ def _step_metrics(c):
 
 
 def _step_once(c):
-  metrics, spent = _step_metrics(c)
+  # Dropout's generator and rates do not enter the initial state: every config's state comes
+  # from one model without dropout (one compiled initialiser, the seed its input).
+  metrics, spent = _step_metrics(c, init=tiny.get_config())
   return metrics["loss"], spent
 
 
@@ -170,14 +175,20 @@ def test_the_rbg_train_step_compiles_once_for_any_seed_and_rate():
 D_FF = 96  # a width no other array of the tiny remat model has
 
 
-def remat_model(remat: str):
+def remat_model(remat: str, init: bool = True):
+  """The loss of a tiny model with `remat` and its parameters (without `init`: their shapes and
+  dtypes alone, jax.eval_shape's, for what only traces)."""
   c = tiny.get_config()
   c.model.update(d_model=32, d_ff=D_FF, num_heads=4, remat=remat, dropout_rate=0.1,
                  attention_dropout_rate=0.1)
   model = make_model(config_lib.validate(c))
   batch = benchmark.synthetic_batch(model.config, 4, 8, 8)
-  params = model.init({"params": jax.random.PRNGKey(0), "dropout": jax.random.PRNGKey(0)},
+
+  def make_params():
+    return model.init({"params": jax.random.PRNGKey(0), "dropout": jax.random.PRNGKey(0)},
                       batch["inputs"], batch["targets"])["params"]
+
+  params = jax.jit(make_params)() if init else jax.eval_shape(make_params)
 
   def loss(p):
     return step_lib._loss_and_metrics(p, model, batch, jax.random.PRNGKey(1), 0.1, 100.0)[0]
@@ -188,7 +199,7 @@ def remat_model(remat: str):
 def saved_activations(remat: str) -> list:
   """JAX's list of what the backward pass keeps (jax.ad_checkpoint.print_saved_residuals),
   parameters and constants left out: one line per array, e.g. "f32[4,8,96] output of ..."."""
-  loss, params = remat_model(remat)
+  loss, params = remat_model(remat, init=False)  # it traces: shapes are all it reads
   out = io.StringIO()
   with contextlib.redirect_stdout(out):
     jax.ad_checkpoint.print_saved_residuals(loss, params)
@@ -223,14 +234,25 @@ def test_every_remat_policy_keeps_what_it_says():
   assert len(block) == len(kept["full"]) + 5, block
 
 
+@pytest.fixture(scope="module")
+def without_remat():
+  """remat=none's parameters, and its loss and gradients at them: computed once for every
+  policy's test."""
+  loss, params = remat_model("none")
+  return params, jax.jit(jax.value_and_grad(loss))(params)
+
+
 @pytest.mark.parametrize("remat", sorted(REMAT_POLICIES))
-def test_every_remat_policy_gives_the_loss_and_gradients_of_none(remat):
+def test_every_remat_policy_gives_the_loss_and_gradients_of_none(remat, without_remat):
   """Recomputing draws the same dropout masks: the same loss and gradients, up to the order
   XLA sums in."""
-  reference_loss, reference_params = remat_model("none")
-  loss, params = remat_model(remat)
-  (a, grads_a), (b, grads_b) = (jax.jit(jax.value_and_grad(reference_loss))(reference_params),
-                                jax.jit(jax.value_and_grad(loss))(params))
+  reference_params, (a, grads_a) = without_remat
+  loss, params = remat_model(remat, init=False)
+  def shapes(tree):
+    return jax.tree.map(lambda x: (x.shape, x.dtype), tree)
+
+  assert shapes(params) == shapes(reference_params)  # the same parameters, remat or not
+  b, grads_b = jax.jit(jax.value_and_grad(loss))(reference_params)
   np.testing.assert_allclose(float(a), float(b), rtol=1e-6)
   for x, y in zip(jax.tree.leaves(grads_a), jax.tree.leaves(grads_b), strict=True):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)

@@ -277,8 +277,10 @@ def test_output_projection_gradients_match_autodiff():
 
 
 def test_remat_gives_the_same_parameters_and_gradients(tiny_config):
-  """Both remat policies against one plain model (its gradient compiled once for both)."""
-  cfg = tiny_config.replace(deterministic=False, dropout_rate=0.2)
+  """Both remat policies against one plain model (its gradient compiled once for both). One
+  layer in each stack: remat wraps each layer alone, and a second one only doubles the compile."""
+  cfg = tiny_config.replace(deterministic=False, dropout_rate=0.2, num_encoder_layers=1,
+                            num_decoder_layers=1)
   params = init_params(cfg, jax.random.PRNGKey(0))
   rng = np.random.default_rng(0)
   source = jnp.asarray(rng.integers(3, cfg.vocab_size, (2, 7)))

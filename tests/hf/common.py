@@ -142,9 +142,14 @@ def our_workdir(config, tokenizer, workdir):
   from transformer_jax.train import state as state_lib
   model_config = config_lib.validate(config)
   optimizer = state_lib.make_optimizer(config.train, model_config.d_model)
-  state = state_lib.create_state(model_config, optimizer, seed=3)
-  state = state.replace(params=jax.tree.map(
-      lambda x: x + 0.3 * jax.random.normal(jax.random.PRNGKey(x.size), x.shape), state.params))
+
+  def noised_state():  # jitted: one compiled program, not one dispatch per operation
+    state = state_lib.create_state(model_config, optimizer, seed=3)
+    return state.replace(params=jax.tree.map(
+        lambda x: x + 0.3 * jax.random.normal(jax.random.PRNGKey(x.size), x.shape),
+        state.params))
+
+  state = jax.jit(noised_state)()
   workdir.mkdir()
   (workdir / tokenizer_lib.FILENAME).write_bytes(tokenizer.model_proto)
   (workdir / "config.json").write_text(config.to_json_best_effort())

@@ -330,9 +330,11 @@ def test_a_fine_tuning_step_of_gpt2_is_transformers_step(dirs, workdirs):
   optimizer = state_lib.make_optimizer(config.train, model_config.d_model)
   state = state_lib.TrainState(step=jnp.array(0), params=trained.params,
                                opt_state=optimizer.init(trained.params))
-  state, metrics = step_lib.train_step(state, batch, jax.random.PRNGKey(0),
-                                       model=make_model(model_config), optimizer=optimizer,
-                                       smoothing=0.0, accum_steps=1, task="lm")
+  model = make_model(model_config)
+  # Jitted, as a run's step is: one compiled program, not one dispatch per operation.
+  state, metrics = jax.jit(lambda state, batch, rng: step_lib.train_step(
+      state, batch, rng, model=model, optimizer=optimizer, smoothing=0.0, accum_steps=1,
+      task="lm"))(state, batch, jax.random.PRNGKey(0))
   adam = [s for s in jax.tree.leaves(state.opt_state,
                                      is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
           if isinstance(s, optax.ScaleByAdamState)][0]
