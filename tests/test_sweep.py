@@ -1,15 +1,16 @@
 """Sweeps on Optuna with the default storage (the journal file in the workdir): the plan, the
 search space and its errors, pruning, a trial's own failure, SIGTERM, seeds with a test pass,
 and a worker of two processes. (A PostgreSQL study with several workers and a killed one:
-test_sweep_postgres.py.)"""
+test_sweep_postgres.py.) Runs of one process are forked by a launcher (tests/launcher.py) that
+imports the library once for the whole file; each is a real process of its own."""
 
 import csv
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import launcher
 import optuna
@@ -24,9 +25,19 @@ FAST = ["--config.train.steps=2", "--config.train.log_every=1", "--config.train.
         "--config.eval.max_examples=8"]
 
 
-def _run(*args, check=True):
-  return subprocess.run([sys.executable, "launch.py", *args], cwd=ROOT, check=check,
-                        capture_output=True, text=True)
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory):
+  """The launcher of this file's runs of one process (its workers' jobs of two: start_job)."""
+  server = launcher.Launcher(launcher.environment(), str(tmp_path_factory.mktemp("launches")))
+  yield server
+  server.close()
+
+
+def _run(launch, *args):
+  """The stdout and stderr of `launch.py ARGS`, which must exit with 0."""
+  code, out, err = launch.run(*args)
+  assert code == 0, out + err
+  return SimpleNamespace(stdout=out, stderr=err)
 
 
 def _study(workdir):
@@ -90,7 +101,7 @@ def _experiment(tmp_path, text, name="space.py"):
   return str(path)
 
 
-def test_search_space_draws_conditional_keys_and_dry_run_creates_nothing(tmp_path):
+def test_search_space_draws_conditional_keys_and_dry_run_creates_nothing(tmp_path, launch):
   experiment = space.load(_experiment(tmp_path, GOOD))
   space.check_space(experiment, {})
   study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
@@ -105,7 +116,7 @@ def test_search_space_draws_conditional_keys_and_dry_run_creates_nothing(tmp_pat
       "model.positional": ["sinusoidal", "rotary"], "data.shuffle_buffer": [0, 8, 16]}
 
   workdir = tmp_path / "sweep"
-  out = _run(f"--config={experiment.path}", f"--workdir={workdir}", "--sweep_dry_run",
+  out = _run(launch, f"--config={experiment.path}", f"--workdir={workdir}", "--sweep_dry_run",
              "--config.sweep.budget=10", "--config.sweep.pruner=asha",
              "--config.sweep.sampler=random", "--config.train.eval_every=5").stdout
   for part in ("budget: 10 trials (1 enqueued from get_sweep(), up to 9 drawn by the random "
@@ -169,7 +180,8 @@ def get_sweep():
 """
 
 
-def test_a_pruned_trial_and_a_failed_one_are_in_the_table_rebuilt_from_the_study(tmp_path):
+def test_a_pruned_trial_and_a_failed_one_are_in_the_table_rebuilt_from_the_study(tmp_path,
+                                                                                   launch):
   experiment = tmp_path / "pruned.py"
   experiment.write_text(PRUNED)
   workdir = tmp_path / "sweep"
@@ -177,7 +189,7 @@ def test_a_pruned_trial_and_a_failed_one_are_in_the_table_rebuilt_from_the_study
              "--config.sweep.pruner=median", "--config.train.steps=10",
              "--config.train.eval_every=5", "--config.train.learning_rate=3e-3",
              "--config.eval.max_examples=8"]
-  out = _run(*command).stdout
+  out = _run(launch, *command).stdout
   assert "trial_0002 pruned at step 5: loss" in out, out
   rows = _rows(workdir)
   assert rows["trial_0002"]["state"] == "pruned at step 5"
@@ -210,7 +222,7 @@ def test_a_pruned_trial_and_a_failed_one_are_in_the_table_rebuilt_from_the_study
   # Rebuilt from the study alone; the plots drawn from it; HParams written by each finished one.
   table = (workdir / "results.md").read_text()
   os.remove(workdir / "results.md")
-  rebuilt = _run("--mode=sweep_results", f"--workdir={workdir}").stdout
+  rebuilt = _run(launch, "--mode=sweep_results", f"--workdir={workdir}").stdout
   assert (workdir / "results.md").read_text() == table and "best trial: " in rebuilt
   drawn = results.plot(str(workdir), None)
   assert {os.path.basename(p) for p in drawn} >= {"sweep_history.png",
@@ -218,7 +230,7 @@ def test_a_pruned_trial_and_a_failed_one_are_in_the_table_rebuilt_from_the_study
   assert all(open(p, "rb").read(8) == b"\x89PNG\r\n\x1a\n" for p in drawn)
   assert list((workdir / "trial_0000" / "tensorboard").glob("events.out.tfevents.*"))
   # The same command again: nothing left to run, the study unchanged.
-  again = _run(*command).stdout
+  again = _run(launch, *command).stdout
   assert " started" not in again and len(_study(workdir).get_trials()) == 4
 
 
@@ -232,23 +244,19 @@ def get_sweep():
 """
 
 
-def test_sigterm_saves_hands_the_trial_back_and_exits_0(tmp_path):
+def test_sigterm_saves_hands_the_trial_back_and_exits_0(tmp_path, launch):
   experiment = tmp_path / "one.py"
   experiment.write_text(ONE)
   workdir = tmp_path / "sweep"
-  process = subprocess.Popen([sys.executable, "launch.py", f"--config={experiment}",
-                              f"--workdir={workdir}", "--sweep", "--config.train.steps=400",
-                              "--config.train.checkpoint_every=200",
-                              "--config.eval.max_examples=8"],
-                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  launch.start(f"--config={experiment}", f"--workdir={workdir}", "--sweep",
+               "--config.train.steps=400", "--config.train.checkpoint_every=200",
+               "--config.eval.max_examples=8")
   metrics = workdir / "trial_0000" / "metrics.jsonl"
-  deadline = time.time() + 240
-  while time.time() < deadline and process.poll() is None and not (
-      metrics.exists() and '"split": "train"' in metrics.read_text()):
-    time.sleep(0.05)
-  process.send_signal(signal.SIGTERM)
-  out = process.communicate(timeout=120)[0]
-  assert process.returncode == 0, out
+  launch.wait_for(lambda _: metrics.exists() and '"split": "train"' in metrics.read_text(), 240)
+  launch.send(signal.SIGTERM)
+  code = launch.wait()
+  out = "".join(launch.output())
+  assert code == 0, out
   assert "trial_0000 stopped by a signal after saving its checkpoint" in out, out
   saved = [int(p) for p in os.listdir(workdir / "trial_0000" / "checkpoints") if p.isdigit()]
   assert saved and max(saved) < 400
@@ -288,7 +296,7 @@ LENGTH = ["--config.data.scan_split=length", "--config.data.train_split=train_wi
           "--config.train.keep_best=1", "--config.train.eval_every=1"]
 
 
-def test_seeded_sweep_scores_test_once_per_run_and_grows_with_more_seeds(tmp_path):
+def test_seeded_sweep_scores_test_once_per_run_and_grows_with_more_seeds(tmp_path, launch):
   """Seeds of a tiny trial, each trained without the test split and its best dev checkpoint
   scored on test once. First one seed (--config.sweep.seeds=1), then the trial's own two with
   two workers: the study takes the new seed's trial only, once (the sweep section of the config
@@ -298,9 +306,9 @@ def test_seeded_sweep_scores_test_once_per_run_and_grows_with_more_seeds(tmp_pat
   workdir = tmp_path / "sweep"
   command = [f"--config={experiment}", f"--workdir={workdir}", "--sweep",
              "--config.sweep.metric=exact_match", "--config.sweep.test_best=True"] + FAST + LENGTH
-  _run(*command, "--config.sweep.seeds=1")
+  _run(launch, *command, "--config.sweep.seeds=1")
   # Two local workers on the journal file: the one new trial is taken by one of them, once.
-  parallel = _run(*command, "--sweep_parallel=2")
+  parallel = _run(launch, *command, "--sweep_parallel=2")
   out = parallel.stdout
   assert out.count(" started") == 1 and "trial_0001 started" in out, out
   assert "os.fork()" not in parallel.stderr, parallel.stderr  # JAX's warning of a forked JAX
