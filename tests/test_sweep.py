@@ -20,7 +20,6 @@ from transformer_jax.core.errors import UserError
 from transformer_jax.tools import sweep
 from transformer_jax.tools.sweep import results, space, store, worker
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAST = ["--config.train.steps=2", "--config.train.log_every=1", "--config.train.checkpoint_every=2",
         "--config.eval.max_examples=8"]
 
