@@ -8,7 +8,6 @@ import csv
 import json
 import os
 import signal
-import sys
 import time
 from types import SimpleNamespace
 
@@ -336,19 +335,58 @@ def test_seeded_sweep_scores_test_once_per_run_and_grows_with_more_seeds(tmp_pat
   assert "## Over seeds" in (workdir / "results.md").read_text()
 
 
-def _pair(experiment, workdir, *flags):
-  return launcher.start_job(
-      [sys.executable, "launch.py", f"--config={experiment}", f"--workdir={workdir}", "--sweep",
-       *flags], launcher.cpu_environment(1))
+@pytest.fixture(scope="module")
+def launch_two(launch, tmp_path_factory):
+  """Two launchers: the two processes of a worker's job, process 0 on this file's launcher."""
+  other = launcher.Launcher(launcher.environment(), str(tmp_path_factory.mktemp("launches1")))
+  yield [launch, other]
+  other.close()
 
 
-def test_a_worker_of_two_processes_trains_each_trial_with_both(tmp_path):
+def _pair(launchers, experiment, workdir, *flags) -> list:
+  """Starts the two processes of one worker's job on `launchers`, as launcher.start_job does (a
+  coordinator on 127.0.0.1 at a free port, one CPU device each)."""
+  from tests import emulators
+  port = emulators.free_port()
+  env = {"XLA_FLAGS": launcher.cpu_environment(1)["XLA_FLAGS"]}
+  for i, server in enumerate(launchers):
+    server.start(f"--config={experiment}", f"--workdir={workdir}", "--sweep", *flags,
+                 f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
+                 f"--process_id={i}", env=env)
+  return launchers
+
+
+def _running(server) -> bool:
+  try:
+    os.kill(server.pid, 0)
+  except ProcessLookupError:  # it has ended (its launcher has reaped it)
+    return False
+  return True
+
+
+def _ended(pair, timeout: float) -> tuple:
+  """(exit codes, outputs: stdout and stderr) of the processes of `pair`, process 0 first. One
+  still running after `timeout` seconds is killed, with the other, and fails the test."""
+  deadline = time.time() + timeout
+  while any(map(_running, pair)) and time.time() < deadline:
+    time.sleep(0.1)
+  late = [server.pid for server in pair if _running(server)]
+  if late:
+    for server in pair:
+      server.send(signal.SIGKILL)
+  codes = [server.wait() for server in pair]
+  outputs = ["".join(server.output()) for server in pair]
+  assert not late, (f"a job's process ran past {timeout} s", outputs)
+  return codes, outputs
+
+
+def test_a_worker_of_two_processes_trains_each_trial_with_both(tmp_path, launch_two):
   experiment = tmp_path / "two.py"
   experiment.write_text(ONE.replace('[{"data.shuffle_buffer": 16}]',
                                     '[{"data.shuffle_buffer": 0}, {"data.shuffle_buffer": 16}]'))
   workdir = tmp_path / "sweep"
-  codes, outputs = launcher.job_outputs(_pair(experiment, workdir, "--config.sweep.pruner=median",
-                                              "--config.train.eval_every=1", *FAST), 400)
+  codes, outputs = _ended(_pair(launch_two, experiment, workdir, "--config.sweep.pruner=median",
+                                "--config.train.eval_every=1", *FAST), 400)
   assert codes == [0, 0], outputs
   # Process 1 trained both (its collectives are what process 0's steps wait for) and reported
   # nothing to the study.
@@ -373,17 +411,18 @@ def _kill_while_training(pair, workdir, victim):
 
   before, deadline = steps(), time.time() + 240
   while steps() < before + 2:
-    assert time.time() < deadline and all(p.poll() is None for p in pair), \
-        [p.communicate()[0][-2000:] for p in pair if p.poll() is not None]
+    if time.time() > deadline or not all(map(_running, pair)):
+      codes, outputs = _ended(pair, 0)
+      raise AssertionError([output[-2000:] for output in outputs])
     time.sleep(0.2)
-  pair[victim].kill()
-  pair[victim].communicate()
-  survivor = pair[1 - victim]
-  return survivor.wait(timeout=120), survivor.communicate()[0]
+  pair[victim].send(signal.SIGKILL)
+  pair[victim].wait()
+  codes, outputs = _ended([pair[1 - victim]], 120)
+  return codes[0], outputs[0]
 
 
 def test_a_process_of_a_worker_killed_ends_the_other_in_one_line_and_the_trial_goes_back(
-    tmp_path):
+    tmp_path, launch_two):
   """Killing either process of a two-process worker ends the other in one line (before:
   process 1 aborted with some 60 lines of C++ and Python stack; process 0 failed the trial for
   good, 'not retried'). The trial is handed back and resumes."""
@@ -397,7 +436,8 @@ def test_a_process_of_a_worker_killed_ends_the_other_in_one_line_and_the_trial_g
   noise = ("Traceback", "Check failure", "Fatal Python error", "coordination_service",
            "Gloo", "preemption")
   for victim in (0, 1):
-    code, output = _kill_while_training(_pair(experiment, workdir, *flags), workdir, victim)
+    code, output = _kill_while_training(_pair(launch_two, experiment, workdir, *flags), workdir,
+                                        victim)
     errors = [line for line in output.splitlines() if line.startswith("error: ")]
     # Exit 1, or SIGABRT where the runtime's error poller (a C++ thread) aborts the process
     # before its main thread stops it: one line either way (core/job_output.py).
