@@ -1,8 +1,9 @@
 """Sweeps on Optuna with the default storage (the journal file in the workdir): the plan, the
 search space and its errors, pruning, a trial's own failure, SIGTERM, seeds with a test pass,
 and a worker of two processes. (A PostgreSQL study with several workers and a killed one:
-test_sweep_postgres.py.) Runs of one process are forked by a launcher (tests/launcher.py) that
-imports the library once for the whole file; each is a real process of its own."""
+test_sweep_postgres.py.) Every launch.py run is forked by a launcher (tests/launcher.py) that
+imports the library once for the whole file, a second one for the other process of a worker's
+job of two; each run is a real process of its own."""
 
 import csv
 import json
@@ -25,7 +26,7 @@ FAST = ["--config.train.steps=2", "--config.train.log_every=1", "--config.train.
 
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory):
-  """The launcher of this file's runs of one process (its workers' jobs of two: start_job)."""
+  """The launcher of this file's runs (process 0 of a worker's job of two: launch_two)."""
   server = launcher.Launcher(launcher.environment(), str(tmp_path_factory.mktemp("launches")))
   yield server
   server.close()
