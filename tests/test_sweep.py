@@ -1,15 +1,16 @@
 """Sweeps on Optuna with the default storage (the journal file in the workdir): the plan, the
 search space and its errors, pruning, a trial's own failure, SIGTERM, seeds with a test pass,
 and a worker of two processes. (A PostgreSQL study with several workers and a killed one:
-test_sweep_postgres.py.)"""
+test_sweep_postgres.py.) Every launch.py run is forked by a launcher (tests/launcher.py) that
+imports the library once for the whole file, a second one for the other process of a worker's
+job of two; each run is a real process of its own."""
 
 import csv
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
+from types import SimpleNamespace
 
 import launcher
 import optuna
@@ -19,14 +20,23 @@ from transformer_jax.core.errors import UserError
 from transformer_jax.tools import sweep
 from transformer_jax.tools.sweep import results, space, store, worker
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAST = ["--config.train.steps=2", "--config.train.log_every=1", "--config.train.checkpoint_every=2",
         "--config.eval.max_examples=8"]
 
 
-def _run(*args, check=True):
-  return subprocess.run([sys.executable, "launch.py", *args], cwd=ROOT, check=check,
-                        capture_output=True, text=True)
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory):
+  """The launcher of this file's runs (process 0 of a worker's job of two: launch_two)."""
+  server = launcher.Launcher(launcher.environment(), str(tmp_path_factory.mktemp("launches")))
+  yield server
+  server.close()
+
+
+def _run(launch, *args):
+  """The stdout and stderr of `launch.py ARGS`, which must exit with 0."""
+  code, out, err = launch.run(*args)
+  assert code == 0, out + err
+  return SimpleNamespace(stdout=out, stderr=err)
 
 
 def _study(workdir):
@@ -90,7 +100,7 @@ def _experiment(tmp_path, text, name="space.py"):
   return str(path)
 
 
-def test_search_space_draws_conditional_keys_and_dry_run_creates_nothing(tmp_path):
+def test_search_space_draws_conditional_keys_and_dry_run_creates_nothing(tmp_path, launch):
   experiment = space.load(_experiment(tmp_path, GOOD))
   space.check_space(experiment, {})
   study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
@@ -105,7 +115,7 @@ def test_search_space_draws_conditional_keys_and_dry_run_creates_nothing(tmp_pat
       "model.positional": ["sinusoidal", "rotary"], "data.shuffle_buffer": [0, 8, 16]}
 
   workdir = tmp_path / "sweep"
-  out = _run(f"--config={experiment.path}", f"--workdir={workdir}", "--sweep_dry_run",
+  out = _run(launch, f"--config={experiment.path}", f"--workdir={workdir}", "--sweep_dry_run",
              "--config.sweep.budget=10", "--config.sweep.pruner=asha",
              "--config.sweep.sampler=random", "--config.train.eval_every=5").stdout
   for part in ("budget: 10 trials (1 enqueued from get_sweep(), up to 9 drawn by the random "
@@ -169,7 +179,8 @@ def get_sweep():
 """
 
 
-def test_a_pruned_trial_and_a_failed_one_are_in_the_table_rebuilt_from_the_study(tmp_path):
+def test_a_pruned_trial_and_a_failed_one_are_in_the_table_rebuilt_from_the_study(tmp_path,
+                                                                                   launch):
   experiment = tmp_path / "pruned.py"
   experiment.write_text(PRUNED)
   workdir = tmp_path / "sweep"
@@ -177,7 +188,7 @@ def test_a_pruned_trial_and_a_failed_one_are_in_the_table_rebuilt_from_the_study
              "--config.sweep.pruner=median", "--config.train.steps=10",
              "--config.train.eval_every=5", "--config.train.learning_rate=3e-3",
              "--config.eval.max_examples=8"]
-  out = _run(*command).stdout
+  out = _run(launch, *command).stdout
   assert "trial_0002 pruned at step 5: loss" in out, out
   rows = _rows(workdir)
   assert rows["trial_0002"]["state"] == "pruned at step 5"
@@ -210,7 +221,7 @@ def test_a_pruned_trial_and_a_failed_one_are_in_the_table_rebuilt_from_the_study
   # Rebuilt from the study alone; the plots drawn from it; HParams written by each finished one.
   table = (workdir / "results.md").read_text()
   os.remove(workdir / "results.md")
-  rebuilt = _run("--mode=sweep_results", f"--workdir={workdir}").stdout
+  rebuilt = _run(launch, "--mode=sweep_results", f"--workdir={workdir}").stdout
   assert (workdir / "results.md").read_text() == table and "best trial: " in rebuilt
   drawn = results.plot(str(workdir), None)
   assert {os.path.basename(p) for p in drawn} >= {"sweep_history.png",
@@ -218,7 +229,7 @@ def test_a_pruned_trial_and_a_failed_one_are_in_the_table_rebuilt_from_the_study
   assert all(open(p, "rb").read(8) == b"\x89PNG\r\n\x1a\n" for p in drawn)
   assert list((workdir / "trial_0000" / "tensorboard").glob("events.out.tfevents.*"))
   # The same command again: nothing left to run, the study unchanged.
-  again = _run(*command).stdout
+  again = _run(launch, *command).stdout
   assert " started" not in again and len(_study(workdir).get_trials()) == 4
 
 
@@ -232,23 +243,19 @@ def get_sweep():
 """
 
 
-def test_sigterm_saves_hands_the_trial_back_and_exits_0(tmp_path):
+def test_sigterm_saves_hands_the_trial_back_and_exits_0(tmp_path, launch):
   experiment = tmp_path / "one.py"
   experiment.write_text(ONE)
   workdir = tmp_path / "sweep"
-  process = subprocess.Popen([sys.executable, "launch.py", f"--config={experiment}",
-                              f"--workdir={workdir}", "--sweep", "--config.train.steps=400",
-                              "--config.train.checkpoint_every=200",
-                              "--config.eval.max_examples=8"],
-                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  launch.start(f"--config={experiment}", f"--workdir={workdir}", "--sweep",
+               "--config.train.steps=400", "--config.train.checkpoint_every=200",
+               "--config.eval.max_examples=8")
   metrics = workdir / "trial_0000" / "metrics.jsonl"
-  deadline = time.time() + 240
-  while time.time() < deadline and process.poll() is None and not (
-      metrics.exists() and '"split": "train"' in metrics.read_text()):
-    time.sleep(0.05)
-  process.send_signal(signal.SIGTERM)
-  out = process.communicate(timeout=120)[0]
-  assert process.returncode == 0, out
+  launch.wait_for(lambda _: metrics.exists() and '"split": "train"' in metrics.read_text(), 240)
+  launch.send(signal.SIGTERM)
+  code = launch.wait()
+  out = "".join(launch.output())
+  assert code == 0, out
   assert "trial_0000 stopped by a signal after saving its checkpoint" in out, out
   saved = [int(p) for p in os.listdir(workdir / "trial_0000" / "checkpoints") if p.isdigit()]
   assert saved and max(saved) < 400
@@ -288,7 +295,7 @@ LENGTH = ["--config.data.scan_split=length", "--config.data.train_split=train_wi
           "--config.train.keep_best=1", "--config.train.eval_every=1"]
 
 
-def test_seeded_sweep_scores_test_once_per_run_and_grows_with_more_seeds(tmp_path):
+def test_seeded_sweep_scores_test_once_per_run_and_grows_with_more_seeds(tmp_path, launch):
   """Seeds of a tiny trial, each trained without the test split and its best dev checkpoint
   scored on test once. First one seed (--config.sweep.seeds=1), then the trial's own two with
   two workers: the study takes the new seed's trial only, once (the sweep section of the config
@@ -298,9 +305,9 @@ def test_seeded_sweep_scores_test_once_per_run_and_grows_with_more_seeds(tmp_pat
   workdir = tmp_path / "sweep"
   command = [f"--config={experiment}", f"--workdir={workdir}", "--sweep",
              "--config.sweep.metric=exact_match", "--config.sweep.test_best=True"] + FAST + LENGTH
-  _run(*command, "--config.sweep.seeds=1")
+  _run(launch, *command, "--config.sweep.seeds=1")
   # Two local workers on the journal file: the one new trial is taken by one of them, once.
-  parallel = _run(*command, "--sweep_parallel=2")
+  parallel = _run(launch, *command, "--sweep_parallel=2")
   out = parallel.stdout
   assert out.count(" started") == 1 and "trial_0001 started" in out, out
   assert "os.fork()" not in parallel.stderr, parallel.stderr  # JAX's warning of a forked JAX
@@ -329,19 +336,58 @@ def test_seeded_sweep_scores_test_once_per_run_and_grows_with_more_seeds(tmp_pat
   assert "## Over seeds" in (workdir / "results.md").read_text()
 
 
-def _pair(experiment, workdir, *flags):
-  return launcher.start_job(
-      [sys.executable, "launch.py", f"--config={experiment}", f"--workdir={workdir}", "--sweep",
-       *flags], launcher.cpu_environment(1))
+@pytest.fixture(scope="module")
+def launch_two(launch, tmp_path_factory):
+  """Two launchers: the two processes of a worker's job, process 0 on this file's launcher."""
+  other = launcher.Launcher(launcher.environment(), str(tmp_path_factory.mktemp("launches1")))
+  yield [launch, other]
+  other.close()
 
 
-def test_a_worker_of_two_processes_trains_each_trial_with_both(tmp_path):
+def _pair(launchers, experiment, workdir, *flags) -> list:
+  """Starts the two processes of one worker's job on `launchers`, as launcher.start_job does (a
+  coordinator on 127.0.0.1 at a free port, one CPU device each)."""
+  from tests import emulators
+  port = emulators.free_port()
+  env = {"XLA_FLAGS": launcher.cpu_environment(1)["XLA_FLAGS"]}
+  for i, server in enumerate(launchers):
+    server.start(f"--config={experiment}", f"--workdir={workdir}", "--sweep", *flags,
+                 f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
+                 f"--process_id={i}", env=env)
+  return launchers
+
+
+def _running(server) -> bool:
+  try:
+    os.kill(server.pid, 0)
+  except ProcessLookupError:  # it has ended (its launcher has reaped it)
+    return False
+  return True
+
+
+def _ended(pair, timeout: float) -> tuple:
+  """(exit codes, outputs: stdout and stderr) of the processes of `pair`, process 0 first. One
+  still running after `timeout` seconds is killed, with the other, and fails the test."""
+  deadline = time.time() + timeout
+  while any(map(_running, pair)) and time.time() < deadline:
+    time.sleep(0.1)
+  late = [server.pid for server in pair if _running(server)]
+  if late:
+    for server in pair:
+      server.send(signal.SIGKILL)
+  codes = [server.wait() for server in pair]
+  outputs = ["".join(server.output()) for server in pair]
+  assert not late, (f"a job's process ran past {timeout} s", outputs)
+  return codes, outputs
+
+
+def test_a_worker_of_two_processes_trains_each_trial_with_both(tmp_path, launch_two):
   experiment = tmp_path / "two.py"
   experiment.write_text(ONE.replace('[{"data.shuffle_buffer": 16}]',
                                     '[{"data.shuffle_buffer": 0}, {"data.shuffle_buffer": 16}]'))
   workdir = tmp_path / "sweep"
-  codes, outputs = launcher.job_outputs(_pair(experiment, workdir, "--config.sweep.pruner=median",
-                                              "--config.train.eval_every=1", *FAST), 400)
+  codes, outputs = _ended(_pair(launch_two, experiment, workdir, "--config.sweep.pruner=median",
+                                "--config.train.eval_every=1", *FAST), 400)
   assert codes == [0, 0], outputs
   # Process 1 trained both (its collectives are what process 0's steps wait for) and reported
   # nothing to the study.
@@ -366,17 +412,18 @@ def _kill_while_training(pair, workdir, victim):
 
   before, deadline = steps(), time.time() + 240
   while steps() < before + 2:
-    assert time.time() < deadline and all(p.poll() is None for p in pair), \
-        [p.communicate()[0][-2000:] for p in pair if p.poll() is not None]
+    if time.time() > deadline or not all(map(_running, pair)):
+      codes, outputs = _ended(pair, 0)
+      raise AssertionError([output[-2000:] for output in outputs])
     time.sleep(0.2)
-  pair[victim].kill()
-  pair[victim].communicate()
-  survivor = pair[1 - victim]
-  return survivor.wait(timeout=120), survivor.communicate()[0]
+  pair[victim].send(signal.SIGKILL)
+  pair[victim].wait()
+  codes, outputs = _ended([pair[1 - victim]], 120)
+  return codes[0], outputs[0]
 
 
 def test_a_process_of_a_worker_killed_ends_the_other_in_one_line_and_the_trial_goes_back(
-    tmp_path):
+    tmp_path, launch_two):
   """Killing either process of a two-process worker ends the other in one line (before:
   process 1 aborted with some 60 lines of C++ and Python stack; process 0 failed the trial for
   good, 'not retried'). The trial is handed back and resumes."""
@@ -390,7 +437,8 @@ def test_a_process_of_a_worker_killed_ends_the_other_in_one_line_and_the_trial_g
   noise = ("Traceback", "Check failure", "Fatal Python error", "coordination_service",
            "Gloo", "preemption")
   for victim in (0, 1):
-    code, output = _kill_while_training(_pair(experiment, workdir, *flags), workdir, victim)
+    code, output = _kill_while_training(_pair(launch_two, experiment, workdir, *flags), workdir,
+                                        victim)
     errors = [line for line in output.splitlines() if line.startswith("error: ")]
     # Exit 1, or SIGABRT where the runtime's error poller (a C++ thread) aborts the process
     # before its main thread stops it: one line either way (core/job_output.py).

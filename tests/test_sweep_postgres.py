@@ -1,6 +1,8 @@
 """Sweeps whose study is in a real PostgreSQL server (tests/postgres.py starts one for this
 file): several workers share it, a killed worker's trial comes back and resumes from its own
-checkpoint, and what a worker cannot use is one line and exit code 2."""
+checkpoint, and what a worker cannot use is one line and exit code 2. The workers and other
+launch.py runs are forked by three launchers (tests/launcher.py) that import the library once
+for the whole file; each run is a real process of its own."""
 
 import json
 import os
@@ -15,6 +17,7 @@ import numpy as np
 import optuna
 import postgres
 import pytest
+from launcher import Launcher, environment
 from test_trackers import mlflow_server  # noqa: F401 - the real MLflow server, a fixture
 
 from transformer_jax.core.errors import UserError
@@ -45,10 +48,36 @@ def db():
   postgres.stop(server)
 
 
-def _worker(experiment, workdir, url, *extra):
-  return subprocess.Popen([sys.executable, "launch.py", f"--config={experiment}",
-                           f"--workdir={workdir}", "--sweep", f"--sweep_storage={url}", *extra],
-                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+@pytest.fixture(scope="module")
+def launchers(tmp_path_factory):
+  """Three launchers: up to three launch.py runs at once (a launcher runs one at a time)."""
+  started = [Launcher(environment(), str(tmp_path_factory.mktemp(f"launches{i}")))
+             for i in range(3)]
+  yield started
+  for launcher in started:
+    launcher.close()
+
+
+def _worker(launcher, experiment, workdir, url, *extra) -> Launcher:
+  """Starts a worker of the study at `url` on `launcher`; _ended(launcher) waits for it."""
+  launcher.start(f"--config={experiment}", f"--workdir={workdir}", "--sweep",
+                 f"--sweep_storage={url}", *extra)
+  return launcher
+
+
+def _ended(launcher) -> tuple:
+  """(exit code, stdout and stderr) of the run started on `launcher`, once it has ended."""
+  code = launcher.wait()
+  out, err = launcher.output()
+  return code, out + err
+
+
+def _running(launcher) -> bool:
+  try:
+    os.kill(launcher.pid, 0)
+  except ProcessLookupError:  # it has ended (its launcher has reaped it)
+    return False
+  return True
 
 
 def _study(url, workdir):
@@ -56,13 +85,13 @@ def _study(url, workdir):
   return optuna.load_study(study_name=str(workdir), storage=url)
 
 
-def test_three_workers_share_a_twelve_trial_study_each_trial_once(tmp_path, db):
+def test_three_workers_share_a_twelve_trial_study_each_trial_once(tmp_path, db, launchers):
   experiment = tmp_path / "twelve.py"
   experiment.write_text(TWELVE)
   workdir = tmp_path / "sweep"
-  workers = [_worker(experiment, workdir, db.url, *FAST) for _ in range(3)]
-  outputs = [w.communicate(timeout=600)[0] for w in workers]
-  assert [w.returncode for w in workers] == [0, 0, 0], outputs
+  workers = [_worker(launcher, experiment, workdir, db.url, *FAST) for launcher in launchers]
+  codes, outputs = zip(*map(_ended, workers))
+  assert list(codes) == [0, 0, 0], outputs
   study = _study(db.url, workdir)
   trials = study.get_trials()
   # Workers that ask at once for the last waiting trial: the ones that find the queue empty
@@ -85,9 +114,9 @@ def test_three_workers_share_a_twelve_trial_study_each_trial_once(tmp_path, db):
   assert table.count("| finished |") == 12
   # --mode=sweep_results rebuilds the same table from the study alone.
   os.remove(workdir / "results.md")
-  out = subprocess.run([sys.executable, "launch.py", "--mode=sweep_results",
-                        f"--workdir={workdir}", f"--sweep_storage={db.url}"], cwd=ROOT,
-                       check=True, capture_output=True, text=True).stdout
+  code, out, err = launchers[0].run("--mode=sweep_results", f"--workdir={workdir}",
+                                    f"--sweep_storage={db.url}")
+  assert code == 0, err
   assert (workdir / "results.md").read_text() == table and table in out
   assert "best trial: " + str(workdir / "trial_") in out
 
@@ -103,23 +132,24 @@ def get_search_space():
 """
 
 
-def test_parallel_workers_never_draw_the_same_trial(tmp_path, db):
+def test_parallel_workers_never_draw_the_same_trial(tmp_path, db, launchers):
   # Each worker once sampled with sweep.sampler_seed itself: three workers drew the same rates.
+  # Twelve trials: TPE's random start (a quarter of the budget, at least 3: one a worker) and
+  # nine modelled draws while the other workers' trials run (constant_liar).
   experiment = tmp_path / "rates.py"
   experiment.write_text(RATES)
   workdir = tmp_path / "sweep"
-  out = subprocess.run([sys.executable, "launch.py", f"--config={experiment}",
-                        f"--workdir={workdir}", "--sweep", f"--sweep_storage={db.url}",
-                        "--sweep_parallel=3", "--config.sweep.budget=24", *FAST], cwd=ROOT,
-                       capture_output=True, text=True, timeout=900)
-  assert out.returncode == 0, out.stdout + out.stderr
+  code, stdout, stderr = launchers[0].run(
+      f"--config={experiment}", f"--workdir={workdir}", "--sweep", f"--sweep_storage={db.url}",
+      "--sweep_parallel=3", "--config.sweep.budget=12", *FAST)
+  assert code == 0, stdout + stderr
   trials = [t for t in _study(db.url, workdir).get_trials()
             if not t.user_attrs.get("sweep_surplus")]
   rates = [t.params["train.learning_rate"] for t in trials]
-  assert len(rates) == 24 and len(set(rates)) == 24, sorted(rates)
+  assert len(rates) == 12 and len(set(rates)) == 12, sorted(rates)
   # Three processes share the one stdout: a line of one may run into another's.
-  seeds = re.findall(r"samples with seed (\d+)", out.stdout)
-  assert len(seeds) == 3 and len(set(seeds)) == 3, out.stdout  # said, one each
+  seeds = re.findall(r"samples with seed (\d+)", stdout)
+  assert len(seeds) == 3 and len(set(seeds)) == 3, stdout  # said, one each
 
 
 ONE = """from transformer_jax.experiments import tiny
@@ -144,27 +174,28 @@ def _params(workdir):
   return jax.tree.leaves(jax.device_get(load.load_trained(config, str(workdir)).params))
 
 
-def test_a_killed_workers_trial_is_requeued_and_resumes_from_its_checkpoint(tmp_path, db):
+def test_a_killed_workers_trial_is_requeued_and_resumes_from_its_checkpoint(tmp_path, db,
+                                                                             launchers):
   experiment = tmp_path / "one.py"
   experiment.write_text(ONE)
-  reference = _worker(experiment, tmp_path / "reference", db.url, *KILLED)
+  reference = _worker(launchers[0], experiment, tmp_path / "reference", db.url, *KILLED)
   killed_dir = tmp_path / "killed"
-  first = _worker(experiment, killed_dir, db.url, *KILLED)
+  first = _worker(launchers[1], experiment, killed_dir, db.url, *KILLED)
   checkpoints = killed_dir / "trial_0000" / "checkpoints"
   deadline = time.time() + 300
-  while not (checkpoints / "10").exists() and time.time() < deadline and first.poll() is None:
+  while not (checkpoints / "10").exists() and time.time() < deadline and _running(first):
     time.sleep(0.02)
-  first.send_signal(signal.SIGSTOP)  # frozen where it is, then killed: a lost VM
-  first.send_signal(signal.SIGKILL)
-  first.communicate(timeout=60)
+  first.send(signal.SIGSTOP)  # frozen where it is, then killed: a lost VM
+  first.send(signal.SIGKILL)
+  code, out = _ended(first)
+  assert code == -signal.SIGKILL, out
   saved = sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit())
   assert saved and saved[-1] < 40, saved  # killed mid-trial
-  out = reference.communicate(timeout=600)[0]
-  assert reference.returncode == 0, out
+  code, out = _ended(reference)
+  assert code == 0, out
 
-  second = _worker(experiment, killed_dir, db.url, *KILLED)
-  out = second.communicate(timeout=600)[0]
-  assert second.returncode == 0, out
+  code, out = _ended(_worker(launchers[1], experiment, killed_dir, db.url, *KILLED))
+  assert code == 0, out
   assert "trial_0000 started (again, after trial 0)" in out, out
   assert "already reported" not in out, out  # the lost attempt's evaluations: not again
   study = _study(db.url, killed_dir)
@@ -190,25 +221,24 @@ def test_a_killed_workers_trial_is_requeued_and_resumes_from_its_checkpoint(tmp_
 # ------------------------------------------------------------------ what a worker refuses
 
 
-def _one_error(command, env=None):
-  result = subprocess.run([sys.executable, "launch.py", *command], cwd=ROOT, capture_output=True,
-                          text=True, env=env)
-  lines = result.stderr.strip().splitlines()
-  assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), \
-      result.stderr[-3000:]
+def _one_error(launcher, command, env=None):
+  code, _, err = launcher.run(*command, env=env)
+  lines = err.strip().splitlines()
+  assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), err[-3000:]
   return lines[0]
 
 
-def test_a_database_that_cannot_be_used_is_one_line_and_nothing_is_written(tmp_path, db):
+def test_a_database_that_cannot_be_used_is_one_line_and_nothing_is_written(tmp_path, db,
+                                                                            launchers):
   workdir = tmp_path / "sweep"
   base = ["--config=experiments/tiny.py", f"--workdir={workdir}", "--sweep"]
   silent = postgres._free_port()
-  env = dict(os.environ, **{store.WAIT_ENV: "2"})
-  line = _one_error(base + [f"--sweep_storage=postgresql+psycopg://a:b@127.0.0.1:{silent}/x"],
-                    env)
+  line = _one_error(launchers[0],
+                    base + [f"--sweep_storage=postgresql+psycopg://a:b@127.0.0.1:{silent}/x"],
+                    {store.WAIT_ENV: "2"})
   assert f"no database answered at 127.0.0.1:{silent} within 2 s" in line and ":b@" not in line
   wrong = db.url.replace(postgres.PASSWORD, "wrong")
-  line = _one_error(base + [f"--sweep_storage={wrong}"])
+  line = _one_error(launchers[0], base + [f"--sweep_storage={wrong}"])
   assert "refused this worker" in line and "password" in line and "wrong" not in line
   assert not workdir.exists()
 
@@ -263,14 +293,13 @@ def _files_holding(root, secret: str) -> list:
 
 
 def test_a_database_password_and_tracker_secrets_reach_no_file_log_tracker_or_ps(
-    tmp_path, db, mlflow_server):  # noqa: F811 - the fixture imported above
+    tmp_path, db, mlflow_server, launchers):  # noqa: F811 - the fixture imported above
   """A sweep of two worker processes whose study's password is on the command line, with every
   tracker (TensorBoard, W&B offline, the real MLflow server, its URI and W&B's key holding the
   same secret in the environment): the secret is in no file the run, W&B, MLflow or anything
   under TMPDIR and HOME wrote, in no output line, MLflow param or tag, Optuna attribute, nor on
   a worker's command line. The study is then read without a password on the command line:
   the whole URL in TRANSFORMER_JAX_SWEEP_STORAGE, or the password in PGPASSWORD."""
-  from launcher import environment
   url = postgres.add_user(db, "secretive", SENTINEL)
   experiment = tmp_path / "two.py"
   experiment.write_text(TWO)
@@ -327,20 +356,19 @@ def test_a_database_password_and_tracker_secrets_reach_no_file_log_tracker_or_ps
   assert [t.state.name for t in study.get_trials()] == ["COMPLETE", "COMPLETE"]
 
   # Without the password on the command line: the URL in the environment, or PGPASSWORD.
-  read = [sys.executable, "launch.py", "--mode=sweep_results", f"--workdir={workdir}"]
   for flags, more in (([], {store.STORAGE_ENV: url}),
                       ([f"--sweep_storage={url.replace(':' + SENTINEL, '')}"],
                        {"PGPASSWORD": SENTINEL})):
-    done = subprocess.run(read + flags, cwd=ROOT, env=dict(os.environ, **more),
-                          capture_output=True, text=True)
-    assert done.returncode == 0 and done.stdout.count("| finished |") == 2, done.stderr
-    assert SENTINEL not in done.stdout + done.stderr
+    code, out, err = launchers[0].run("--mode=sweep_results", f"--workdir={workdir}", *flags,
+                                      env=more)
+    assert code == 0 and out.count("| finished |") == 2, err
+    assert SENTINEL not in out + err
 
 
 # ------------------------------------------------------------------ the database goes away
 
 
-def test_workers_ride_out_the_database_stopped_mid_trial(tmp_path, db):
+def test_workers_ride_out_the_database_stopped_mid_trial(tmp_path, db, launchers):
   # Once: every worker ended with exit code 1 and hundreds of lines of traceback (Optuna's
   # UnboundLocalError 'updated_state' last) when the database went away for a few seconds.
   experiment = tmp_path / "two.py"
@@ -350,7 +378,7 @@ def test_workers_ride_out_the_database_stopped_mid_trial(tmp_path, db):
           "--config.train.eval_every=5", "--config.eval.max_examples=8",
           "--sweep_heartbeat_s=2"]  # lost after 6 s without heartbeats: shorter than the stop
   # Two train a trial each; the third waits, judging the running trials' heartbeats.
-  workers = [_worker(experiment, workdir, db.url, *slow) for _ in range(3)]
+  workers = [_worker(launcher, experiment, workdir, db.url, *slow) for launcher in launchers]
   checkpoints = workdir / "trial_0000" / "checkpoints"
   deadline = time.time() + 300
   while not (checkpoints / "10").exists() and time.time() < deadline:
@@ -358,8 +386,8 @@ def test_workers_ride_out_the_database_stopped_mid_trial(tmp_path, db):
   postgres.pg_ctl(db, "stop", "-m", "fast")  # connections cut, nothing answers
   time.sleep(10)  # training reaches its next evaluations, heartbeats and polls fail
   postgres.pg_ctl(db, "start")
-  outputs = [w.communicate(timeout=600)[0] for w in workers]
-  assert [w.returncode for w in workers] == [0, 0, 0], outputs
+  codes, outputs = zip(*map(_ended, workers))
+  assert list(codes) == [0, 0, 0], outputs
   said = "\n".join(outputs)
   assert "Traceback" not in said, said
   assert said.count("is unreachable") >= 1 and said.count("is back after") >= 1, said
