@@ -134,19 +134,17 @@ def get_search_space():
 
 def test_parallel_workers_never_draw_the_same_trial(tmp_path, db, launchers):
   # Each worker once sampled with sweep.sampler_seed itself: three workers drew the same rates.
-  # Twelve trials: TPE's random start (a quarter of the budget, at least 3: one a worker) and
-  # nine modelled draws while the other workers' trials run (constant_liar).
   experiment = tmp_path / "rates.py"
   experiment.write_text(RATES)
   workdir = tmp_path / "sweep"
   code, stdout, stderr = launchers[0].run(
       f"--config={experiment}", f"--workdir={workdir}", "--sweep", f"--sweep_storage={db.url}",
-      "--sweep_parallel=3", "--config.sweep.budget=12", *FAST)
+      "--sweep_parallel=3", "--config.sweep.budget=24", *FAST)
   assert code == 0, stdout + stderr
   trials = [t for t in _study(db.url, workdir).get_trials()
             if not t.user_attrs.get("sweep_surplus")]
   rates = [t.params["train.learning_rate"] for t in trials]
-  assert len(rates) == 12 and len(set(rates)) == 12, sorted(rates)
+  assert len(rates) == 24 and len(set(rates)) == 24, sorted(rates)
   # Three processes share the one stdout: a line of one may run into another's.
   seeds = re.findall(r"samples with seed (\d+)", stdout)
   assert len(seeds) == 3 and len(set(seeds)) == 3, stdout  # said, one each
