@@ -27,7 +27,8 @@ from transformer_jax.tools.sweep import space, store, worker
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Twelve trials of the same compiled programs: the shuffle buffer changes the batches' order,
-# train.log_every nothing that is compiled (tiny's learning rate and d_ff would be new programs).
+# train.log_every nothing that is compiled (tiny's d_ff would be a new program; a learning rate
+# would not: it is an input of the compiled step).
 TWELVE = """from transformer_jax.experiments import tiny
 from transformer_jax.tools import sweep
 
