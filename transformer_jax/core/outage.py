@@ -118,6 +118,11 @@ def ongoing() -> bool:
   return _since is not None
 
 
+def last_answered() -> float:
+  """When the store last answered again after an outage (time.time(); -inf: never)."""
+  return _ended
+
+
 def seen() -> bool:
   """Whether this process met an outage (under way, or over)."""
   return _since is not None or _ended > float("-inf")

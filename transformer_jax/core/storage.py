@@ -157,8 +157,27 @@ def filesystem(scheme: str):
           fsspec.register_implementation(name, _riding(s3fs.S3FileSystem, "_call_s3", "s3"),
                                          clobber=True)
       _fresh_listings(scheme)
+      _forget_libraries_filesystems(scheme)
       _FILESYSTEMS[key] = fs
     return _FILESYSTEMS[key]
+
+
+def _forget_libraries_filesystems(scheme: str) -> None:
+  """The filesystems that etils.epath (orbax's) made for `scheme` before, with the endpoints and
+  credentials the environment named then, are dropped: epath keeps one per protocol for the
+  process, and fsspec one per class and arguments, so a process whose environment now names
+  another store (a notebook, a test of another emulator) would go on reading the old one."""
+  import fsspec
+  for protocol in ({"gs": ("gs", "gcs"), "s3": ("s3", "s3a")}[scheme]):
+    try:
+      fsspec.get_filesystem_class(protocol).clear_instance_cache()
+    except (ImportError, ValueError, AttributeError):  # not installed: nothing was made
+      pass
+  try:
+    from etils.epath import backend
+    backend._FileSystemSpecBackend._get_filesystem.cache_clear()  # its lru_cache, all protocols
+  except (ImportError, AttributeError):  # another etils: its own caching, if any, stays
+    pass
 
 
 def _fresh_listings(scheme: str) -> None:

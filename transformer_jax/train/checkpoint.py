@@ -25,6 +25,7 @@ import re
 import signal
 import sys
 import threading
+import time
 import warnings
 from typing import Any, NamedTuple, Optional
 
@@ -495,6 +496,7 @@ class Manager:
     self._last = self._unsaved = None  # the newest save asked for; one not written (an outage)
     self._started = None  # the step of the newest save orbax began
     self._cut: set = set()  # steps whose save an outage cut: their leftovers go
+    self._any_cut = False  # whether a save of this run was cut (close() waits out its writes)
     if writable:
       if storage.is_url(self.workdir):
         _bound_tensorstore_retries(config.train.storage_outage_s)
@@ -609,6 +611,7 @@ class Manager:
     cut, self._cut = sorted(s for s in self._cut if s is not None), set()
     if not cut:
       return
+    self._any_cut = True
     if jax.process_index() == 0:  # one process deletes; the others wait for it below
       self._remove_unfinished(cut)
     if jax.process_count() > 1:
@@ -692,7 +695,12 @@ class Manager:
     if storage.is_url(self.directory) and outage.seen() and jax.process_index() == 0:
       # Once every save and orbax's deletions of old steps are over: what an outage left
       # unfinished (a deletion it cut takes the commit file first; a cut save's late writes)
-      # goes, so that a resume does not warn of a checkpoint the run stopped writing.
+      # goes, so that a resume does not warn of a checkpoint the run stopped writing. A write
+      # of a cut save that TensorStore still retries lands at its next try, at most
+      # _MAX_DELAY_S (+ 1 s of jitter) after the store answered again: that is waited out
+      # first, or it would make the step again behind this tidy-up.
+      if self._any_cut:
+        time.sleep(max(0.0, outage.last_answered() + _MAX_DELAY_S + 1 - time.time()))
       try:
         self._remove_unfinished(self.unfinished_steps())
       except Exception:  # noqa: BLE001 - a tidy-up: a store down again leaves them to the next run
