@@ -212,15 +212,21 @@ class Launcher:
   def wait(self) -> int:
     return json.loads(self._server.stdout.readline())["code"]
 
+  def running(self) -> bool:
+    """Whether the run last started is still running (its server reaps it when it ends)."""
+    try:
+      os.kill(self.pid, 0)
+    except ProcessLookupError:
+      return False
+    return True
+
   def wait_for(self, predicate, timeout: float = 300) -> bool:
     """Polls the output until predicate(stdout) holds (True) or the run ends (False)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
       if predicate(self.output()[0]):
         return True
-      try:
-        os.kill(self.pid, 0)
-      except ProcessLookupError:  # it ended (the server has reaped it)
+      if not self.running():
         return predicate(self.output()[0])
       time.sleep(0.02)
     raise TimeoutError(f"launch.py did not get there in {timeout} s:\n{self.output()}")

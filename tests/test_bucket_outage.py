@@ -74,11 +74,7 @@ def _down_while(relay, launcher, start_at: int, seconds: float) -> None:
   relay.down()
   deadline = time.time() + seconds
   try:
-    while time.time() < deadline:
-      try:
-        os.kill(launcher.pid, 0)
-      except ProcessLookupError:  # it ended (the launcher has reaped it)
-        return
+    while time.time() < deadline and launcher.running():
       time.sleep(0.1)
   finally:
     relay.up()

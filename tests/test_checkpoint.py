@@ -107,14 +107,6 @@ def reference(launcher, shared_directory):
   return reference_run(launcher, shared_directory)
 
 
-def alive(pid: int) -> bool:
-  try:
-    os.kill(pid, 0)
-    return True
-  except ProcessLookupError:  # ended, and reaped by the launcher
-    return False
-
-
 def logged_steps(workdir) -> list:
   """The train steps in metrics.jsonl, every line of which must be a whole record."""
   text = (workdir / "metrics.jsonl").read_bytes()
@@ -138,10 +130,10 @@ def test_sigkill_at_random_moments_and_inside_saves_then_resume_is_bitwise_equal
   for kill in range(kills):
     if kill % 2 and (checkpoints / str(STEPS)).exists():  # no save left to kill: start over
       shutil.rmtree(workdir)
-    pid = launcher.start(*RUN, f"--workdir={workdir}")
+    launcher.start(*RUN, f"--workdir={workdir}")
     if kill % 2:
       seen = set(os.listdir(checkpoints)) if checkpoints.exists() else set()
-      while alive(pid) and not any("orbax-checkpoint-tmp" in n for n in (
+      while launcher.running() and not any("orbax-checkpoint-tmp" in n for n in (
           set(os.listdir(checkpoints)) if checkpoints.exists() else set()) - seen):
         time.sleep(0.001)
     else:

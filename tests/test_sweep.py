@@ -357,21 +357,13 @@ def _pair(launchers, experiment, workdir, *flags) -> list:
   return launchers
 
 
-def _running(server) -> bool:
-  try:
-    os.kill(server.pid, 0)
-  except ProcessLookupError:  # it has ended (its launcher has reaped it)
-    return False
-  return True
-
-
 def _ended(pair, timeout: float) -> tuple:
   """(exit codes, outputs: stdout and stderr) of the processes of `pair`, process 0 first. One
   still running after `timeout` seconds is killed, with the other, and fails the test."""
   deadline = time.time() + timeout
-  while any(map(_running, pair)) and time.time() < deadline:
+  while any(server.running() for server in pair) and time.time() < deadline:
     time.sleep(0.1)
-  late = [server.pid for server in pair if _running(server)]
+  late = [server.pid for server in pair if server.running()]
   if late:
     for server in pair:
       server.send(signal.SIGKILL)
@@ -412,7 +404,7 @@ def _kill_while_training(pair, workdir, victim):
 
   before, deadline = steps(), time.time() + 240
   while steps() < before + 2:
-    if time.time() > deadline or not all(map(_running, pair)):
+    if time.time() > deadline or not all(server.running() for server in pair):
       codes, outputs = _ended(pair, 0)
       raise AssertionError([output[-2000:] for output in outputs])
     time.sleep(0.2)

@@ -73,14 +73,6 @@ def _ended(launcher) -> tuple:
   return code, out + err
 
 
-def _running(launcher) -> bool:
-  try:
-    os.kill(launcher.pid, 0)
-  except ProcessLookupError:  # it has ended (its launcher has reaped it)
-    return False
-  return True
-
-
 def _study(url, workdir):
   optuna.logging.set_verbosity(optuna.logging.ERROR)
   return optuna.load_study(study_name=str(workdir), storage=url)
@@ -182,7 +174,7 @@ def test_a_killed_workers_trial_is_requeued_and_resumes_from_its_checkpoint(tmp_
   first = _worker(launchers[1], experiment, killed_dir, db.url, *KILLED)
   checkpoints = killed_dir / "trial_0000" / "checkpoints"
   deadline = time.time() + 300
-  while not (checkpoints / "10").exists() and time.time() < deadline and _running(first):
+  while not (checkpoints / "10").exists() and time.time() < deadline and first.running():
     time.sleep(0.02)
   first.send(signal.SIGSTOP)  # frozen where it is, then killed: a lost VM
   first.send(signal.SIGKILL)

@@ -220,14 +220,6 @@ def test_a_run_in_mlflow_equals_metrics_jsonl_and_joins_its_sweep(tmp_path, laun
   assert study.data.tags["study_storage"] == "sqlite:///study.db"
 
 
-def _alive(pid) -> bool:
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:  # ended (and reaped by the launcher's server)
-    return False
-  return True
-
-
 def test_mlflow_system_metrics_are_on_the_run_when_asked_for(tmp_path, launcher, mlflow_server,
                                                              mlflow_run):
   """mlflow.system_metrics=True: MLflow's own system/... metrics (CPU, memory) on the run,
@@ -266,9 +258,9 @@ def test_a_run_killed_and_resumed_shows_every_step_once(tmp_path, launcher, mlfl
            "--config.train.keep_best=0", "--config.train.trackers=mlflow,wandb",
            "--config.wandb.mode=offline", "--config.wandb.project=tiny", "--config.wandb.tags=a,b",
            *_mlflow_flags(mlflow_server, "killed")]
-  pid = launcher.start(*flags)
+  launcher.start(*flags)
   runs, shown, saved = [], -1, []
-  while _alive(pid) and not (shown >= 210 and 200 in saved):  # orbax finishes saves later
+  while launcher.running() and not (shown >= 210 and 200 in saved):  # orbax finishes saves later
     time.sleep(0.05)
     runs = runs or _runs(mlflow_server, "killed")
     if runs:
@@ -334,10 +326,10 @@ def test_a_tracker_away_mid_run_costs_one_warning_and_catches_up(tmp_path, launc
            *_mlflow_flags(f"http://127.0.0.1:{proxy.port}", "away")]
   # MLflow's own variable, honoured: no retry of a refused request (a warning at once).
   env = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"}
-  pid = launcher.start(*flags, "--config.train.steps=200", env=env)
+  launcher.start(*flags, "--config.train.steps=200", env=env)
   assert launcher.wait_for(lambda out: "step 20/200" in out)
   proxy.down()
-  while _alive(pid) and "warning: mlflow" not in launcher.output()[1]:
+  while launcher.running() and "warning: mlflow" not in launcher.output()[1]:
     time.sleep(0.02)
   proxy.up()
   code = launcher.wait()

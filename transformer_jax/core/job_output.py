@@ -23,7 +23,6 @@ import os
 import subprocess
 import sys
 import threading
-from typing import Callable, Optional
 
 # The exit code of a process that stops because another process of its job is gone: a fault,
 # not the user's error (2). When the runtime's poller aborts first, the exit is SIGABRT's.
@@ -199,17 +198,8 @@ def drop_gloo_lines() -> None:
 
   thread = threading.Thread(target=forward, name="stdout-without-gloo", daemon=True)
   thread.start()
-  _drains.append(_drain_once(real, thread))
-  atexit.register(_drains[-1])
-
-
-def _drain_once(real: int, thread: threading.Thread) -> Callable[[], None]:
-  done: list[Optional[bool]] = [None]
 
   def drain() -> None:
-    if done[0]:
-      return
-    done[0] = True
     try:
       sys.stdout.flush()
     except Exception:  # noqa: BLE001 - a closed stdout has nothing to flush
@@ -217,4 +207,7 @@ def _drain_once(real: int, thread: threading.Thread) -> Callable[[], None]:
     os.dup2(real, 1)  # the pipe's last writer in this process closed: the thread ends
     thread.join(timeout=5)
 
-  return drain
+  # Run at the interpreter's exit, or by `stop_for_lost_peer`, whose os._exit skips atexit:
+  # never both.
+  _drains.append(drain)
+  atexit.register(drain)
