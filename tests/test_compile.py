@@ -240,6 +240,29 @@ def test_compile_mode_refuses_in_one_line(flags, expected):
   assert expected in result.stderr
 
 
+def test_a_step_over_the_gpu_memory_is_refused_with_what_takes_it():
+  """Parameters and optimizer state over the part's HBM are refused before anything compiles
+  (the `does not fit` run above); a step that fits only without its temporaries compiles (the
+  GPU compiler leaves memory to the runtime) and is refused after, with each part's share."""
+  h100 = dict(CHIPS)["H100"]
+  mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:1]).reshape(1, 1, 1),
+                           ("data", "fsdp", "tensor"))
+  gib = 1 << 30
+  assert compile_lib.state_fit_error(h100, mesh, 20 * gib, 40 * gib, "GPU") is None
+  before = str(compile_lib.state_fit_error(h100, mesh, 30 * gib, 60 * gib, "GPU"))
+  assert before.startswith("the train step does not fit H100 HBM on mesh data 1 x fsdp 1 x "
+                           "tensor 1: its parameters (30.00 GiB) and optimizer state (60.00 GiB)"
+                           " alone take 90.00 GiB per GPU, 15.49 GiB over its 74.51 GiB"), before
+  assert "--config.mesh.fsdp" in before and "\n" not in before
+  train = {"total_bytes": 90 * gib, "params_bytes": 20 * gib, "optimizer_bytes": 40 * gib,
+           "temp_bytes": 30 * gib}
+  after = str(compile_lib.gpu_fit_error("the train step", h100, mesh, train))
+  assert after.startswith("the train step does not fit H100 HBM on mesh data 1 x fsdp 1 x "
+                          "tensor 1: it needs 90.00 GiB per GPU (parameters 20.00 GiB + "
+                          "optimizer 40.00 GiB + temporaries 30.00 GiB), 15.49 GiB over"), after
+  assert "--config.model.remat=full" in after and "\n" not in after
+
+
 def test_the_estimate_table_says_what_its_figures_are_and_the_measured_factor():
   """benchmarks/compile_table.py's rows: every figure named an estimate (a roofline bound on a
   GPU, XLA's cost model on a TPU), and beside a model a GPU window measured, its

@@ -403,12 +403,17 @@ def _state_bytes_per_chip(abstract_state) -> tuple[int, int]:
   return held(abstract_state.params), held(abstract_state.opt_state)
 
 
-def lower_train_step(config, model_config: ModelConfig, mesh) -> tuple:
-  """(the train step lowered on an abstract state and batch for `mesh`, the batch's Shapes,
-  the abstract state)."""
+def abstract_train_state(config, model_config: ModelConfig, mesh):
+  """The train state's shapes, dtypes and shardings on `mesh`, without any array."""
   optimizer = state_lib.make_optimizer(config.train, model_config.d_model)
+  return state_lib.abstract_state(model_config, optimizer, mesh)
+
+
+def lower_train_step(config, model_config: ModelConfig, mesh, state=None) -> tuple:
+  """(the train step lowered on an abstract state (`state`, or the config's) and batch for
+  `mesh`, the batch's Shapes, the abstract state)."""
   step = step_lib.make_train_step(model_config, config, mesh)
-  state = state_lib.abstract_state(model_config, optimizer, mesh)
+  state = state if state is not None else abstract_train_state(config, model_config, mesh)
   shapes = train_shapes(config, mesh)
   rows = sharding.batch_sharding(mesh)
   keys = ("inputs", "targets")
@@ -420,9 +425,30 @@ def lower_train_step(config, model_config: ModelConfig, mesh) -> tuple:
   return step.lower(state, batch, rng), shapes, state
 
 
-def compile_train_step(config, model_config: ModelConfig, mesh, spec) -> dict:
-  lowered, shapes, state = lower_train_step(config, model_config, mesh)
+def state_fit_error(spec, mesh, params_bytes: int, optimizer_bytes: int,
+                    unit: str) -> UserError | None:
+  """The refusal of a model whose parameters and optimizer state alone (the train step's
+  arguments, which it holds throughout) exceed the chip's HBM, or None: said before anything
+  is compiled, since no batch, remat or GEMM backend makes such a step fit."""
+  held = params_bytes + optimizer_bytes
+  if held <= spec.hbm_bytes:
+    return None
+  return UserError(
+      f"the train step does not fit {spec.name} HBM on mesh {sharding.describe_mesh(mesh)}: "
+      f"its parameters ({_gib(params_bytes)}) and optimizer state ({_gib(optimizer_bytes)}) "
+      f"alone take {_gib(held)} per {unit}, {_gib(held - spec.hbm_bytes)} over its "
+      f"{_gib(spec.hbm_bytes)}, before any activation; split them with --config.mesh.fsdp "
+      "(and --config.mesh.tensor), or compile a smaller model")
+
+
+def compile_train_step(config, model_config: ModelConfig, mesh, spec,
+                       unit: str = "chip") -> dict:
+  state = abstract_train_state(config, model_config, mesh)
   params_bytes, optimizer_bytes = _state_bytes_per_chip(state)
+  refusal = state_fit_error(spec, mesh, params_bytes, optimizer_bytes, unit)
+  if refusal is not None:
+    raise refusal
+  lowered, shapes, _ = lower_train_step(config, model_config, mesh, state)
   held = (f", where each chip holds parameters of {_gib(params_bytes)} and optimizer state of "
           f"{_gib(optimizer_bytes)}")
   start = time.perf_counter()
@@ -539,7 +565,7 @@ def run_compile(config) -> dict:
   gpus, devices = unit == "GPU", list(mesh.devices.flat)
   print(f"compiling for {name} ({len(devices)} x {spec.name}), mesh "
         f"{sharding.describe_mesh(mesh)}...", flush=True)
-  train = compile_train_step(config, model_config, mesh, spec)
+  train = compile_train_step(config, model_config, mesh, spec, unit)
   if gpus and not train["fits"]:
     raise gpu_fit_error("the train step", spec, mesh, train)
   decode_ = compile_decode_step(config, model_config, mesh, spec)
