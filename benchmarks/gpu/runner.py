@@ -649,9 +649,12 @@ def main(argv=None) -> int:
     return 2
 
   # One compilation cache for the suite, in OUTDIR: the waves write it (XLA's per-fusion
-  # autotune cache beside it), the timed cases read it, --resume on the same machine too.
+  # autotune cache beside it), the timed cases read it, --resume on the same machine too. Named
+  # by its real path: JAX's key for a program holds that autotune folder's path, so a suite
+  # that reaches the same cache by another path (a link, as the tests' dry runs share one)
+  # would miss every program in it.
   env = dict(os.environ, PYTHONUNBUFFERED="1",
-             TRANSFORMER_JAX_COMPILE_CACHE=str(outdir / "jax_cache"))
+             TRANSFORMER_JAX_COMPILE_CACHE=str((outdir / "jax_cache").resolve()))
   if args.dry_run:
     # CPU only, also on a GPU machine; the tiny steps compile in well under the cache's
     # threshold, so every program is stored.
