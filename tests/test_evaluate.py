@@ -28,7 +28,6 @@ from transformer_jax.tools import benchmark
 from transformer_jax.train import state as state_lib
 
 
-
 def tiny_config():
   return tiny.get_config()
 
