@@ -157,12 +157,18 @@ class Launcher:
   (W&B's temporary folders: the first run to end would take them from the others).
   """
 
-  def __init__(self, env: dict, directory, namespace: bool = False, preload=()):
+  def __init__(self, env: dict, directory, namespace: bool = False, preload=(),
+               server_stderr=None):
     self.directory = directory
     prefix = NAMESPACE if namespace else []
+    # server_stderr: a file for what the server itself prints on stderr (its imports: what a
+    # fresh `python launch.py` would print before its own output), instead of the test's stderr.
+    err = None if server_stderr is None else open(server_stderr, "w")
     self._server = subprocess.Popen([*prefix, sys.executable, "-c", SERVER, *preload], cwd=ROOT,
                                     env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                    text=True)
+                                    stderr=err, text=True)
+    if err is not None:
+      err.close()  # the server has its own copy
     self.namespace = namespace
     self._count = 0
     self.pid = None
