@@ -163,6 +163,7 @@ class Launcher:
     prefix = NAMESPACE if namespace else []
     # server_stderr: a file for what the server itself prints on stderr (its imports: what a
     # fresh `python launch.py` would print before its own output), instead of the test's stderr.
+    self.server_stderr = server_stderr
     err = None if server_stderr is None else open(server_stderr, "w")
     self._server = subprocess.Popen([*prefix, sys.executable, "-c", SERVER, *preload], cwd=ROOT,
                                     env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,

@@ -181,7 +181,6 @@ def newcomer(tmp_path_factory):
   from transformer_jax.train import trackers
   launcher = Launcher(env, str(directory), server_stderr=directory / "server.err",
                       preload=[*trackers.RUNS["mlflow"][1], f"{trackers.__name__}.mlflow"])
-  launcher.server_stderr = directory / "server.err"
   yield launcher
   launcher.close()
 
@@ -233,7 +232,7 @@ def test_every_documented_command(tmp_path, newcomer):
     assert code == 0, (line, err[-2000:])
     assert out.strip(), line
     assert err == "", (line, err[-2000:])
-  assert newcomer.server_stderr.read_text() == ""  # nor while importing the library
+  assert pathlib.Path(newcomer.server_stderr).read_text() == ""  # nor while importing
   tensorboard = next(c for _, c in others if c.startswith(".venv/bin/tensorboard"))
   logdir = tmp_path / "tb"
   from transformer_jax.train import logger
