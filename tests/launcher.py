@@ -29,8 +29,7 @@ for name in preload:  # more modules the runs import
   importlib.import_module(name)
 
 def child(command):
-  null = os.open(os.devnull, os.O_RDONLY)
-  os.dup2(null, 0)
+  os.dup2(os.open(command.get("stdin") or os.devnull, os.O_RDONLY), 0)
   for fd, path in ((1, command["stdout"]), (2, command["stderr"])):
     os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644), fd)
   if command.get("cwd"):
@@ -158,29 +157,38 @@ class Launcher:
   (W&B's temporary folders: the first run to end would take them from the others).
   """
 
-  def __init__(self, env: dict, directory, namespace: bool = False, preload=()):
+  def __init__(self, env: dict, directory, namespace: bool = False, preload=(),
+               server_stderr=None):
     self.directory = directory
     prefix = NAMESPACE if namespace else []
+    # server_stderr: a file for what the server itself prints on stderr (its imports: what a
+    # fresh `python launch.py` would print before its own output), instead of the test's stderr.
+    self.server_stderr = server_stderr
+    err = None if server_stderr is None else open(server_stderr, "w")
     self._server = subprocess.Popen([*prefix, sys.executable, "-c", SERVER, *preload], cwd=ROOT,
                                     env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                    text=True)
+                                    stderr=err, text=True)
+    if err is not None:
+      err.close()  # the server has its own copy
     self.namespace = namespace
     self._count = 0
     self.pid = None
     self.stdout = self.stderr = None
 
-  def start(self, *flags, user=None, stdout=None, env=None, cwd=None) -> int:
+  def start(self, *flags, user=None, stdout=None, env=None, cwd=None, stdin=None) -> int:
     """Starts `launch.py FLAGS`; `user`: a uid to run it as (when the tests run as root);
     `stdout`: a file for its stdout (as the run sees it), instead of one of the launcher's;
     `env`: variables added to the launcher's environment for this run; `cwd`: the directory it
-    runs in (by default the checkout's root)."""
+    runs in (by default the checkout's root); `stdin`: a file it reads as its stdin (by default
+    it reads /dev/null)."""
     self._count += 1
     self.stdout = stdout or os.path.join(self.directory, f"launch{self._count}.out")
     self.stderr = os.path.join(self.directory, f"launch{self._count}.err")
     for path in (self.stdout, self.stderr)[0 if stdout is None else 1:]:
       open(path, "w").close()
     command = {"flags": list(flags), "stdout": self.stdout, "stderr": self.stderr, "user": user,
-               "env": env, "cwd": None if cwd is None else str(cwd)}
+               "env": env, "cwd": None if cwd is None else str(cwd),
+               "stdin": None if stdin is None else str(stdin)}
     self._server.stdin.write(json.dumps(command) + "\n")
     self._server.stdin.flush()
     self.pid = json.loads(self._server.stdout.readline())["pid"]
@@ -231,9 +239,9 @@ class Launcher:
       time.sleep(0.02)
     raise TimeoutError(f"launch.py did not get there in {timeout} s:\n{self.output()}")
 
-  def run(self, *flags, user=None, stdout=None, env=None, cwd=None) -> tuple:
+  def run(self, *flags, user=None, stdout=None, env=None, cwd=None, stdin=None) -> tuple:
     """(exit code, stdout, stderr) of `launch.py FLAGS`."""
-    self.start(*flags, user=user, stdout=stdout, env=env, cwd=cwd)
+    self.start(*flags, user=user, stdout=stdout, env=env, cwd=cwd, stdin=stdin)
     code = self.wait()
     return (code, *self.output())
 

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 
+import pytest
 from launcher import QUICK_COMPILE, Launcher, environment
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -166,7 +167,25 @@ def launch_command(line: str):
   return None
 
 
-def test_every_documented_command(tmp_path):
+@pytest.fixture(scope="module")
+def newcomer(tmp_path_factory):
+  """launch.py as a newcomer runs it: without JAX_PLATFORMS, with the session's compilation
+  cache (make demo's training and the README's are the same program, compiled with LLVM's
+  optimisations off: nothing here is timed or compared with a reference). Each command runs as
+  `python launch.py ...` does, in a process forked from one that has imported the library once
+  (launcher.py), MLflow's client too (two of the README's runs log to MLflow); what that import
+  prints on stderr is in `newcomer.server_stderr`."""
+  directory = tmp_path_factory.mktemp("newcomer")
+  env = {k: v for k, v in dict(environment(), XLA_FLAGS=QUICK_COMPILE).items()
+         if k != "JAX_PLATFORMS"}
+  from transformer_jax.train import trackers
+  launcher = Launcher(env, str(directory), server_stderr=directory / "server.err",
+                      preload=[*trackers.RUNS["mlflow"][1], f"{trackers.__name__}.mlflow"])
+  yield launcher
+  launcher.close()
+
+
+def test_every_documented_command(tmp_path, newcomer):
   launches, others = [], []
   for name, line in commands():
     launch = launch_command(line)
@@ -206,13 +225,14 @@ def test_every_documented_command(tmp_path):
   # (the CUDA plugin installed, no GPU): nothing on stderr (no plugin's traceback).
   run = [next(x for x in launches if modes[x] == "describe"),
          next(x for x in launches if modes[x] == "export" and seen[x][1] == "scan")]
-  plain = {k: v for k, v in env.items() if k != "JAX_PLATFORMS"}
   for line in run:
-    result = subprocess.run([sys.executable, *line.split()], cwd=ROOT, env=plain,
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, (line, result.stderr[-2000:])
-    assert result.stdout.strip(), line
-    assert result.stderr == "", (line, result.stderr[-2000:])
+    words = line.split()
+    assert words[0] == "launch.py", line
+    code, out, err = newcomer.run(*words[1:])
+    assert code == 0, (line, err[-2000:])
+    assert out.strip(), line
+    assert err == "", (line, err[-2000:])
+  assert pathlib.Path(newcomer.server_stderr).read_text() == ""  # nor while importing
   tensorboard = next(c for _, c in others if c.startswith(".venv/bin/tensorboard"))
   logdir = tmp_path / "tb"
   from transformer_jax.train import logger
@@ -236,15 +256,20 @@ def test_every_sweep_recipe_of_the_cloud_doc_runs_as_written(tmp_path):
     words = json.loads(" ".join(listed.split()))
     sweeps.append(shlex.join(words[words.index("launch.py"):]))
   assert len(sweeps) >= 4, sweeps  # SLURM, TPU VMs, a multi-host slice, GKE
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  for i, line in enumerate(sweeps):
-    args = [re.sub(r"^--workdir=\S+", f"--workdir={tmp_path / str(i)}", a)
-            for a in shlex.split(line)[1:]]
-    result = subprocess.run([sys.executable, "launch.py", *args, "--sweep_dry_run"], cwd=ROOT,
-                            env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0 and result.stderr == "", (line, result.stderr[-2000:])
-    assert "search space:" in result.stdout and "pruner: " in result.stdout, result.stdout
-    assert not (tmp_path / str(i)).exists()  # a dry run writes nothing
+  # Each as `python launch.py ...` runs, forked from one process that imported the library once
+  # (launcher.py); what that import prints on stderr is checked too.
+  launcher = Launcher(environment(), str(tmp_path), server_stderr=tmp_path / "server.err")
+  try:
+    for i, line in enumerate(sweeps):
+      args = [re.sub(r"^--workdir=\S+", f"--workdir={tmp_path / str(i)}", a)
+              for a in shlex.split(line)[1:]]
+      code, out, err = launcher.run(*args, "--sweep_dry_run")
+      assert code == 0 and err == "", (line, err[-2000:])
+      assert "search space:" in out and "pruner: " in out, out
+      assert not (tmp_path / str(i)).exists()  # a dry run writes nothing
+  finally:
+    launcher.close()
+  assert (tmp_path / "server.err").read_text() == ""
 
 
 # Appended to the README's SCAN walkthrough so that it runs in seconds: a one-layer model, two
@@ -256,7 +281,7 @@ TINY = ["--config.model.d_model=32", "--config.model.d_ff=64", "--config.model.n
         "--config.eval.max_examples=8"]
 
 
-def test_the_readme_walkthrough_runs_end_to_end_with_tiny_overrides(tmp_path):
+def test_the_readme_walkthrough_runs_end_to_end_with_tiny_overrides(tmp_path, newcomer):
   """The README's SCAN commands run in its order (make demo's own command first), each on the
   workdirs the earlier ones left, from a directory that holds only launch.py and experiments/.
   (The installed `transformer-jax` command trains by path and works by name in test_install.)"""
@@ -270,29 +295,20 @@ def test_the_readme_walkthrough_runs_end_to_end_with_tiny_overrides(tmp_path):
   checkout.mkdir()
   for entry in ("launch.py", "experiments"):
     (checkout / entry).symlink_to(ROOT / entry)
-  # The session's compilation cache: make demo's training and the README's are the same program,
-  # compiled with LLVM's optimisations off (nothing here is timed or compared with a reference).
-  # Each command runs as `python launch.py ...` does, in a process forked from one that has
-  # imported the library once (launcher.py).
   # Without JAX_PLATFORMS, as a newcomer runs them (see test_every_documented_command).
-  env = {k: v for k, v in dict(environment(), XLA_FLAGS=QUICK_COMPILE).items()
-         if k != "JAX_PLATFORMS"}
-  launcher = Launcher(env, str(tmp_path))
-  try:
-    for line in walk:
-      words = shlex.split(line.split(" | ")[0])
-      assert words[0].endswith("python") and words[1] == "launch.py", line
-      launcher.start(*words[2:], *TINY, cwd=checkout)
-      try:
-        launcher.wait_for(lambda _: False, timeout=300)  # until it ends
-      except TimeoutError:
-        launcher.send(signal.SIGKILL)
-        raise
-      code, (out, err) = launcher.wait(), launcher.output()
-      assert code == 0, (line, out[-1500:], err[-1500:])
-      assert "Traceback" not in err and "cuDNN" not in err, (line, err[-3000:])
-  finally:
-    launcher.close()
+  launcher = newcomer
+  for line in walk:
+    words = shlex.split(line.split(" | ")[0])
+    assert words[0].endswith("python") and words[1] == "launch.py", line
+    launcher.start(*words[2:], *TINY, cwd=checkout)
+    try:
+      launcher.wait_for(lambda _: False, timeout=300)  # until it ends
+    except TimeoutError:
+      launcher.send(signal.SIGKILL)
+      raise
+    code, (out, err) = launcher.wait(), launcher.output()
+    assert code == 0, (line, out[-1500:], err[-1500:])
+    assert "Traceback" not in err and "cuDNN" not in err, (line, err[-3000:])
   scan = checkout / "runs" / "scan"
   assert list((scan / "eval").glob("2.test.greedy.limit8.json")), list((scan / "eval").iterdir())
   plots = {p.name for p in (checkout / "runs" / "scan_simple" / "plots").iterdir()}
