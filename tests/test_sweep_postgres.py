@@ -73,12 +73,12 @@ def _ended(launcher) -> tuple:
   return code, out + err
 
 
-def _until_trained(launcher, trial, steps: int = 1) -> None:
-  """Waits until the run on `launcher` has logged `steps` train steps in the trial directory
-  `trial` (its train step compiled), or has ended."""
+def _until_evaluated(launcher, trial) -> None:
+  """Waits until the run on `launcher` has logged an evaluation of the trial directory `trial`
+  (its train step and its evaluation's programs compiled), or has ended."""
   metrics, deadline = trial / "metrics.jsonl", time.time() + 300
   while time.time() < deadline and launcher.running():
-    if metrics.exists() and metrics.read_text().count('"split": "train"') >= steps:
+    if metrics.exists() and '"split": "eval"' in metrics.read_text():
       return
     time.sleep(0.05)
 
@@ -92,11 +92,11 @@ def test_three_workers_share_a_twelve_trial_study_each_trial_once(tmp_path, db, 
   experiment = tmp_path / "twelve.py"
   experiment.write_text(TWELVE)
   workdir = tmp_path / "sweep"
-  # The second and third worker start once the first has trained trial_0000's first step: its
-  # train step is compiled then, and in the session's compilation cache, which they read instead
-  # of compiling the same program at the same time (the file's first sweep: the cache is cold).
+  # The second and third worker start once the first has evaluated trial_0000: its programs
+  # are compiled then, and in the session's compilation cache, which they read instead of
+  # compiling the same programs at the same time (the file's first sweep: the cache is cold).
   workers = [_worker(launchers[0], experiment, workdir, db.url, *FAST)]
-  _until_trained(workers[0], workdir / "trial_0000")
+  _until_evaluated(workers[0], workdir / "trial_0000")
   workers += [_worker(launcher, experiment, workdir, db.url, *FAST) for launcher in launchers[1:]]
   codes, outputs = zip(*map(_ended, workers))
   assert list(codes) == [0, 0, 0], outputs
