@@ -3,6 +3,7 @@ Transformer (with `encode` / `decode`), DecoderOnly and EncoderOnly; sizes and `
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import flax.linen as nn
@@ -595,9 +596,16 @@ def count_params(params) -> dict:
   return {"total": total, "embedding": embedding, "non_embedding": total - embedding}
 
 
+@functools.lru_cache(maxsize=8)
+def _counts(config: ModelConfig) -> tuple:
+  """count_params of the model's parameters, as (key, value) pairs, traced once per process
+  (a training run describes its model twice, a sweep worker for every trial)."""
+  return tuple(count_params(param_shapes(config)).items())
+
+
 def describe(config: ModelConfig) -> str:
   """A short human-readable summary: the config and parameter counts."""
-  counts = count_params(param_shapes(config))
+  counts = dict(_counts(config))
   c = config
   stacks = {"encoder_decoder": f"encoder-decoder, {c.num_encoder_layers}+{c.num_decoder_layers} "
                                "layers",

@@ -197,16 +197,42 @@ def state_shardings(model_config: ModelConfig, optimizer, mesh) -> TrainState:
   """Where each array of the train state lives on `mesh` (a TrainState of NamedShardings):
   parameters and their optimizer state by their logical axes (`sharding.RULES`), scalars
   replicated."""
-  boxed = jax.eval_shape(lambda: _create_boxed_state(model_config, optimizer, 0))
-  return sharding.logical_shardings(boxed, mesh)
+  return _abstract(model_config, optimizer, mesh)[1]
 
 
 def abstract_state(model_config: ModelConfig, optimizer, mesh) -> TrainState:
   """ShapeDtypeStructs of the train state with their shardings on `mesh`: the target that a
   checkpoint is restored into (from whatever mesh it was saved on)."""
-  shapes = jax.eval_shape(lambda: create_state(model_config, optimizer, 0))
-  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes,
-                      state_shardings(model_config, optimizer, mesh))
+  return _abstract(model_config, optimizer, mesh)[0]
+
+
+_ABSTRACT: dict = {}  # the latest few, as _INITIALISERS
+
+
+def _abstract(model_config: ModelConfig, optimizer, mesh) -> tuple:
+  """(abstract_state, state_shardings) of one model and optimizer kind on one mesh, traced once
+  per process: a run asks for them three times, and a sweep worker's every trial again (each
+  trace of the model's initialiser costs a tenth of a second even for the tiny model). Keyed
+  as _initialiser is: the state's shapes, dtypes and axes depend on the model and on the
+  optimizer's structure, not on its settings."""
+  key = _state_key(model_config, optimizer, mesh)
+  if key not in _ABSTRACT:
+    boxed = jax.eval_shape(lambda: _create_boxed_state(model_config, optimizer, 0))
+    shardings = sharding.logical_shardings(boxed, mesh)
+    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                            nn.unbox(boxed), shardings)
+    _ABSTRACT[key] = (abstract, shardings)
+    while len(_ABSTRACT) > 8:
+      del _ABSTRACT[next(iter(_ABSTRACT))]  # the oldest (dicts keep insertion order)
+  return _ABSTRACT[key]
+
+
+def _state_key(model_config: ModelConfig, optimizer, mesh) -> tuple:
+  """What the train state's shapes and shardings depend on: the model, the structure of the
+  optimizer's state (read off a one-parameter tree) and the mesh."""
+  structure = jax.tree.structure(jax.eval_shape(
+      optimizer.init, {"x": jax.ShapeDtypeStruct((1,), jnp.float32)}))
+  return (model_config, str(structure), mesh)
 
 
 def init_state(model_config: ModelConfig, optimizer, seed: int, mesh) -> TrainState:
@@ -224,9 +250,7 @@ def _initialiser(model_config: ModelConfig, optimizer, mesh):
   worker's trials): the same function object, so JAX traces and compiles it once. The
   settings of `optimizer` (one of `optimizer()`'s) do not enter its initial state (zeros and
   counts): keyed by that state's structure, read off a one-parameter tree."""
-  structure = jax.tree.structure(jax.eval_shape(
-      optimizer.init, {"x": jax.ShapeDtypeStruct((1,), jnp.float32)}))
-  key = (model_config, str(structure), mesh)
+  key = _state_key(model_config, optimizer, mesh)
   if key not in _INITIALISERS:
     shardings = state_shardings(model_config, optimizer, mesh)
     _INITIALISERS[key] = jax.jit(lambda rng: create_state(model_config, optimizer, rng),

@@ -118,8 +118,9 @@ def rows(study, metric: str) -> list[dict]:
       row.update({f"{part}_{m}": got.get(m, "") for m in shown[part]})
     row.update({"best_step": a.get("sweep_best_step", ""), "retries": len(tries) - 1,
                 "wall_time_s": _wall_s(tries),
-                # set-up and first step (compile or cache); "cache": what answered it
-                "startup_s": round((a.get("sweep_startup") or {}).get("startup_s", 0.0), 1)
+                # set-up and first step (compile or cache), to a hundredth of a second (a
+                # worker's later trials start in a few); "cache": what answered it
+                "startup_s": round((a.get("sweep_startup") or {}).get("startup_s", 0.0), 2)
                 if a.get("sweep_startup") else "",
                 "cache": (a.get("sweep_startup") or {}).get("cache", ""),
                 "get_sweep": "" if a.get("sweep_index") is None else a["sweep_index"]})
