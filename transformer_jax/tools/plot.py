@@ -254,6 +254,13 @@ def text_room(model_config, max_length: int, task: str) -> int:
   return model_config.max_len - max_length - (0 if task == "lm" else 2)
 
 
+def _apply(model, params, *inputs):
+  """model.apply with the attention weights kept, as one compiled program (op by op, each of
+  its hundred-odd operations compiles a program of its own)."""
+  return jax.jit(lambda p, *x: model.apply({"params": p}, *x, mutable=["intermediates"]))(
+      params, *inputs)
+
+
 def attention_maps(params, model_config, tokenizer, text: str, max_length: int, task: str =
                    "seq2seq"):
   """Attention weights of every layer and head for one input and what the model makes of it.
@@ -274,7 +281,7 @@ def attention_maps(params, model_config, tokenizer, text: str, max_length: int, 
   ids = ids[max(len(ids) - room, 0):] if cfg.arch == "decoder_only" and task == "lm" else ids[:room]
   if cfg.arch == "encoder_only":
     source = jnp.asarray([ids + [EOS_ID]], jnp.int32)
-    _, state = model.apply({"params": params}, source, mutable=["intermediates"])
+    _, state = _apply(model, params, source)
     pieces = _pieces(tokenizer, source[0])
     maps = {"encoder_self_attention": _stacked(jax.device_get(state["intermediates"]),
                                                "encoder", cfg.num_encoder_layers,
@@ -292,7 +299,7 @@ def attention_maps(params, model_config, tokenizer, text: str, max_length: int, 
     prompt = decode.seq2seq_prompt(source) if cfg.arch == "decoder_only" else source
     output = _greedy_output(params, cfg, prompt, max_length)
     decoder_inputs = shift_right(jnp.asarray(output[None], jnp.int32))  # no padding up to EOS
-  _, state = model.apply({"params": params}, source, decoder_inputs, mutable=["intermediates"])
+  _, state = _apply(model, params, source, decoder_inputs)
   inter = jax.device_get(state["intermediates"])
   source_pieces = _pieces(tokenizer, source[0])
   target_pieces = _pieces(tokenizer, decoder_inputs[0])
