@@ -41,9 +41,10 @@ _NAMES = ("ClientConnectorError", "ClientConnectorDNSError", "ServerDisconnected
           "ClientOSError", "ServerTimeoutError", "EndpointConnectionError", "ConnectTimeoutError",
           "ReadTimeoutError", "ConnectionClosedError", "FSTimeoutError", "TimeoutError",
           "ConnectionError", "ConnectionRefusedError", "ConnectionResetError",
-          "BrokenPipeError", "RemoteDisconnected", "IncompleteRead")
+          "BrokenPipeError", "RemoteDisconnected", "IncompleteRead", "ClientConnectionResetError")
 _TEXT = re.compile(r"Cannot connect to host|Connect call failed|Connection refused|"
                    r"Server disconnected|Connection reset|Connection aborted|timed out|"
+                   r"Cannot write to closing transport|"
                    r"Could not connect to the endpoint|UNAVAILABLE|DEADLINE_EXCEEDED|"
                    r"\b(?:429|500|502|503|504) (?:Too Many|Internal|Bad Gateway|Service|Gateway)|"
                    r"Service Unavailable|SlowDown|RequestTimeout|"

@@ -343,11 +343,15 @@ _FILTER = _WriteFailureFilter()
 
 
 def _abandoned_tensorstore_write(record: logging.LogRecord, exception) -> bool:
-  """asyncio's "Future exception was never retrieved" for a tensorstore write of a save that
-  failed: logged whenever the future is collected, so that without this a refused save printed
-  one line or several, by chance."""
-  return (record.name == "asyncio" and "never retrieved" in record.getMessage()
-          and "tensorstore_spec" in f"{record.getMessage()} {exception}")
+  """asyncio's "Future (or Task) exception was never retrieved" for a write of a save that
+  failed: a tensorstore write, or an aiohttp request the store cut ("Cannot write to closing
+  transport"). Logged whenever the future is collected, also after the run has disarmed its
+  outage handling, so that without this a refused or cut save printed one line or several, by
+  chance."""
+  if record.name != "asyncio" or "never retrieved" not in record.getMessage():
+    return False
+  return ("tensorstore_spec" in f"{record.getMessage()} {exception}"
+          or exception is not None and outage.unreachable(exception))
 
 
 def _drop_write_failure_noise(previous):
