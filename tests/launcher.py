@@ -27,11 +27,6 @@ from transformer_jax.tools import sweep
 from transformer_jax.eval import evaluate, translate
 for name in preload:  # more modules the runs import
   importlib.import_module(name)
-# JAX's discovery of its plugins (the entry points, the CUDA plugin's libraries loaded), which
-# each run would repeat when it first asks for a backend (about 30 ms of CPU): done once here.
-# It starts no thread and no backend (the runs start theirs), and reads no variable a run sets.
-from jax._src import xla_bridge
-getattr(xla_bridge, "_discover_and_register_pjrt_plugins", lambda: None)()
 
 def child(command):
   os.dup2(os.open(command.get("stdin") or os.devnull, os.O_RDONLY), 0)
