@@ -31,7 +31,7 @@ platforms.cpu_only_unless_accelerated()  # before JAX starts: no TPU runtime war
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {QUICK_COMPILE}".strip()
 
 
-# The order in which pytest-xdist's workers take the files (`-n 2 --dist loadfile`: Makefile's
+# The order in which pytest-xdist's workers take the files (`-n 3 --dist loadfile`: Makefile's
 # TEST_JOBS): the most expensive first, so that the run does not end with one worker busy on a
 # long file while the others wait. The seconds of each file (setup, call and teardown of its
 # tests, summed) are measured, not written by hand: file_costs.json beside this file holds
