@@ -330,7 +330,7 @@ class _WriteFailureFilter(logging.Filter):
   def filter(self, record: logging.LogRecord) -> bool:
     exception = record.exc_info[1] if record.exc_info else None
     if self.bucket_saves and record.levelno >= logging.ERROR and (
-        "orbax" in record.pathname or _abandoned_tensorstore_write(record, exception)):
+        "orbax" in record.pathname or _abandoned_write(record, exception)):
       return False  # a save the store refused or cut: Manager raises it in one line
     if outage.armed() and (outage.unreachable(Exception(record.getMessage()))
                            or exception is not None and outage.unreachable(exception)
@@ -342,7 +342,7 @@ class _WriteFailureFilter(logging.Filter):
 _FILTER = _WriteFailureFilter()
 
 
-def _abandoned_tensorstore_write(record: logging.LogRecord, exception) -> bool:
+def _abandoned_write(record: logging.LogRecord, exception) -> bool:
   """asyncio's "Future (or Task) exception was never retrieved" for a write of a save that
   failed: a tensorstore write, or an aiohttp request the store cut ("Cannot write to closing
   transport"). Logged whenever the future is collected, also after the run has disarmed its

@@ -197,64 +197,44 @@ def state_shardings(model_config: ModelConfig, optimizer, mesh) -> TrainState:
   """Where each array of the train state lives on `mesh` (a TrainState of NamedShardings):
   parameters and their optimizer state by their logical axes (`sharding.RULES`), scalars
   replicated."""
-  return _abstract(model_config, optimizer, mesh)[1]
+  return _kept(model_config, optimizer, mesh)[1]
 
 
 def abstract_state(model_config: ModelConfig, optimizer, mesh) -> TrainState:
   """ShapeDtypeStructs of the train state with their shardings on `mesh`: the target that a
   checkpoint is restored into (from whatever mesh it was saved on)."""
-  return _abstract(model_config, optimizer, mesh)[0]
-
-
-_ABSTRACT: dict = {}  # the latest few, as _INITIALISERS
-
-
-def _abstract(model_config: ModelConfig, optimizer, mesh) -> tuple:
-  """(abstract_state, state_shardings) of one model and optimizer kind on one mesh, traced once
-  per process: a run asks for them three times, and a sweep worker's every trial again (each
-  trace of the model's initialiser costs a tenth of a second even for the tiny model). Keyed
-  as _initialiser is: the state's shapes, dtypes and axes depend on the model and on the
-  optimizer's structure, not on its settings."""
-  key = _state_key(model_config, optimizer, mesh)
-  if key not in _ABSTRACT:
-    boxed = jax.eval_shape(lambda: _create_boxed_state(model_config, optimizer, 0))
-    shardings = sharding.logical_shardings(boxed, mesh)
-    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                            nn.unbox(boxed), shardings)
-    _ABSTRACT[key] = (abstract, shardings)
-    while len(_ABSTRACT) > 8:
-      del _ABSTRACT[next(iter(_ABSTRACT))]  # the oldest (dicts keep insertion order)
-  return _ABSTRACT[key]
-
-
-def _state_key(model_config: ModelConfig, optimizer, mesh) -> tuple:
-  """What the train state's shapes and shardings depend on: the model, the structure of the
-  optimizer's state (read off a one-parameter tree) and the mesh."""
-  structure = jax.tree.structure(jax.eval_shape(
-      optimizer.init, {"x": jax.ShapeDtypeStruct((1,), jnp.float32)}))
-  return (model_config, str(structure), mesh)
+  return _kept(model_config, optimizer, mesh)[0]
 
 
 def init_state(model_config: ModelConfig, optimizer, seed: int, mesh) -> TrainState:
   """The initial state, created in place on `mesh`: each device computes only its shards (one
   compiled initialiser, not hundreds of op-by-op dispatches). The seed is the initialiser's
   input: runs that differ in it share the compiled program."""
-  return _initialiser(model_config, optimizer, mesh)(jax.random.PRNGKey(seed))
+  return _kept(model_config, optimizer, mesh)[2](jax.random.PRNGKey(seed))
 
 
-_INITIALISERS: dict = {}  # the latest few, as train/step.py keeps its steps
+_KEPT: dict = {}  # the latest few, as train/step.py keeps its steps
 
 
-def _initialiser(model_config: ModelConfig, optimizer, mesh):
-  """The jitted initialiser of one model on one mesh, kept for the process's later runs (a sweep
-  worker's trials): the same function object, so JAX traces and compiles it once. The
-  settings of `optimizer` (one of `optimizer()`'s) do not enter its initial state (zeros and
-  counts): keyed by that state's structure, read off a one-parameter tree."""
-  key = _state_key(model_config, optimizer, mesh)
-  if key not in _INITIALISERS:
-    shardings = state_shardings(model_config, optimizer, mesh)
-    _INITIALISERS[key] = jax.jit(lambda rng: create_state(model_config, optimizer, rng),
-                                 out_shardings=shardings)
-    while len(_INITIALISERS) > 8:
-      del _INITIALISERS[next(iter(_INITIALISERS))]  # the oldest (dicts keep insertion order)
-  return _INITIALISERS[key]
+def _kept(model_config: ModelConfig, optimizer, mesh) -> tuple:
+  """(abstract_state, state_shardings, the jitted initialiser) of one model and optimizer kind
+  on one mesh, kept for the process's later asks: a run asks three times, a sweep worker's
+  every trial again (each trace of the model's initialiser costs a tenth of a second even for
+  the tiny model), and the same initialiser object is traced and compiled once. The settings
+  of `optimizer` (one of `optimizer()`'s) do not enter the state's shapes, axes or initial
+  values (zeros and counts): keyed by the model, the mesh and the structure of the optimizer's
+  state, read off a one-parameter tree."""
+  structure = jax.tree.structure(jax.eval_shape(
+      optimizer.init, {"x": jax.ShapeDtypeStruct((1,), jnp.float32)}))
+  key = (model_config, str(structure), mesh)
+  if key not in _KEPT:
+    boxed = jax.eval_shape(lambda: _create_boxed_state(model_config, optimizer, 0))
+    shardings = sharding.logical_shardings(boxed, mesh)
+    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                            nn.unbox(boxed), shardings)
+    initialiser = jax.jit(lambda rng: create_state(model_config, optimizer, rng),
+                          out_shardings=shardings)
+    _KEPT[key] = (abstract, shardings, initialiser)
+    while len(_KEPT) > 8:
+      del _KEPT[next(iter(_KEPT))]  # the oldest (dicts keep insertion order)
+  return _KEPT[key]
