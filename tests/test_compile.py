@@ -190,6 +190,10 @@ def test_compile_mode_reports_for_one_h100():
   result = gpu_launch("--config.compile.topology=h100")
   report, text = report_of(result)
   assert result.stderr == ""  # no CUDA driver warnings on a machine without a GPU
+  # Nothing it compiled went into the persistent cache the run was given (the session's): a
+  # program for a GPU this machine lacks could not be loaded by the next run, which would warn.
+  # (Its decoding program, `one_position`, is compiled by --mode=compile alone.)
+  assert not list(pathlib.Path(os.environ["JAX_COMPILATION_CACHE_DIR"]).glob("*one_position*"))
   assert "not autotuned" in text and "NVLink and network transfers not counted" in text
   assert "memory per GPU" in text and "fits" in text and "989 TFLOP/s" in text
   assert report["platform"] == "gpu" and report["chips"] == 1 and report["chip"] == "H100"
