@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -447,3 +448,27 @@ def test_past_the_outage_bound_a_worker_stops_in_one_line_naming_the_checkpoint(
   line = str(worker._lost(patient.outage, {"directory": str(directory)}))
   assert str(directory / "checkpoints" / "20") in line and "did not answer for 2 s" in line
   assert postgres.PASSWORD not in line
+
+
+def test_a_check_for_stale_trials_that_waited_out_an_outage_finds_none(tmp_path, db, capfd):
+  """Asked while the database is away, the check is answered once it is back, when the running
+  trial's last heartbeat is older than the grace period: no heartbeat could reach the database
+  meanwhile, so it finds no stale trial. (Once a waiting worker failed the two running trials of
+  the test above this way, and their workers ended in a traceback.) Past the grace, a trial
+  whose heartbeats stopped is stale as before."""
+  st = store.open_storage(db.url, str(tmp_path), 1, 0)  # a heartbeat a second, stale after 3 s
+  patient = store.ride_out(st.storage, st.url, 60, grace_s=3)
+  study = optuna.create_study(study_name="stale", storage=patient)
+  trial = study.ask()
+  patient.record_heartbeat(trial._trial_id)
+  postgres.pg_ctl(db, "stop", "-m", "fast")
+  restart = threading.Timer(4.0, postgres.pg_ctl, (db, "start"))
+  restart.start()
+  try:
+    assert patient._get_stale_trial_ids(study._study_id) == []
+  finally:
+    restart.join()
+  time.sleep(3.2)  # the grace after the outage, and no heartbeat since
+  assert patient._get_stale_trial_ids(study._study_id) == [trial._trial_id]
+  err = capfd.readouterr().err
+  assert err.count("is unreachable") == 1 and err.count("is back after") == 1, err

@@ -314,10 +314,18 @@ def ride_out(rdb, url: str, seconds: float, grace_s: float):
 
   namespace["set_trial_state_values"] = set_trial_state_values
 
+  def in_grace() -> bool:
+    return outage.since is not None or time.time() - outage.ended < grace_s
+
   def _get_stale_trial_ids(self, study_id):
-    if outage.since is not None or time.time() - outage.ended < grace_s:
+    if in_grace():
       return []
-    return outage.call(inner._get_stale_trial_ids, study_id)
+    stale = outage.call(inner._get_stale_trial_ids, study_id)
+    # A check that began before the database went away waited the outage out and was answered
+    # the moment it came back, when every running trial's last heartbeat is as old as the
+    # outage: the grace holds for it too (else it failed the trials of workers that rode the
+    # outage out, which then ended in a traceback: "Cannot tell a FAIL trial").
+    return [] if in_grace() else stale
 
   namespace["_get_stale_trial_ids"] = _get_stale_trial_ids
   namespace["record_heartbeat"] = lambda self, trial_id: outage.heartbeat(
