@@ -182,7 +182,13 @@ def _benchmark(config, workdir):
 
 
 def _compile(config, workdir):
+  from transformer_jax.core import compilation
   from transformer_jax.tools import compile as compile_lib
+  # Its programs are for chips this process has none of: JAX's persistent cache (one that
+  # JAX_COMPILATION_CACHE_DIR names) would store them, and the next --mode=compile would fail
+  # to load them (a program compiled without a device cannot be loaded without one), printing
+  # JAX's warning for each before compiling anew. This process keeps none.
+  compilation.configure("off")
   compile_lib.run_compile(config)
 
 

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer_jax import config as config_lib
-from transformer_jax.core import compilation, platforms
+from transformer_jax.core import platforms
 from transformer_jax.core.errors import UserError
 from transformer_jax.data import tasks
 from transformer_jax.eval import decode
@@ -561,11 +561,6 @@ def target(config) -> tuple:
 def run_compile(config) -> dict:
   """Everything `--mode=compile` prints; the last stdout line is one JSON object."""
   name = config.compile.topology
-  # Its programs are for chips this process has none of: JAX's persistent cache (one that
-  # JAX_COMPILATION_CACHE_DIR names) would store them, and the next --mode=compile would fail
-  # to load them (a program compiled without a device cannot be loaded without one), printing
-  # JAX's warning for each before compiling anew. Nothing here is kept.
-  compilation.configure("off")
   model_config, mesh, spec, unit = target(config)
   gpus, devices = unit == "GPU", list(mesh.devices.flat)
   print(f"compiling for {name} ({len(devices)} x {spec.name}), mesh "
