@@ -61,6 +61,18 @@ for line in sys.stdin:
 """
 
 
+# `python -c SCRIPT_RUNNER SCRIPT ARGS...` runs a test's Python script as `python -c SCRIPT ARGS...`
+# would (sys.argv[1:] are ARGS), from core/datastack.py's roomy frame, as launched runs are.
+SCRIPT_RUNNER = ("import sys; from transformer_jax.core import datastack; "
+                 "script = sys.argv.pop(1); code = compile(script, '<script>', 'exec'); "
+                 "datastack.call(exec, code, {'__name__': '__main__'})")
+
+
+def script_command(script: str, *args) -> list:
+  """The command line that runs the Python source `script` with `args` (SCRIPT_RUNNER)."""
+  return [sys.executable, "-c", SCRIPT_RUNNER, script, *map(str, args)]
+
+
 def environment(cache_dir=None) -> dict:
   """The environment for runs on the CPU that share a persistent compilation cache: `cache_dir`,
   or by default the test session's (conftest.py's compilation_cache, shared by every test)."""

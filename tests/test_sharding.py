@@ -4,7 +4,6 @@ import json
 import math
 import os
 import subprocess
-import sys
 import textwrap
 
 import jax
@@ -12,7 +11,7 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import PartitionSpec as P
-from launcher import QUICK_COMPILE
+from launcher import QUICK_COMPILE, script_command
 
 from transformer_jax.core.errors import UserError
 from transformer_jax.model import ModelConfig
@@ -261,7 +260,7 @@ def meshes(tmp_path_factory):
   workdir = tmp_path_factory.mktemp("resume")
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              XLA_FLAGS=f"--xla_force_host_platform_device_count=8 {QUICK_COMPILE}")
-  out = subprocess.run([sys.executable, "-c", MESHES_SCRIPT, str(workdir)], env=env, cwd=ROOT,
+  out = subprocess.run(script_command(MESHES_SCRIPT, workdir), env=env, cwd=ROOT,
                        capture_output=True, text=True)
   assert out.returncode == 0, out.stderr[-3000:]
   return json.loads(out.stdout.strip().splitlines()[-1])

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from launcher import QUICK_COMPILE, Launcher, environment
+from launcher import QUICK_COMPILE, Launcher, environment, script_command
 
 from transformer_jax import config as config_lib
 from transformer_jax.data import pipeline, scan
@@ -318,7 +318,7 @@ DATA_PARALLEL_SCRIPT = textwrap.dedent("""
 def test_data_parallel_step_equals_single_device_step():
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              XLA_FLAGS=f"--xla_force_host_platform_device_count=4 {QUICK_COMPILE}")
-  out = subprocess.run([sys.executable, "-c", DATA_PARALLEL_SCRIPT.format(root=ROOT)], env=env,
+  out = subprocess.run(script_command(DATA_PARALLEL_SCRIPT.format(root=ROOT)), env=env,
                        capture_output=True, text=True, check=True, cwd=ROOT)
   results = json.loads(out.stdout.strip().splitlines()[-1])
   one = results["one"]

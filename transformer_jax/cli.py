@@ -35,7 +35,7 @@ from absl import logging as absl_logging
 from ml_collections import config_flags
 
 from transformer_jax import experiments
-from transformer_jax.core import secrets, storage
+from transformer_jax.core import datastack, secrets, storage
 from transformer_jax.core.errors import UserError, unknown_key_message
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -733,7 +733,9 @@ def _main(argv) -> None:
   logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
   secrets.redact_argv()  # parsed: what trackers and lock files record of it has no password
   try:
-    run(argv)
+    # From a frame with room on CPython's frame stack beyond it: tracing then never maps and
+    # unmaps a chunk of that stack at each call (core/datastack.py).
+    datastack.call(run, argv)
     sys.stdout.flush()  # inside the try: a closed pipe fails here, not at interpreter exit
   except UserError as e:
     _fail(" ".join(str(e).splitlines()))
