@@ -4,6 +4,7 @@ import contextlib
 import json
 import os
 import sys
+import tempfile
 import threading
 import time
 
@@ -407,6 +408,21 @@ def test_tfds_user_errors(tmp_path, changes, message):
   with pytest.raises(UserError) as e:
     sources.load_split(c.data, "train")
   assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_builder_of_data_not_prepared_leaves_no_empty_folder_behind(tmp_path, monkeypatch):
+  # TFDS makes a temporary folder for the dataset's metadata from its GCS bucket and, finding
+  # none (no network here), leaves it empty; sources.tfds_builder removes it. With files in it
+  # (a machine with network), it stays: TFDS reads them later.
+  scratch = tmp_path / "tmp"
+  scratch.mkdir()
+  monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+  c = tfds_config(tmp_path / "tfds")
+  builder = sources.tfds_builder(c.data)
+  assert not builder.is_prepared()
+  left = [p for p in scratch.rglob("*")]
+  assert all(any(q.is_file() for q in p.rglob("*")) for p in left if p.is_dir()), left
+  assert tempfile.tempdir == str(scratch)
 
 
 def test_tfds_preparation_that_needs_tensorflow_names_the_extra(tmp_path, monkeypatch):

@@ -22,6 +22,8 @@ from __future__ import annotations
 import collections.abc
 import hashlib
 import os
+import shutil
+import tempfile
 from typing import Sequence
 
 import numpy as np
@@ -446,7 +448,7 @@ def tfds_builder(data_config):
   if d.tfds_data_dir:
     kwargs["data_dir"] = os.path.expanduser(d.tfds_data_dir)
   try:
-    builder = tfds.builder(d.tfds_name, **kwargs)
+    builder = _builder_leaving_no_folder(tfds, d.tfds_name, kwargs)
   except tfds.core.DatasetNotFoundError:
     raise UserError(f"unknown TFDS dataset {d.tfds_name!r} (data.tfds_name); use a name from "
                     "https://www.tensorflow.org/datasets/catalog/overview#translate, e.g. "
@@ -472,6 +474,23 @@ def tfds_builder(data_config):
       raise UserError(f"the TFDS dataset {d.tfds_name!r} has the {kind} "
                       f"{', '.join(fields)}, not {key}={field!r}; fix {key}")
   return builder
+
+
+def _builder_leaving_no_folder(tfds, name: str, kwargs: dict):
+  """tfds.builder(name, **kwargs), without the empty folder TFDS leaves in the temporary
+  directory for a dataset not prepared yet: it makes one (`tempfile.mkdtemp`) to copy the
+  dataset's metadata from its GCS bucket into (`DatasetInfo.initialize_from_bucket`), and when
+  it finds none there, as on a machine without network, returns and leaves it behind, one per
+  builder. Its temporary folders go under one of ours for the call, and that one is removed
+  afterwards when no file is in it (a folder with files stays: TFDS reads them later)."""
+  scratch = tempfile.mkdtemp(prefix="transformer_jax_tfds_")
+  previous, tempfile.tempdir = tempfile.tempdir, scratch
+  try:
+    return tfds.builder(name, **kwargs)
+  finally:
+    tempfile.tempdir = previous
+    if not any(names for _, _, names in os.walk(scratch)):
+      shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _safe_builder_cls(tfds, name):
