@@ -6,8 +6,9 @@ chunk gets a fresh chunk from mmap, and when the frame at the base of a chunk re
 goes back to the system with munmap at once. Tracing a model with JAX and Flax makes hundreds of
 thousands of calls at depths of a few hundred frames; wherever a hot call sits at a chunk's edge,
 every call maps a chunk, faults its pages in and unmaps it. The suite's test_decode.py made
-455,000 mmap/munmap pairs, and 11-13% of its CPU time was the kernel's (docs/benchmarks.md:
-"Frame stack room"). 3.11, 3.12 and 3.13 all do this; 3.10 (frames on the heap) does not.
+456,000 mmaps and munmaps of 16 KiB each, and 13% of its CPU time was the kernel's; from this
+frame, 4,900 and 3% (docs/benchmarks.md: "Room on CPython's frame stack"). 3.11, 3.12 and 3.13
+all do this; 3.10 (frames on the heap) does not.
 
 `call` runs `fn` from a frame whose code has `ROOM` unused local slots. A chunk is sized for the
 first frame that needs it, rounded up to a power of two, so this frame takes a chunk of 512 KiB
