@@ -43,6 +43,8 @@ def in_a_new_thread(fn):
   return result[0]
 
 
+@pytest.mark.skipif(not hasattr(resource, "RUSAGE_THREAD"),
+                    reason="counts one thread's page faults (Linux)")
 def test_a_hot_call_at_any_depth_maps_no_chunk_from_the_roomy_frame():
   outside = in_a_new_thread(faults_of_hot_calls)
   inside = in_a_new_thread(lambda: datastack.call(faults_of_hot_calls))
