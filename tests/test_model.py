@@ -483,6 +483,12 @@ def test_logits_bias_is_one_vector_added_to_every_logit(tiny_config, random_para
   np.testing.assert_allclose(biased - plain, np.broadcast_to(
       params["decoder"]["logits_bias"], biased.shape), atol=1e-5)
   assert "logits bias" in describe(cfg) and "silu" in describe(cfg)
+  # A run describes its model from the parameters it has (no trace of the initialiser): the
+  # same words and counts as from the traced shapes.
+  assert describe(cfg, params) == describe(cfg)
+  assert "parameters" in describe(cfg)
+  wrong = dict(params, decoder=without["decoder"])
+  assert describe(cfg, wrong) != describe(cfg)  # the counts are of the parameters given
 
 
 def test_zero_bos_embedding_is_the_model_with_a_zero_bos_row(tiny_config, random_params):

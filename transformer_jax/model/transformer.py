@@ -603,9 +603,11 @@ def _counts(config: ModelConfig) -> tuple:
   return tuple(count_params(param_shapes(config)).items())
 
 
-def describe(config: ModelConfig) -> str:
-  """A short human-readable summary: the config and parameter counts."""
-  counts = dict(_counts(config))
+def describe(config: ModelConfig, params=None) -> str:
+  """A short human-readable summary: the config and parameter counts. `params`: the model's
+  parameters (or their shapes), where the caller has them: counted without a trace of the
+  model's initialiser."""
+  counts = count_params(params) if params is not None else dict(_counts(config))
   c = config
   stacks = {"encoder_decoder": f"encoder-decoder, {c.num_encoder_layers}+{c.num_decoder_layers} "
                                "layers",
