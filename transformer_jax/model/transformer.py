@@ -599,7 +599,7 @@ def count_params(params) -> dict:
 @functools.lru_cache(maxsize=8)
 def _counts(config: ModelConfig) -> tuple:
   """count_params of the model's parameters, as (key, value) pairs, traced once per process
-  (a training run describes its model twice, a sweep worker for every trial)."""
+  (for `describe` without parameters: --mode=describe, a model not yet initialised)."""
   return tuple(count_params(param_shapes(config)).items())
 
 
