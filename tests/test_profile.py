@@ -131,9 +131,9 @@ def test_the_benchmark_profiles_two_more_steps_by_category(tmp_path):
   assert profile.op_times(trace, "train_step")
 
 
-def _event(op, start, end, module="jit_train_step"):
+def _event(op, start, end, module="jit_train_step", name=None):
   return types.SimpleNamespace(stats=[("hlo_op", op), ("hlo_module", module)], start_ns=start,
-                               end_ns=end, duration_ns=end - start)
+                               end_ns=end, duration_ns=end - start, name=name or op)
 
 
 def _plane(name, **lines):
@@ -162,6 +162,49 @@ def test_each_kernel_counts_once_on_a_gpu_a_tpu_and_a_cpu():
   assert profile.op_times("", None, data=cpu) == rows
   other = types.SimpleNamespace(planes=[_plane("/host:CPU", a=[_event("x.1", 0, 5, "jit_eval")])])
   assert profile.op_times("", "train_step", data=other) == []
+
+
+def test_kernels_inside_a_cuda_graph_count_by_their_own_names():
+  """XLA runs a GPU program as CUDA graphs (command buffers): the H200's trace of 2026-11-29
+  (JAX 0.11.2) marks every kernel of the train step with the graph's thunk, hlo_op
+  "command_buffer_1". Each kernel then counts by its own name: a fusion's is the instruction's
+  with "." as "_", found in the HLO by it; cuBLAS's (nvjet_*) and cuDNN's fall in their
+  categories by name."""
+  hlo = "\n".join([
+      "ENTRY %main {",
+      '  %loop_compare_select_fusion.3 = f32[8]{0} fusion(%p), kind=kLoop, calls=%c, '
+      'metadata={op_name="jit(train_step)/jvp(Transformer)/decoder/dropout/ge"}',
+      '  %input_reduce_fusion.26 = f32[8]{0} fusion(%p), kind=kInput, calls=%d, '
+      'metadata={op_name="jit(train_step)/jvp(loss)/reduce_max"}',
+      '  %gemm_fusion_dot.419 = bf16[8,64]{1,0} fusion(%a, %b), kind=kCustom, calls=%e, '
+      'metadata={op_name="jit(train_step)/jvp(Transformer)/encoder/ffn/wi/dot_general"}',
+      "}", ""])
+  graph = "command_buffer_1"
+  cublas = "nvjet_sm90_tst_128x160_64x5_2x1_v_bz_NNT"
+  cudnn = "cudnn_generated_fort_native_sdpa_sm90_knob_7_64x128x128_4x1x1_kernel0_0"
+  step = [("loop_compare_select_fusion_3", 0, 10), (cublas, 12, 40),
+          ("gemm_fusion_dot_419", 40, 60), (cudnn, 60, 70), ("input_reduce_fusion_26", 75, 80)]
+  events = [_event(graph, start + offset, end + offset, name=name)
+            for offset in (0, 100) for name, start, end in step]
+  gpu = types.SimpleNamespace(planes=[_plane("/device:GPU:0", Stream_14=events)])
+  rows = profile.op_times("", "train_step", data=gpu)
+  assert {r.op: (r.calls, r.seconds * 1e9) for r in rows} == {
+      name: (2, 2 * (end - start)) for name, start, end in step}
+  assert profile.steps_traced(rows) == 2
+  found, unknown = profile.categorized(rows, hlo)
+  assert unknown == 0
+  assert {row.op: name for row, name in found} == {
+      "loop_compare_select_fusion_3": "dropout",
+      cublas: "matrix products",
+      "gemm_fusion_dot_419": "matrix products",
+      cudnn: "attention products",
+      "input_reduce_fusion_26": "loss"}
+  # Gaps: 2 + 5 inside each step, 20 between the two steps' kernels.
+  assert profile.idle_seconds("", "train_step", data=gpu) * 1e9 == pytest.approx(2 * 7 + 20)
+  # Outside a graph the hlo_op names the kernel's operation, whatever the kernel is called.
+  assert profile.kernel_op("fusion.1", "loop_add_fusion_1") == "fusion.1"
+  assert profile.kernel_op(graph, "gemm_fusion_dot_419") == "gemm_fusion_dot_419"
+  assert profile.library_category("loop_add_fusion") is None
 
 
 def test_a_profile_that_fails_leaves_the_benchmarks_timing(tmp_path, monkeypatch):

@@ -98,6 +98,21 @@ def kernel_lines(data, module: Optional[str] = None) -> list:
   return chosen
 
 
+# A GPU program that XLA runs as CUDA graphs (command buffers, on by default since JAX 0.5)
+# marks every kernel inside a graph with the graph's thunk as its `hlo_op` ("command_buffer_1": on
+# the H200 with JAX 0.11.2 a whole train step is one graph); the kernel's own name then tells
+# which fusion it runs (XLA names a fusion's kernel after the instruction, "." and "-" as "_":
+# fusion.12 -> fusion_12), or which library it comes from (cuBLAS's nvjet/xmma/cutlass GEMMs,
+# cuDNN's fused attention).
+COMMAND_BUFFER = "command_buffer"
+
+
+def kernel_op(hlo_op: str, kernel: str) -> str:
+  """The operation a kernel event stands for: its `hlo_op`, or, inside a CUDA graph, the
+  kernel's own name."""
+  return kernel if hlo_op.startswith(COMMAND_BUFFER) and kernel else hlo_op
+
+
 def op_times(trace_file: str, module: Optional[str] = None, data=None) -> list[OpTime]:
   """Every compiled operation of the trace, with its time, the longest first. module: only
   those of programs whose name contains it (e.g. "train_step"). data: the trace as read
@@ -110,7 +125,7 @@ def op_times(trace_file: str, module: Optional[str] = None, data=None) -> list[O
         if not _is_kernel(event, module):
           continue
         stats = _stats(event)
-        key = (str(stats["hlo_module"]), str(stats["hlo_op"]))
+        key = (str(stats["hlo_module"]), kernel_op(str(stats["hlo_op"]), event.name))
         calls, ns = totals.get(key, (0, 0.0))
         totals[key] = (calls + 1, ns + event.duration_ns)
   rows = [OpTime(program, op, calls, ns / 1e9) for (program, op), (calls, ns) in totals.items()]
@@ -220,18 +235,42 @@ def idle_seconds(trace_file: str, module: Optional[str] = None, data=None) -> fl
   return idle / 1e9
 
 
+# Kernels of libraries, by the start of their names, when the HLO does not name them (inside a
+# CUDA graph): cuDNN's fused attention first (its kernels' names carry "fmha" or "flash"), then
+# cuBLAS/cuBLASLt's GEMMs (nvjet on Hopper, xmma/cutlass/gemm elsewhere). Which instruction
+# called a cuBLAS GEMM is not in the trace, so the attention's own einsums done by cuBLAS count
+# as matrix products there.
+_LIBRARY_KERNELS = (
+    ("attention products", re.compile(r"cudnn.*(fmha|flash|attn|sdpa)|fmha|sdpa|flash_?attn",
+                                      re.I)),
+    ("matrix products", re.compile(r"^(nvjet|sm\d+_xmma|cutlass|ampere_|hopper_|.*gemm|"
+                                   r"cublas)", re.I)),
+)
+
+
+def library_category(kernel: str) -> Optional[str]:
+  """The category of a library's kernel (cuBLAS, cuDNN) by its name, or None."""
+  return next((name for name, pattern in _LIBRARY_KERNELS if pattern.search(kernel)), None)
+
+
 def categorized(rows: list[OpTime], hlo_text: str) -> tuple:
   """([(row, its category)] of the kernels, control-flow operations left out: their bodies'
   kernels are rows of their own; the number of kernels not found in the HLO, counted as
-  other)."""
+  other). A kernel of a CUDA graph is found by its name (an instruction's, "." and "-" as "_")
+  or, a library's, by library_category."""
   found = kernels(hlo_text)
+  by_kernel_name = {re.sub(r"[.\-]", "_", name): text for name, text in found.items()}
   result, unknown = [], 0
   for row in rows:
     if row.op.startswith(CONTROL_FLOW):
       continue
-    text = found.get(row.op)
-    unknown += text is None
-    result.append((row, category(text) if text is not None else "other"))
+    text = found.get(row.op) or by_kernel_name.get(row.op)
+    if text is not None:
+      result.append((row, category(text)))
+      continue
+    library = library_category(row.op)
+    unknown += library is None
+    result.append((row, library or "other"))
   return result, unknown
 
 
