@@ -148,10 +148,13 @@ def test_past_the_bound_in_one_line_then_resumed_through_outages_inside_it(store
   assert [text for text, _, _ in relay.tripped[first:]] == [ARRAYS.format(3),
       ARRAYS.format(5), COMMIT.format(STEPS), "metrics.jsonl.parts/"], relay.tripped
   assert "Traceback" not in err and "error:" not in err, err
-  # Said once each way: the outages that follow within outage.QUIET_S are not said again.
+  # Said at most once each way: the outages that follow within outage.QUIET_S are not said
+  # again. An outage of SHORT_S that the client library's own retries (TensorStore's, gcsfs's)
+  # outlast never reaches the run, which then says nothing: CI saw all three absorbed so once
+  # (gs, 2026-11-29); the line itself is checked where the outage outlasts them (DOWN_S).
   said = [line for line in err.splitlines() if "does not answer" in line]
-  assert len(said) == 1 and f"train.storage_outage_s={BOUND_S}" in said[0], err
-  assert err.count("answers again after") == 1, err
+  assert len(said) <= 1 and all(f"train.storage_outage_s={BOUND_S}" in s for s in said), err
+  assert err.count("answers again after") == len(said), err
   assert [n for n in storage.listdir(storage.join(workdir, "checkpoints")) if n.isdigit()
           ] == [str(s) for s in checkpoint.saved_steps(workdir)]  # no cut save's leftovers
   _assert_ended_as_the_reference(workdir, local)
