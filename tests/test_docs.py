@@ -36,6 +36,9 @@ OTHERS = {
     "python3 -m pip download": "the same",
     "setsid nohup bash benchmarks/gpu.sh": "the same GPU run, detached",
     "sleep": "waiting on the GPU machine",
+    "setsid nohup bash -c 'bash benchmarks/gpu.sh": "the same GPU run, detached, with a mark at "
+                                                   "its end",
+    "for i in $(seq": "waiting on the GPU machine for that mark, then taking the results",
     ".venv/bin/python -m benchmarks.compile_table": "test_compile (its --mode=compile rows)",
     ".venv/bin/python -m benchmarks.top_fusions": "test_top_fusions (its kernel accounting)",
     # Timings of the input path (minutes on a 1.3 GB corpus); the code they time is tested.

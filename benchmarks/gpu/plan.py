@@ -50,6 +50,10 @@ XLA_FLAG_CASES = (
      "every matrix product through cuBLAS instead of Triton-generated GEMM fusions"),
     ("no_command_buffer", "--xla_gpu_enable_command_buffer=",
      "no CUDA graphs: shows what graph capture saves in launch overhead"),
+    # The H200's profile (2026-11-29): the FFN's bias add, ReLU and ReLU gradient run as three
+    # passes over the [tokens, d_ff] activation after cuBLAS's GEMM, 4.8 ms of big's 88.7.
+    ("cublaslt", "--xla_gpu_enable_cublaslt=true",
+     "GEMMs through cuBLASLt, whose epilogues take a bias add and a ReLU into the GEMM"),
 )
 
 # Waves (module docstring): a case's wave says when it is compiled and timed in a window.
@@ -127,7 +131,7 @@ def default_case(model: str) -> Case:
   """The default step of `model`, with two more steps traced into OUTDIR/profiles/MODEL: the
   profile costs no compile of its own."""
   return train_case(f"{model}_bf16", model, 2.7, f"the default: Transformer {model}, bf16, "
-                    "25k tokens/side, profiled", wave=DEFAULTS, compile_min=NEW_SHAPE_COMPILE_MIN,
+                    "25k tokens/side, profiled", wave=DEFAULTS, compile_min=DEFAULTS_COMPILE_MIN,
                     **{"benchmark.profile": f"{{outdir}}/profiles/{model}"})
 
 
@@ -283,33 +287,38 @@ def plan(multi30k_dir: Optional[str]) -> list:
 
 # ----------------------------------------------------------------------------- the cost model
 
-# Minutes, from the first window (docs/benchmarks.md, "The first GPU numbers"; one H100, JAX
-# 0.11.2) where it measured them, guessed otherwise; results.json keeps each phase's real
-# minutes (precompile_min per wave, each case's wall_s) so that the next window replaces the
-# guesses.
-# - The machine's start until the suite runs: that window's first call took 538 s for 12 s of
-#   set-up and 480 s of suite, so about 1 minute to start; 3 keep room for the install (when
-#   the pinned jax must come from .whl/) and for giving the machine back.
-STARTUP_MIN = 3.0
+# Minutes, measured by the second window (one H200, JAX 0.11.2, 2026-11-29:
+# benchmarks/results/2026-11-29-h200/results.json, its "phases" and each case's precompile_s
+# and wall_s) where it measured them, by the first (one H100, 2026-11-28) or guessed otherwise;
+# results.json keeps each phase's guessed and measured minutes side by side.
+# - The machine's start until the suite runs: 37 s of start and transfers, then 25 s of gpu.sh's
+#   set-up (the venv layered over the machine's python, the wheels of .whl/). A device command
+#   runs for 10 minutes at most, so a window is two calls (the suite started in its own session,
+#   then collected: docs/benchmarks.md); the second call and giving the machine back take the
+#   rest of these minutes.
+STARTUP_MIN = 2.0
 WINDOW_MIN = 15.0
-# - A new shape's compile: 133 s (base) and 126 s (big) measured, against 21 and 33 s for the
-#   same programs compiled for an H100 on the 2-vCPU dev CPU, which does no autotuning: most
-#   of it is XLA's GPU autotuning.
-NEW_SHAPE_COMPILE_MIN = 2.2
-# - A lever's compile when its model's default (wave 1) autotuned the same GEMM fusions into
-#   the per-fusion autotune cache: the CPU's part and the autotuning of the fusions that differ.
-#   A guess.
-CACHED_GEMMS_COMPILE_MIN = 1.0
+# - The defaults' compile, base and big at once: 195 and 192 s (the first window's H100: 133
+#   and 126 s, each alone). The same programs compile for an H100 on the 2-vCPU dev CPU in 21
+#   and 33 s with no autotuning: most of it is XLA's GPU autotuning, and the two processes
+#   autotune on the one GPU at the same time.
+DEFAULTS_COMPILE_MIN = 3.3
+# - A lever's compile at a batch of its own (new GEMM shapes to autotune): 143 s (64k) and 128
+#   s (128k), eight compiles at once.
+NEW_SHAPE_COMPILE_MIN = 2.4
+# - A lever's compile where its model's default (wave 1) autotuned the same GEMM fusions into
+#   the per-fusion autotune cache: 63-87 s (rbg, cuDNN, loss chunk; 119 s for CUDA graphs
+#   around every kernel), eight at once; the combination, 61 s alone.
+CACHED_GEMMS_COMPILE_MIN = 1.2
 # - Compiles at once share the host's 16 cores; XLA's parallel code generation keeps about 3 of
-#   them busy per process (a guess; the autotuning's GPU timing runs beside it).
+#   them busy per process (a guess: the eight levers took 2.4 minutes at once, their longest).
 CORES_PER_COMPILE = 3
 HOST_CORES = 16
-# - A case that loads its program from the cache: the first window's cases spent 24 s (base)
-#   and 21 s (big) outside their compile (the process, set-up, 3 warm-up and 20 timed steps);
-#   the load of the program adds a few seconds.
-TIMED_MIN = 0.5
-# - A profiled default: two more steps traced, and the trace read on the host.
-PROFILE_MIN = 0.25
+# - A case that loads its program from the cache: 16-24 s each (the process, set-up, the load,
+#   3 warm-up and 20 timed steps).
+TIMED_MIN = 0.35
+# - A profiled default: two more steps traced and the trace read on the host, about 5 s.
+PROFILE_MIN = 0.1
 
 
 def wave_compile_min(cases: list) -> float:
