@@ -68,14 +68,16 @@ class Measured(NamedTuple):
     return self.measured_ms / self.estimate_ms
 
 
-# Every measured step with its estimate: docs/benchmarks.md, "The first GPU numbers" (the
+# Every measured step with its estimate for the same part: docs/benchmarks.md, "The first GPU
+# numbers" (H100) and "The second GPU window" (H200; benchmarks/results/2026-11-29-h200): the
 # suite's base_bf16 and big_bf16 cases, bf16, plain attention, no remat; the estimates of the
-# same steps compiled for h100 on the CPU). A later window adds its rows here.
+# same steps compiled for h100 and h200 on the CPU. A later window adds its rows here.
+BASE_SHAPE, BIG_SHAPE = (512, 2048, 8, 6, 6, 37000), (1024, 4096, 16, 6, 6, 37000)
 MEASURED = (
-    Measured("base", (512, 2048, 8, 6, 6, 37000), "H100", 25_600, 49.1, 24.3,
-             "one H100, JAX 0.11.2, 2026-11-28"),
-    Measured("big", (1024, 4096, 16, 6, 6, 37000), "H100", 25_600, 99.5, 46.9,
-             "one H100, JAX 0.11.2, 2026-11-28"),
+    Measured("base", BASE_SHAPE, "H100", 25_600, 49.1, 24.3, "one H100, JAX 0.11.2, 2026-11-28"),
+    Measured("big", BIG_SHAPE, "H100", 25_600, 99.5, 46.9, "one H100, JAX 0.11.2, 2026-11-28"),
+    Measured("base", BASE_SHAPE, "H200", 25_600, 42.4, 17.0, "one H200, JAX 0.11.2, 2026-11-29"),
+    Measured("big", BIG_SHAPE, "H200", 25_600, 90.7, 33.8, "one H200, JAX 0.11.2, 2026-11-29"),
 )
 
 
@@ -85,17 +87,19 @@ def _shape(model_config: ModelConfig) -> tuple:
           c.vocab_size)
 
 
-def measured_for(model_config: ModelConfig) -> Measured | None:
-  """The measured step of a model of this shape, if a GPU window timed one."""
-  return next((m for m in MEASURED if m.shape == _shape(model_config)), None)
+def measured_for(model_config: ModelConfig, chip: str = "") -> Measured | None:
+  """The measured step of a model of this shape, if a GPU window timed one: on `chip` (an
+  H100, an H200) where one was, else on the first part that was."""
+  same = [m for m in MEASURED if m.shape == _shape(model_config)]
+  return next((m for m in same if m.device == chip), same[0] if same else None)
 
 
-def honest_line(train: dict, model_config: ModelConfig, unit: str) -> str:
+def honest_line(train: dict, model_config: ModelConfig, unit: str, chip: str = "") -> str:
   """What the step-time estimate is, and how far a measured step of the same model was from
-  its own estimate, where one was measured."""
+  its own estimate, where one was measured (on `chip` where one was)."""
   kind = ("a roofline bound: the step cannot be faster on this part, a real one is slower"
           if train["estimate"].startswith("roofline") else "XLA's cost model")
-  m = measured_for(model_config) if unit == "GPU" else None
+  m = measured_for(model_config, chip) if unit == "GPU" else None
   if m is None:
     return (f"  the step time above is {kind}; no step of this model was measured on such a "
             "part yet, so nothing says how far from it a real step is")
@@ -570,8 +574,8 @@ def run_compile(config) -> dict:
     raise gpu_fit_error("the train step", spec, mesh, train)
   decode_ = compile_decode_step(config, model_config, mesh, spec)
   print(report(name, mesh, train, decode_, spec, unit), flush=True)
-  print(honest_line(train, model_config, unit), flush=True)
-  measured = measured_for(model_config) if gpus else None
+  print(honest_line(train, model_config, unit, spec.name), flush=True)
+  measured = measured_for(model_config, spec.name) if gpus else None
   if measured is not None:
     train["measured_factor"] = measured.factor
   result = {"topology": name, "chips": len(devices), "chip": spec.name,
