@@ -56,6 +56,11 @@ XLA_FLAG_CASES = (
      "GEMMs through cuBLASLt, whose epilogues take a bias add and a ReLU into the GEMM"),
 )
 
+# The flags that the H200's profile points at (docs/benchmarks.md, "The second GPU window"):
+# the FFN's bias and ReLU into cuBLASLt's GEMM epilogue, and every GEMM through cuBLAS (Triton's
+# GEMM fusions took 15.7 ms of big's 88.7). Levers of wave 2, with the others.
+PROFILED_FLAGS = ("cublaslt", "no_triton_gemm")
+
 # Waves (module docstring): a case's wave says when it is compiled and timed in a window.
 DEFAULTS, LEVERS, COMBINED, ALONE = 1, 2, 3, 0
 
@@ -253,6 +258,8 @@ def plan(multi30k_dir: Optional[str]) -> list:
       lever("base_rbg", "base", "dropout bits from XLA's RngBitGenerator, not threefry",
             **{"model.dropout_rng": "rbg"}),
       lever("base_cudnn", "base", "cuDNN's fused attention", **CUDNN),
+      *[lever(f"big_xla_{short}", "big", why, xla_flags=flag)
+        for short, flag, why in XLA_FLAG_CASES if short in PROFILED_FLAGS],
       combined_case("big"),
       combined_case("base"),
       # after the window's waves: one at a time, compile included
@@ -281,7 +288,7 @@ def plan(multi30k_dir: Optional[str]) -> list:
       decode_case("big_decode256", "big", 3.0, 256),
   ]
   cases += [lever(f"big_xla_{short}", "big", why, xla_flags=flag)
-            for short, flag, why in XLA_FLAG_CASES[1:]]
+            for short, flag, why in XLA_FLAG_CASES[1:] if short not in PROFILED_FLAGS]
   return cases
 
 
