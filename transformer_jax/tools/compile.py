@@ -69,7 +69,7 @@ class Measured(NamedTuple):
 
 
 # Every measured step with its estimate for the same part: docs/benchmarks.md, "The first GPU
-# numbers" (H100) and "The second GPU window" (H200; benchmarks/results/2026-11-29-h200): the
+# numbers" (H100) and "The second GPU window" (H200; its results.json is committed): the
 # suite's base_bf16 and big_bf16 cases, bf16, plain attention, no remat; the estimates of the
 # same steps compiled for h100 and h200 on the CPU. A later window adds its rows here.
 BASE_SHAPE, BIG_SHAPE = (512, 2048, 8, 6, 6, 37000), (1024, 4096, 16, 6, 6, 37000)
