@@ -60,9 +60,9 @@ class Result:
     return int(self.state.step)
 
 
-def _announce(model_config, params, train_set, eval_pairs, tokenizer, mesh, restored, start,
+def _announce(model_config, described, train_set, eval_pairs, tokenizer, mesh, restored, start,
               set_aside) -> None:
-  print(describe(model_config, params), flush=True)
+  print(described, flush=True)
   print(f"data: {len(train_set):,} train examples ({train_set.dropped} too long, dropped), "
         f"{len(eval_pairs):,} eval examples, tokenizer of {tokenizer.vocab_size} pieces "
         f"(of the model's {model_config.vocab_size} embedding rows), "
@@ -207,9 +207,10 @@ def train(config, workdir: str, evaluate_fn: EvaluateFn, on_eval: Optional[OnEva
     if t.init_from:
       state, copied = pretrained.load(t.init_from, state, mesh)
   rng = jax.random.PRNGKey(config.seed)
+  described = describe(model_config, state.params)  # printed and logged: counted once
   if is_main:
-    _announce(model_config, state.params, train_set, eval_pairs, tokenizer, mesh, restored,
-              start, set_aside)
+    _announce(model_config, described, train_set, eval_pairs, tokenizer, mesh, restored, start,
+              set_aside)
     if copied:
       print(f"initialised {len(copied)} of {len(jax.tree.leaves(state.params))} parameters "
             f"from {t.init_from}", flush=True)
@@ -218,7 +219,7 @@ def train(config, workdir: str, evaluate_fn: EvaluateFn, on_eval: Optional[OnEva
   logger = MetricLogger(workdir, total_steps=t.steps, start_step=start, enabled=is_main,
                         peak_flops=peak * mesh.devices.size if peak else None, config=config)
   logger.text("config", config_json)
-  logger.text("model", f"{describe(model_config, state.params)}\n{count_params(state.params)}")
+  logger.text("model", f"{described}\n{count_params(state.params)}")
   schedule = state_lib.make_schedule(t, model_config.d_model)
   periodic = actions.Periodic(t)
   throughput = actions.Throughput(model_config)
