@@ -235,11 +235,11 @@ def idle_seconds(trace_file: str, module: Optional[str] = None, data=None) -> fl
   return idle / 1e9
 
 
-# Kernels of libraries, by the start of their names, when the HLO does not name them (inside a
-# CUDA graph): cuDNN's fused attention first (its kernels' names carry "fmha" or "flash"), then
-# cuBLAS/cuBLASLt's GEMMs (nvjet on Hopper, xmma/cutlass/gemm elsewhere). Which instruction
-# called a cuBLAS GEMM is not in the trace, so the attention's own einsums done by cuBLAS count
-# as matrix products there.
+# Kernels of libraries, by their names, when the HLO does not name them (inside a CUDA graph):
+# cuDNN's fused attention first (its kernels' names carry "fmha", "sdpa" or "flash"), then
+# cuBLAS/cuBLASLt's GEMMs (names starting nvjet on Hopper, xmma/cutlass/gemm elsewhere).
+# Which instruction called a cuBLAS GEMM is not in the trace, so the attention's own einsums
+# done by cuBLAS count as matrix products there.
 _LIBRARY_KERNELS = (
     ("attention products", re.compile(r"cudnn.*(fmha|flash|attn|sdpa)|fmha|sdpa|flash_?attn",
                                       re.I)),
