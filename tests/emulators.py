@@ -8,7 +8,10 @@ own processes, reached through the same environment variables a user sets for a 
   atomically. Downloads also carry the object's generation in `x-goog-generation`, as GCS sends
   it: TensorStore's gcs driver (orbax's OCDBT checkpoints) refuses a read without it. Everything
   else is the emulator's own.
-- s3://: moto in server mode (its S3 honours `If-None-Match: *` and `If-Match` itself).
+- s3://: moto's S3 server application. It honours `If-None-Match: *` and `If-Match` itself,
+  but checks and writes in two steps on a threaded server, so two racing creates could both
+  succeed (seen: 2 of 8 threads won test_storage's race). It is started with every write (any
+  request but a GET or HEAD) holding one lock, as S3 applies a conditional write atomically.
 """
 
 import contextlib
@@ -166,6 +169,30 @@ def running(command: list, url: str):
     process.wait()
 
 
+S3_SERVER = r"""
+import os
+import sys
+import threading
+from werkzeug.serving import run_simple
+from moto.moto_server.werkzeug_app import (DomainDispatcherApplication, MotoRequestHandler,
+                                           create_backend_app)
+
+port = int(sys.argv[1])
+os.environ.setdefault("MOTO_PORT", str(port))  # as moto.server sets it
+app = DomainDispatcherApplication(create_backend_app)
+writes = threading.Lock()
+
+def one_write_at_a_time(environ, start_response):
+  if environ["REQUEST_METHOD"] in ("GET", "HEAD"):
+    return app(environ, start_response)
+  with writes:
+    return list(app(environ, start_response))  # the whole answer, before the next write
+
+run_simple("127.0.0.1", port, one_write_at_a_time, threaded=True,
+           request_handler=MotoRequestHandler)
+"""
+
+
 def gcs():
   """Starts the GCS emulator; yields its endpoint for STORAGE_EMULATOR_HOST."""
   port = free_port()
@@ -175,8 +202,7 @@ def gcs():
 def s3():
   """Starts moto's S3 server; yields its endpoint for AWS_ENDPOINT_URL_S3."""
   port = free_port()
-  return running([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                 f"http://127.0.0.1:{port}")
+  return running([sys.executable, "-c", S3_SERVER, str(port)], f"http://127.0.0.1:{port}")
 
 
 def environment(gcs_url: str = None, s3_url: str = None) -> dict:
