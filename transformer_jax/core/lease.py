@@ -153,7 +153,7 @@ class Lease:
     self.what = what
     self.seconds = seconds
     self.renew_every = renew_every
-    self.lost = False  # set when another run took the lease over from under this one
+    self.lost = False  # set once this run has said that another run took the lease over
     self._token = None
     self._version = None  # the store's version of this run's lease object, while it holds it
     self._stop = threading.Event()
@@ -247,11 +247,11 @@ class Lease:
         # that stalled past its lease never overwrites the lease another run took meanwhile.
         renewed = write_if(self.path, self._record(self._since), self._version)
         if renewed is None:
-          self.lost = True
           holder = self._read()
           print(f"warning: the lease on {self.directory} was taken over by another run "
                 f"({lock_lib._holder_text(json.dumps(holder or {}).encode())}); this run no "
                 "longer holds it", file=sys.stderr, flush=True)
+          self.lost = True  # after the warning: whoever sees it set finds the takeover said
           return
         self._version = renewed
       except Exception as e:  # a failed renewal is retried at the next one
