@@ -247,7 +247,10 @@ class Lease:
         # that stalled past its lease never overwrites the lease another run took meanwhile.
         renewed = write_if(self.path, self._record(self._since), self._version)
         if renewed is None:
-          holder = self._read()
+          try:
+            holder = self._read()
+          except Exception:  # unreadable just now (an outage): the takeover is said all the same
+            holder = None
           print(f"warning: the lease on {self.directory} was taken over by another run "
                 f"({lock_lib._holder_text(json.dumps(holder or {}).encode())}); this run no "
                 "longer holds it", file=sys.stderr, flush=True)
